@@ -1,0 +1,83 @@
+"""parconv: convolutional and fully connected networks, fast on every CPU core,
+on any OpenCL device, and over MPI.
+
+>>> import parconv as pc
+>>> "numpy" in pc.available_backends()
+True
+"""
+
+from __future__ import annotations
+
+import numpy as _np
+
+__version__ = "0.1.0"
+
+from . import backends, datasets, functional, optim  # noqa: E402
+from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
+from .backends import available as available_backends  # noqa: E402
+from .layers import Conv2d, Flatten, Layer, Linear, MaxPool2d, Parameter, ReLU, Sigmoid, manual_seed  # noqa: E402
+from .losses import BCELoss, SoftmaxCrossEntropy  # noqa: E402
+from .model import History, Sequential, TrainingDivergedError, load  # noqa: E402
+
+
+def get_backend():
+    """The process default backend object."""
+    return backends.get(None)
+
+
+def to_numpy(a) -> _np.ndarray:
+    """Host NumPy copy (or view) of an array of any loaded backend.
+
+    >>> import numpy as np, parconv as pc
+    >>> pc.to_numpy(np.arange(3.0)).tolist()
+    [0.0, 1.0, 2.0]
+    """
+    if isinstance(a, _np.ndarray):
+        return a
+    for be in list(backends._instances.values()):
+        if be.is_array(a):
+            return _np.asarray(be.to_numpy(a))
+    if hasattr(a, "get"):
+        return _np.asarray(a.get())
+    return _np.asarray(a)
+
+
+def __getattr__(name):
+    # parconv.distributed needs mpi4py, so it is imported on first use only
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'parconv' has no attribute {name!r}")
+
+
+__all__ = [
+    "__version__",
+    "available_backends",
+    "set_backend",
+    "get_backend",
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
+    "manual_seed",
+    "to_numpy",
+    "Sequential",
+    "History",
+    "load",
+    "TrainingDivergedError",
+    "Layer",
+    "Parameter",
+    "Conv2d",
+    "MaxPool2d",
+    "Linear",
+    "ReLU",
+    "Sigmoid",
+    "Flatten",
+    "SoftmaxCrossEntropy",
+    "BCELoss",
+    "functional",
+    "optim",
+    "datasets",
+    "backends",
+    "distributed",
+]

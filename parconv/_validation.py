@@ -1,0 +1,98 @@
+"""Input checks shared by functional, layers, losses and optimizers.
+
+Every public entry point validates here, once, so the kernels (bounds checks
+off) only ever see well-formed, contiguous float32 / int32 arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+
+def shape_of(a) -> tuple:
+    return tuple(int(s) for s in a.shape)
+
+
+def to_backend_array(x, backend, name: str, where: str):
+    """Convert array-like ``x`` to a float32 backend array, rejecting what cannot be data.
+
+    Host data of any real numeric dtype is accepted and converted (float64,
+    int, non-contiguous views); complex, string and object data raise
+    ``TypeError``. An array already on ``backend`` must be float32.
+    """
+    if backend.is_array(x) and not isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise TypeError(f"{where}: {name} must be float32, got {x.dtype}")
+        return x
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "get") and hasattr(x, "shape") and hasattr(x, "dtype"):
+            raise TypeError(
+                f"{where}: {name} is an array of another backend ({type(x).__name__}); "
+                f"move it with parconv.to_numpy(...) or the model with .to({backend.name!r})"
+            )
+        try:
+            x = np.asarray(x)
+        except Exception as exc:  # ragged lists and the like
+            raise TypeError(f"{where}: {name} must be a numeric array-like, could not convert: {exc}") from None
+    kind = x.dtype.kind
+    if kind == "c":
+        raise TypeError(f"{where}: {name} must be real-valued, got complex dtype {x.dtype}")
+    if kind not in "biuf":
+        raise TypeError(f"{where}: {name} must be a numeric array, got dtype {x.dtype}")
+    return backend.asarray(x, np.float32)
+
+
+def to_host_labels(y, name: str, where: str) -> np.ndarray:
+    """Integer labels as a host int64 array (rejects floats, strings, bools)."""
+    if hasattr(y, "get") and not isinstance(y, np.ndarray):
+        y = y.get()
+    try:
+        y = np.asarray(y)
+    except Exception as exc:
+        raise TypeError(f"{where}: {name} must be an array of integer labels: {exc}") from None
+    if y.dtype.kind not in "iu":
+        raise TypeError(f"{where}: {name} must hold integers, got dtype {y.dtype}")
+    return y.astype(np.int64, copy=False)
+
+
+def check_ndim(shape: tuple, ndim: int, name: str, where: str, layout: str) -> None:
+    if len(shape) != ndim:
+        raise ValueError(f"{where}: {name} must be {ndim}-D {layout}, got shape {shape}")
+
+
+def check_nonempty(shape: tuple, name: str, where: str) -> None:
+    if any(s == 0 for s in shape):
+        raise ValueError(f"{where}: {name} must not have a zero-sized dimension, got shape {shape}")
+
+
+def check_int(value, name: str, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_float(value, name: str, where: str, minimum: float | None = None, maximum: float | None = None,
+                min_inclusive: bool = True, max_inclusive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: {name} must be finite, got {value}")
+    if minimum is not None and (value < minimum or (not min_inclusive and value == minimum)):
+        rel = ">=" if min_inclusive else ">"
+        raise ValueError(f"{where}: {name} must be {rel} {minimum}, got {value}")
+    if maximum is not None and (value > maximum or (not max_inclusive and value == maximum)):
+        rel = "<=" if max_inclusive else "<"
+        raise ValueError(f"{where}: {name} must be {rel} {maximum}, got {value}")
+    return value
+
+
+def check_grad_shape(dy_shape: tuple, expected: tuple, where: str) -> None:
+    if dy_shape != expected:
+        raise ValueError(f"{where}: gradient dy must have the forward output's shape {expected}, got {dy_shape}")

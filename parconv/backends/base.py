@@ -1,0 +1,215 @@
+"""The Backend protocol.
+
+Shape legend used by every backend:
+``N`` batch, ``C`` in-channels, ``O`` out-channels (filters), ``H, W`` input
+height/width, ``P, Q`` output height/width, ``K`` kernel size (``kH, kW``),
+``F`` in-features, ``G`` out-features.
+
+Backend arrays are opaque to the rest of the library: layers, losses and
+optimizers only read ``.shape`` and ``.dtype`` and hand them back to the
+backend, so a backend is free to keep them on a device. Float arrays are
+float32 and C-contiguous; labels are int32. Inputs reaching these methods have
+been validated by :mod:`parconv.functional`; backends trust them.
+
+Every ``*_backward`` returns freshly written gradients (they overwrite, never
+accumulate). Optimizer updates work in place.
+
+A backend implements every method below. A method it lacks raises
+``NotImplementedError`` naming the backend and the op. The fused
+``conv2d_relu_maxpool2d_*`` pair has a default built from the unfused ops;
+backends override it to avoid writing the full-size convolution output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Backend:
+    """Base class of every backend. Subclasses set :attr:`name`."""
+
+    #: registry name
+    name: str = "base"
+    #: whether arrays live on the host as NumPy arrays
+    host_arrays: bool = False
+
+    def _missing(self, op: str):
+        return NotImplementedError(f"backend {self.name!r} does not implement {op}")
+
+    def __repr__(self) -> str:
+        return f"<parconv backend {self.name!r}>"
+
+    # ------------------------------------------------------------------ arrays
+    def asarray(self, x, dtype=np.float32):
+        """Host array-like -> backend array of ``dtype`` (float32 or int32), C-contiguous.
+
+        Host backends may return ``x`` itself when it already qualifies, so
+        callers that update in place copy first.
+        """
+        raise self._missing("asarray")
+
+    def to_numpy(self, a) -> np.ndarray:
+        """Backend array -> NumPy array (a copy when the data is on a device)."""
+        raise self._missing("to_numpy")
+
+    def is_array(self, a) -> bool:
+        """Whether ``a`` is an array of this backend."""
+        raise self._missing("is_array")
+
+    def empty(self, shape, dtype=np.float32):
+        """Uninitialised array."""
+        raise self._missing("empty")
+
+    def zeros(self, shape, dtype=np.float32):
+        """Zero-filled array."""
+        raise self._missing("zeros")
+
+    def reshape(self, a, shape):
+        """View (or copy) of contiguous ``a`` with a new shape."""
+        raise self._missing("reshape")
+
+    def copy(self, a):
+        """New array with the contents of ``a``."""
+        raise self._missing("copy")
+
+    def copy_into(self, dst, src) -> None:
+        """``dst[...] = src`` for two arrays of this backend with equal shapes."""
+        raise self._missing("copy_into")
+
+    def fill(self, a, value: float) -> None:
+        """Set every element of ``a`` to ``value`` in place."""
+        raise self._missing("fill")
+
+    def all_finite(self, a) -> bool:
+        """Whether every element of ``a`` is finite (one scalar comes back)."""
+        raise self._missing("all_finite")
+
+    def synchronize(self) -> None:
+        """Wait for queued work to finish (no-op for synchronous backends)."""
+
+    # ------------------------------------------------------------------ conv2d
+    def conv2d_forward(self, x, w, b, stride: int, padding: int):
+        """Cross-correlation ``y = x * w + b``.
+
+        x (N, C, H, W), w (O, C, K, K), b (O,) or None -> y (N, O, P, Q) with
+        ``P = (H + 2 padding - K) // stride + 1`` (Q likewise).
+        """
+        raise self._missing("conv2d_forward")
+
+    def conv2d_backward(self, x, w, dy, stride: int, padding: int, need_dx: bool = True, need_db: bool = True):
+        """Gradients of :meth:`conv2d_forward`.
+
+        Returns ``(dx, dw, db)``: dx (N, C, H, W) or None when not
+        ``need_dx``, dw (O, C, K, K), db (O,) or None when not ``need_db``.
+        All overwritten.
+        """
+        raise self._missing("conv2d_backward")
+
+    # --------------------------------------------------------------- maxpool2d
+    def maxpool2d_forward(self, x, kernel_size: int, stride: int):
+        """Max pooling over K x K windows, no padding, floor mode.
+
+        x (N, C, H, W) -> ``(y, argmax)``: y (N, C, P, Q) and argmax (N, C, P, Q)
+        int32, the flat index ``h * W + w`` of the maximum inside its (H, W)
+        plane (the first one on ties), cached for the backward.
+        """
+        raise self._missing("maxpool2d_forward")
+
+    def maxpool2d_backward(self, dy, argmax, x_shape):
+        """Route dy (N, C, P, Q) to the argmax positions; returns dx of ``x_shape`` (overwritten)."""
+        raise self._missing("maxpool2d_backward")
+
+    # ------------------------------------------------------------------ linear
+    def linear_forward(self, x, w, b):
+        """``y = x @ w.T + b``: x (N, F), w (G, F), b (G,) or None -> y (N, G)."""
+        raise self._missing("linear_forward")
+
+    def linear_backward(self, x, w, dy, need_dx: bool = True, need_db: bool = True):
+        """Returns ``(dx, dw, db)``: dx (N, F) or None, dw (G, F), db (G,) or None; overwritten."""
+        raise self._missing("linear_backward")
+
+    # ------------------------------------------------------------- activations
+    def relu_forward(self, x):
+        """``y = max(x, 0)`` elementwise, any shape."""
+        raise self._missing("relu_forward")
+
+    def relu_backward(self, y, dy):
+        """``dx = dy * (y > 0)`` from the forward *output* y."""
+        raise self._missing("relu_backward")
+
+    def sigmoid_forward(self, x):
+        """``y = 1 / (1 + exp(-x))``, computed without overflow."""
+        raise self._missing("sigmoid_forward")
+
+    def sigmoid_backward(self, y, dy):
+        """``dx = dy * y * (1 - y)`` from the forward output y."""
+        raise self._missing("sigmoid_backward")
+
+    # ------------------------------------------------------------------ losses
+    def softmax_cross_entropy_forward(self, logits, labels):
+        """Mean softmax cross-entropy with a stable log-sum-exp.
+
+        logits (N, G) float32, labels (N,) int32 in ``[0, G)`` -> ``(loss, probs)``:
+        loss a Python float (the only value that comes back to the host),
+        probs (N, G) the softmax, kept for the backward.
+        """
+        raise self._missing("softmax_cross_entropy_forward")
+
+    def softmax_cross_entropy_backward(self, probs, labels):
+        """``dlogits = (probs - onehot(labels)) / N`` (overwritten)."""
+        raise self._missing("softmax_cross_entropy_backward")
+
+    def bce_forward(self, p, t, eps: float):
+        """Mean binary cross-entropy of probabilities p and 0/1 targets t (same shape).
+
+        p is clipped to ``[eps, 1 - eps]``; returns a Python float.
+        """
+        raise self._missing("bce_forward")
+
+    def bce_backward(self, p, t, eps: float):
+        """``dp = (p - t) / (p (1 - p)) / numel`` with p clipped as in the forward."""
+        raise self._missing("bce_backward")
+
+    def count_correct(self, logits, labels) -> int:
+        """Number of rows whose argmax equals the label (one scalar comes back)."""
+        raise self._missing("count_correct")
+
+    def argmax_rows(self, logits):
+        """Row argmax of (N, G) logits as an int32 backend array (N,)."""
+        raise self._missing("argmax_rows")
+
+    # --------------------------------------------------------------- optimizer
+    def sgd_update(self, p, g, v, lr: float, momentum: float, weight_decay: float, nesterov: bool) -> None:
+        """In-place SGD step, PyTorch's formulation.
+
+        ``g' = g + weight_decay * p``; with momentum ``v = momentum * v + g'``
+        (v is None when momentum == 0) and the step direction is
+        ``g' + momentum * v`` (nesterov) or ``v``; ``p -= lr * direction``.
+        """
+        raise self._missing("sgd_update")
+
+    def adam_update(self, p, g, m, v, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, step: int) -> None:
+        """In-place Adam step (PyTorch's formulation, ``step`` counts from 1)."""
+        raise self._missing("adam_update")
+
+    # ------------------------------------------------- fused conv+relu+maxpool
+    def conv2d_relu_maxpool2d_forward(self, x, w, b, stride: int, padding: int, pool_kernel: int, pool_stride: int):
+        """``maxpool2d(relu(conv2d(x)))`` -> ``(y, argmax)`` with argmax indexing the (P, Q) conv plane.
+
+        The default composes the unfused ops; backends override it so the
+        full-size convolution output is never written.
+        """
+        z = self.conv2d_forward(x, w, b, stride, padding)
+        y, argmax = self.maxpool2d_forward(z, pool_kernel, pool_stride)
+        return self.relu_forward(y), argmax
+
+    def conv2d_relu_maxpool2d_backward(self, x, w, y, argmax, dy, stride: int, padding: int,
+                                       need_dx: bool = True, need_db: bool = True):
+        """Gradients of the fused op from its output y and argmax; returns ``(dx, dw, db)``."""
+        N, O = x.shape[0], w.shape[0]
+        K = w.shape[2]
+        P = (x.shape[2] + 2 * padding - K) // stride + 1
+        Q = (x.shape[3] + 2 * padding - K) // stride + 1
+        dz = self.maxpool2d_backward(self.relu_backward(y, dy), argmax, (N, O, P, Q))
+        return self.conv2d_backward(x, w, dz, stride, padding, need_dx, need_db)

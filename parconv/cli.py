@@ -1,0 +1,211 @@
+"""Command line: ``parconv train``, ``parconv info``, ``parconv selftest``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
+    return value
+
+
+def _nonneg_float(text):
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def build_cnn(filters: int = 32, kernel_size: int = 3, image_size: int = 28, n_classes: int = 10, backend=None,
+              seed: int | None = 0):
+    """The ``cnn-mnist`` network: conv KxK x filters, ReLU, maxpool 2, flatten, FC to ``n_classes``."""
+    import parconv as pc
+
+    rng = np.random.default_rng(seed)
+    side = (image_size - kernel_size + 1) // 2
+    return pc.Sequential(
+        pc.Conv2d(1, filters, kernel_size=kernel_size, rng=rng),
+        pc.ReLU(),
+        pc.MaxPool2d(2),
+        pc.Flatten(),
+        pc.Linear(filters * side * side, n_classes, rng=rng),
+        backend=backend,
+    )
+
+
+def _load_data(args):
+    import parconv as pc
+
+    if args.data is None:
+        x, y = pc.datasets.load_mnist("test")
+        source = "bundled MNIST sample (10,000 real test-set images)"
+    else:
+        x, y = pc.datasets.load_mnist(args.split, path=args.data)
+        source = f"{args.data} ({args.split})"
+    n_train = args.train_size
+    if n_train >= x.shape[0]:
+        raise SystemExit(f"parconv train: --train-size {n_train} leaves no test images out of {x.shape[0]}")
+    # one fixed permutation so the held-out split is the same for every run and seed
+    order = np.random.default_rng(1234).permutation(x.shape[0])
+    tr, te = order[:n_train], order[n_train:]
+    mean, std = float(x[tr].mean()), float(x[tr].std())
+    x = (x - mean) / std
+    return (x[tr], y[tr]), (x[te], y[te]), source
+
+
+def cmd_train(args) -> int:
+    import parconv as pc
+
+    if args.threads is not None:
+        pc.set_num_threads(args.threads)
+    backend = pc.backends.get(args.backend)
+    (xtr, ytr), (xte, yte), source = _load_data(args)
+    model = build_cnn(args.filters, backend=backend, seed=args.seed)
+    if args.optimizer == "sgd":
+        opt = pc.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    else:
+        opt = pc.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    threads = pc.get_num_threads() if backend.name == "openmp" else None
+    print(f"parconv {pc.__version__} | backend {backend.name}"
+          + (f" | {threads} threads" if threads else "") + f" | data: {source}")
+    print(f"model: conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[4].in_features}->10 "
+          f"({model.num_parameters():,} parameters) | {args.optimizer} lr {args.lr} | batch {args.batch_size} "
+          f"| {len(xtr)} train / {len(xte)} test images")
+    t0 = time.perf_counter()
+    history = model.fit(xtr, ytr, epochs=args.epochs, batch_size=args.batch_size, optimizer=opt,
+                        seed=args.seed, verbose=not args.quiet)
+    train_time = time.perf_counter() - t0
+    result = model.evaluate(xte, yte)
+    total = time.perf_counter() - t0
+    if args.checkpoint:
+        model.save(args.checkpoint)
+    images = args.epochs * len(xtr)
+    print(f"test accuracy: {100 * result['accuracy']:.2f}% on {len(xte)} held-out images "
+          f"(test loss {result['loss']:.4f}, final train loss {history['loss'][-1]:.4f})")
+    print(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {args.epochs} epochs)")
+    print(f"wall time: {total:.1f} s" + (f" | checkpoint: {args.checkpoint}" if args.checkpoint else ""))
+    return 0
+
+
+def cmd_info(args) -> int:
+    import parconv as pc
+    from parconv import backends
+
+    print(f"parconv {pc.__version__}")
+    print(f"python {platform.python_version()} | numpy {np.__version__} | {platform.platform()}")
+    print(f"cpu cores available: {pc._config._cpu_count()} | threads: {pc.get_num_threads()}"
+          f" (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
+    try:
+        from parconv._ext import _threads
+
+        print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'}")
+    except ImportError as exc:
+        print(f"openmp build: compiled kernels missing ({exc})")
+    print(f"default backend: {pc._config.get_default_backend_name()}")
+    print("backends:")
+    for name in backends.registered():
+        reason = backends.why_unavailable(name)
+        print(f"  {name:8s} {'available' if reason is None else 'unavailable: ' + reason}")
+    try:
+        from parconv.selftest import opencl_devices_info
+
+        devices = opencl_devices_info()
+    except ImportError:
+        devices = []
+    print("opencl devices:" if devices else "opencl devices: none (pip install \"parconv[opencl]\")")
+    for d in devices:
+        print(f"  [{d['platform_index']}:{d['device_index']}] {d['name']} | {d['vendor']} | {d['type']} | "
+              f"{d['compute_units']} compute units | {d['global_mem_bytes'] / 2**30:.1f} GiB")
+    try:
+        import mpi4py
+
+        from mpi4py import MPI
+
+        print(f"mpi: mpi4py {mpi4py.__version__} | {MPI.Get_library_version().splitlines()[0].strip()}")
+    except ImportError:
+        print('mpi: not installed (pip install "parconv[mpi]")')
+    return 0
+
+
+def cmd_selftest(args) -> int:
+    from parconv.selftest import run_selftest
+
+    ok = run_selftest(args.backend, seed=args.seed, n_random=args.random)
+    return 0 if ok else 1
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parconv", description="Parallel CNN/MLP training on CPUs, OpenCL and MPI.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train the cnn-mnist network on the bundled MNIST sample",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--backend", default=None, help="backend name (default: PARCONV_BACKEND or openmp)")
+    t.add_argument("--threads", type=_positive_int, default=None, help="OpenMP threads (default: all cores)")
+    t.add_argument("--epochs", type=_positive_int, default=8)
+    t.add_argument("--batch-size", type=_positive_int, default=50)
+    t.add_argument("--lr", type=_positive_float, default=0.02, help="learning rate")
+    t.add_argument("--momentum", type=_nonneg_float, default=0.9, help="SGD momentum")
+    t.add_argument("--weight-decay", type=_nonneg_float, default=0.0)
+    t.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    t.add_argument("--filters", type=_positive_int, default=32, help="convolution filters d")
+    t.add_argument("--data", default=None, help="directory with MNIST IDX files (default: the bundled sample)")
+    t.add_argument("--split", choices=("train", "test"), default="test", help="which files to read from --data")
+    t.add_argument("--train-size", type=_positive_int, default=8000, help="images used for training; the rest are held out")
+    t.add_argument("--checkpoint", default="parconv-cnn.npz", help="where to save the trained model ('' to skip)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    i = sub.add_parser("info", help="version, OpenMP build, threads, backends, OpenCL devices, MPI")
+    i.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("selftest", help="check a backend against the NumPy oracle")
+    s.add_argument("--backend", required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--random", type=int, default=20, help="random shapes per op on top of the fixed ones")
+    s.set_defaults(func=cmd_selftest)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, RuntimeError, OSError) as exc:
+        from parconv.backends import BackendUnavailableError
+
+        if isinstance(exc, (BackendUnavailableError, ValueError, FileNotFoundError)):
+            print(f"parconv {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,494 @@
+"""``Sequential``: call, backward, fit/evaluate/predict, state dicts and checkpoints."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from . import backends as _backends
+from ._io import load_npz, save_npz
+from ._validation import check_int, shape_of, to_backend_array
+from .layers import LAYER_TYPES, Conv2d, Layer, MaxPool2d, ReLU
+from .losses import BCELoss, Loss, SoftmaxCrossEntropy
+
+__all__ = ["Sequential", "History", "load", "TrainingDivergedError"]
+
+FORMAT_VERSION = 1
+
+
+class TrainingDivergedError(FloatingPointError):
+    """The loss became NaN or infinite during ``fit``; the model holds the last good weights."""
+
+
+class History:
+    """What ``fit`` returns: ``history[metric]`` is a list with one value per epoch.
+
+    Metrics: ``loss``, ``accuracy``, ``val_loss``, ``val_accuracy`` (when
+    validation data was given), ``time`` (seconds) and ``samples_per_s``.
+    """
+
+    def __init__(self):
+        self.history: dict[str, list] = {}
+        self.epochs: list[int] = []
+
+    def append(self, epoch: int, **metrics) -> None:
+        self.epochs.append(epoch)
+        for k, v in metrics.items():
+            self.history.setdefault(k, []).append(v)
+
+    def __getitem__(self, key):
+        return self.history[key]
+
+    def __repr__(self):
+        last = {k: round(v[-1], 4) for k, v in self.history.items() if v}
+        return f"History(epochs={len(self.epochs)}, last={last})"
+
+
+def _as_host_float(x, name: str, where: str) -> np.ndarray:
+    """Validate a dataset once on the host (numeric, real) and return a float32 array."""
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:
+        raise TypeError(f"{where}: {name} must be a numeric array-like: {exc}") from None
+    if arr.dtype.kind == "c":
+        raise TypeError(f"{where}: {name} must be real-valued, got complex dtype {arr.dtype}")
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{where}: {name} must be numeric, got dtype {arr.dtype}")
+    if arr.ndim < 2:
+        raise ValueError(f"{where}: {name} must have a batch dimension and features, got shape {arr.shape}")
+    if arr.shape[0] == 0:
+        raise ValueError(f"{where}: {name} is empty (shape {arr.shape})")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+class Sequential:
+    """A stack of layers applied in order.
+
+    ``Conv2d -> ReLU -> MaxPool2d`` runs of layers are fused into one
+    convolution+ReLU+max-pooling op (``fuse=False`` turns that off); the
+    maths is the same, but a backend with a fused kernel never writes the
+    full-size convolution output.
+
+    Parameters
+    ----------
+    *layers : Layer
+    backend : str or Backend, optional
+        Move every layer there; by default the layers stay where they are
+        (they must agree).
+    fuse : bool, default True
+
+    Examples
+    --------
+    >>> import numpy as np, parconv as pc
+    >>> model = pc.Sequential(pc.Flatten(), pc.Linear(4, 3), backend="numpy")
+    >>> model(np.ones((2, 1, 2, 2))).shape
+    (2, 3)
+    >>> list(model.state_dict())
+    ['1.weight', '1.bias']
+    """
+
+    def __init__(self, *layers, backend=None, fuse: bool = True):
+        if len(layers) == 1 and isinstance(layers[0], (list, tuple)):
+            layers = tuple(layers[0])
+        if not layers:
+            raise ValueError("Sequential: needs at least one layer")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Layer):
+                raise TypeError(f"Sequential: argument {i} must be a parconv layer, got {type(layer).__name__}")
+        self.layers = list(layers)
+        self.fuse = bool(fuse)
+        if backend is not None:
+            self.to(backend)
+        else:
+            names = {layer.backend.name for layer in self.layers}
+            if len(names) > 1:
+                raise ValueError(f"Sequential: layers live on different backends {sorted(names)}; pass backend=...")
+            self.backend = self.layers[0].backend
+        self._plan_cache: dict = {}
+        self._fused: dict[int, tuple] = {}
+        self._grad_hooks: list = []
+
+    # ------------------------------------------------------------------ basics
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __repr__(self):
+        inner = ",\n".join(f"  ({i}): {layer!r}" for i, layer in enumerate(self.layers))
+        return f"Sequential(\n{inner}\n) on {self.backend.name!r}"
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def to(self, backend) -> "Sequential":
+        """Move every layer to ``backend`` in place; returns self."""
+        self.backend = _backends.get(backend)
+        for layer in self.layers:
+            layer.to(self.backend)
+        self._fused = {}
+        return self
+
+    def parameters(self) -> list:
+        return [p for layer in self.layers for p in layer.parameters()]
+
+    def named_parameters(self) -> list:
+        """``[("0.weight", Parameter), ...]`` with PyTorch's ``nn.Sequential`` names."""
+        return [(f"{i}.{n}", p) for i, layer in enumerate(self.layers) for n, p in layer.named_parameters()]
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    # ---------------------------------------------------------------- forward
+    def _plan(self) -> list:
+        """Steps of the forward pass: ``(start, stop)`` layer ranges; 3-long ranges are fused."""
+        key = (self.fuse, tuple(type(layer) for layer in self.layers))
+        plan = self._plan_cache.get(key)
+        if plan is None:
+            plan, i = [], 0
+            while i < len(self.layers):
+                if (self.fuse and i + 2 < len(self.layers) and type(self.layers[i]) is Conv2d
+                        and type(self.layers[i + 1]) is ReLU and type(self.layers[i + 2]) is MaxPool2d):
+                    plan.append((i, i + 3))
+                    i += 3
+                else:
+                    plan.append((i, i + 1))
+                    i += 1
+            self._plan_cache[key] = plan
+        return plan
+
+    def forward(self, x):
+        """Run every layer; returns the output as a backend array."""
+        x = to_backend_array(x, self.backend, "x", "Sequential")
+        self._fused = {}
+        for start, stop in self._plan():
+            if stop - start == 3:
+                x = self._fused_forward(start, x)
+            else:
+                x = self.layers[start].forward(x)
+        return x
+
+    def _fused_forward(self, i, x):
+        conv, pool = self.layers[i], self.layers[i + 2]
+        conv_shape = conv.output_shape(shape_of(x))
+        pool.output_shape(conv_shape)
+        b = conv.bias.data if conv.bias is not None else None
+        y, argmax = self.backend.conv2d_relu_maxpool2d_forward(
+            x, conv.weight.data, b, conv.stride, conv.padding, pool.kernel_size, pool.stride)
+        for layer in self.layers[i:i + 3]:
+            layer._cache = None  # the fused op owns this group's cache
+        self._fused[i] = (x, y, argmax)
+        return y
+
+    # --------------------------------------------------------------- backward
+    def register_grad_hook(self, fn) -> None:
+        """Call ``fn(layer_index, params)`` as soon as a layer's gradients are written in ``backward``.
+
+        Used by data-parallel training to start gradient reductions while the
+        rest of the backward pass runs.
+        """
+        if not callable(fn):
+            raise TypeError(f"register_grad_hook: fn must be callable, got {type(fn).__name__}")
+        self._grad_hooks.append(fn)
+
+    def backward(self, dy, need_dx: bool = False):
+        """Back-propagate ``dy`` (the loss gradient w.r.t. the output).
+
+        Fills ``p.grad`` of every parameter (overwritten, not accumulated) and
+        returns dx w.r.t. the input when ``need_dx`` (else None; the first
+        layer then skips its dx computation).
+        """
+        plan = self._plan()
+        for start, stop in reversed(plan):
+            first = start == 0
+            want_dx = need_dx or not first
+            if stop - start == 3:
+                dy = self._fused_backward(start, dy, want_dx)
+                idx = start
+            else:
+                dy = self.layers[start].backward(dy, need_dx=want_dx)
+                idx = start
+            if self._grad_hooks:
+                params = self.layers[idx].parameters()
+                if params:
+                    for hook in self._grad_hooks:
+                        hook(idx, params)
+        return dy if need_dx else None
+
+    def _fused_backward(self, i, dy, need_dx):
+        conv = self.layers[i]
+        if i not in self._fused:
+            raise ValueError(f"Sequential.backward: layers {i}..{i + 2} ({conv!r}, ReLU, MaxPool2d) "
+                             "have no forward pass to differentiate (call the model first)")
+        x, y, argmax = self._fused[i]
+        dy = to_backend_array(dy, self.backend, "dy", "Sequential.backward")
+        if shape_of(dy) != shape_of(y):
+            raise ValueError(f"Sequential.backward: dy must have the shape of layer {i + 2}'s output "
+                             f"{shape_of(y)}, got {shape_of(dy)}")
+        dx, dw, db = self.backend.conv2d_relu_maxpool2d_backward(
+            x, conv.weight.data, y, argmax, dy, conv.stride, conv.padding, need_dx, conv.bias is not None)
+        conv.weight.grad = dw
+        if conv.bias is not None:
+            conv.bias.grad = db
+        return dx
+
+    # ------------------------------------------------------------ state dicts
+    def state_dict(self) -> dict:
+        """Host copies of every parameter, keyed like PyTorch (``"0.weight"``, ``"0.bias"``, ...)."""
+        return {name: p.numpy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Copy arrays from ``state`` (e.g. a PyTorch ``state_dict`` as NumPy) into the parameters.
+
+        Every key is checked before anything is written, so a failed load
+        leaves the model unchanged. ``strict`` rejects unexpected keys.
+        """
+        if not hasattr(state, "keys"):
+            raise TypeError(f"load_state_dict: state must be a mapping of name -> array, got {type(state).__name__}")
+        named = dict(self.named_parameters())
+        missing = [k for k in named if k not in state]
+        if missing:
+            raise ValueError(f"load_state_dict: missing keys {missing} (model expects {list(named)})")
+        unexpected = [k for k in state if k not in named]
+        if strict and unexpected:
+            raise ValueError(f"load_state_dict: unexpected keys {unexpected} (model expects {list(named)})")
+        staged = {}
+        for k, p in named.items():
+            value = state[k]
+            if hasattr(value, "detach"):  # a torch tensor
+                value = value.detach().cpu().numpy()
+            value = np.asarray(value)
+            if value.dtype.kind not in "biuf":
+                raise TypeError(f"load_state_dict: {k} must be a real numeric array, got dtype {value.dtype}")
+            if tuple(value.shape) != p.shape:
+                raise ValueError(f"load_state_dict: {k} has shape {tuple(value.shape)}, expected {p.shape}")
+            staged[k] = np.array(value, dtype=np.float32, order="C", copy=True)  # never alias caller data
+        for k, p in named.items():
+            p.data = p.backend.asarray(staged[k])
+            p.grad = None
+
+    def config(self) -> dict:
+        return {"layers": [{"type": type(layer).__name__, "config": layer.config()} for layer in self.layers],
+                "fuse": self.fuse}
+
+    @classmethod
+    def from_config(cls, config: dict, backend=None) -> "Sequential":
+        """Rebuild an (untrained) model from :meth:`config` output."""
+        try:
+            specs = config["layers"]
+            layers = []
+            for spec in specs:
+                layer_cls = LAYER_TYPES[spec["type"]]
+                layers.append(layer_cls(**spec["config"], backend=backend))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"invalid model config: {type(exc).__name__}: {exc}") from None
+        return cls(*layers, backend=backend, fuse=config.get("fuse", True))
+
+    def save(self, path, extra: dict | None = None) -> None:
+        """Write architecture and weights to ``path`` (``.npz``) atomically; no pickle.
+
+        ``extra`` holds further arrays (e.g. optimizer state) stored under
+        ``extra.<name>``.
+        """
+        arrays = self.state_dict()
+        for k, v in (extra or {}).items():
+            arrays[f"extra.{k}"] = np.asarray(v)
+        from . import __version__
+
+        save_npz(path, arrays, {"format": FORMAT_VERSION, "parconv": __version__, "model": self.config()})
+
+    # ------------------------------------------------------------------ training
+    def _batches(self, n, batch_size, order):
+        for start in range(0, n, batch_size):
+            yield order[start:start + batch_size]
+
+    def fit(self, x, y, epochs: int = 1, batch_size: int = 32, optimizer=None, loss: Loss | None = None,
+            validation_data=None, shuffle: bool = True, seed: int | None = None, verbose: bool = True,
+            callbacks=None) -> History:
+        """Train with mini-batch gradient descent.
+
+        Parameters
+        ----------
+        x : array-like (N, ...)
+            Inputs, converted to float32 once.
+        y : array-like
+            Targets: integer labels (N,) for ``SoftmaxCrossEntropy``, 0/1
+            arrays shaped like the output for ``BCELoss``.
+        epochs, batch_size : int
+        optimizer : Optimizer, optional
+            Default ``SGD(lr=0.1)``.
+        loss : Loss, optional
+            Default ``SoftmaxCrossEntropy()``.
+        validation_data : (x_val, y_val), optional
+            Evaluated after every epoch.
+        shuffle : bool, default True
+        seed : int, optional
+            Seed of the shuffling order (reproducible runs).
+        verbose : bool, default True
+            Show a progress bar and one line per epoch.
+        callbacks : list of callables, optional
+            ``cb(epoch, metrics_dict)`` after every epoch.
+
+        Returns
+        -------
+        History
+
+        Raises
+        ------
+        TrainingDivergedError
+            When the loss becomes NaN or infinite; the model is left with the
+            weights of the last step that gave a finite loss.
+        """
+        from .optim import SGD, Optimizer
+
+        where = "Sequential.fit"
+        epochs = check_int(epochs, "epochs", where, 1)
+        batch_size = check_int(batch_size, "batch_size", where, 1)
+        loss = SoftmaxCrossEntropy() if loss is None else loss
+        if not isinstance(loss, Loss):
+            raise TypeError(f"{where}: loss must be a parconv loss, got {type(loss).__name__}")
+        optimizer = SGD(self.parameters(), lr=0.1) if optimizer is None else optimizer
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"{where}: optimizer must be a parconv optimizer, got {type(optimizer).__name__}")
+        x = _as_host_float(x, "x", where)
+        y = self._host_targets(y, x.shape[0], loss, "y")
+        if validation_data is not None:
+            if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
+                raise TypeError(f"{where}: validation_data must be a pair (x_val, y_val)")
+            xv = _as_host_float(validation_data[0], "validation x", where)
+            yv = self._host_targets(validation_data[1], xv.shape[0], loss, "validation y")
+        rng = np.random.default_rng(seed)
+        be = self.backend
+        params = self.parameters()
+        snapshot = [be.copy(p.data) for p in params]
+        history = History()
+        n = x.shape[0]
+        steps_per_epoch = math.ceil(n / batch_size)
+        bar_cls = _progress_bar_class() if verbose else None
+        for epoch in range(1, epochs + 1):
+            order = rng.permutation(n) if shuffle else np.arange(n)
+            t0 = time.perf_counter()
+            total_loss, correct = 0.0, 0
+            bar = bar_cls(total=steps_per_epoch, desc=f"epoch {epoch}/{epochs}", unit="batch",
+                          leave=True, dynamic_ncols=True) if bar_cls else None
+            try:
+                for step, idx in enumerate(self._batches(n, batch_size, order)):
+                    xb = be.asarray(x[idx])
+                    yb = loss.prepare_target(y[idx], len(idx), be) if isinstance(loss, SoftmaxCrossEntropy) \
+                        else loss.prepare_target(y[idx], None, be)
+                    out = self.forward(xb)
+                    value = loss.forward(out, yb, backend=be)
+                    if not math.isfinite(value):
+                        for p, s in zip(params, snapshot):
+                            be.copy_into(p.data, s)
+                        raise TrainingDivergedError(
+                            f"{where}: loss became {value} at epoch {epoch}, step {step + 1}; training stopped and "
+                            "the weights of the last finite-loss step were restored (lower the learning rate?)")
+                    correct += loss.count_correct(out, yb)
+                    total_loss += value * len(idx)
+                    self.backward(loss.backward())
+                    for p, s in zip(params, snapshot):
+                        be.copy_into(s, p.data)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if bar is not None:
+                        bar.update(1)
+                        if step % 10 == 0 or step == steps_per_epoch - 1:
+                            bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+            finally:
+                if bar is not None:
+                    bar.close()
+            be.synchronize()
+            elapsed = time.perf_counter() - t0
+            metrics = {"loss": total_loss / n, "accuracy": correct / n, "time": elapsed,
+                       "samples_per_s": n / elapsed if elapsed > 0 else float("inf")}
+            if validation_data is not None:
+                ev = self._evaluate_host(xv, yv, loss, max(batch_size, 256))
+                metrics["val_loss"], metrics["val_accuracy"] = ev["loss"], ev["accuracy"]
+            history.append(epoch, **metrics)
+            if verbose:
+                line = " - ".join(f"{k} {v:.4f}" if k != "samples_per_s" else f"{v:.0f} samples/s"
+                                  for k, v in metrics.items() if k != "time")
+                print(f"epoch {epoch}/{epochs}: {line} ({elapsed:.1f} s)", flush=True)
+            for cb in callbacks or ():
+                cb(epoch, metrics)
+        return history
+
+    def _host_targets(self, y, n, loss, name):
+        where = "Sequential.fit"
+        if isinstance(loss, SoftmaxCrossEntropy):
+            from ._validation import to_host_labels
+
+            y = to_host_labels(y, name, where)
+            if y.ndim != 1 or y.shape[0] != n:
+                raise ValueError(f"{where}: {name} must be (N,) = ({n},) integer labels, got shape {y.shape}")
+            if y.min() < 0:
+                raise ValueError(f"{where}: {name} must be non-negative class indices, found {int(y.min())}")
+            return y
+        y = np.asarray(y)
+        if y.shape[:1] != (n,):
+            raise ValueError(f"{where}: {name} must have {n} rows like x, got shape {y.shape}")
+        return y
+
+    def _evaluate_host(self, x, y, loss, batch_size):
+        be = self.backend
+        total, correct = 0.0, 0
+        for start in range(0, x.shape[0], batch_size):
+            xb = be.asarray(x[start:start + batch_size])
+            yb_host = y[start:start + batch_size]
+            yb = loss.prepare_target(yb_host, len(yb_host), be) if isinstance(loss, SoftmaxCrossEntropy) \
+                else loss.prepare_target(yb_host, None, be)
+            out = self.forward(xb)
+            total += loss.forward(out, yb, backend=be) * len(yb_host)
+            correct += loss.count_correct(out, yb)
+        self._fused = {}
+        return {"loss": total / x.shape[0], "accuracy": correct / x.shape[0]}
+
+    def evaluate(self, x, y, batch_size: int = 256, loss: Loss | None = None) -> dict:
+        """Mean loss and accuracy over ``(x, y)``; returns ``{"loss": float, "accuracy": float}``."""
+        batch_size = check_int(batch_size, "batch_size", "Sequential.evaluate", 1)
+        loss = SoftmaxCrossEntropy() if loss is None else loss
+        x = _as_host_float(x, "x", "Sequential.evaluate")
+        y = self._host_targets(y, x.shape[0], loss, "y")
+        return self._evaluate_host(x, y, loss, batch_size)
+
+    def predict(self, x, batch_size: int = 256) -> np.ndarray:
+        """Model outputs for ``x`` as a host NumPy array (batched)."""
+        batch_size = check_int(batch_size, "batch_size", "Sequential.predict", 1)
+        x = _as_host_float(x, "x", "Sequential.predict")
+        outs = [self.backend.to_numpy(self.forward(self.backend.asarray(x[s:s + batch_size])))
+                for s in range(0, x.shape[0], batch_size)]
+        self._fused = {}
+        return np.concatenate([np.asarray(o) for o in outs])
+
+
+def _progress_bar_class():
+    from tqdm.auto import tqdm
+
+    return tqdm
+
+
+def load(path, backend=None) -> Sequential:
+    """Load a model written by :meth:`Sequential.save` (architecture and weights).
+
+    Raises ``ValueError`` naming the file when it is corrupt, truncated or
+    inconsistent; nothing is unpickled.
+    """
+    arrays, meta = load_npz(path)
+    if not isinstance(meta, dict) or "model" not in meta:
+        raise ValueError(f"{path!r}: checkpoint metadata has no model description")
+    if meta.get("format", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path!r}: checkpoint format {meta['format']} is newer than this parconv understands")
+    model = Sequential.from_config(meta["model"], backend=backend)
+    state = {k: v for k, v in arrays.items() if not k.startswith("extra.")}
+    try:
+        model.load_state_dict(state)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path!r}: {exc}") from None
+    return model

@@ -1,0 +1,80 @@
+"""Shared fixtures: one test body runs on every available backend."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+import parconv as pc
+
+settings.register_profile(
+    "default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.register_profile(
+    "ci", max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+    print_blob=True,
+)
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+BACKENDS = pc.available_backends()
+DEVICE_BACKENDS = [b for b in BACKENDS if b != "numpy"]
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend(request):
+    """Every backend that loads on this machine (numpy, openmp, opencl, ...)."""
+    return pc.backends.get(request.param)
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    return pc.backends.get("numpy")
+
+
+def host(a):
+    return np.asarray(pc.to_numpy(a))
+
+
+def assert_close(actual, expected, rtol=RTOL, atol=ATOL, what=""):
+    a, e = host(actual), np.asarray(expected)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
+
+
+def rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+try:
+    import torch  # noqa: F401
+
+    HAVE_TORCH = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAVE_TORCH = False
+
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch not installed (optional oracle)")
+
+
+def numeric_grad(f, x, eps=1e-6, max_points=40, rng=None):
+    """Central differences of scalar ``f`` w.r.t. float64 ``x`` at up to ``max_points`` coordinates.
+
+    Returns (flat indices, numeric derivatives).
+    """
+    rng = rng or np.random.default_rng(0)
+    flat = x.reshape(-1)
+    idx = np.arange(flat.size) if flat.size <= max_points else rng.choice(flat.size, max_points, replace=False)
+    out = []
+    for i in idx:
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        out.append((fp - fm) / (2 * eps))
+    return idx, np.array(out)

@@ -1,0 +1,136 @@
+"""conv2d: every backend against the NumPy oracle, the oracle against finite differences and PyTorch."""
+
+import numpy as np
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from conftest import assert_close, needs_torch, numeric_grad, rand
+
+
+@st.composite
+def conv_case(draw, max_n=8, max_c=16, max_hw=20):
+    n = draw(st.integers(1, max_n))
+    c = draw(st.integers(1, max_c))
+    o = draw(st.integers(1, 16))
+    h = draw(st.integers(1, max_hw))
+    w = draw(st.integers(1, max_hw))
+    k = draw(st.integers(1, 7))
+    stride = draw(st.integers(1, 3))
+    pad = draw(st.integers(0, 3))
+    assume(k <= h + 2 * pad and k <= w + 2 * pad)
+    bias = draw(st.booleans())
+    seed = draw(st.integers(0, 2**31 - 1))
+    return n, c, o, h, w, k, stride, pad, bias, seed
+
+
+def _arrays(case, dtype=np.float32):
+    n, c, o, h, w, k, stride, pad, bias, seed = case
+    rng = np.random.default_rng(seed)
+    x = rand(rng, n, c, h, w).astype(dtype)
+    wt = rand(rng, o, c, k, k, scale=0.3).astype(dtype)
+    b = rand(rng, o).astype(dtype) if bias else None
+    return rng, x, wt, b
+
+
+@given(conv_case())
+def test_conv2d_forward_backward_match_oracle(backend, oracle, case):
+    n, c, o, h, w, k, stride, pad, bias, seed = case
+    rng, x, wt, b = _arrays(case)
+    y_ref = oracle.conv2d_forward(x, wt, b, stride, pad)
+    X, Wd = backend.asarray(x), backend.asarray(wt)
+    B = backend.asarray(b) if bias else None
+    y = backend.conv2d_forward(X, Wd, B, stride, pad)
+    assert_close(y, y_ref, what="conv2d y")
+    dy = rand(rng, *y_ref.shape)
+    dx_ref, dw_ref, db_ref = oracle.conv2d_backward(x, wt, dy, stride, pad, True, bias)
+    dx, dw, db = backend.conv2d_backward(X, Wd, backend.asarray(dy), stride, pad, True, bias)
+    assert_close(dx, dx_ref, what="conv2d dx")
+    assert_close(dw, dw_ref, rtol=1e-4, atol=1e-4, what="conv2d dw")
+    if bias:
+        assert_close(db, db_ref, atol=1e-4, what="conv2d db")
+    else:
+        assert db is None
+    # need_dx=False still gives the same dw
+    dx2, dw2, _ = backend.conv2d_backward(X, Wd, backend.asarray(dy), stride, pad, False, bias)
+    assert dx2 is None
+    assert_close(dw2, dw_ref, rtol=1e-4, atol=1e-4, what="conv2d dw (no dx)")
+
+
+@given(conv_case(max_n=2, max_c=3, max_hw=7))
+def test_conv2d_oracle_gradients_match_finite_differences(oracle, case):
+    n, c, o, h, w, k, stride, pad, bias, seed = case
+    rng, x, wt, b = _arrays(case, np.float64)
+    r = rng.standard_normal(oracle.conv2d_forward(x, wt, b, stride, pad).shape)
+
+    def loss():
+        return float((oracle.conv2d_forward(x, wt, b, stride, pad) * r).sum())
+
+    dx, dw, db = oracle.conv2d_backward(x, wt, r, stride, pad, True, bias)
+    for arr, grad in [(x, dx), (wt, dw)] + ([(b, db)] if bias else []):
+        idx, num = numeric_grad(loss, arr)
+        np.testing.assert_allclose(grad.reshape(-1)[idx], num, rtol=1e-5, atol=1e-7)
+
+
+@needs_torch
+@given(conv_case())
+def test_conv2d_matches_torch(backend, case):
+    import torch
+    import torch.nn.functional as tF
+
+    n, c, o, h, w, k, stride, pad, bias, seed = case
+    rng, x, wt, b = _arrays(case)
+    xt = torch.tensor(x, requires_grad=True)
+    wtt = torch.tensor(wt, requires_grad=True)
+    bt = torch.tensor(b, requires_grad=True) if bias else None
+    yt = tF.conv2d(xt, wtt, bt, stride=stride, padding=pad)
+    dy = rand(rng, *yt.shape)
+    yt.backward(torch.tensor(dy))
+    X, Wd = backend.asarray(x), backend.asarray(wt)
+    y = backend.conv2d_forward(X, Wd, backend.asarray(b) if bias else None, stride, pad)
+    assert_close(y, yt.detach().numpy(), what="conv2d y vs torch")
+    dx, dw, db = backend.conv2d_backward(X, Wd, backend.asarray(dy), stride, pad, True, bias)
+    assert_close(dx, xt.grad.numpy(), what="dx vs torch")
+    assert_close(dw, wtt.grad.numpy(), atol=1e-4, what="dw vs torch")
+    if bias:
+        assert_close(db, bt.grad.numpy(), atol=1e-4, what="db vs torch")
+
+
+@st.composite
+def fused_case(draw):
+    n = draw(st.integers(1, 4))
+    c = draw(st.integers(1, 6))
+    o = draw(st.integers(1, 12))
+    h = draw(st.integers(2, 16))
+    w = draw(st.integers(2, 16))
+    k = draw(st.integers(1, 5))
+    stride = draw(st.integers(1, 2))
+    pad = draw(st.integers(0, 2))
+    pk = draw(st.integers(1, 3))
+    ps = draw(st.integers(1, 3))
+    assume(k <= h + 2 * pad and k <= w + 2 * pad)
+    p_ = (h + 2 * pad - k) // stride + 1
+    q_ = (w + 2 * pad - k) // stride + 1
+    assume(pk <= p_ and pk <= q_)
+    return n, c, o, h, w, k, stride, pad, pk, ps, draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
+
+
+@given(fused_case())
+def test_fused_conv_relu_maxpool_equals_unfused(backend, oracle, case):
+    n, c, o, h, w, k, stride, pad, pk, ps, bias, seed = case
+    rng = np.random.default_rng(seed)
+    x, wt = rand(rng, n, c, h, w), rand(rng, o, c, k, k, scale=0.3)
+    b = rand(rng, o) if bias else None
+    z = oracle.conv2d_forward(x, wt, b, stride, pad)
+    yp, am = oracle.maxpool2d_forward(oracle.relu_forward(z), pk, ps)
+    X, Wd = backend.asarray(x), backend.asarray(wt)
+    y, argmax = backend.conv2d_relu_maxpool2d_forward(X, Wd, backend.asarray(b) if bias else None,
+                                                      stride, pad, pk, ps)
+    assert_close(y, yp, what="fused y")
+    dy = rand(rng, *yp.shape)
+    dz = oracle.relu_backward(z, oracle.maxpool2d_backward(dy, am, z.shape))
+    dx_ref, dw_ref, db_ref = oracle.conv2d_backward(x, wt, dz, stride, pad, True, bias)
+    dx, dw, db = backend.conv2d_relu_maxpool2d_backward(X, Wd, y, argmax, backend.asarray(dy), stride, pad, True, bias)
+    assert_close(dx, dx_ref, what="fused dx")
+    assert_close(dw, dw_ref, atol=1e-4, what="fused dw")
+    if bias:
+        assert_close(db, db_ref, atol=1e-4, what="fused db")

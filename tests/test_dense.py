@@ -1,0 +1,68 @@
+"""linear on every backend against the oracle and PyTorch; oracle against finite differences."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import assert_close, needs_torch, numeric_grad, rand
+
+dense_case = st.tuples(st.integers(1, 64), st.integers(1, 300), st.integers(1, 40), st.booleans(),
+                       st.integers(0, 2**31 - 1))
+
+
+@given(dense_case)
+def test_linear_matches_oracle(backend, oracle, case):
+    n, f, g, bias, seed = case
+    rng = np.random.default_rng(seed)
+    x, w = rand(rng, n, f), rand(rng, g, f, scale=0.2)
+    b = rand(rng, g) if bias else None
+    y_ref = oracle.linear_forward(x, w, b)
+    X, Wd = backend.asarray(x), backend.asarray(w)
+    y = backend.linear_forward(X, Wd, backend.asarray(b) if bias else None)
+    assert_close(y, y_ref, atol=1e-4, what="linear y")
+    dy = rand(rng, n, g)
+    dx_ref, dw_ref, db_ref = oracle.linear_backward(x, w, dy, True, bias)
+    dx, dw, db = backend.linear_backward(X, Wd, backend.asarray(dy), True, bias)
+    assert_close(dx, dx_ref, atol=1e-4, what="linear dx")
+    assert_close(dw, dw_ref, atol=1e-4, what="linear dw")
+    if bias:
+        assert_close(db, db_ref, atol=1e-4, what="linear db")
+
+
+@given(st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(1, 5), st.integers(0, 2**31 - 1)))
+def test_linear_oracle_gradients_match_finite_differences(oracle, case):
+    n, f, g, seed = case
+    rng = np.random.default_rng(seed)
+    x, w, b = rng.standard_normal((n, f)), rng.standard_normal((g, f)), rng.standard_normal(g)
+    r = rng.standard_normal((n, g))
+    dx, dw, db = oracle.linear_backward(x, w, r, True, True)
+
+    def loss():
+        return float((oracle.linear_forward(x, w, b) * r).sum())
+
+    for arr, grad in ((x, dx), (w, dw), (b, db)):
+        idx, num = numeric_grad(loss, arr)
+        np.testing.assert_allclose(grad.reshape(-1)[idx], num, rtol=1e-6, atol=1e-8)
+
+
+@needs_torch
+@given(dense_case)
+def test_linear_matches_torch(backend, case):
+    import torch
+
+    n, f, g, bias, seed = case
+    rng = np.random.default_rng(seed)
+    x, w = rand(rng, n, f), rand(rng, g, f, scale=0.2)
+    b = rand(rng, g) if bias else None
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    bt = torch.tensor(b, requires_grad=True) if bias else None
+    yt = torch.nn.functional.linear(xt, wt, bt)
+    dy = rand(rng, n, g)
+    yt.backward(torch.tensor(dy))
+    X, Wd = backend.asarray(x), backend.asarray(w)
+    assert_close(backend.linear_forward(X, Wd, backend.asarray(b) if bias else None), yt.detach().numpy(), atol=1e-4)
+    dx, dw, db = backend.linear_backward(X, Wd, backend.asarray(dy), True, bias)
+    assert_close(dx, xt.grad.numpy(), atol=1e-4)
+    assert_close(dw, wt.grad.numpy(), atol=1e-4)
+    if bias:
+        assert_close(db, bt.grad.numpy(), atol=1e-4)
