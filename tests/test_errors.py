@@ -1,0 +1,239 @@
+"""Bad input fails with a clear ValueError/TypeError naming the argument, on every backend."""
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+import parconv as pc
+import parconv.functional as F
+
+
+def cnn(backend):
+    return pc.Sequential(pc.Conv2d(1, 2, 3), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(), pc.Linear(2 * 3 * 3, 4),
+                         backend=backend)
+
+
+X = np.zeros((2, 1, 8, 8), np.float32)
+
+
+@pytest.mark.parametrize("x, exc, match", [
+    (np.zeros((1, 8, 8)), ValueError, r"x must be 4-D \(N, C, H, W\), got shape \(1, 8, 8\)"),
+    (np.zeros((2, 3, 8, 8)), ValueError, "x has 3 channels but weight expects 1"),
+    (np.zeros((2, 1, 8, 8), np.complex64), TypeError, "real-valued, got complex"),
+    (np.array([["a"]]), TypeError, "numeric array, got dtype <U1"),
+    (np.zeros((0, 1, 8, 8)), ValueError, "zero-sized"),
+    (np.zeros((2, 1, 2, 2)), ValueError, "kernel 3x3 is larger than the padded input 2x2"),
+])
+def test_conv_layer_rejects_bad_input(backend, x, exc, match):
+    with pytest.raises(exc, match=match):
+        pc.Conv2d(1, 2, 3, backend=backend)(x)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(stride=0), ValueError, "stride must be >= 1, got 0"),
+    (dict(stride=-1), ValueError, "stride must be >= 1, got -1"),
+    (dict(padding=-1), ValueError, "padding must be >= 0, got -1"),
+    (dict(stride=1.5), TypeError, "stride must be an int, got float"),
+])
+def test_functional_conv_rejects_bad_hyperparameters(backend, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        F.conv2d(X, np.zeros((2, 1, 3, 3)), backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    ((1, 2, 3), ValueError, None),
+    ((0, 2, 3), ValueError, "in_channels must be >= 1, got 0"),
+    ((1, 0, 3), ValueError, "out_channels must be >= 1, got 0"),
+    ((1, 2, 0), ValueError, "kernel_size must be >= 1, got 0"),
+])
+def test_conv_layer_constructor_checks(args, exc, match):
+    if match is None:
+        with pytest.raises(exc, match="stride must be >= 1"):
+            pc.Conv2d(*args, stride=0)
+        with pytest.raises(exc, match="padding must be >= 0"):
+            pc.Conv2d(*args, padding=-2)
+    else:
+        with pytest.raises(exc, match=match):
+            pc.Conv2d(*args)
+
+
+def test_linear_and_pool_errors(backend):
+    lin = pc.Linear(5, 3, backend=backend)
+    with pytest.raises(ValueError, match="x has 4 features, expected in_features=5"):
+        lin(np.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"x must be 2-D .* \(add a Flatten"):
+        lin(np.zeros((2, 5, 1)))
+    with pytest.raises(ValueError, match="kernel_size 3 is larger than the input 2x2"):
+        pc.MaxPool2d(3, backend=backend)(np.zeros((1, 1, 2, 2)))
+    with pytest.raises(ValueError, match="stride must be >= 1, got 0"):
+        pc.MaxPool2d(2, stride=0)
+    with pytest.raises(ValueError, match="in_features must be >= 1, got 0"):
+        pc.Linear(0, 3)
+    with pytest.raises(ValueError, match="zero-sized"):
+        pc.ReLU(backend=backend)(np.zeros((0, 3)))
+
+
+@pytest.mark.parametrize("labels, exc, match", [
+    ([0, 4], ValueError, r"labels must be in \[0, 4\), found 4"),
+    ([-1, 0], ValueError, r"labels must be in \[0, 4\), found -1"),
+    ([0], ValueError, "got 1 labels for a batch of 2 logits"),
+    ([0.0, 1.0], TypeError, "labels must hold integers, got dtype float64"),
+    (["a", "b"], TypeError, "labels must hold integers"),
+    ([[0, 1]], ValueError, "labels must be 1-D"),
+])
+def test_softmax_cross_entropy_rejects_bad_labels(backend, labels, exc, match):
+    with pytest.raises(exc, match=match):
+        pc.SoftmaxCrossEntropy()(backend.asarray(np.zeros((2, 4), np.float32)), labels)
+
+
+def test_bce_target_errors(backend):
+    p = backend.asarray(np.full((3, 1), 0.5, np.float32))
+    with pytest.raises(ValueError, match=r"targets shape \(3,\) must equal the probabilities' shape \(3, 1\)"):
+        pc.BCELoss()(p, np.zeros(3))
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 1\]"):
+        pc.BCELoss()(p, np.full((3, 1), 2.0))
+    with pytest.raises(ValueError, match="eps must be > 0.0"):
+        pc.BCELoss(eps=0)
+
+
+def test_backward_before_forward_and_wrong_gradient(backend):
+    conv = pc.Conv2d(1, 2, 3, backend=backend)
+    with pytest.raises(ValueError, match="backward called before forward"):
+        conv.backward(np.zeros((2, 2, 6, 6)))
+    conv(X)
+    with pytest.raises(ValueError, match=r"dy must have the output's shape \(2, 2, 6, 6\), got \(2, 2, 5, 5\)"):
+        conv.backward(np.zeros((2, 2, 5, 5)))
+    model = cnn(backend)
+    with pytest.raises(ValueError, match="no forward pass|before forward"):
+        model.backward(np.zeros((2, 4)))
+    model(X)
+    with pytest.raises(ValueError, match=r"dy must have the output's shape \(2, 4\), got \(2, 5\)"):
+        model.backward(np.zeros((2, 5)))
+    with pytest.raises(ValueError, match="backward called before the loss was computed"):
+        pc.SoftmaxCrossEntropy().backward()
+
+
+def test_load_state_dict_errors(backend):
+    model = cnn(backend)
+    state = model.state_dict()
+    before = {k: v.copy() for k, v in state.items()}
+    missing = dict(state)
+    missing.pop("4.bias")
+    with pytest.raises(ValueError, match=r"missing keys \['4.bias'\]"):
+        model.load_state_dict(missing)
+    wrong = dict(state, **{"0.weight": np.zeros((2, 1, 5, 5))})
+    with pytest.raises(ValueError, match=r"0.weight has shape \(2, 1, 5, 5\), expected \(2, 1, 3, 3\)"):
+        model.load_state_dict(wrong)
+    with pytest.raises(ValueError, match=r"unexpected keys \['9.weight'\]"):
+        model.load_state_dict(dict(state, **{"9.weight": np.zeros(1)}))
+    for k, v in model.state_dict().items():  # a failed load changes nothing
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_corrupt_and_truncated_checkpoints(tmp_path):
+    model = cnn("numpy")
+    good = tmp_path / "good.npz"
+    model.save(good)
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated.npz.*not a readable parconv checkpoint"):
+        pc.load(truncated)
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"this is not a zip file at all")
+    with pytest.raises(ValueError, match="garbage.npz"):
+        pc.load(garbage)
+    plain = tmp_path / "plain.npz"
+    np.savez(plain, a=np.zeros(3))
+    with pytest.raises(ValueError, match="not a parconv checkpoint"):
+        pc.load(plain)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        pc.load(tmp_path / "missing.npz")
+    pickled = tmp_path / "pickled.npz"
+    np.savez(pickled, __parconv__=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ValueError, match="pickled.npz"):
+        pc.load(pickled)
+
+
+def _idx_bytes(arr, type_code=0x08):
+    return struct.pack(">HBB", 0, type_code, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.tobytes()
+
+
+def test_corrupt_and_truncated_idx_files(tmp_path):
+    from parconv.datasets import IDXError, read_idx
+
+    arr = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    good = tmp_path / "good.idx"
+    good.write_bytes(_idx_bytes(arr))
+    np.testing.assert_array_equal(read_idx(good), arr)
+    gz = tmp_path / "good.idx.gz"
+    gz.write_bytes(gzip.compress(_idx_bytes(arr)))
+    np.testing.assert_array_equal(read_idx(gz), arr)
+    cases = {
+        "short.idx": _idx_bytes(arr)[:-5],
+        "long.idx": _idx_bytes(arr) + b"\0",
+        "magic.idx": b"\x01\x02" + _idx_bytes(arr)[2:],
+        "type.idx": _idx_bytes(arr)[:2] + b"\x42" + _idx_bytes(arr)[3:],
+        "tiny.idx": b"\0\0",
+        "bad.gz": gzip.compress(_idx_bytes(arr))[:-10],
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(IDXError, match=name):
+            read_idx(tmp_path / name)
+
+
+def test_threads_and_optimizer_hyperparameters():
+    with pytest.raises(ValueError, match="n must be a positive int or None, got 0"):
+        pc.set_num_threads(0)
+    with pytest.raises(TypeError, match="positive int or None"):
+        pc.set_num_threads(1.5)
+    params = pc.Linear(2, 2).parameters()
+    with pytest.raises(ValueError, match="lr must be >= 0.0, got -0.1"):
+        pc.optim.SGD(params, lr=-0.1)
+    with pytest.raises(ValueError, match="lr must be >= 0.0, got -1.0"):
+        pc.optim.Adam(params, lr=-1.0)
+    with pytest.raises(ValueError, match="lr must be finite"):
+        pc.optim.SGD(params, lr=float("nan"))
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+        pc.optim.SGD(params, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match=r"betas\[1\] must be < 1.0"):
+        pc.optim.Adam(params, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="params is empty"):
+        pc.optim.SGD([], lr=0.1)
+
+
+def test_fit_argument_errors(backend):
+    model = cnn(backend)
+    y = np.array([0, 1])
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        model.fit(X, y, batch_size=0, verbose=False)
+    with pytest.raises(ValueError, match="epochs must be >= 1, got 0"):
+        model.fit(X, y, epochs=0, verbose=False)
+    with pytest.raises(ValueError, match=r"y must be \(N,\) = \(2,\) integer labels, got shape \(3,\)"):
+        model.fit(X, [0, 1, 2], verbose=False)
+    with pytest.raises(TypeError, match="y must hold integers"):
+        model.fit(X, [0.5, 1.0], verbose=False)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 4\), found 7"):
+        model.fit(X, [0, 7], verbose=False)
+    with pytest.raises(TypeError, match="x must be real-valued"):
+        model.fit(X.astype(np.complex64), y, verbose=False)
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'.*available here: \[.*'numpy'"):
+        pc.set_backend("nope")
+    with pytest.raises(TypeError, match="backend must be a str name"):
+        pc.backends.get(3)
+
+
+def test_backend_lacking_an_op_names_both():
+    from parconv.backends.base import Backend
+
+    class Partial(Backend):
+        name = "partial"
+
+    with pytest.raises(NotImplementedError, match="backend 'partial' does not implement conv2d_forward"):
+        Partial().conv2d_forward(None, None, None, 1, 0)

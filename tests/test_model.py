@@ -1,0 +1,172 @@
+"""Sequential end to end: training, fusion, determinism across threads, checkpoints, PyTorch interop."""
+
+import os
+
+import numpy as np
+import pytest
+
+import parconv as pc
+from conftest import assert_close, needs_torch
+
+
+def small_cnn(backend, seed=0, fuse=True):
+    rng = np.random.default_rng(seed)
+    return pc.Sequential(pc.Conv2d(1, 4, 3, rng=rng), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(),
+                         pc.Linear(4 * 5 * 5, 10, rng=rng), backend=backend, fuse=fuse)
+
+
+def batch(n=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 1, 12, 12)).astype(np.float32), rng.integers(0, 10, n)
+
+
+def train_steps(model, steps=3, opt_cls=pc.optim.SGD, **kw):
+    opt = opt_cls(model.parameters(), **(kw or {"lr": 0.1, "momentum": 0.9}))
+    loss_fn = pc.SoftmaxCrossEntropy()
+    for s in range(steps):
+        x, y = batch(seed=s)
+        loss_fn(model(x), y)
+        model.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def test_training_step_matches_oracle(backend):
+    ref = train_steps(small_cnn("numpy"))
+    got = train_steps(small_cnn(backend))
+    for k in ref:
+        assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, what=k)
+
+
+def test_fused_and_unfused_models_agree(backend):
+    a = train_steps(small_cnn(backend, fuse=True))
+    b = train_steps(small_cnn(backend, fuse=False))
+    for k in a:
+        assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, what=k)
+
+
+@pytest.mark.parametrize("backend_name", [b for b in pc.available_backends() if b == "openmp"])
+def test_thread_counts_agree_and_runs_are_bit_identical(backend_name):
+    with pc.num_threads(1):
+        one = train_steps(small_cnn(backend_name))
+    with pc.num_threads(2):
+        two = train_steps(small_cnn(backend_name))
+        two_again = train_steps(small_cnn(backend_name))
+    for k in one:
+        np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        np.testing.assert_array_equal(two[k], two_again[k], err_msg=k)
+
+
+def test_backward_returns_dx_and_grads_overwrite(backend):
+    model = small_cnn(backend)
+    loss_fn = pc.SoftmaxCrossEntropy()
+    x, y = batch()
+    loss_fn(model(x), y)
+    dx = model.backward(loss_fn.backward(), need_dx=True)
+    assert tuple(dx.shape) == x.shape
+    g1 = [pc.to_numpy(p.grad).copy() for p in model.parameters()]
+    loss_fn(model(x), y)
+    model.backward(loss_fn.backward())
+    for a, p in zip(g1, model.parameters()):
+        np.testing.assert_allclose(pc.to_numpy(p.grad), a, rtol=1e-6)  # overwritten, not doubled
+
+
+def test_fit_learns_quadrants_mlp(backend):
+    x, y = pc.datasets.quadrants(512, seed=0)
+    rng = np.random.default_rng(0)
+    model = pc.Sequential(pc.Linear(2, 16, rng=rng), pc.ReLU(), pc.Linear(16, 1, rng=rng), pc.Sigmoid(),
+                          backend=backend)
+    opt = pc.optim.Adam(model.parameters(), lr=0.05)
+    hist = model.fit(x, y, epochs=40, batch_size=64, optimizer=opt, loss=pc.BCELoss(), verbose=False, seed=0)
+    assert hist["loss"][-1] < hist["loss"][0]
+    assert hist["accuracy"][-1] > 0.9
+    res = model.evaluate(x, y, loss=pc.BCELoss())
+    assert res["accuracy"] > 0.9
+
+
+def test_fit_with_validation_and_history(backend):
+    x, y = pc.datasets.load_mnist("test")
+    model = small_cnn(backend)
+    xs = x[:300, :, 8:20, 8:20]
+    hist = model.fit(xs, y[:300], epochs=2, batch_size=50, validation_data=(xs[:100], y[:100]), verbose=False)
+    assert set(hist.history) >= {"loss", "accuracy", "val_loss", "val_accuracy", "samples_per_s"}
+    assert len(hist["loss"]) == 2 and hist.epochs == [1, 2]
+    pred = model.predict(xs[:7], batch_size=3)
+    assert pred.shape == (7, 10) and isinstance(pred, np.ndarray)
+
+
+def test_batch_size_one_and_noncontiguous_float64_inputs(backend):
+    model = small_cnn(backend)
+    x, y = batch(4)
+    x64 = np.asfortranarray(x.astype(np.float64))
+    out32 = pc.to_numpy(model(x))
+    out64 = pc.to_numpy(model(x64))
+    np.testing.assert_allclose(out64, out32, rtol=1e-6)
+    strided = np.repeat(x, 2, axis=3)[:, :, :, ::2]  # a non-contiguous view equal to x
+    np.testing.assert_allclose(pc.to_numpy(model(strided)), out32, rtol=1e-6)
+    model.fit(x[:1], y[:1], epochs=1, batch_size=1, verbose=False)
+
+
+def test_save_load_round_trip(backend, tmp_path):
+    model = small_cnn(backend)
+    train_steps(model, 1)
+    path = tmp_path / "m.npz"
+    model.save(path)
+    loaded = pc.load(path, backend=backend)
+    x, _ = batch()
+    assert_close(loaded(x), pc.to_numpy(model(x)), rtol=1e-6, atol=1e-7)
+    assert [type(a) for a in loaded] == [type(b) for b in model]
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".parconv-")]  # no temp files left
+
+
+def test_save_is_atomic_when_interrupted(tmp_path, monkeypatch):
+    model = small_cnn("numpy")
+    path = tmp_path / "m.npz"
+    model.save(path)
+    before = path.read_bytes()
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(KeyboardInterrupt):
+        model.save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["m.npz"]
+
+
+def test_model_moves_between_backends(backend):
+    model = small_cnn("numpy")
+    x, _ = batch()
+    ref = pc.to_numpy(model(x)).copy()
+    model.to(backend)
+    assert model.backend is backend
+    assert_close(model(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_weights(backend):
+    model = small_cnn(backend)
+    x, y = batch(16)
+    opt = pc.optim.SGD(model.parameters(), lr=1e12)  # diverges within a couple of steps
+    with pytest.raises(pc.TrainingDivergedError, match="loss became"):
+        model.fit(x, y, epochs=5, batch_size=4, optimizer=opt, verbose=False)
+    for p in model.parameters():
+        assert np.isfinite(pc.to_numpy(p.data)).all()
+
+
+@needs_torch
+def test_state_dict_moves_to_and_from_torch(backend):
+    import torch
+
+    model = small_cnn(backend)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                              torch.nn.Linear(100, 10))
+    net.load_state_dict({k: torch.tensor(v) for k, v in model.state_dict().items()})
+    x, _ = batch()
+    assert_close(model(x), net(torch.tensor(x)).detach().numpy(), rtol=1e-4, atol=1e-5)
+    torch.manual_seed(3)
+    net2 = torch.nn.Sequential(*[type(m)(*a) for m, a in [(net[0], (1, 4, 3)), (net[1], ()), (net[2], (2,)),
+                                                           (net[3], ()), (net[4], (100, 10))]])
+    model.load_state_dict(net2.state_dict())
+    assert_close(model(x), net2(torch.tensor(x)).detach().numpy(), rtol=1e-4, atol=1e-5)
