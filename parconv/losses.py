@@ -61,20 +61,37 @@ class SoftmaxCrossEntropy(Loss):
         logits = to_backend_array(logits, be, "logits", where)
         check_ndim(shape_of(logits), 2, "logits", where, "(N, classes)")
         check_nonempty(shape_of(logits), "logits", where)
-        y = self.prepare_target(labels, logits.shape[0], be, n_classes=logits.shape[1])
+        y = self._labels_for(labels, logits, be)
         loss, probs = be.softmax_cross_entropy_forward(logits, y)
         self._cache = (be, probs, y)
         return loss
 
     def prepare_target(self, labels, n, backend, n_classes=None):
+        """Validate labels on the host and move them to ``backend`` as int32.
+
+        Without ``n_classes`` the upper bound is checked later, in
+        :meth:`forward`, against the logits' width (from the host maximum
+        recorded here, so no transfer is needed).
+        """
         backend = _backends.get(backend)
-        if backend.is_array(labels) and not isinstance(labels, np.ndarray) and labels.dtype == np.int32:
+        where = "SoftmaxCrossEntropy"
+        if backend.is_array(labels) and not isinstance(labels, np.ndarray):
+            labels = backend.to_numpy(labels)  # device labels from elsewhere: validate them on the host
+        y = F.check_labels(labels, n, n_classes if n_classes is not None else np.iinfo(np.int32).max, where)
+        y_b = backend.asarray(y, np.int32)
+        self._prepared = (y_b, int(y.max()) if y.size else -1)
+        return y_b
+
+    def _labels_for(self, labels, logits, be):
+        n, n_classes = logits.shape
+        prepared = getattr(self, "_prepared", None)
+        if prepared is not None and labels is prepared[0]:
             if shape_of(labels) != (n,):
-                raise ValueError(f"SoftmaxCrossEntropy: got labels of shape {shape_of(labels)} for {n} logits")
-            return labels  # already prepared (validated when it was moved)
-        y = F.check_labels(labels, n, n_classes if n_classes is not None else np.iinfo(np.int32).max,
-                           "SoftmaxCrossEntropy")
-        return backend.asarray(y, np.int32)
+                raise ValueError(f"SoftmaxCrossEntropy: got {shape_of(labels)[0]} labels for a batch of {n} logits")
+            if prepared[1] >= n_classes:
+                raise ValueError(f"SoftmaxCrossEntropy: labels must be in [0, {n_classes}), found {prepared[1]}")
+            return labels
+        return self.prepare_target(labels, n, be, n_classes=n_classes)
 
     def backward(self):
         """Gradient w.r.t. the logits, ``(softmax - onehot) / N``."""

@@ -27,7 +27,7 @@ def _arrays(case, dtype=np.float32):
     n, c, o, h, w, k, stride, pad, bias, seed = case
     rng = np.random.default_rng(seed)
     x = rand(rng, n, c, h, w).astype(dtype)
-    wt = rand(rng, o, c, k, k, scale=0.3).astype(dtype)
+    wt = rand(rng, o, c, k, k, scale=1.0 / np.sqrt(c * k * k)).astype(dtype)  # PyTorch-like init scale
     b = rand(rng, o).astype(dtype) if bias else None
     return rng, x, wt, b
 
@@ -36,16 +36,18 @@ def _arrays(case, dtype=np.float32):
 def test_conv2d_forward_backward_match_oracle(backend, oracle, case):
     n, c, o, h, w, k, stride, pad, bias, seed = case
     rng, x, wt, b = _arrays(case)
-    y_ref = oracle.conv2d_forward(x, wt, b, stride, pad)
+    # the oracle runs in float64 so the comparison measures the backend's float32 error only
+    x64, w64, b64 = x.astype(np.float64), wt.astype(np.float64), None if b is None else b.astype(np.float64)
+    y_ref = oracle.conv2d_forward(x64, w64, b64, stride, pad)
     X, Wd = backend.asarray(x), backend.asarray(wt)
     B = backend.asarray(b) if bias else None
     y = backend.conv2d_forward(X, Wd, B, stride, pad)
     assert_close(y, y_ref, what="conv2d y")
     dy = rand(rng, *y_ref.shape)
-    dx_ref, dw_ref, db_ref = oracle.conv2d_backward(x, wt, dy, stride, pad, True, bias)
+    dx_ref, dw_ref, db_ref = oracle.conv2d_backward(x64, w64, dy.astype(np.float64), stride, pad, True, bias)
     dx, dw, db = backend.conv2d_backward(X, Wd, backend.asarray(dy), stride, pad, True, bias)
     assert_close(dx, dx_ref, what="conv2d dx")
-    assert_close(dw, dw_ref, rtol=1e-4, atol=1e-4, what="conv2d dw")
+    assert_close(dw, dw_ref, atol=1e-4, what="conv2d dw")  # sums up to N*P*Q = 3200 terms of O(1)
     if bias:
         assert_close(db, db_ref, atol=1e-4, what="conv2d db")
     else:
@@ -53,7 +55,7 @@ def test_conv2d_forward_backward_match_oracle(backend, oracle, case):
     # need_dx=False still gives the same dw
     dx2, dw2, _ = backend.conv2d_backward(X, Wd, backend.asarray(dy), stride, pad, False, bias)
     assert dx2 is None
-    assert_close(dw2, dw_ref, rtol=1e-4, atol=1e-4, what="conv2d dw (no dx)")
+    assert_close(dw2, dw_ref, atol=1e-4, what="conv2d dw (no dx)")
 
 
 @given(conv_case(max_n=2, max_c=3, max_hw=7))
@@ -118,7 +120,7 @@ def fused_case(draw):
 def test_fused_conv_relu_maxpool_equals_unfused(backend, oracle, case):
     n, c, o, h, w, k, stride, pad, pk, ps, bias, seed = case
     rng = np.random.default_rng(seed)
-    x, wt = rand(rng, n, c, h, w), rand(rng, o, c, k, k, scale=0.3)
+    x, wt = rand(rng, n, c, h, w), rand(rng, o, c, k, k, scale=1.0 / np.sqrt(c * k * k))
     b = rand(rng, o) if bias else None
     z = oracle.conv2d_forward(x, wt, b, stride, pad)
     yp, am = oracle.maxpool2d_forward(oracle.relu_forward(z), pk, ps)

@@ -14,14 +14,15 @@ dense_case = st.tuples(st.integers(1, 64), st.integers(1, 300), st.integers(1, 4
 def test_linear_matches_oracle(backend, oracle, case):
     n, f, g, bias, seed = case
     rng = np.random.default_rng(seed)
-    x, w = rand(rng, n, f), rand(rng, g, f, scale=0.2)
+    x, w = rand(rng, n, f), rand(rng, g, f, scale=1.0 / np.sqrt(f))
     b = rand(rng, g) if bias else None
-    y_ref = oracle.linear_forward(x, w, b)
+    f64 = lambda a: None if a is None else a.astype(np.float64)  # noqa: E731 - oracle in float64
+    y_ref = oracle.linear_forward(f64(x), f64(w), f64(b))
     X, Wd = backend.asarray(x), backend.asarray(w)
     y = backend.linear_forward(X, Wd, backend.asarray(b) if bias else None)
     assert_close(y, y_ref, atol=1e-4, what="linear y")
     dy = rand(rng, n, g)
-    dx_ref, dw_ref, db_ref = oracle.linear_backward(x, w, dy, True, bias)
+    dx_ref, dw_ref, db_ref = oracle.linear_backward(f64(x), f64(w), f64(dy), True, bias)
     dx, dw, db = backend.linear_backward(X, Wd, backend.asarray(dy), True, bias)
     assert_close(dx, dx_ref, atol=1e-4, what="linear dx")
     assert_close(dw, dw_ref, atol=1e-4, what="linear dw")
@@ -52,7 +53,7 @@ def test_linear_matches_torch(backend, case):
 
     n, f, g, bias, seed = case
     rng = np.random.default_rng(seed)
-    x, w = rand(rng, n, f), rand(rng, g, f, scale=0.2)
+    x, w = rand(rng, n, f), rand(rng, g, f, scale=1.0 / np.sqrt(f))
     b = rand(rng, g) if bias else None
     xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
     bt = torch.tensor(b, requires_grad=True) if bias else None
