@@ -1,0 +1,743 @@
+"""The OpenCL backend: pyopencl arrays that stay on the device.
+
+Arrays are :class:`pyopencl.array.Array` (float32 or int32, C-contiguous) allocated
+from one :class:`pyopencl.tools.MemoryPool` per backend, so the many small per-step
+allocations of a training step reuse device memory instead of calling the driver.
+Work is queued on one in-order command queue; only :meth:`OpenCLBackend.to_numpy` and
+the scalar results (losses, ``count_correct``, ``all_finite``) wait for it.
+
+The kernels live in ``kernels_cl/*.cl`` (installed as ``parconv.kernels_cl``), one file
+per op family sharing ``common.h``. Each family is built once per (context, build
+options) and kept in a process-wide cache; its kernel objects are fetched once and
+stored. Tile and work-group sizes are build options (``-D TILE_WG=...``) and kernel
+arguments chosen per device by :func:`device_config`, never literals in the kernels.
+
+Device choice never prompts: ``PARCONV_OPENCL_DEVICE`` holds ``"platform:device"``
+indices (``"0:1"``) or a case-insensitive substring of the device or platform name
+(``"pthread"``, ``"nvidia"``); without it the first GPU is used, else the first device.
+
+Transfer accounting (the residency rule)
+----------------------------------------
+Every copy between host and device goes through two methods of the backend, which
+record it in ``backend.transfers``, a :class:`TransferLog`:
+
+``transfers.device_to_host`` / ``transfers.host_to_device``
+    lists of :class:`Transfer` records ``(nbytes, reason)`` in call order. Reasons:
+    ``"to_numpy"`` (:meth:`~OpenCLBackend.to_numpy`), ``"asarray"`` (host data
+    uploaded by :meth:`~OpenCLBackend.asarray`), and for scalars the name of the
+    method that returned them: ``"softmax_cross_entropy_forward"``, ``"bce_forward"``,
+    ``"count_correct"``, ``"all_finite"``.
+``transfers.d2h_count``, ``d2h_bytes``, ``h2d_count``, ``h2d_bytes``
+    totals; ``transfers.d2h_reasons()`` the reasons in order.
+``transfers.reset()``
+    forget everything recorded so far.
+
+A training step on device arrays must leave only its loss (and metric) scalars in
+``device_to_host``::
+
+    log = backend.transfers
+    log.reset()
+    loss, probs = backend.softmax_cross_entropy_forward(logits, labels)
+    ...  # backward, optimizer update
+    assert log.d2h_reasons() == ["softmax_cross_entropy_forward"]
+
+Shapes: N batch, C in-channels, O filters, H, W input, P, Q output, K kernel,
+F in-features, G out-features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+from importlib import resources
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .base import Backend
+
+_INSTALL_HINT = 'pip install "parconv[opencl]" (pyopencl + the PoCL CPU driver), or install your GPU vendor\'s OpenCL driver'
+
+#: op family -> kernel file; one program per family
+FAMILIES = ("conv", "pool", "dense", "activations", "losses", "optim")
+
+
+def _import_pyopencl():
+    """pyopencl and pyopencl.array, or an ImportError that says how to install them."""
+    try:
+        import pyopencl as cl
+        import pyopencl.array  # noqa: F401 - registers cl.array
+        import pyopencl.tools  # noqa: F401 - registers cl.tools
+    except ImportError as exc:
+        raise ImportError(f"the OpenCL backend needs pyopencl ({exc}); install it with {_INSTALL_HINT}") from exc
+    return cl
+
+
+# --------------------------------------------------------------------------- transfers
+class Transfer(NamedTuple):
+    """One host <-> device copy."""
+
+    nbytes: int
+    reason: str
+
+
+class TransferLog:
+    """Every host <-> device copy an :class:`OpenCLBackend` made (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.device_to_host: list[Transfer] = []
+        self.host_to_device: list[Transfer] = []
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Forget every recorded transfer."""
+        with self._lock:
+            self.device_to_host.clear()
+            self.host_to_device.clear()
+
+    def _add(self, records: list, nbytes: int, reason: str) -> None:
+        with self._lock:
+            records.append(Transfer(int(nbytes), reason))
+
+    @property
+    def d2h_count(self) -> int:
+        return len(self.device_to_host)
+
+    @property
+    def d2h_bytes(self) -> int:
+        return sum(t.nbytes for t in self.device_to_host)
+
+    @property
+    def h2d_count(self) -> int:
+        return len(self.host_to_device)
+
+    @property
+    def h2d_bytes(self) -> int:
+        return sum(t.nbytes for t in self.host_to_device)
+
+    def d2h_reasons(self) -> list[str]:
+        """Reasons of the device -> host copies, in order."""
+        return [t.reason for t in self.device_to_host]
+
+    def __repr__(self) -> str:
+        return (f"<TransferLog device_to_host={self.d2h_count} ({self.d2h_bytes} B), "
+                f"host_to_device={self.h2d_count} ({self.h2d_bytes} B)>")
+
+
+# ------------------------------------------------------------------------ device choice
+def select_device(spec: str | None = None):
+    """The OpenCL device named by ``spec`` (default: env ``PARCONV_OPENCL_DEVICE``).
+
+    ``spec`` is ``"platform:device"`` indices or a case-insensitive substring of a
+    device or platform name. Without one: the first GPU, else the first device.
+    Never prompts.
+
+    Raises
+    ------
+    ImportError
+        pyopencl is not installed.
+    RuntimeError
+        No OpenCL platform or device is found, or none matches ``spec``.
+    """
+    cl = _import_pyopencl()
+    if spec is None:
+        spec = os.environ.get("PARCONV_OPENCL_DEVICE", "")
+    spec = spec.strip()
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as exc:  # the ICD loader finds no platform
+        raise RuntimeError(f"no OpenCL platform found ({exc}); install one with {_INSTALL_HINT}") from exc
+    devices = []  # (platform index, device index, platform, device)
+    for pi, platform in enumerate(platforms):
+        try:
+            devs = platform.get_devices()
+        except cl.Error:
+            continue
+        devices += [(pi, di, platform, d) for di, d in enumerate(devs)]
+    if not devices:
+        raise RuntimeError(f"no OpenCL device found; install a driver with {_INSTALL_HINT}")
+    listing = ", ".join(f"{pi}:{di} {d.name.strip()} ({p.name.strip()})" for pi, di, p, d in devices)
+    if spec:
+        if ":" in spec and all(part.strip().isdigit() for part in spec.split(":", 1)):
+            want = tuple(int(part) for part in spec.split(":", 1))
+            found = [d for pi, di, _, d in devices if (pi, di) == want]
+        else:
+            low = spec.lower()
+            found = [d for _, _, p, d in devices if low in d.name.lower() or low in p.name.lower()]
+        if not found:
+            raise RuntimeError(f"PARCONV_OPENCL_DEVICE={spec!r} matches no OpenCL device; devices: {listing}")
+        return found[0]
+    gpus = [d for _, _, _, d in devices if d.type & cl.device_type.GPU]
+    return gpus[0] if gpus else devices[0][3]
+
+
+# ---------------------------------------------------------------------- device tuning
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """Tile and work-group sizes for one device (build options and launch shapes)."""
+
+    tile_wg: int          # work-items per group of the tiled conv / GEMM kernels (-D TILE_WG)
+    gemm_bm: int          # largest GEMM tile rows (-D GEMM_BM), multiple of 8
+    gemm_bn: int          # largest GEMM tile columns (-D GEMM_BN), multiple of 8
+    gemm_bk: int          # GEMM reduction chunk (-D GEMM_BK)
+    red_wg: int           # work-items per reduction group (-D RED_WG), power of two
+    red_chunked: int      # 1: reduction work-items take contiguous chunks (-D RED_CHUNKED)
+    red_groups: int       # groups of the first reduction stage (fixed: deterministic sums)
+    elem_wg: int          # work-items per group of the elementwise kernels
+    conv_pixels: int      # output pixels per conv tile (rows x columns)
+    conv_tq_max: int      # widest conv tile, multiple of 8
+    conv_bo_max: int      # most filters per conv tile, multiple of 8
+    conv_cb_max: int      # most input channels staged per chunk (keeps the tile in cache on CPUs)
+    dw_pixels: int        # dy pixels staged per chunk of the dw kernel
+    dw_bo_max: int        # most filters per dw tile, multiple of 8
+    local_budget: int     # bytes of local memory one tile may use
+    min_groups: int       # work-groups worth launching at least (dw splits over images to get them)
+
+    def build_options(self) -> list[str]:
+        return [f"-DTILE_WG={self.tile_wg}", f"-DGEMM_BM={self.gemm_bm}", f"-DGEMM_BN={self.gemm_bn}",
+                f"-DGEMM_BK={self.gemm_bk}", f"-DRED_WG={self.red_wg}", f"-DRED_CHUNKED={self.red_chunked}"]
+
+
+def device_config(device, kind: str | None = None) -> DeviceConfig:
+    """Tile and work-group sizes for ``device``, from its type and limits.
+
+    CPUs (PoCL) run one work-item per tiled group: the work-group is a loop on one
+    core, the 8 x 8 micro-kernel is the SIMD unit's work, and local memory is cache.
+    GPUs (and accelerators) get wide groups and tiles that fit their small local
+    memory. ``kind`` ("cpu" or "gpu") overrides the detected type, within the
+    device's limits.
+    """
+    cl = _import_pyopencl()
+    max_wg = int(device.max_work_group_size)
+    local_mem = int(device.local_mem_size)
+    cus = int(device.max_compute_units)
+    pow2 = lambda n: 1 << (max(1, n).bit_length() - 1)  # noqa: E731 - largest power of two <= n
+    if kind is None:
+        kind = "cpu" if device.type & cl.device_type.CPU else "gpu"
+    if kind not in ("cpu", "gpu"):
+        raise ValueError(f"kind must be 'cpu', 'gpu' or None, got {kind!r}")
+    if kind == "cpu":
+        return DeviceConfig(
+            tile_wg=1, gemm_bm=64, gemm_bn=64, gemm_bk=64,
+            red_wg=min(16, pow2(max_wg)), red_chunked=1, red_groups=max(1, 2 * cus), elem_wg=min(64, max_wg),
+            conv_pixels=256, conv_tq_max=32, conv_bo_max=64, conv_cb_max=8, dw_pixels=256, dw_bo_max=32,
+            local_budget=min(local_mem, 512 * 1024), min_groups=4 * cus,
+        )
+    static = 4 * 64 * (64 + 64 + 64)  # the GEMM's static tiles at 64 x 64 x 64
+    bk = 64 if static <= local_mem - 1024 else 32
+    return DeviceConfig(
+        tile_wg=min(128, pow2(max_wg)), gemm_bm=64, gemm_bn=64, gemm_bk=bk,
+        red_wg=min(256, pow2(max_wg)), red_chunked=0, red_groups=min(256, max(1, 4 * cus)), elem_wg=min(256, max_wg),
+        conv_pixels=64, conv_tq_max=32, conv_bo_max=32, conv_cb_max=1 << 16, dw_pixels=64, dw_bo_max=16,
+        local_budget=max(4096, min(local_mem, 48 * 1024) - 1024), min_groups=8 * cus,
+    )
+
+
+# -------------------------------------------------------------------- program cache
+_program_cache: dict = {}
+_program_lock = threading.Lock()
+
+
+def _kernel_dir():
+    """The installed ``parconv.kernels_cl`` package, else ``kernels_cl/`` of a source checkout."""
+    try:
+        return resources.files("parconv.kernels_cl")
+    except ModuleNotFoundError:
+        src = Path(__file__).resolve().parents[2] / "kernels_cl"
+        if (src / "common.h").is_file():
+            return src
+        raise RuntimeError("parconv's OpenCL kernels (package parconv.kernels_cl) are not installed; "
+                           "reinstall parconv") from None
+
+
+def _kernel_source(family: str) -> str:
+    """``kernels_cl/<family>.cl`` with ``common.h`` pasted in place of its #include."""
+    pkg = _kernel_dir()
+    common = pkg.joinpath("common.h").read_text(encoding="utf-8")
+    src = pkg.joinpath(f"{family}.cl").read_text(encoding="utf-8")
+    return src.replace('#include "common.h"', common, 1)
+
+
+def build_program(context, family: str, options: tuple[str, ...]):
+    """The built program of ``family`` for ``context`` and ``options``, built at most once.
+
+    Returns ``(program, kernels)`` with ``kernels`` a dict name -> kernel object.
+    """
+    key = (context.int_ptr, family, tuple(options))
+    with _program_lock:
+        hit = _program_cache.get(key)
+        if hit is not None:
+            return hit[1], hit[2]
+        cl = _import_pyopencl()
+        try:
+            program = cl.Program(context, _kernel_source(family)).build(options=list(options))
+        except cl.RuntimeError as exc:
+            raise RuntimeError(f"building kernels_cl/{family}.cl failed on this OpenCL device: {exc}") from exc
+        kernels = {k.function_name: k for k in program.all_kernels()}
+        _program_cache[key] = (context, program, kernels)  # the context is kept alive with its programs
+        return program, kernels
+
+
+# ------------------------------------------------------------------------ helpers
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_i32 = np.int32
+_f32 = np.float32
+
+
+class OpenCLBackend(Backend):
+    """Backend running every op as OpenCL kernels on one device.
+
+    Parameters
+    ----------
+    device : str, optional
+        Device spec as for :func:`select_device`; default ``PARCONV_OPENCL_DEVICE`` or
+        the first GPU, else the first device.
+    config : DeviceConfig, optional
+        Tile and work-group sizes; default :func:`device_config` of the device (tests
+        pass a GPU-style one to run those code paths on a CPU device).
+
+    Attributes
+    ----------
+    transfers : TransferLog
+        Every host <-> device copy (see the module docstring).
+    device, context, queue, pool, config
+        The pyopencl objects and the tuning in use.
+    """
+
+    name = "opencl"
+    host_arrays = False
+
+    def __init__(self, device: str | None = None, config: DeviceConfig | None = None):
+        cl = _import_pyopencl()
+        self._cl = cl
+        self.device = select_device(device)
+        self.context = cl.Context([self.device])
+        self.queue = cl.CommandQueue(self.context)
+        self.pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
+        self.config = config or device_config(self.device)
+        self.build_options = tuple(self.config.build_options())
+        self.transfers = TransferLog()
+        self._k = {}
+        for family in FAMILIES:
+            self._k.update(self.program(family)[1])
+        self._dummy_f = self.empty((1,), np.float32)  # stands in for absent optional buffers
+
+    def __repr__(self) -> str:
+        return f"<parconv backend 'opencl' on {self.device.name.strip()!r}>"
+
+    def program(self, family: str):
+        """``(program, kernels)`` of one op family, built once per context and options."""
+        return build_program(self.context, family, self.build_options)
+
+    # ------------------------------------------------------------- transfers
+    def _device_to_host(self, a, reason: str) -> np.ndarray:
+        """The one way data leaves the device; recorded in :attr:`transfers`."""
+        out = a.get(queue=self.queue)
+        self.transfers._add(self.transfers.device_to_host, out.nbytes, reason)
+        return out
+
+    def _host_to_device(self, arr: np.ndarray, reason: str):
+        """The one way host data reaches the device; recorded in :attr:`transfers`."""
+        out = self._cl.array.to_device(self.queue, arr, allocator=self.pool)
+        self.transfers._add(self.transfers.host_to_device, arr.nbytes, reason)
+        return out
+
+    def _scalar(self, a, reason: str):
+        return self._device_to_host(a, reason)[0]
+
+    # ------------------------------------------------------------------ arrays
+    def asarray(self, x, dtype=np.float32):
+        dtype = np.dtype(dtype)
+        if self.is_array(x):
+            if x.dtype == dtype and x.flags.c_contiguous:
+                return x
+            if not x.flags.c_contiguous:
+                raise ValueError("OpenCL backend arrays must be C-contiguous")
+            return x.astype(dtype)
+        return self._host_to_device(np.ascontiguousarray(x, dtype=dtype), "asarray")
+
+    def to_numpy(self, a) -> np.ndarray:
+        if isinstance(a, (np.ndarray, np.generic)):
+            return np.asarray(a)
+        return self._device_to_host(a, "to_numpy")
+
+    def is_array(self, a) -> bool:
+        return isinstance(a, self._cl.array.Array) and a.context == self.context
+
+    def empty(self, shape, dtype=np.float32):
+        return self._cl.array.empty(self.queue, tuple(shape), np.dtype(dtype), allocator=self.pool)
+
+    def zeros(self, shape, dtype=np.float32):
+        a = self.empty(shape, dtype)
+        a.fill(0, queue=self.queue)
+        return a
+
+    def reshape(self, a, shape):
+        return a.reshape(tuple(shape))
+
+    def copy(self, a):
+        out = self.empty(a.shape, a.dtype)
+        self.copy_into(out, a)
+        return out
+
+    def copy_into(self, dst, src) -> None:
+        if dst.nbytes:
+            self._cl.enqueue_copy(self.queue, dst.base_data, src.base_data, byte_count=dst.nbytes,
+                                  dst_offset=dst.offset, src_offset=src.offset)
+
+    def fill(self, a, value: float) -> None:
+        a.fill(value, queue=self.queue)
+
+    def all_finite(self, a) -> bool:
+        count = self._reduce("count_nonfinite_partial", a.size, [a.data], [_i32(a.size)], np.int32)
+        return int(self._scalar(count, "all_finite")) == 0
+
+    def synchronize(self) -> None:
+        self.queue.finish()
+
+    # ------------------------------------------------------------ launching
+    def _run(self, name: str, gsize, lsize, *args) -> None:
+        self._k[name](self.queue, gsize, lsize, *args)
+
+    def _elementwise(self, name: str, n: int, *args) -> None:
+        if n:
+            wg = self.config.elem_wg
+            self._run(name, (_cdiv(n, wg) * wg,), (wg,), *args)
+
+    def _reduce(self, partial_kernel: str, n: int, buffers, scalars, dtype, divisor: float = 1.0):
+        """Two-stage fixed-order reduction on the device -> a (1,) device array.
+
+        ``partial_kernel(*buffers, partial, *scalars)`` leaves one partial per group
+        (the group count is fixed per device, so sums are deterministic); the final
+        kernel adds them in one group (floats are then divided by ``divisor``).
+        """
+        cfg = self.config
+        groups = max(1, min(cfg.red_groups, _cdiv(n, cfg.red_wg)))
+        partial = self.empty((groups,), dtype)
+        self._run(partial_kernel, (groups * cfg.red_wg,), (cfg.red_wg,), *buffers, partial.data, *scalars)
+        out = self.empty((1,), dtype)
+        if np.dtype(dtype) == np.float32:
+            self._run("reduce_float_final", (cfg.red_wg,), (cfg.red_wg,), partial.data, out.data,
+                      _i32(groups), _f32(divisor))
+        else:
+            self._run("reduce_int_final", (cfg.red_wg,), (cfg.red_wg,), partial.data, out.data, _i32(groups))
+        return out
+
+    def _local(self, nfloats: int):
+        return self._cl.LocalMemory(4 * max(1, nfloats))
+
+    # ------------------------------------------------------------------ conv2d
+    def _conv_tiles(self, C, P, Q, O, K, stride):
+        """(bo, tp, tq, cb) of a conv2d_direct launch that fits the local-memory budget."""
+        cfg = self.config
+        budget = cfg.local_budget // 4
+        bo = min(_round8(O), cfg.conv_bo_max)
+        tq = min(_round8(Q), cfg.conv_tq_max)
+        tp = max(1, min(P, cfg.conv_pixels // tq))
+        while True:
+            cb = min(self._conv_cb(C, K, stride, bo, tp, tq, budget), cfg.conv_cb_max)
+            if cb:
+                return bo, tp, tq, cb
+            if tp > 1:
+                tp = max(1, tp // 2)
+            elif bo > 8:
+                bo -= 8
+            elif tq > 8:
+                tq -= 8
+            else:
+                raise NotImplementedError(
+                    f"backend 'opencl': conv2d with K={K}, stride={stride} needs more local memory than "
+                    f"this device has ({self.device.local_mem_size} B)")
+
+    @staticmethod
+    def _conv_cb(C, K, stride, bo, tp, tq, budget):
+        patch_per_c = ((tp - 1) * stride + K) * stride * (tq + (K - 1) // stride)
+        free = budget - bo * tp * tq
+        per_c = patch_per_c + K * K * bo
+        return min(C, free // per_c) if free > 0 else 0
+
+    def _conv_direct(self, x, w, b, y, C, H, W, O, P, Q, K, stride, pad, dil):
+        N = x.shape[0]
+        bo, tp, tq, cb = self._conv_tiles(C, P, Q, O, K, stride)
+        tiles_o = _cdiv(O, bo)
+        wg = self.config.tile_wg
+        patch = cb * ((tp - 1) * stride + K) * stride * (tq + (K - 1) // stride)
+        self._run("conv2d_direct", (_cdiv(Q, tq) * wg, _cdiv(P, tp), N * tiles_o), (wg, 1, 1),
+                  x.data, w.data, (b if b is not None else self._dummy_f).data, y.data,
+                  _i32(C), _i32(H), _i32(W), _i32(O), _i32(P), _i32(Q), _i32(K), _i32(stride), _i32(pad),
+                  _i32(dil), _i32(b is not None), _i32(bo), _i32(tp), _i32(tq), _i32(cb), _i32(tiles_o),
+                  self._local(patch), self._local(cb * K * K * bo), self._local(bo * tp * tq))
+
+    def conv2d_forward(self, x, w, b, stride, padding):
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P = (H + 2 * padding - K) // stride + 1
+        Q = (W + 2 * padding - K) // stride + 1
+        y = self.empty((N, O, P, Q))
+        if y.size:
+            self._conv_direct(x, w, b, y, C, H, W, O, P, Q, K, stride, padding, 1)
+        return y
+
+    def conv2d_backward(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P, Q = dy.shape[2], dy.shape[3]
+        dx = None
+        if need_dx:
+            # dx is the stride-1 correlation of dy (dilated by the stride) with the
+            # flipped, transposed weights and padding K - 1 - pad
+            wt = self.empty((C, O, K, K))
+            self._elementwise("conv2d_flip_weights", w.size, w.data, wt.data, _i32(O), _i32(C), _i32(K))
+            dx = self.empty((N, C, H, W))
+            self._conv_direct(dy, wt, None, dx, O, P, Q, C, H, W, K, 1, K - 1 - padding, stride)
+        dw = self._conv_dw(x, dy, w.shape, stride, padding)
+        db = None
+        if need_db:
+            db = self.empty((O,))
+            rw = self.config.red_wg
+            self._run("conv2d_backward_bias", (O * rw,), (rw,), dy.data, db.data, _i32(N), _i32(O), _i32(P * Q))
+        return dx, dw, db
+
+    def _conv_dw(self, x, dy, w_shape, stride, pad):
+        cfg = self.config
+        N, C, H, W = x.shape
+        O, _, K, _ = w_shape
+        P, Q = dy.shape[2], dy.shape[3]
+        KK = K * K
+        budget = cfg.local_budget // 4
+        q8 = _round8(Q)
+        tp = max(1, min(P, cfg.dw_pixels // q8))
+        bo = min(_round8(O), cfg.dw_bo_max)
+        while True:
+            ph = (tp - 1) * stride + K
+            rl = stride * (q8 + (K - 1) // stride)
+            free = budget - bo * tp * q8
+            per_c = ph * rl + bo * KK * 8
+            cbw = min(C, free // per_c) if free > 0 else 0
+            if cbw:
+                break
+            if tp > 1:
+                tp = max(1, tp // 2)
+            elif bo > 8:
+                bo -= 8
+            else:
+                raise NotImplementedError(
+                    f"backend 'opencl': conv2d dw with Q={Q}, K={K} needs more local memory than this device has")
+        tiles_c, tiles_o = _cdiv(C, cbw), _cdiv(O, bo)
+        groups = tiles_c * tiles_o
+        splits = max(1, min(N, _cdiv(cfg.min_groups, groups)))
+        n_per_split = _cdiv(N, splits)
+        splits = _cdiv(N, n_per_split)
+        dw = self.empty((O, C, K, K))
+        part = dw if splits == 1 else self.empty((splits, O, C, K, K))
+        wg = cfg.tile_wg
+        self._run("conv2d_backward_weight", (tiles_c * wg, tiles_o, splits), (wg, 1, 1),
+                  x.data, dy.data, part.data, _i32(N), _i32(C), _i32(H), _i32(W), _i32(O), _i32(P), _i32(Q),
+                  _i32(K), _i32(stride), _i32(pad), _i32(bo), _i32(cbw), _i32(tp), _i32(q8), _i32(n_per_split),
+                  self._local(cbw * ph * rl), self._local(bo * tp * q8), self._local(bo * cbw * KK * 8))
+        if splits > 1:
+            self._elementwise("conv2d_sum_splits", dw.size, part.data, dw.data, _i32(splits), _i32(dw.size))
+        return dw
+
+    # --------------------------------------------------------------- maxpool2d
+    def maxpool2d_forward(self, x, kernel_size, stride):
+        N, C, H, W = x.shape
+        K = kernel_size
+        P, Q = (H - K) // stride + 1, (W - K) // stride + 1
+        y = self.empty((N, C, P, Q))
+        argmax = self.empty((N, C, P, Q), np.int32)
+        self._elementwise("maxpool2d_forward", N * C * P, x.data, y.data, argmax.data,
+                          _i32(N * C), _i32(H), _i32(W), _i32(P), _i32(Q), _i32(K), _i32(stride))
+        return y, argmax
+
+    def _pool_backward(self, dy, argmax, x_shape, relu_y):
+        N, C, H, W = x_shape
+        dx = self.empty((N, C, H, W))
+        self._elementwise("maxpool2d_backward", N * C, dy.data, argmax.data,
+                          (relu_y if relu_y is not None else self._dummy_f).data, dx.data,
+                          _i32(N * C), _i32(H * W), _i32(dy.shape[2] * dy.shape[3]), _i32(relu_y is not None))
+        return dx
+
+    def maxpool2d_backward(self, dy, argmax, x_shape):
+        return self._pool_backward(dy, argmax, tuple(x_shape), None)
+
+    # ------------------------------------------------------------------ linear
+    def _gemm(self, a, b, bias, c, M, N, K, sa_i, sa_k, sb_k, sb_j):
+        cfg = self.config
+        if M == 0 or N == 0:
+            return
+        bm, bn = min(cfg.gemm_bm, _round8(M)), min(cfg.gemm_bn, _round8(N))
+        wg = cfg.tile_wg
+        self._run("gemm", (_cdiv(N, bn) * wg, _cdiv(M, bm), 1), (wg, 1, 1),
+                  a.data, b.data, (bias if bias is not None else self._dummy_f).data, c.data,
+                  _i32(M), _i32(N), _i32(K), _i32(sa_i), _i32(sa_k), _i32(sb_k), _i32(sb_j),
+                  _i32(bias is not None), _i32(bm), _i32(bn))
+
+    def linear_forward(self, x, w, b):
+        N, F = x.shape
+        G = w.shape[0]
+        y = self.empty((N, G))
+        self._gemm(x, w, b, y, N, G, F, F, 1, 1, F)
+        return y
+
+    def linear_backward(self, x, w, dy, need_dx=True, need_db=True):
+        N, F = x.shape
+        G = w.shape[0]
+        dx = None
+        if need_dx:
+            dx = self.empty((N, F))
+            self._gemm(dy, w, None, dx, N, F, G, G, 1, F, 1)
+        dw = self.empty((G, F))
+        self._gemm(dy, x, None, dw, G, F, N, 1, G, F, 1)
+        db = None
+        if need_db:
+            db = self.empty((G,))
+            self._elementwise("dense_column_sum", G, dy.data, db.data, _i32(N), _i32(G))
+        return dx, dw, db
+
+    # ------------------------------------------------------------- activations
+    def _unary(self, name, x):
+        y = self.empty(x.shape)
+        self._elementwise(name, x.size, x.data, y.data, _i32(x.size))
+        return y
+
+    def _binary(self, name, y, dy):
+        dx = self.empty(dy.shape)
+        self._elementwise(name, dy.size, y.data, dy.data, dx.data, _i32(dy.size))
+        return dx
+
+    def relu_forward(self, x):
+        return self._unary("relu_forward", x)
+
+    def relu_backward(self, y, dy):
+        return self._binary("relu_backward", y, dy)
+
+    def sigmoid_forward(self, x):
+        return self._unary("sigmoid_forward", x)
+
+    def sigmoid_backward(self, y, dy):
+        return self._binary("sigmoid_backward", y, dy)
+
+    # ------------------------------------------------------------------ losses
+    def softmax_cross_entropy_forward(self, logits, labels):
+        N, G = logits.shape
+        probs = self.empty((N, G))
+        row_loss = self.empty((N,))
+        self._elementwise("softmax_xent_rows", N, logits.data, labels.data, probs.data, row_loss.data,
+                          _i32(N), _i32(G))
+        loss = self._reduce("sum_partial", N, [row_loss.data], [_i32(N)], np.float32, float(N))
+        return float(self._scalar(loss, "softmax_cross_entropy_forward")), probs
+
+    def softmax_cross_entropy_backward(self, probs, labels):
+        N, G = probs.shape
+        d = self.empty((N, G))
+        self._elementwise("softmax_xent_backward", N * G, probs.data, labels.data, d.data, _i32(N), _i32(G))
+        return d
+
+    @staticmethod
+    def _clip_bounds(eps):
+        # NumPy clips float32 data to the float32 values of eps and 1 - eps
+        return _f32(eps), _f32(1 - eps)
+
+    def bce_forward(self, p, t, eps):
+        lo, hi = self._clip_bounds(eps)
+        n = p.size
+        loss = self._reduce("bce_partial", n, [p.data, t.data], [_i32(n), lo, hi], np.float32, float(n))
+        return float(self._scalar(loss, "bce_forward"))
+
+    def bce_backward(self, p, t, eps):
+        lo, hi = self._clip_bounds(eps)
+        dp = self.empty(p.shape)
+        self._elementwise("bce_backward", p.size, p.data, t.data, dp.data, _i32(p.size), lo, hi)
+        return dp
+
+    def count_correct(self, logits, labels):
+        N, G = logits.shape
+        count = self._reduce("count_correct_partial", N, [logits.data, labels.data], [_i32(N), _i32(G)], np.int32)
+        return int(self._scalar(count, "count_correct"))
+
+    def argmax_rows(self, logits):
+        N, G = logits.shape
+        out = self.empty((N,), np.int32)
+        self._elementwise("argmax_rows", N, logits.data, out.data, _i32(N), _i32(G))
+        return out
+
+    # --------------------------------------------------------------- optimizer
+    def sgd_update(self, p, g, v, lr, momentum, weight_decay, nesterov):
+        self._elementwise("sgd_update", p.size, p.data, g.data, (v if v is not None else self._dummy_f).data,
+                          _i32(p.size), _f32(lr), _f32(momentum), _f32(weight_decay),
+                          _i32(bool(weight_decay)), _i32(v is not None), _i32(bool(nesterov)))
+
+    def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        self._elementwise("adam_update", p.size, p.data, g.data, m.data, v.data, _i32(p.size),
+                          _f32(beta1), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2),
+                          _f32(lr / bc1), _f32(math.sqrt(bc2)), _f32(eps), _f32(weight_decay),
+                          _i32(bool(weight_decay)))
+
+    # ------------------------------------------------- fused conv+relu+maxpool
+    def conv2d_relu_maxpool2d_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride):
+        cfg = self.config
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P = (H + 2 * padding - K) // stride + 1
+        Q = (W + 2 * padding - K) // stride + 1
+        pk, ps = pool_kernel, pool_stride
+        PP, QQ = (P - pk) // ps + 1, (Q - pk) // ps + 1
+        y = self.empty((N, O, PP, QQ))
+        argmax = self.empty((N, O, PP, QQ), np.int32)
+        if not y.size:
+            return y, argmax
+        # tile in pooled outputs; the conv tile is the rows and columns their windows cover
+        tqq = max(1, min(QQ, (cfg.conv_tq_max - pk) // ps + 1))
+        budget = cfg.local_budget // 4
+        bo = min(_round8(O), cfg.conv_bo_max)
+        while True:
+            tq = _round8((tqq - 1) * ps + pk)
+            tpp = max(1, min(PP, (cfg.conv_pixels // tq - pk) // ps + 1))
+            cb = 0
+            while not cb:
+                tp = (tpp - 1) * ps + pk
+                cb = min(self._conv_cb(C, K, stride, bo, tp, tq, budget), cfg.conv_cb_max)
+                if cb or tpp == 1:
+                    break
+                tpp = max(1, tpp // 2)
+            if cb:
+                break
+            if bo > 8:
+                bo -= 8
+            elif tqq > 1:
+                tqq = max(1, tqq // 2)
+            else:
+                raise NotImplementedError(
+                    f"backend 'opencl': fused conv2d+relu+maxpool2d with K={K}, pool {pk} needs more local "
+                    f"memory than this device has")
+        tiles_o = _cdiv(O, bo)
+        wg = cfg.tile_wg
+        patch = cb * ((tp - 1) * stride + K) * stride * (tq + (K - 1) // stride)
+        self._run("conv2d_relu_maxpool2d_forward", (_cdiv(QQ, tqq) * wg, _cdiv(PP, tpp), N * tiles_o), (wg, 1, 1),
+                  x.data, w.data, (b if b is not None else self._dummy_f).data, y.data, argmax.data,
+                  _i32(C), _i32(H), _i32(W), _i32(O), _i32(P), _i32(Q), _i32(K), _i32(stride), _i32(padding),
+                  _i32(b is not None), _i32(pk), _i32(ps), _i32(PP), _i32(QQ), _i32(tpp), _i32(tqq),
+                  _i32(bo), _i32(tp), _i32(tq), _i32(cb), _i32(tiles_o),
+                  self._local(patch), self._local(cb * K * K * bo), self._local(bo * tp * tq))
+        return y, argmax
+
+    def conv2d_relu_maxpool2d_backward(self, x, w, y, argmax, dy, stride, padding, need_dx=True, need_db=True):
+        N, O = x.shape[0], w.shape[0]
+        K = w.shape[2]
+        P = (x.shape[2] + 2 * padding - K) // stride + 1
+        Q = (x.shape[3] + 2 * padding - K) // stride + 1
+        dz = self._pool_backward(dy, argmax, (N, O, P, Q), y)
+        return self.conv2d_backward(x, w, dz, stride, padding, need_dx, need_db)
