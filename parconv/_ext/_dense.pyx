@@ -1,0 +1,115 @@
+# Shape legend: N batch, F in-features, G out-features.
+# y = x @ w.T + b with x (N, F), w (G, F), b (G,), y (N, G).
+"""linear (fully connected) kernels: sgemm on blocks, one block per thread.
+
+Each product is one column-major sgemm (a row-major (r, c) array is a
+column-major (c, r) one) whose *output* is split into contiguous blocks of
+rows or columns, one per thread. No two threads write the same element and
+no block sums partial products of another, so dw needs no reduction and the
+result does not depend on the thread count beyond BLAS kernel edge effects.
+
+The caller limits the BLAS library to one thread around these calls.
+"""
+
+from cython.parallel cimport prange
+from scipy.linalg.cython_blas cimport sgemm
+
+cdef enum:
+    # multiply-adds below which one thread beats waking a team
+    SERIAL_BELOW_MACS = 1 << 20
+
+
+cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int lda,
+                     const float *B, int ldb, float *C, int ldc, int num_threads) noexcept nogil:
+    """Column-major ``C (m x n) = op(A) @ op(B)``, C's columns (or rows) split over threads."""
+    cdef float one = 1.0, zero = 0.0
+    cdef int nt = num_threads if num_threads > 0 else 1
+    cdef bint by_cols = n >= m
+    cdef int extent = n if by_cols else m
+    cdef int i, s0, s1, cnt
+    cdef const float *a
+    cdef const float *b
+    cdef float *c
+    if <double>m * n * k < SERIAL_BELOW_MACS:
+        nt = 1
+    if nt > extent:
+        nt = extent
+    if nt < 1:
+        nt = 1
+    for i in prange(nt, schedule="static", num_threads=nt):
+        s0 = <int>((<long>extent * i) // nt)
+        s1 = <int>((<long>extent * (i + 1)) // nt)
+        cnt = s1 - s0
+        if cnt <= 0:
+            continue
+        if by_cols:
+            # columns s0..s1 of op(B) and of C
+            b = B + (<Py_ssize_t>s0 * ldb if tb == b'N' else s0)
+            c = C + <Py_ssize_t>s0 * ldc
+            sgemm(&ta, &tb, &m, &cnt, &k, &one, <float *>A, &lda, <float *>b, &ldb, &zero, c, &ldc)
+        else:
+            # rows s0..s1 of op(A) and of C
+            a = A + (s0 if ta == b'N' else <Py_ssize_t>s0 * lda)
+            c = C + s0
+            sgemm(&ta, &tb, &cnt, &n, &k, &one, <float *>a, &lda, <float *>B, &ldb, &zero, c, &ldc)
+
+
+def linear_forward(const float[:, ::1] x,  # IN  (N, F)
+                   const float[:, ::1] w,  # IN  (G, F)
+                   const float[::1] b,     # IN  (G,) or None
+                   float[:, ::1] y,        # OUT (N, G), overwritten
+                   int num_threads):
+    """``y = x @ w.T + b``."""
+    cdef int N = x.shape[0], F = x.shape[1], G = w.shape[0]
+    cdef float *yp = &y[0, 0]
+    cdef const float *bp = NULL
+    cdef Py_ssize_t r, j
+    cdef int nt = num_threads
+    if b is not None:
+        bp = &b[0]
+    with nogil:
+        # y^T (G x N) = w (G x F, stored as F x G: 'T') @ x^T (F x N)
+        _par_sgemm(b'T', b'N', G, N, F, &w[0, 0], F, &x[0, 0], F, yp, G, num_threads)
+        if bp != NULL:
+            if <Py_ssize_t>N * G < 32768:
+                nt = 1
+            for r in prange(N, schedule="static", num_threads=nt):
+                for j in range(G):
+                    yp[r * G + j] = yp[r * G + j] + bp[j]
+
+
+def linear_backward(const float[:, ::1] x,   # IN  (N, F)
+                    const float[:, ::1] w,   # IN  (G, F)
+                    const float[:, ::1] dy,  # IN  (N, G)
+                    float[:, ::1] dx,        # OUT (N, F) or None, overwritten
+                    float[:, ::1] dw,        # OUT (G, F), overwritten
+                    float[::1] db,           # OUT (G,) or None, overwritten
+                    int num_threads):
+    """``dx = dy @ w``, ``dw = dy.T @ x``, ``db = dy.sum(0)`` (db summed in double)."""
+    cdef int N = x.shape[0], F = x.shape[1], G = w.shape[0]
+    cdef const float *dyp = &dy[0, 0]
+    cdef float *dbp = NULL
+    cdef float *dxp = NULL
+    cdef int nt = num_threads if num_threads > 0 else 1
+    cdef int g, r
+    cdef double s
+    if dx is not None:
+        dxp = &dx[0, 0]
+    if db is not None:
+        dbp = &db[0]
+    with nogil:
+        if dxp != NULL:
+            # dx^T (F x N) = w^T (F x G, stored so: 'N') @ dy^T (G x N)
+            _par_sgemm(b'N', b'N', F, N, G, &w[0, 0], F, dyp, G, dxp, F, num_threads)
+        # dw^T (F x G) = x^T (F x N) @ dy (N x G, stored as G x N: 'T')
+        _par_sgemm(b'N', b'T', F, G, N, &x[0, 0], F, dyp, G, &dw[0, 0], F, num_threads)
+        if dbp != NULL:
+            if <Py_ssize_t>N * G < 32768:
+                nt = 1
+            if nt > G:
+                nt = G
+            for g in prange(G, schedule="static", num_threads=nt):
+                s = 0.0
+                for r in range(N):
+                    s = s + dyp[<Py_ssize_t>r * G + g]
+                dbp[g] = <float>s

@@ -1,0 +1,176 @@
+# Shape legend: N batch (rows), G classes / out-features (columns).
+# softmax cross-entropy: logits (N, G) float32, labels (N,) int32, probs (N, G).
+# BCE: p, t taken flat, n = p.size elements.
+"""Loss kernels: softmax cross-entropy, binary cross-entropy, argmax helpers.
+
+Losses are summed in double, one partial sum per chunk, and the partials are
+added in chunk order, so a thread count always gives the same bits. Row
+argmax follows ``np.argmax``: the first maximum, and the first NaN if a row
+has one.
+"""
+
+from cython.parallel cimport prange
+from libc.math cimport expf, logf, log
+from libc.stdlib cimport malloc, free
+
+cdef enum:
+    SERIAL_BELOW = 32768  # elements
+
+
+cdef inline int _chunks(Py_ssize_t rows, Py_ssize_t work, int num_threads) noexcept nogil:
+    """One contiguous block of rows per thread; serial for small work."""
+    if work < SERIAL_BELOW or num_threads <= 1:
+        return 1
+    if num_threads > rows:
+        return <int>rows
+    return num_threads
+
+
+cdef inline Py_ssize_t _row_argmax(const float *row, Py_ssize_t G) noexcept nogil:
+    cdef Py_ssize_t j, best_j = 0
+    cdef float best = row[0], v
+    for j in range(1, G):
+        v = row[j]
+        if v > best or (v != v and best == best):
+            best = v
+            best_j = j
+    return best_j
+
+
+cdef double _xent_rows(const float *x, const int *lab, float *probs, Py_ssize_t r0, Py_ssize_t r1,
+                       Py_ssize_t G) noexcept nogil:
+    """Softmax of rows [r0, r1) into probs; returns the sum of -log p[label]."""
+    cdef Py_ssize_t r, j
+    cdef const float *row
+    cdef float *pr
+    cdef float m, lse, lp
+    cdef double s, loss = 0.0
+    for r in range(r0, r1):
+        row = x + r * G
+        pr = probs + r * G
+        m = row[0]
+        for j in range(1, G):
+            if row[j] > m:
+                m = row[j]
+        s = 0.0
+        for j in range(G):
+            s += expf(row[j] - m)
+        lse = <float>log(s)
+        for j in range(G):
+            lp = (row[j] - m) - lse
+            pr[j] = expf(lp)
+            if j == lab[r]:
+                loss -= lp
+    return loss
+
+
+def softmax_cross_entropy_forward(const float[:, ::1] logits,  # IN  (N, G)
+                                  const int[::1] labels,        # IN  (N,) in [0, G)
+                                  float[:, ::1] probs,          # OUT (N, G), overwritten
+                                  int num_threads):
+    """Mean softmax cross-entropy with a stable log-sum-exp; returns the loss as a Python float."""
+    cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1]
+    cdef int nc = _chunks(N, N * G, num_threads)
+    cdef double *part = <double *>malloc(sizeof(double) * nc)
+    cdef double total = 0.0
+    cdef Py_ssize_t i
+    if part == NULL:
+        raise MemoryError()
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            part[i] = _xent_rows(&logits[0, 0], &labels[0], &probs[0, 0], N * i // nc, N * (i + 1) // nc, G)
+    for i in range(nc):
+        total += part[i]
+    free(part)
+    return total / N
+
+
+def softmax_cross_entropy_backward(const float[:, ::1] probs,  # IN  (N, G)
+                                   const int[::1] labels,       # IN  (N,)
+                                   float[:, ::1] dlogits,       # OUT (N, G), overwritten
+                                   int num_threads):
+    """``dlogits = (probs - onehot(labels)) / N``."""
+    cdef Py_ssize_t N = probs.shape[0], G = probs.shape[1], r, j
+    cdef int nt = _chunks(N, N * G, num_threads)
+    cdef float fn = <float>N
+    with nogil:
+        for r in prange(N, schedule="static", num_threads=nt):
+            for j in range(G):
+                dlogits[r, j] = probs[r, j] / fn
+            dlogits[r, labels[r]] = (probs[r, labels[r]] - <float>1.0) / fn
+
+
+cdef double _bce_sum(const float *p, const float *t, Py_ssize_t a, Py_ssize_t b, float lo, float hi) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float pc, ti
+    cdef double s = 0.0
+    for i in range(a, b):
+        pc = p[i]
+        pc = lo if pc < lo else (hi if pc > hi else pc)
+        ti = t[i]
+        s += ti * logf(pc) + (<float>1.0 - ti) * logf(<float>1.0 - pc)
+    return s
+
+
+def bce_forward(const float[::1] p,  # IN  (n,) probabilities
+                const float[::1] t,  # IN  (n,) 0/1 targets
+                double eps, int num_threads):
+    """Mean binary cross-entropy with p clipped to ``[eps, 1 - eps]``; returns a Python float."""
+    cdef Py_ssize_t n = p.shape[0], i
+    cdef int nc = _chunks(n, n, num_threads)
+    cdef float lo = <float>eps, hi = <float>(1.0 - eps)
+    cdef double *part = <double *>malloc(sizeof(double) * nc)
+    cdef double total = 0.0
+    if part == NULL:
+        raise MemoryError()
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            part[i] = _bce_sum(&p[0], &t[0], n * i // nc, n * (i + 1) // nc, lo, hi)
+    for i in range(nc):
+        total += part[i]
+    free(part)
+    return -(total / n)
+
+
+def bce_backward(const float[::1] p,  # IN  (n,)
+                 const float[::1] t,  # IN  (n,)
+                 float[::1] dp,       # OUT (n,), overwritten
+                 double eps, int num_threads):
+    """``dp = (pc - t) / (pc (1 - pc)) / n``, 0 where the clip is active (zero gradient there)."""
+    cdef Py_ssize_t n = p.shape[0], i
+    cdef int nt = _chunks(n, n, num_threads)
+    cdef float lo = <float>eps, hi = <float>(1.0 - eps), fn = <float>n
+    cdef float pc, pi
+    with nogil:
+        for i in prange(n, schedule="static", num_threads=nt):
+            pi = p[i]
+            if pi < lo or pi > hi:
+                dp[i] = <float>0.0
+            else:
+                pc = pi
+                dp[i] = (pc - t[i]) / (pc * (<float>1.0 - pc)) / fn
+
+
+def count_correct(const float[:, ::1] logits,  # IN (N, G)
+                  const int[::1] labels,        # IN (N,)
+                  int num_threads):
+    """Number of rows whose argmax equals the label."""
+    cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1], r
+    cdef int nt = _chunks(N, N * G, num_threads)
+    cdef long correct = 0
+    with nogil:
+        for r in prange(N, schedule="static", num_threads=nt):
+            if _row_argmax(&logits[r, 0], G) == labels[r]:
+                correct += 1
+    return int(correct)
+
+
+def argmax_rows(const float[:, ::1] logits,  # IN  (N, G)
+                int[::1] out,                 # OUT (N,) int32, overwritten
+                int num_threads):
+    """Row argmax (first maximum, first NaN wins)."""
+    cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1], r
+    cdef int nt = _chunks(N, N * G, num_threads)
+    with nogil:
+        for r in prange(N, schedule="static", num_threads=nt):
+            out[r] = <int>_row_argmax(&logits[r, 0], G)

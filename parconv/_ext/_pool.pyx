@@ -1,0 +1,93 @@
+# Shape legend: N batch, C channels, H, W input, P, Q output, K window (K x K),
+# S stride; no padding, floor mode: P = (H - K) // S + 1, Q likewise.
+# A "plane" is one (n, c) pair: H*W inputs, P*Q outputs.
+"""maxpool2d kernels, parallel over (n, c) planes.
+
+argmax holds the flat index ``h * W + w`` of each window's maximum inside its
+(H, W) plane, the first one on ties and the first NaN when there is one
+(exactly ``np.argmax``). Planes never share inputs, so the backward scatter
+is race-free without atomics.
+"""
+
+from cython.parallel cimport prange
+from libc.string cimport memset
+
+cdef enum:
+    # below this much work one thread is faster than waking a team
+    SERIAL_BELOW = 32768
+
+
+cdef inline int _threads_for(Py_ssize_t work, Py_ssize_t chunks, int num_threads) noexcept nogil:
+    cdef Py_ssize_t nt = num_threads if num_threads > 0 else 1
+    if work < SERIAL_BELOW:
+        return 1
+    if nt > chunks:
+        nt = chunks
+    return <int>(nt if nt > 0 else 1)
+
+
+cdef inline void _pool_plane(const float *x, float *y, int *am, int H, int W, int K, int S,
+                             int P, int Q) noexcept nogil:
+    """Max and first argmax of every K x K window of one plane."""
+    cdef int p, q, kh, kw, h0, w0, best_i, idx
+    cdef float best, v
+    for p in range(P):
+        h0 = p * S
+        for q in range(Q):
+            w0 = q * S
+            best_i = h0 * W + w0
+            best = x[best_i]
+            for kh in range(K):
+                for kw in range(K):
+                    idx = (h0 + kh) * W + w0 + kw
+                    v = x[idx]
+                    # strictly greater keeps the first maximum; a NaN wins once and stays
+                    if v > best or (v != v and best == best):
+                        best = v
+                        best_i = idx
+            y[p * Q + q] = best
+            am[p * Q + q] = best_i
+
+
+def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                      float[:, :, :, ::1] y,        # OUT (N, C, P, Q), overwritten
+                      int[:, :, :, ::1] argmax,     # OUT (N, C, P, Q) int32, overwritten
+                      int kernel_size, int stride, int num_threads):
+    """Max pooling forward; one plane per chunk."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int P = y.shape[2], Q = y.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int nt = _threads_for(planes * PQ * kernel_size * kernel_size, planes, num_threads)
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef float *yp = &y[0, 0, 0, 0]
+    cdef int *ap = &argmax[0, 0, 0, 0]
+    cdef Py_ssize_t i
+    with nogil:
+        for i in prange(planes, schedule="static", num_threads=nt):
+            _pool_plane(xp + i * HW, yp + i * PQ, ap + i * PQ, H, W, kernel_size, stride, P, Q)
+
+
+def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
+                       const int[:, :, :, ::1] argmax,  # IN  (N, C, P, Q) int32
+                       float[:, :, :, ::1] dx,        # OUT (N, C, H, W), overwritten
+                       int num_threads):
+    """Max pooling backward: ``dx = 0`` then ``dx[plane][argmax] += dy`` (overlapping windows add up)."""
+    cdef int N = dx.shape[0], C = dx.shape[1], H = dx.shape[2], W = dx.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W
+    cdef Py_ssize_t PQ = <Py_ssize_t>dy.shape[2] * dy.shape[3]
+    cdef int nt = _threads_for(planes * (HW + PQ), planes, num_threads)
+    cdef const float *dyp = &dy[0, 0, 0, 0]
+    cdef const int *ap = &argmax[0, 0, 0, 0]
+    cdef float *dxp = &dx[0, 0, 0, 0]
+    cdef float *dxi
+    cdef const float *dyi
+    cdef const int *ai
+    cdef Py_ssize_t i, j
+    with nogil:
+        for i in prange(planes, schedule="static", num_threads=nt):
+            dxi = dxp + i * HW
+            dyi = dyp + i * PQ
+            ai = ap + i * PQ
+            memset(dxi, 0, sizeof(float) * HW)
+            for j in range(PQ):
+                dxi[ai[j]] += dyi[j]

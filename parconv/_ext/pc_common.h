@@ -1,0 +1,207 @@
+/* Small C helpers shared by the Cython kernels in parconv/_ext.
+ *
+ * Shape legend: N batch, C in-channels, O out-channels, H, W input,
+ * P, Q output, K kernel, F in-features, G out-features.
+ *
+ * The elementwise loops live here, not in Cython, so the compiler sees plain
+ * pointer loops it can vectorise (`#pragma omp simd` where OpenMP is on,
+ * -O3 auto-vectorisation otherwise). The setup.py flags keep IEEE semantics
+ * (no -ffast-math, -ffp-contract=off), so every helper rounds exactly like
+ * the NumPy reference that evaluates the same expression in float32.
+ */
+#ifndef PARCONV_PC_COMMON_H
+#define PARCONV_PC_COMMON_H
+
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+#ifndef PARCONV_OPENMP
+#define PARCONV_OPENMP 0
+#endif
+
+#if defined(_OPENMP)
+#include <omp.h>
+static inline int pc_omp_max_threads(void) { return omp_get_max_threads(); }
+#define PC_SIMD _Pragma("omp simd")
+#else
+static inline int pc_omp_max_threads(void) { return 1; }
+#define PC_SIMD
+#endif
+
+typedef ptrdiff_t pc_idx;
+
+/* ------------------------------------------------------------ activations */
+
+/* y = max(x, 0); NaN passes through like np.maximum. */
+static inline void pc_relu_fwd(const float *restrict x, float *restrict y, pc_idx n)
+{
+    PC_SIMD
+    for (pc_idx i = 0; i < n; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
+}
+
+/* dx = dy where y > 0 else 0. */
+static inline void pc_relu_bwd(const float *restrict y, const float *restrict dy, float *restrict dx, pc_idx n)
+{
+    PC_SIMD
+    for (pc_idx i = 0; i < n; i++) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+/* y = 1 / (1 + exp(-x)) via exp(-|x|), so exp never overflows. */
+static inline void pc_sigmoid_fwd(const float *restrict x, float *restrict y, pc_idx n)
+{
+    for (pc_idx i = 0; i < n; i++) {
+        float v = x[i];
+        float e = expf(-fabsf(v));
+        y[i] = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    }
+}
+
+/* dx = dy * y * (1 - y), evaluated left to right like NumPy. */
+static inline void pc_sigmoid_bwd(const float *restrict y, const float *restrict dy, float *restrict dx, pc_idx n)
+{
+    PC_SIMD
+    for (pc_idx i = 0; i < n; i++) dx[i] = dy[i] * y[i] * (1.0f - y[i]);
+}
+
+/* -------------------------------------------------------------- optimizer */
+
+/* In-place SGD step (PyTorch's formulation, see Backend.sgd_update). v may be NULL. */
+static inline void pc_sgd(float *restrict p, const float *restrict g, float *restrict v, pc_idx n,
+                          float lr, float momentum, float weight_decay, int use_wd, int nesterov)
+{
+    if (v == NULL) {
+        if (use_wd) {
+            PC_SIMD
+            for (pc_idx i = 0; i < n; i++) { float d = g[i] + weight_decay * p[i]; p[i] = p[i] - lr * d; }
+        } else {
+            PC_SIMD
+            for (pc_idx i = 0; i < n; i++) p[i] = p[i] - lr * g[i];
+        }
+        return;
+    }
+    if (nesterov) {
+        PC_SIMD
+        for (pc_idx i = 0; i < n; i++) {
+            float d = use_wd ? g[i] + weight_decay * p[i] : g[i];
+            float vi = v[i] * momentum + d;
+            v[i] = vi;
+            p[i] = p[i] - lr * (d + momentum * vi);
+        }
+    } else {
+        PC_SIMD
+        for (pc_idx i = 0; i < n; i++) {
+            float d = use_wd ? g[i] + weight_decay * p[i] : g[i];
+            float vi = v[i] * momentum + d;
+            v[i] = vi;
+            p[i] = p[i] - lr * vi;
+        }
+    }
+}
+
+/* In-place Adam step. Scalars are the float32 values NumPy would use:
+ * omb1 = 1 - beta1, omb2 = 1 - beta2, step_size = lr / bc1, sqrt_bc2 = sqrt(bc2). */
+static inline void pc_adam(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                           pc_idx n, float beta1, float omb1, float beta2, float omb2, float step_size,
+                           float sqrt_bc2, float eps, float weight_decay, int use_wd)
+{
+    PC_SIMD
+    for (pc_idx i = 0; i < n; i++) {
+        float d = use_wd ? g[i] + weight_decay * p[i] : g[i];
+        float mi = m[i] * beta1 + omb1 * d;
+        float vi = v[i] * beta2 + omb2 * d * d;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = p[i] - step_size * mi / (sqrtf(vi) / sqrt_bc2 + eps);
+    }
+}
+
+/* ----------------------------------------------------------------- conv */
+
+/* First and one-past-last output column q whose input column q*S + kw - pad lies in [0, W). */
+static inline void pc_valid_q(int W, int Q, int S, int kw, int pad, int *q_lo, int *q_hi)
+{
+    int off = kw - pad;  /* w = q*S + off */
+    int lo = off >= 0 ? 0 : (-off + S - 1) / S;
+    int hi = (W - 1 - off) >= 0 ? (W - 1 - off) / S + 1 : 0;
+    if (hi > Q) hi = Q;
+    if (lo > hi) lo = hi;
+    *q_lo = lo;
+    *q_hi = hi;
+}
+
+/* im2col for channels [c0, c1) and output rows [p0, p1) of one image.
+ * x: one image (C, H, W); cols: ((c1-c0)*K*K, (p1-p0)*Q) with row stride T >= (p1-p0)*Q, overwritten. */
+static inline void pc_im2col(const float *restrict x, int H, int W, int K, int S, int pad, int Q,
+                             int c0, int c1, int p0, int p1, float *restrict cols, pc_idx T)
+{
+    float *row = cols;
+    for (int c = c0; c < c1; c++) {
+        const float *xc = x + (pc_idx)c * H * W;
+        for (int kh = 0; kh < K; kh++) {
+            for (int kw = 0; kw < K; kw++, row += T) {
+                int q_lo, q_hi;
+                pc_valid_q(W, Q, S, kw, pad, &q_lo, &q_hi);
+                for (int p = p0; p < p1; p++) {
+                    float *dst = row + (pc_idx)(p - p0) * Q;
+                    int h = p * S + kh - pad;
+                    if (h < 0 || h >= H) {
+                        memset(dst, 0, sizeof(float) * (size_t)Q);
+                        continue;
+                    }
+                    const float *src = xc + (pc_idx)h * W + (kw - pad);
+                    for (int q = 0; q < q_lo; q++) dst[q] = 0.0f;
+                    if (S == 1) {
+                        memcpy(dst + q_lo, src + q_lo, sizeof(float) * (size_t)(q_hi - q_lo));
+                    } else {
+                        for (int q = q_lo; q < q_hi; q++) dst[q] = src[(pc_idx)q * S];
+                    }
+                    for (int q = q_hi; q < Q; q++) dst[q] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+/* col2im, accumulating: dx[c] += scatter(dcols) for channels [c0, c1) and output rows [p0, p1).
+ * dx: one image (C, H, W); dcols: ((c1-c0)*K*K, (p1-p0)*Q). */
+static inline void pc_col2im(const float *restrict dcols, int H, int W, int K, int S, int pad, int Q,
+                             int c0, int c1, int p0, int p1, float *restrict dx)
+{
+    pc_idx T = (pc_idx)(p1 - p0) * Q;
+    const float *row = dcols;
+    for (int c = c0; c < c1; c++) {
+        float *dxc = dx + (pc_idx)c * H * W;
+        for (int kh = 0; kh < K; kh++) {
+            for (int kw = 0; kw < K; kw++, row += T) {
+                int q_lo, q_hi;
+                pc_valid_q(W, Q, S, kw, pad, &q_lo, &q_hi);
+                for (int p = p0; p < p1; p++) {
+                    int h = p * S + kh - pad;
+                    if (h < 0 || h >= H) continue;
+                    const float *src = row + (pc_idx)(p - p0) * Q;
+                    float *dst = dxc + (pc_idx)h * W + (kw - pad);
+                    if (S == 1) {
+                        PC_SIMD
+                        for (int q = q_lo; q < q_hi; q++) dst[q] += src[q];
+                    } else {
+                        for (int q = q_lo; q < q_hi; q++) dst[(pc_idx)q * S] += src[q];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* y[o, s] += b[o] for a tile of T spatial positions with row stride ld. */
+static inline void pc_add_bias(float *restrict y, const float *restrict b, int O, pc_idx T, pc_idx ld)
+{
+    for (int o = 0; o < O; o++) {
+        float bo = b[o];
+        float *yo = y + (pc_idx)o * ld;
+        PC_SIMD
+        for (pc_idx s = 0; s < T; s++) yo[s] += bo;
+    }
+}
+
+#endif /* PARCONV_PC_COMMON_H */

@@ -1,0 +1,338 @@
+"""The OpenMP backend: the Cython kernels of :mod:`parconv._ext` on host NumPy arrays.
+
+Arrays are C-contiguous float32 NumPy arrays (labels int32), like the NumPy
+reference backend; every op reads :func:`parconv._config.get_num_threads` when
+it is called and hands that thread count to its kernel, which caps it by the
+number of chunks it has and runs small inputs on one thread.
+
+Convolution and linear kernels call the BLAS ``sgemm`` of SciPy from inside
+OpenMP parallel regions. A BLAS that spawned its own threads there would
+oversubscribe the cores, so every such call runs with SciPy's BLAS limited to
+one thread (:class:`_BlasOneThread`). Limiting costs about 2 µs per op (one
+``get`` and two ``set`` calls on the library), small next to any kernel that
+uses BLAS, so it is done per call and the user's BLAS setting outside
+parconv is left alone.
+
+Shapes: N batch, C in-channels, O filters, H, W input, P, Q output, K kernel,
+F in-features, G out-features.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from .._config import get_num_threads
+from .._ext import _activations, _conv, _dense, _losses, _optim, _pool, _threads
+from .base import Backend
+
+__all__ = ["OpenMPBackend", "openmp_enabled", "omp_max_threads"]
+
+#: im2col scratch per thread in the conv forward (bytes); chosen by measurement (see tests/bench)
+CONV_FORWARD_TILE_BYTES = 1 << 20
+#: im2col scratch per thread in the conv backward (bytes); bigger tiles keep the dw GEMM's k long
+CONV_BACKWARD_TILE_BYTES = 1 << 22
+
+
+def openmp_enabled() -> bool:
+    """Whether the kernels were built with OpenMP (else they run on one thread)."""
+    return _threads.openmp_enabled()
+
+
+def omp_max_threads() -> int:
+    """``omp_get_max_threads()`` of the OpenMP runtime the kernels use."""
+    return _threads.omp_max_threads()
+
+
+class _BlasOneThread:
+    """Context manager limiting SciPy's BLAS to one thread while a kernel runs.
+
+    The threadpoolctl controller is created once, on first use (it scans the
+    loaded libraries, which takes milliseconds). Re-entrant and thread-safe:
+    the first entrant saves and sets the limit, the last one to leave
+    restores it.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._libs = None
+        self._saved = []
+        self._depth = 0
+
+    def _controllers(self):
+        if self._libs is None:
+            from threadpoolctl import ThreadpoolController
+
+            import scipy.linalg.cython_blas  # noqa: F401 - make sure SciPy's BLAS is loaded
+
+            blas = [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
+            scipy_dir = os.path.dirname(os.path.dirname(os.path.abspath(scipy.linalg.cython_blas.__file__)))
+            scipy_root = os.path.dirname(scipy_dir)
+            # the BLAS SciPy links against: inside scipy/ or its wheel's scipy.libs/; else every BLAS
+            own = [
+                lib for lib in blas
+                if os.path.abspath(lib.filepath).startswith((scipy_dir + os.sep, os.path.join(scipy_root, "scipy.libs")))
+            ]
+            self._libs = own or blas
+        return self._libs
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                libs = self._controllers()
+                self._saved = [lib.get_num_threads() for lib in libs]
+                for lib, n in zip(libs, self._saved):
+                    if n != 1:
+                        lib.set_num_threads(1)
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                for lib, n in zip(self._libs, self._saved):
+                    if n != 1:
+                        lib.set_num_threads(n)
+        return False
+
+    def info(self):
+        """Name, version and path of each BLAS library that gets limited."""
+        return [
+            {"internal_api": lib.internal_api, "version": lib.version, "filepath": lib.filepath}
+            for lib in self._controllers()
+        ]
+
+
+_blas_one_thread = _BlasOneThread()
+
+
+def _f32(a):
+    """a as C-contiguous float32 (no copy when it already is)."""
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _i32(a):
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _out_size(size: int, k: int, stride: int, padding: int = 0) -> int:
+    return (size + 2 * padding - k) // stride + 1
+
+
+class OpenMPBackend(Backend):
+    """Cython + OpenMP kernels on host float32 arrays; see the module docstring."""
+
+    name = "openmp"
+    host_arrays = True
+
+    def __init__(self):
+        self._ref = None
+
+    @property
+    def openmp_enabled(self) -> bool:
+        """Whether the kernels were compiled with OpenMP."""
+        return openmp_enabled()
+
+    def info(self) -> dict:
+        """Build and runtime facts for ``parconv info``."""
+        return {
+            "openmp_enabled": openmp_enabled(),
+            "omp_max_threads": omp_max_threads(),
+            "num_threads": get_num_threads(),
+            "blas": _blas_one_thread.info(),
+        }
+
+    def _reference(self):
+        # degenerate shapes (a zero-sized dimension) go to the NumPy reference
+        if self._ref is None:
+            from .numpy_ref import NumpyBackend
+
+            self._ref = NumpyBackend()
+        return self._ref
+
+    # ------------------------------------------------------------------ arrays
+    def asarray(self, x, dtype=np.float32):
+        return np.ascontiguousarray(x, dtype=dtype)
+
+    def to_numpy(self, a):
+        return np.asarray(a)
+
+    def is_array(self, a):
+        return isinstance(a, np.ndarray)
+
+    def empty(self, shape, dtype=np.float32):
+        return np.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype=dtype)
+
+    def reshape(self, a, shape):
+        return a.reshape(shape)
+
+    def copy(self, a):
+        return a.copy()
+
+    def copy_into(self, dst, src):
+        dst[...] = src
+
+    def fill(self, a, value):
+        a.fill(value)
+
+    def all_finite(self, a):
+        return bool(np.isfinite(a).all())
+
+    # ------------------------------------------------------------------ conv2d
+    def conv2d_forward(self, x, w, b, stride, padding):
+        x, w = _f32(x), _f32(w)
+        b = None if b is None else _f32(b)
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
+        if min(N, C, O, P, Q) <= 0:
+            return self._reference().conv2d_forward(x, w, b, stride, padding)
+        y = np.empty((N, O, P, Q), dtype=np.float32)
+        with _blas_one_thread:
+            _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
+        return y
+
+    def conv2d_backward(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
+        x, w, dy = _f32(x), _f32(w), _f32(dy)
+        O = w.shape[0]
+        if min(x.shape + w.shape + dy.shape) <= 0:
+            return self._reference().conv2d_backward(x, w, dy, stride, padding, need_dx, need_db)
+        dx = np.empty(x.shape, dtype=np.float32) if need_dx else None
+        dw = np.empty(w.shape, dtype=np.float32)
+        db = np.empty(O, dtype=np.float32) if need_db else None
+        with _blas_one_thread:
+            _conv.conv2d_backward(x, w, dy, dx, dw, db, stride, padding, get_num_threads(),
+                                  CONV_BACKWARD_TILE_BYTES)
+        return dx, dw, db
+
+    # --------------------------------------------------------------- maxpool2d
+    def maxpool2d_forward(self, x, kernel_size, stride):
+        x = _f32(x)
+        N, C, H, W = x.shape
+        P, Q = _out_size(H, kernel_size, stride), _out_size(W, kernel_size, stride)
+        if min(N, C, P, Q) <= 0:
+            return self._reference().maxpool2d_forward(x, kernel_size, stride)
+        y = np.empty((N, C, P, Q), dtype=np.float32)
+        argmax = np.empty((N, C, P, Q), dtype=np.int32)
+        _pool.maxpool2d_forward(x, y, argmax, kernel_size, stride, get_num_threads())
+        return y, argmax
+
+    def maxpool2d_backward(self, dy, argmax, x_shape):
+        dy, argmax = _f32(dy), _i32(argmax)
+        x_shape = tuple(int(s) for s in x_shape)
+        if min(x_shape) <= 0 or dy.size == 0:
+            return np.zeros(x_shape, dtype=np.float32)
+        dx = np.empty(x_shape, dtype=np.float32)
+        _pool.maxpool2d_backward(dy, argmax, dx, get_num_threads())
+        return dx
+
+    # ------------------------------------------------------------------ linear
+    def linear_forward(self, x, w, b):
+        x, w = _f32(x), _f32(w)
+        b = None if b is None else _f32(b)
+        if min(x.shape + w.shape) <= 0:
+            return self._reference().linear_forward(x, w, b)
+        y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+        with _blas_one_thread:
+            _dense.linear_forward(x, w, b, y, get_num_threads())
+        return y
+
+    def linear_backward(self, x, w, dy, need_dx=True, need_db=True):
+        x, w, dy = _f32(x), _f32(w), _f32(dy)
+        if min(x.shape + w.shape) <= 0:
+            return self._reference().linear_backward(x, w, dy, need_dx, need_db)
+        dx = np.empty(x.shape, dtype=np.float32) if need_dx else None
+        dw = np.empty(w.shape, dtype=np.float32)
+        db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
+        with _blas_one_thread:
+            _dense.linear_backward(x, w, dy, dx, dw, db, get_num_threads())
+        return dx, dw, db
+
+    # ------------------------------------------------------------- activations
+    def _unary(self, kernel, x):
+        x = _f32(x)
+        y = np.empty_like(x)
+        if x.size:
+            kernel(x.reshape(-1), y.reshape(-1), get_num_threads())
+        return y
+
+    def _binary(self, kernel, y, dy):
+        y, dy = _f32(y), _f32(dy)
+        dx = np.empty_like(dy)
+        if dy.size:
+            kernel(y.reshape(-1), dy.reshape(-1), dx.reshape(-1), get_num_threads())
+        return dx
+
+    def relu_forward(self, x):
+        return self._unary(_activations.relu_forward, x)
+
+    def relu_backward(self, y, dy):
+        return self._binary(_activations.relu_backward, y, dy)
+
+    def sigmoid_forward(self, x):
+        return self._unary(_activations.sigmoid_forward, x)
+
+    def sigmoid_backward(self, y, dy):
+        return self._binary(_activations.sigmoid_backward, y, dy)
+
+    # ------------------------------------------------------------------ losses
+    def softmax_cross_entropy_forward(self, logits, labels):
+        logits, labels = _f32(logits), _i32(labels)
+        if logits.size == 0:
+            return self._reference().softmax_cross_entropy_forward(logits, labels)
+        probs = np.empty_like(logits)
+        loss = _losses.softmax_cross_entropy_forward(logits, labels, probs, get_num_threads())
+        return float(loss), probs
+
+    def softmax_cross_entropy_backward(self, probs, labels):
+        probs, labels = _f32(probs), _i32(labels)
+        d = np.empty_like(probs)
+        if probs.size:
+            _losses.softmax_cross_entropy_backward(probs, labels, d, get_num_threads())
+        return d
+
+    def bce_forward(self, p, t, eps):
+        p, t = _f32(p), _f32(t)
+        if p.size == 0:
+            return self._reference().bce_forward(p, t, eps)
+        return float(_losses.bce_forward(p.reshape(-1), t.reshape(-1), float(eps), get_num_threads()))
+
+    def bce_backward(self, p, t, eps):
+        p, t = _f32(p), _f32(t)
+        d = np.empty_like(p)
+        if p.size:
+            _losses.bce_backward(p.reshape(-1), t.reshape(-1), d.reshape(-1), float(eps), get_num_threads())
+        return d
+
+    def count_correct(self, logits, labels):
+        logits, labels = _f32(logits), _i32(labels)
+        if logits.size == 0:
+            return 0
+        return int(_losses.count_correct(logits, labels, get_num_threads()))
+
+    def argmax_rows(self, logits):
+        logits = _f32(logits)
+        out = np.empty(logits.shape[0], dtype=np.int32)
+        if logits.size:
+            _losses.argmax_rows(logits, out, get_num_threads())
+        return out
+
+    # --------------------------------------------------------------- optimizer
+    def sgd_update(self, p, g, v, lr, momentum, weight_decay, nesterov):
+        if p.size == 0:
+            return
+        _optim.sgd_update(p.reshape(-1), _f32(g).reshape(-1), None if v is None else v.reshape(-1),
+                          float(lr), float(momentum), float(weight_decay), bool(nesterov), get_num_threads())
+
+    def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+        if p.size == 0:
+            return
+        _optim.adam_update(p.reshape(-1), _f32(g).reshape(-1), m.reshape(-1), v.reshape(-1), float(lr),
+                           float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
+                           get_num_threads())

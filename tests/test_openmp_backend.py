@@ -1,0 +1,347 @@
+"""Tests of the OpenMP kernels themselves: every op against the NumPy oracle,
+the parallel paths (large inputs, both conv backward work splits), thread
+count determinism, and the build/BLAS plumbing of the backend.
+
+The generic per-op tests that run on every backend live elsewhere; these
+focus on what only the OpenMP backend has. Data are scaled so outputs are
+O(1), which makes rtol 1e-4 / atol 1e-5 meaningful for float32 sums.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("parconv._ext._conv", reason="OpenMP kernels not built")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from parconv._config import num_threads  # noqa: E402
+from parconv.backends.numpy_ref import NumpyBackend  # noqa: E402
+from parconv.backends.openmp import OpenMPBackend, _blas_one_thread, omp_max_threads, openmp_enabled  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+SETTINGS = settings(max_examples=int(os.environ.get("PARCONV_HYPOTHESIS_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+omp = OpenMPBackend()
+ref = NumpyBackend()
+
+
+def close(actual, expected, rtol=RTOL, atol=ATOL):
+    if expected is None:
+        assert actual is None
+        return
+    assert actual.shape == expected.shape
+    assert actual.dtype == np.float32
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+def uniform(rng, shape, scale=1.0):
+    return (rng.uniform(-1, 1, size=shape) * scale).astype(np.float32)
+
+
+@st.composite
+def conv_cases(draw):
+    N = draw(st.integers(1, 8))
+    C = draw(st.integers(1, 16))
+    O = draw(st.integers(1, 16))
+    K = draw(st.integers(1, 7))
+    stride = draw(st.integers(1, 3))
+    padding = draw(st.integers(0, 3))
+    lo = max(1, K - 2 * padding)  # the padded input must hold one kernel
+    H = draw(st.integers(lo, 20))
+    W = draw(st.integers(lo, 20))
+    bias = draw(st.booleans())
+    threads = draw(st.sampled_from([1, 2]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return N, C, O, H, W, K, stride, padding, bias, threads, seed
+
+
+# ------------------------------------------------------------------ conv2d
+@SETTINGS
+@given(conv_cases())
+def test_conv2d_forward_backward_match_reference(case):
+    N, C, O, H, W, K, stride, padding, bias, threads, seed = case
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, K, K), 1 / np.sqrt(C * K * K))
+    b = uniform(rng, (O,)) if bias else None
+    with num_threads(threads):
+        y = omp.conv2d_forward(x, w, b, stride, padding)
+        close(y, ref.conv2d_forward(x, w, b, stride, padding))
+        P, Q = y.shape[2:]
+        dy = uniform(rng, y.shape, 1 / np.sqrt(N * P * Q))
+        need_dx, need_db = bool(seed & 1), bool(seed & 2)
+        got = omp.conv2d_backward(x, w, dy, stride, padding, need_dx, need_db)
+        want = ref.conv2d_backward(x, w, dy, stride, padding, need_dx, need_db)
+    for g, e in zip(got, want):
+        close(g, e)
+
+
+@pytest.mark.parametrize(
+    "N, C, H, K, stride, padding",
+    [
+        (1, 32, 16, 3, 1, 1),  # batch 1: backward split over channel blocks
+        (3, 8, 12, 3, 2, 1),  # odd batch: channel blocks
+        (4, 8, 12, 5, 1, 2),  # by image, private dw buffers reduced in thread order
+        (5, 3, 10, 1, 1, 0),  # 1x1: im2col skipped
+        (2, 1, 28, 3, 1, 0),  # one in-channel (first layer)
+    ],
+)
+def test_conv2d_parallel_paths_and_determinism(N, C, H, K, stride, padding):
+    rng = np.random.default_rng(7)
+    O = 16
+    x = uniform(rng, (N, C, H, H))
+    w = uniform(rng, (O, C, K, K), 1 / np.sqrt(C * K * K))
+    b = uniform(rng, (O,))
+    want_y = ref.conv2d_forward(x, w, b, stride, padding)
+    dy = uniform(rng, want_y.shape, 1 / np.sqrt(want_y[:, 0].size))
+    want = ref.conv2d_backward(x, w, dy, stride, padding)
+    runs = {}
+    for threads in (1, 2, 2):
+        with num_threads(threads):
+            y = omp.conv2d_forward(x, w, b, stride, padding)
+            grads = omp.conv2d_backward(x, w, dy, stride, padding)
+        close(y, want_y)
+        for g, e in zip(grads, want):
+            close(g, e)
+        if threads in runs:  # same thread count: the same bits
+            y0, g0 = runs[threads]
+            assert np.array_equal(y, y0)
+            for a, c in zip(grads, g0):
+                assert np.array_equal(a, c)
+        runs[threads] = (y, grads)
+    (y1, g1), (y2, g2) = runs[1], runs[2]
+    np.testing.assert_allclose(y2, y1, rtol=1e-5, atol=1e-6)
+    for a, c in zip(g2, g1):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_conv2d_large_batch_dw_reduction_deterministic():
+    rng = np.random.default_rng(3)
+    x = uniform(rng, (16, 4, 10, 10))
+    w = uniform(rng, (8, 4, 3, 3), 1 / 6)
+    dy = uniform(rng, (16, 8, 10, 10), 1 / 40)
+    with num_threads(2):
+        first = omp.conv2d_backward(x, w, dy, 1, 1)
+        for _ in range(3):
+            again = omp.conv2d_backward(x, w, dy, 1, 1)
+            for a, c in zip(again, first):
+                assert np.array_equal(a, c)
+    with num_threads(1):
+        serial = omp.conv2d_backward(x, w, dy, 1, 1)
+    for a, c in zip(first, serial):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+    for a, c in zip(first, ref.conv2d_backward(x, w, dy, 1, 1)):
+        close(a, c)
+
+
+# --------------------------------------------------------------- maxpool2d
+@st.composite
+def pool_cases(draw):
+    N = draw(st.integers(1, 8))
+    C = draw(st.integers(1, 16))
+    K = draw(st.integers(1, 4))
+    stride = draw(st.integers(1, 3))
+    H = draw(st.integers(K, 20))
+    W = draw(st.integers(K, 20))
+    return N, C, H, W, K, stride, draw(st.sampled_from([1, 2])), draw(st.integers(0, 2**31 - 1))
+
+
+@SETTINGS
+@given(pool_cases())
+def test_maxpool2d_matches_reference_with_ties(case):
+    N, C, H, W, K, stride, threads, seed = case
+    rng = np.random.default_rng(seed)
+    # few distinct values: many ties, so "first maximum" is exercised
+    x = rng.integers(-3, 3, size=(N, C, H, W)).astype(np.float32)
+    with num_threads(threads):
+        y, am = omp.maxpool2d_forward(x, K, stride)
+        y_ref, am_ref = ref.maxpool2d_forward(x, K, stride)
+        assert am.dtype == np.int32
+        assert np.array_equal(y, y_ref)
+        assert np.array_equal(am, am_ref)
+        dy = uniform(rng, y.shape)
+        dx = omp.maxpool2d_backward(dy, am, x.shape)
+    close(dx, ref.maxpool2d_backward(dy, am_ref, x.shape))
+
+
+def test_maxpool2d_large_parallel_and_nan():
+    rng = np.random.default_rng(1)
+    x = uniform(rng, (8, 32, 26, 26))
+    x[0, 0, 3, 4] = np.nan
+    with num_threads(2):
+        y, am = omp.maxpool2d_forward(x, 2, 2)
+        y_ref, am_ref = ref.maxpool2d_forward(x, 2, 2)
+        assert np.array_equal(am, am_ref)
+        np.testing.assert_array_equal(y, y_ref)  # NaN == NaN for assert_array_equal
+        dy = uniform(rng, y.shape)
+        close(omp.maxpool2d_backward(dy, am, x.shape), ref.maxpool2d_backward(dy, am_ref, x.shape))
+        # overlapping windows (stride < kernel) accumulate into shared inputs
+        y, am = omp.maxpool2d_forward(x[:, :, :25, :25], 3, 1)
+        dy = uniform(rng, y.shape)
+        close(omp.maxpool2d_backward(dy, am, (8, 32, 25, 25)), ref.maxpool2d_backward(dy, am, (8, 32, 25, 25)))
+
+
+# ------------------------------------------------------------------ linear
+@SETTINGS
+@given(
+    st.integers(1, 64), st.integers(1, 300), st.integers(1, 50), st.booleans(),
+    st.sampled_from([1, 2]), st.integers(0, 2**31 - 1),
+)
+def test_linear_matches_reference(N, F, G, bias, threads, seed):
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, F))
+    w = uniform(rng, (G, F), 1 / np.sqrt(F))
+    b = uniform(rng, (G,)) if bias else None
+    dy = uniform(rng, (N, G), 1 / np.sqrt(N))
+    with num_threads(threads):
+        close(omp.linear_forward(x, w, b), ref.linear_forward(x, w, b))
+        need_dx, need_db = bool(seed & 1), bool(seed & 2)
+        for g, e in zip(omp.linear_backward(x, w, dy, need_dx, need_db), ref.linear_backward(x, w, dy, need_dx, need_db)):
+            close(g, e)
+
+
+@pytest.mark.parametrize("N, F, G", [(256, 512, 128), (4, 2048, 512), (512, 64, 3)])
+def test_linear_parallel_split_deterministic(N, F, G):
+    rng = np.random.default_rng(5)
+    x, w, b = uniform(rng, (N, F)), uniform(rng, (G, F), 1 / np.sqrt(F)), uniform(rng, (G,))
+    dy = uniform(rng, (N, G), 1 / np.sqrt(N))
+    out = {}
+    for threads in (1, 2):
+        with num_threads(threads):
+            out[threads] = (omp.linear_forward(x, w, b),) + omp.linear_backward(x, w, dy)
+            again = (omp.linear_forward(x, w, b),) + omp.linear_backward(x, w, dy)
+        for a, c in zip(again, out[threads]):
+            assert np.array_equal(a, c)
+    want = (ref.linear_forward(x, w, b),) + ref.linear_backward(x, w, dy)
+    for a, c, e in zip(out[1], out[2], want):
+        close(a, e)
+        np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------- activations
+@pytest.mark.parametrize("shape", [(3,), (7, 5), (4, 8, 33, 33)])  # the last one runs in parallel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_activations_match_reference(shape, threads):
+    rng = np.random.default_rng(11)
+    x = uniform(rng, shape, 30)
+    x.flat[0] = 1e4
+    x.flat[-1] = -1e4
+    dy = uniform(rng, shape)
+    with num_threads(threads), np.errstate(over="raise", invalid="raise"):
+        for op in ("relu", "sigmoid"):
+            y = getattr(omp, f"{op}_forward")(x)
+            y_ref = getattr(ref, f"{op}_forward")(x)
+            assert np.all(np.isfinite(y))
+            close(y, y_ref, rtol=1e-6, atol=1e-7)
+            close(getattr(omp, f"{op}_backward")(y, dy), getattr(ref, f"{op}_backward")(y_ref, dy), rtol=1e-6, atol=1e-7)
+    assert y.shape == shape
+
+
+def test_activations_propagate_nan():
+    x = np.array([np.nan, -1.0, 2.0], dtype=np.float32)
+    assert np.isnan(omp.relu_forward(x)[0]) and np.isnan(omp.sigmoid_forward(x)[0])
+
+
+# ------------------------------------------------------------------ losses
+@pytest.mark.parametrize("N, G", [(1, 1), (5, 10), (4000, 10)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_softmax_cross_entropy_and_argmax(N, G, threads):
+    rng = np.random.default_rng(N)
+    logits = uniform(rng, (N, G), 50)
+    logits[0, :] = 1000.0  # ties and a large constant: stable log-sum-exp, first index wins
+    labels = rng.integers(0, G, N).astype(np.int32)
+    with num_threads(threads):
+        loss, probs = omp.softmax_cross_entropy_forward(logits, labels)
+        loss_ref, probs_ref = ref.softmax_cross_entropy_forward(logits, labels)
+        assert isinstance(loss, float)
+        assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-6)
+        close(probs, probs_ref)
+        close(omp.softmax_cross_entropy_backward(probs_ref, labels), ref.softmax_cross_entropy_backward(probs_ref, labels))
+        assert omp.count_correct(logits, labels) == ref.count_correct(logits, labels)
+        am = omp.argmax_rows(logits)
+        assert am.dtype == np.int32
+        assert np.array_equal(am, ref.argmax_rows(logits))
+
+
+def test_softmax_cross_entropy_nan_and_argmax_nan():
+    logits = np.array([[0.0, np.nan, 1.0], [1.0, 2.0, 2.0]], dtype=np.float32)
+    labels = np.array([0, 2], dtype=np.int32)
+    loss, _ = omp.softmax_cross_entropy_forward(logits, labels)
+    assert np.isnan(loss)
+    assert np.array_equal(omp.argmax_rows(logits), ref.argmax_rows(logits))  # NaN counts as the max
+
+
+@pytest.mark.parametrize("shape", [(7, 1), (300, 200)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bce_matches_reference_with_clipping(shape, threads):
+    rng = np.random.default_rng(2)
+    p = rng.uniform(0, 1, size=shape).astype(np.float32)
+    p.flat[0], p.flat[1] = 0.0, 1.0  # clipped: finite loss, zero gradient
+    t = (rng.uniform(size=shape) > 0.5).astype(np.float32)
+    eps = 1e-7
+    with num_threads(threads):
+        loss = omp.bce_forward(p, t, eps)
+        assert isinstance(loss, float) and np.isfinite(loss)
+        assert loss == pytest.approx(ref.bce_forward(p, t, eps), rel=1e-5)
+        close(omp.bce_backward(p, t, eps), ref.bce_backward(p, t, eps))
+
+
+# --------------------------------------------------------------- optimizer
+@pytest.mark.parametrize("n", [10, 100_003])
+@pytest.mark.parametrize("momentum, nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+def test_sgd_update_bitwise_equal(n, momentum, nesterov, weight_decay):
+    rng = np.random.default_rng(n)
+    p, g = uniform(rng, (n,)), uniform(rng, (n,))
+    v = uniform(rng, (n,)) if momentum else None
+    p2, v2 = p.copy(), None if v is None else v.copy()
+    with num_threads(2):
+        omp.sgd_update(p, g, v, 0.1, momentum, weight_decay, nesterov)
+    ref.sgd_update(p2, g, v2, 0.1, momentum, weight_decay, nesterov)
+    assert np.array_equal(p, p2)
+    if v is not None:
+        assert np.array_equal(v, v2)
+
+
+@pytest.mark.parametrize("n", [10, 100_003])
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+@pytest.mark.parametrize("step", [1, 10])
+def test_adam_update_bitwise_equal(n, weight_decay, step):
+    rng = np.random.default_rng(step)
+    p, g = uniform(rng, (n,)), uniform(rng, (n,))
+    m, v = uniform(rng, (n,), 0.1), np.abs(uniform(rng, (n,), 0.01))
+    p2, m2, v2 = p.copy(), m.copy(), v.copy()
+    with num_threads(2):
+        omp.adam_update(p, g, m, v, 1e-3, 0.9, 0.999, 1e-8, weight_decay, step)
+    ref.adam_update(p2, g, m2, v2, 1e-3, 0.9, 0.999, 1e-8, weight_decay, step)
+    assert np.array_equal(p, p2) and np.array_equal(m, m2) and np.array_equal(v, v2)
+
+
+# ---------------------------------------------------------------- plumbing
+def test_build_info():
+    assert isinstance(openmp_enabled(), bool)
+    assert omp_max_threads() >= 1
+    info = omp.info()
+    assert info["openmp_enabled"] == openmp_enabled() == omp.openmp_enabled
+    assert omp.name == "openmp" and omp.host_arrays
+
+
+def test_blas_limit_is_restored():
+    libs = _blas_one_thread._controllers()
+    before = [lib.get_num_threads() for lib in libs]
+    with _blas_one_thread:
+        with _blas_one_thread:  # re-entrant
+            assert all(lib.get_num_threads() == 1 for lib in libs)
+        assert all(lib.get_num_threads() == 1 for lib in libs)
+    assert [lib.get_num_threads() for lib in libs] == before
+
+
+def test_registry_finds_openmp():
+    from parconv.backends import get
+
+    assert get("openmp").name == "openmp"
