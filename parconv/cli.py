@@ -76,36 +76,68 @@ def _load_data(args):
 
 
 def cmd_train(args) -> int:
+    if not args.distributed:
+        return _train(args, None)
+    try:
+        from parconv import distributed as dist
+    except ImportError as exc:
+        raise SystemExit(f"parconv train --distributed: {exc}") from None
+    comm = dist.MPI.COMM_WORLD
+    dist.install_excepthook(comm)
+    # an error on one rank (a bad --resume file, a full disk on rank 0, ...) must end every rank
+    with dist.abort_on_error(comm, "parconv train --distributed"):
+        return _train(args, comm)
+
+
+def _train(args, comm) -> int:
     import parconv as pc
 
-    if args.threads is not None:
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    say = print if rank == 0 else (lambda *a, **k: None)
+    dp = None
+    if comm is not None:
+        from parconv import distributed as dist
+
+        dist.configure_threads(comm, args.threads)  # default: cores // ranks on this node
+    elif args.threads is not None:
         pc.set_num_threads(args.threads)
     backend = pc.backends.get(args.backend)
     (xtr, ytr), (xte, yte), source = _load_data(args)
     model = build_cnn(args.filters, backend=backend, seed=args.seed)
+    if comm is not None:
+        dp = dist.DataParallel(model, comm)
     if args.optimizer == "sgd":
         opt = pc.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     else:
         opt = pc.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     threads = pc.get_num_threads() if backend.name == "openmp" else None
-    print(f"parconv {pc.__version__} | backend {backend.name}"
-          + (f" | {threads} threads" if threads else "") + f" | data: {source}")
-    print(f"model: conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[4].in_features}->10 "
-          f"({model.num_parameters():,} parameters) | {args.optimizer} lr {args.lr} | batch {args.batch_size} "
-          f"| {len(xtr)} train / {len(xte)} test images")
+    say(f"parconv {pc.__version__} | backend {backend.name}"
+        + (f" | {size} MPI ranks" if comm is not None else "")
+        + (f" | {threads} threads" + (" per rank" if comm is not None else "") if threads else "")
+        + f" | data: {source}")
+    say(f"model: conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[4].in_features}->10 "
+        f"({model.num_parameters():,} parameters) | {args.optimizer} lr {args.lr} | batch {args.batch_size}"
+        + (" (global)" if comm is not None else "") + f" | {len(xtr)} train / {len(xte)} test images")
+    if args.resume:
+        say(f"resuming from {args.resume}")
+    checkpoint = args.checkpoint or None
     t0 = time.perf_counter()
     history = model.fit(xtr, ytr, epochs=args.epochs, batch_size=args.batch_size, optimizer=opt,
-                        seed=args.seed, verbose=not args.quiet)
+                        seed=args.seed, verbose=not args.quiet, distributed=dp if dp is not None else False,
+                        checkpoint=checkpoint, checkpoint_every=args.checkpoint_every if checkpoint else None,
+                        resume=args.resume)
     train_time = time.perf_counter() - t0
-    result = model.evaluate(xte, yte)
+    result = dp.evaluate(xte, yte) if dp is not None else model.evaluate(xte, yte)
     total = time.perf_counter() - t0
-    if args.checkpoint:
-        model.save(args.checkpoint)
-    images = args.epochs * len(xtr)
-    print(f"test accuracy: {100 * result['accuracy']:.2f}% on {len(xte)} held-out images "
-          f"(test loss {result['loss']:.4f}, final train loss {history['loss'][-1]:.4f})")
-    print(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {args.epochs} epochs)")
-    print(f"wall time: {total:.1f} s" + (f" | checkpoint: {args.checkpoint}" if args.checkpoint else ""))
+    final_loss = f"{history['loss'][-1]:.4f}" if history.epochs else "n/a"
+    say(f"test accuracy: {100 * result['accuracy']:.2f}% on {len(xte)} held-out images "
+        f"(test loss {result['loss']:.4f}, final train loss {final_loss})")
+    if not args.resume:
+        images = args.epochs * len(xtr)
+        say(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {args.epochs} epochs)")
+    elif history.epochs:
+        say(f"throughput: {history['samples_per_s'][-1]:,.0f} images/s training (last epoch)")
+    say(f"wall time: {total:.1f} s" + (f" | checkpoint: {checkpoint}" if checkpoint else ""))
     return 0
 
 
@@ -174,7 +206,17 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default=None, help="directory with MNIST IDX files (default: the bundled sample)")
     t.add_argument("--split", choices=("train", "test"), default="test", help="which files to read from --data")
     t.add_argument("--train-size", type=_positive_int, default=8000, help="images used for training; the rest are held out")
-    t.add_argument("--checkpoint", default="parconv-cnn.npz", help="where to save the trained model ('' to skip)")
+    t.add_argument("--checkpoint", default="parconv-cnn.npz",
+                   help="training checkpoint, written atomically after every epoch and every --checkpoint-every "
+                        "steps; it also loads as a model with parconv.load ('' to skip)")
+    t.add_argument("--checkpoint-every", type=_positive_int, default=100, metavar="K",
+                   help="steps between checkpoints within an epoch")
+    t.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                   help="continue a stopped run from its checkpoint; it ends with the weights of an "
+                        "uninterrupted run")
+    t.add_argument("--distributed", action="store_true",
+                   help="data-parallel over MPI ranks: run under mpiexec -n N (threads per rank default to "
+                        "cores / ranks)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)

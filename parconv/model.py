@@ -310,7 +310,8 @@ class Sequential:
 
     def fit(self, x, y, epochs: int = 1, batch_size: int = 32, optimizer=None, loss: Loss | None = None,
             validation_data=None, shuffle: bool = True, seed: int | None = None, verbose: bool = True,
-            callbacks=None) -> History:
+            callbacks=None, distributed=False, checkpoint=None, checkpoint_every: int | None = None,
+            resume=None) -> History:
         """Train with mini-batch gradient descent.
 
         Parameters
@@ -321,6 +322,8 @@ class Sequential:
             Targets: integer labels (N,) for ``SoftmaxCrossEntropy``, 0/1
             arrays shaped like the output for ``BCELoss``.
         epochs, batch_size : int
+            ``epochs`` counts from the start of training, also when resuming.
+            With ``distributed``, ``batch_size`` is the global batch.
         optimizer : Optimizer, optional
             Default ``SGD(lr=0.1)``.
         loss : Loss, optional
@@ -331,13 +334,32 @@ class Sequential:
         seed : int, optional
             Seed of the shuffling order (reproducible runs).
         verbose : bool, default True
-            Show a progress bar and one line per epoch.
+            Show a progress bar and one line per epoch (rank 0 only when distributed).
         callbacks : list of callables, optional
             ``cb(epoch, metrics_dict)`` after every epoch.
+        distributed : bool, communicator or DataParallel, default False
+            Train data-parallel over MPI (:class:`parconv.distributed.DataParallel`;
+            ``True`` means ``COMM_WORLD``). Every rank passes the same full
+            ``x, y``; each epoch's shuffled order is the same on every rank
+            (rank 0's seed) and each rank trains on its contiguous share of
+            every global batch, so the run follows the serial one. Metrics are
+            averaged over ranks; only rank 0 shows progress and writes
+            checkpoints.
+        checkpoint : path, optional
+            Write a training checkpoint (weights, optimizer state, epoch, step,
+            shuffling-generator state) here atomically after every epoch and
+            every ``checkpoint_every`` steps.
+        checkpoint_every : int, optional
+            Steps between checkpoints within an epoch (needs ``checkpoint``).
+        resume : path, optional
+            Continue from a training checkpoint: the run then finishes with
+            the same weights as one that was never stopped. The data,
+            ``batch_size`` and ``shuffle`` must be those of the original run.
 
         Returns
         -------
         History
+            Also holds the epochs before a resume.
 
         Raises
         ------
@@ -356,69 +378,198 @@ class Sequential:
         optimizer = SGD(self.parameters(), lr=0.1) if optimizer is None else optimizer
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"{where}: optimizer must be a parconv optimizer, got {type(optimizer).__name__}")
+        if checkpoint_every is not None:
+            checkpoint_every = check_int(checkpoint_every, "checkpoint_every", where, 1)
+            if checkpoint is None:
+                raise ValueError(f"{where}: checkpoint_every={checkpoint_every} needs checkpoint=PATH")
         x = _as_host_float(x, "x", where)
         y = self._host_targets(y, x.shape[0], loss, "y")
+        xv = yv = None
         if validation_data is not None:
             if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
                 raise TypeError(f"{where}: validation_data must be a pair (x_val, y_val)")
             xv = _as_host_float(validation_data[0], "validation x", where)
             yv = self._host_targets(validation_data[1], xv.shape[0], loss, "validation y")
+        dp = self._data_parallel(distributed)
+        if dp is None:
+            return self._fit_loop(x, y, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose,
+                                  callbacks, None, checkpoint, checkpoint_every, resume)
+        # any failure on one rank must end every rank (the others would wait in a collective);
+        # a diverged loss is seen by all ranks at the same step and propagates normally
+        with dp._guard("fit", passthrough=(TrainingDivergedError,)):
+            return self._fit_loop(x, y, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose,
+                                  callbacks, dp, checkpoint, checkpoint_every, resume)
+
+    def _data_parallel(self, distributed):
+        """The DataParallel wrapper ``fit(distributed=...)`` asks for (None when serial)."""
+        if distributed is None or distributed is False:
+            return None
+        from .distributed import MPI, DataParallel
+
+        if isinstance(distributed, DataParallel):
+            if distributed.model is not self:
+                raise ValueError("Sequential.fit: distributed= is a DataParallel wrapping another model")
+            dp = distributed
+        else:
+            comm = MPI.COMM_WORLD if distributed is True else distributed
+            dp = getattr(self, "_dp_cache", None)
+            if dp is None or dp.comm is not comm:
+                self._dp_cache = dp = DataParallel(self, comm)  # reused by later fits (one grad hook)
+                return dp
+        dp.broadcast_parameters()
+        return dp
+
+    def _fit_loop(self, x, y, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose, callbacks,
+                  dp, checkpoint, checkpoint_every, resume) -> History:
+        from . import _checkpoint
+
+        where = "Sequential.fit"
+        main = dp is None or dp.rank == 0
+        if dp is not None:
+            seed = dp.shared_seed(seed)
         rng = np.random.default_rng(seed)
         be = self.backend
-        params = self.parameters()
-        snapshot = [be.copy(p.data) for p in params]
         history = History()
         n = x.shape[0]
         steps_per_epoch = math.ceil(n / batch_size)
-        bar_cls = _progress_bar_class() if verbose else None
-        for epoch in range(1, epochs + 1):
+        fit_info = {"n": n, "batch_size": batch_size, "shuffle": bool(shuffle)}
+        start_epoch, start_step, global_step, carried = 1, 0, 0, (0.0, 0)
+        if resume is not None:
+            state = self._read_resume(resume, dp)
+            for key, value in fit_info.items():
+                if key in state.fit and state.fit[key] != value:
+                    raise ValueError(f"{where}: cannot resume from {state.path!r}: it was written with "
+                                     f"{key}={state.fit[key]!r}, this run has {key}={value!r}")
+            _checkpoint.apply_training_state(state, self, optimizer, rng, history)
+            start_epoch, start_step, global_step = state.epoch, state.step, state.global_step
+            carried = (state.loss_sum, state.correct)
+
+        def save(epoch, step, rng_state, loss_sum, correct):
+            if main:
+                _checkpoint.save_training_checkpoint(
+                    checkpoint, self, optimizer, epoch=epoch, step=step, global_step=global_step,
+                    rng_state=rng_state, loss_sum=loss_sum, correct=correct, history=history, fit=fit_info)
+
+        params = self.parameters()
+        snapshot = [be.copy(p.data) for p in params]
+        bar_cls = _progress_bar_class() if verbose and main else None
+        for epoch in range(start_epoch, epochs + 1):
+            epoch_rng_state = rng.bit_generator.state  # a checkpoint redraws this epoch's order from here
             order = rng.permutation(n) if shuffle else np.arange(n)
+            skip = start_step if epoch == start_epoch else 0
             t0 = time.perf_counter()
-            total_loss, correct = 0.0, 0
-            bar = bar_cls(total=steps_per_epoch, desc=f"epoch {epoch}/{epochs}", unit="batch",
+            total_loss, correct = carried if epoch == start_epoch else (0.0, 0)
+            bar = bar_cls(total=steps_per_epoch, initial=skip, desc=f"epoch {epoch}/{epochs}", unit="batch",
                           leave=True, dynamic_ncols=True) if bar_cls else None
             try:
                 for step, idx in enumerate(self._batches(n, batch_size, order)):
-                    xb = be.asarray(x[idx])
-                    yb = loss.prepare_target(y[idx], len(idx), be) if isinstance(loss, SoftmaxCrossEntropy) \
-                        else loss.prepare_target(y[idx], None, be)
-                    out = self.forward(xb)
-                    value = loss.forward(out, yb, backend=be)
-                    if not math.isfinite(value):
-                        for p, s in zip(params, snapshot):
-                            be.copy_into(p.data, s)
-                        raise TrainingDivergedError(
-                            f"{where}: loss became {value} at epoch {epoch}, step {step + 1}; training stopped and "
-                            "the weights of the last finite-loss step were restored (lower the learning rate?)")
-                    correct += loss.count_correct(out, yb)
-                    total_loss += value * len(idx)
-                    self.backward(loss.backward())
-                    for p, s in zip(params, snapshot):
-                        be.copy_into(s, p.data)
-                    optimizer.step()
-                    optimizer.zero_grad()
+                    if step < skip:
+                        continue
+                    step_loss, step_correct = self._train_step(x, y, idx, loss, optimizer, params, snapshot, dp,
+                                                               epoch, step)
+                    total_loss += step_loss
+                    correct += step_correct
+                    global_step += 1
                     if bar is not None:
                         bar.update(1)
                         if step % 10 == 0 or step == steps_per_epoch - 1:
-                            bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+                            bar.set_postfix(loss=f"{step_loss / len(idx):.4f}", refresh=False)
+                    if checkpoint_every and global_step % checkpoint_every == 0 and step < steps_per_epoch - 1:
+                        save(epoch, step + 1, epoch_rng_state, total_loss, correct)
             finally:
                 if bar is not None:
                     bar.close()
             be.synchronize()
             elapsed = time.perf_counter() - t0
+            done = n - min(n, skip * batch_size)
             metrics = {"loss": total_loss / n, "accuracy": correct / n, "time": elapsed,
-                       "samples_per_s": n / elapsed if elapsed > 0 else float("inf")}
-            if validation_data is not None:
-                ev = self._evaluate_host(xv, yv, loss, max(batch_size, 256))
+                       "samples_per_s": done / elapsed if elapsed > 0 else float("inf")}
+            if xv is not None:
+                ev = self._evaluate_host(xv, yv, loss, max(batch_size, 256)) if dp is None \
+                    else dp.evaluate(xv, yv, max(batch_size, 256), loss)
                 metrics["val_loss"], metrics["val_accuracy"] = ev["loss"], ev["accuracy"]
             history.append(epoch, **metrics)
-            if verbose:
+            if verbose and main:
                 line = " - ".join(f"{k} {v:.4f}" if k != "samples_per_s" else f"{v:.0f} samples/s"
                                   for k, v in metrics.items() if k != "time")
                 print(f"epoch {epoch}/{epochs}: {line} ({elapsed:.1f} s)", flush=True)
             for cb in callbacks or ():
                 cb(epoch, metrics)
+            if checkpoint is not None:
+                save(epoch + 1, 0, rng.bit_generator.state, 0.0, 0)
         return history
+
+    def _read_resume(self, path, dp):
+        """Read a training checkpoint (rank 0 reads and broadcasts when distributed)."""
+        from . import _checkpoint
+
+        if dp is None:
+            return _checkpoint.load_training_checkpoint(path)
+        payload = None
+        if dp.rank == 0:
+            try:
+                payload = (True, _checkpoint.load_training_checkpoint(path))
+            except (OSError, ValueError) as exc:
+                payload = (False, exc)
+        ok, value = dp.bcast_object(payload)
+        if not ok:
+            raise value
+        return value
+
+    def _train_step(self, x, y, idx, loss, optimizer, params, snapshot, dp, epoch, step):
+        """One optimizer step on global batch ``idx``; returns ``(loss * batch, correct)`` of the batch."""
+        be = self.backend
+        where = "Sequential.fit"
+        if dp is not None:
+            lo, hi = dp.shard(len(idx))
+            local = idx[lo:hi]
+            if len(local):
+                xb = be.asarray(x[local])
+                yb = self._prepare_target(loss, y[local], be)
+                out = self.forward(xb)
+                value = loss.forward(out, yb, backend=be)
+                stats = [value * len(local), loss.count_correct(out, yb)]
+                dy = loss.backward()
+            else:  # a batch smaller than the number of ranks: this rank contributes zero gradients
+                stats, dy = [0.0, 0.0], None
+            req, total = dp.iallreduce_sum(stats)  # completes during the gradient reduction
+            dp.backward(dy, weight=len(local) / len(idx))
+            req.Wait()
+            batch_loss, batch_correct = float(total[0]), int(round(total[1]))
+            value = batch_loss / len(idx)
+            if not math.isfinite(value):
+                self._restore(params, snapshot)
+                raise TrainingDivergedError(
+                    f"{where}: loss became {value} at epoch {epoch}, step {step + 1}; training stopped and "
+                    "the weights of the last finite-loss step were restored (lower the learning rate?)")
+        else:
+            xb = be.asarray(x[idx])
+            yb = self._prepare_target(loss, y[idx], be)
+            out = self.forward(xb)
+            value = loss.forward(out, yb, backend=be)
+            if not math.isfinite(value):
+                self._restore(params, snapshot)
+                raise TrainingDivergedError(
+                    f"{where}: loss became {value} at epoch {epoch}, step {step + 1}; training stopped and "
+                    "the weights of the last finite-loss step were restored (lower the learning rate?)")
+            batch_correct = loss.count_correct(out, yb)
+            batch_loss = value * len(idx)
+            self.backward(loss.backward())
+        for p, s in zip(params, snapshot):
+            be.copy_into(s, p.data)
+        optimizer.step()
+        optimizer.zero_grad()
+        return batch_loss, batch_correct
+
+    def _restore(self, params, snapshot):
+        for p, s in zip(params, snapshot):
+            self.backend.copy_into(p.data, s)
+
+    @staticmethod
+    def _prepare_target(loss, y_host, be):
+        if isinstance(loss, SoftmaxCrossEntropy):
+            return loss.prepare_target(y_host, len(y_host), be)
+        return loss.prepare_target(y_host, None, be)
 
     def _host_targets(self, y, n, loss, name):
         where = "Sequential.fit"

@@ -1,0 +1,490 @@
+"""MPI workloads of the benchmark suite, and the data-parallel cost model.
+
+Workloads (run under ``mpiexec -n N``; every rank runs this module):
+
+``data-parallel``
+    cnn-mnist training steps (conv 3x3 x d + ReLU + maxpool 2 + FC -> 10,
+    softmax, SGD) at a fixed global batch. Three configurations, interleaved
+    repetition by repetition so machine noise hits them alike: 1 rank x T
+    threads, 1 rank x N*T threads (the same cores used by threads instead of
+    ranks) and N ranks x T threads with :class:`parconv.distributed.DataParallel`.
+    Reports throughput, scaling efficiency against 1 rank x T threads, the
+    ratio against 1 rank x N*T threads, and the share of the step spent in the
+    gradient allreduce.
+``conv-large-mpi``
+    The conv-large layer (x 64x128x32x32, 64 filters 3x3, pad 1; 4.8 G
+    multiply-adds) forward, filter-parallel over N ranks
+    (:class:`parconv.distributed.FilterParallelConv2d`, output assembly
+    included, once with ``Allgatherv`` and once with the pairwise exchange)
+    against one rank with T threads and with N*T threads.
+
+While a single-rank configuration runs on rank 0 the other ranks sleep in a
+polling barrier, so they do not steal its cores. Every workload checks its
+answer against the NumPy oracle before it times anything.
+
+Cost model: :func:`cost_model` projects data-parallel weak scaling to 8..1024
+ranks from the compute time per sample measured here and an allreduce that
+moves ``2 (N - 1) / N`` of the gradient bytes per rank plus a latency term.
+
+Standalone::
+
+    mpiexec -n 2 python bench/mpi_bench.py --workloads data-parallel,conv-large-mpi
+    python bench/mpi_bench.py --cost-model-only --compute-per-sample 1e-4 --grad-bytes 217640
+
+``bench/run.py`` imports :func:`run_mpi_workloads` and :func:`cost_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import parconv as pc  # noqa: E402
+
+WORKLOADS = ("data-parallel", "conv-large-mpi")
+DEFAULTS = dict(repeats=7, threads_per_rank=1, backend=None, dp_batch=100, dp_filters=32, dp_steps=10,
+                conv_batch=64, conv_channels=128, conv_filters=64, conv_size=32, bandwidth_gbs=12.5,
+                latency_us=2.0, cost_ranks="8,16,32,64,128,256,512,1024", overlap=0.0, algorithm="halving")
+
+
+def _arg(args, name):
+    return getattr(args, name, None) if getattr(args, name, None) is not None else DEFAULTS[name]
+
+
+# ------------------------------------------------------------------ cost model
+def allreduce_time(ranks: int, nbytes: float, bandwidth: float, latency: float, algorithm: str = "halving",
+                   messages: int = 1) -> float:
+    """Seconds for an allreduce of ``nbytes`` over ``ranks``: each rank moves ``2 (N-1)/N * nbytes``.
+
+    The latency term is ``2 log2(N)`` messages per bucket for recursive halving/doubling
+    (reduce-scatter + allgather, ``algorithm="halving"``) or ``2 (N - 1)`` for a ring; ``messages``
+    counts the buckets. ``bandwidth`` in bytes/s, ``latency`` in seconds.
+    """
+    if ranks <= 1:
+        return 0.0
+    steps = 2 * math.ceil(math.log2(ranks)) if algorithm == "halving" else 2 * (ranks - 1)
+    return messages * steps * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def cost_model(compute_per_sample_s: float, grad_bytes: float, batch_per_rank: int, bandwidth: float,
+               latency: float, ranks=(8, 16, 32, 64, 128, 256, 512, 1024), overlap: float = 0.0,
+               algorithm: str = "halving", buckets: int = 1) -> list[dict]:
+    """Projected data-parallel weak scaling (fixed batch per rank).
+
+    Parameters
+    ----------
+    compute_per_sample_s : float
+        Forward + backward + update seconds per sample on one rank (measured).
+    grad_bytes : float
+        Bytes of gradient reduced per step (4 x parameters for float32).
+    batch_per_rank : int
+    bandwidth : float
+        Bytes/s per link; ``latency`` seconds per message.
+    ranks : iterable of int
+    overlap : float in [0, 1]
+        Share of the allreduce hidden behind the backward pass.
+    algorithm : {"halving", "ring"}
+    buckets : int
+        Allreduce calls per step (each pays the latency term).
+
+    Returns
+    -------
+    list of dict
+        Per rank count: ``step_s``, ``compute_s``, ``allreduce_s`` (exposed),
+        ``efficiency`` (compute / step) and ``samples_per_s``.
+    """
+    compute = batch_per_rank * compute_per_sample_s
+    rows = []
+    for n in ranks:
+        ar = allreduce_time(n, grad_bytes, bandwidth, latency, algorithm, buckets) * (1.0 - overlap)
+        step = compute + ar
+        rows.append({"ranks": int(n), "compute_s": compute, "allreduce_s": ar, "step_s": step,
+                     "efficiency": compute / step, "samples_per_s": n * batch_per_rank / step})
+    return rows
+
+
+def format_cost_model(rows, bandwidth, latency, batch_per_rank, compute_per_sample_s, grad_bytes,
+                      algorithm="halving", source="measured") -> str:
+    lines = [f"cost model: data-parallel weak scaling, {batch_per_rank} samples/rank, "
+             f"{compute_per_sample_s * 1e3:.3f} ms compute/sample ({source}), {grad_bytes / 1e3:.1f} kB gradients, "
+             f"{bandwidth / 1e9:g} GB/s, {latency * 1e6:g} us latency, {algorithm} allreduce",
+             f"{'ranks':>6} {'compute ms':>11} {'allreduce ms':>13} {'efficiency':>11} {'samples/s':>12}"]
+    for r in rows:
+        lines.append(f"{r['ranks']:>6} {r['compute_s'] * 1e3:>11.3f} {r['allreduce_s'] * 1e3:>13.3f} "
+                     f"{100 * r['efficiency']:>10.1f}% {r['samples_per_s']:>12,.0f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------- MPI plumbing
+def _sleeping_barrier(comm) -> None:
+    """A barrier that sleeps instead of spinning, so idle ranks leave their cores to rank 0."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
+def _limits(threads: int):
+    """Scope: parconv threads and BLAS threads both set to ``threads``."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(pc.num_threads(threads))
+    try:
+        from threadpoolctl import threadpool_limits
+
+        stack.enter_context(threadpool_limits(threads, user_api="blas"))
+    except ImportError:  # pragma: no cover
+        pass
+    return stack
+
+
+def _summary(times):
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": len(times)}
+
+
+# ------------------------------------------------------------- data parallel
+def _dp_setup(args, backend):
+    from parconv.cli import build_cnn
+
+    x, y = pc.datasets.load_mnist("test")
+    batch, steps = _arg(args, "dp_batch"), _arg(args, "dp_steps")
+    need = batch * (steps + 1)
+    reps = -(-need // x.shape[0])
+    x = np.concatenate([x] * reps)[:need]
+    y = np.concatenate([y] * reps)[:need]
+    x = (x - x.mean()) / x.std()
+    filters = _arg(args, "dp_filters")
+    return x.astype(np.float32), y, lambda: build_cnn(filters, backend=backend, seed=0)
+
+
+def _train_steps(model, opt, x, y, batch, steps, dp=None):
+    """Time ``steps`` optimizer steps (after one warm-up step); returns seconds."""
+    loss_fn = pc.SoftmaxCrossEntropy()
+    lo, hi = dp.shard(batch) if dp is not None else (0, batch)
+    t0 = 0.0
+    for s in range(steps + 1):
+        if s == 1:
+            if dp is not None:
+                dp.comm.Barrier()
+                dp.reset_timings()
+            t0 = time.perf_counter()
+        xb, yb = x[s * batch + lo:s * batch + hi], y[s * batch + lo:s * batch + hi]
+        out = (dp or model)(xb)
+        loss_fn(out, yb)
+        (dp or model).backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+    model.backend.synchronize()
+    return time.perf_counter() - t0
+
+
+def _allreduce_alone(comm, nbytes, repeats=30) -> float:
+    """Median seconds of one in-place float32 ``Allreduce`` of ``nbytes`` entered together by all ranks."""
+    from parconv import distributed as dist
+
+    buf = np.ones(nbytes // 4, dtype=np.float32)
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        comm.Allreduce(dist.MPI.IN_PLACE, [buf, dist.MPI.FLOAT], op=dist.MPI.SUM)
+        times.append(comm.allreduce(time.perf_counter() - t0, op=dist.MPI.MAX))
+    return statistics.median(times)
+
+
+def _check_dp(comm, make, x, y, batch):
+    """One DataParallel step must equal one serial step on the global batch (checked on every rank)."""
+    from parconv import distributed as dist
+
+    ref = make()
+    ref_opt = pc.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    _train_steps(ref, ref_opt, x, y, batch, 0)
+    model = make()
+    dp = dist.DataParallel(model, comm, threads=pc.get_num_threads())
+    _train_steps(model, pc.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, y, batch, 0, dp)
+    ok = all(np.allclose(model.state_dict()[k], v, rtol=1e-4, atol=1e-6) for k, v in ref.state_dict().items())
+    if not all(comm.allgather(ok)):
+        raise RuntimeError("data-parallel: DataParallel step does not match the serial step; not timing it")
+
+
+def bench_data_parallel(comm, args) -> list[dict]:
+    from parconv import distributed as dist
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    T = _arg(args, "threads_per_rank")
+    repeats, batch, steps = _arg(args, "repeats"), _arg(args, "dp_batch"), _arg(args, "dp_steps")
+    backend = pc.backends.get(_arg(args, "backend"))
+    x, y, make = _dp_setup(args, backend)
+    with _limits(T):
+        _check_dp(comm, make, x, y, batch)
+    configs = [("1 rank", 1, T), ("1 rank", 1, size * T), (f"{size} ranks", size, T)]
+    if size == 1:
+        configs = configs[:1]
+    times = {i: [] for i in range(len(configs))}
+    ar_share = []
+    models = {}
+    for i, (_, ranks, threads) in enumerate(configs):
+        with _limits(threads):
+            model = make()
+            dp = dist.DataParallel(model, comm, threads=threads) if ranks > 1 else None
+            models[i] = (model, pc.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), dp)
+    for _ in range(repeats):
+        for i, (_, ranks, threads) in enumerate(configs):
+            model, opt, dp = models[i]
+            if ranks == 1:
+                if rank == 0:
+                    with _limits(threads):
+                        times[i].append(_train_steps(model, opt, x, y, batch, steps))
+                _sleeping_barrier(comm)
+            else:
+                with _limits(threads):
+                    seconds = _train_steps(model, opt, x, y, batch, steps, dp)
+                # the step of a data-parallel run ends when its slowest rank ends
+                seconds = comm.allreduce(seconds, op=dist.MPI.MAX)
+                times[i].append(seconds)
+                shares = comm.allgather(dp.timings["allreduce"] / seconds)
+                ar_share.append(max(shares))
+            comm.Barrier()
+    pure_ar = _allreduce_alone(comm, 4 * models[0][0].num_parameters()) if size > 1 else 0.0
+    if rank != 0:
+        return []
+    base = statistics.median(times[0])
+    results = []
+    for i, (label, ranks, threads) in enumerate(configs):
+        s = _summary(times[i])
+        thr = batch * steps / s["median_s"]
+        row = {"workload": "data-parallel", "backend": backend.name, "config": f"{label} x {threads} thread(s)",
+               "ranks": ranks, "threads_per_rank": threads, "global_batch": batch, "steps": steps, **s,
+               "step_s": s["median_s"] / steps, "samples_per_s": thr,
+               "speedup": base / s["median_s"], "efficiency": base / s["median_s"] / (ranks * threads / T)}
+        if ranks > 1:
+            share = statistics.median(ar_share)
+            row["allreduce_fraction"] = share
+            row["allreduce_s_per_step"] = share * row["step_s"]
+            row["compute_s_per_step"] = (1 - share) * row["step_s"]
+            row["vs_1rank_same_cores"] = thr / (batch * steps / statistics.median(times[1]))
+            row["grad_bytes"] = 4 * models[i][0].num_parameters()
+            row["compute_per_sample_s"] = row["compute_s_per_step"] / (batch / ranks)
+            # the reduction alone (ranks already in step): what the allreduce costs without load imbalance
+            row["allreduce_alone_s"] = pure_ar
+            row["allreduce_alone_fraction"] = pure_ar / row["step_s"]
+        results.append(row)
+    if size == 1:
+        results[0]["grad_bytes"] = 4 * models[0][0].num_parameters()
+        results[0]["compute_per_sample_s"] = results[0]["step_s"] / batch
+    return results
+
+
+# --------------------------------------------------------------- conv-large
+def bench_conv_large_mpi(comm, args) -> list[dict]:
+    from parconv import distributed as dist
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    T, repeats = _arg(args, "threads_per_rank"), _arg(args, "repeats")
+    backend = pc.backends.get(_arg(args, "backend"))
+    N, C = _arg(args, "conv_batch"), _arg(args, "conv_channels")
+    O, H = _arg(args, "conv_filters"), _arg(args, "conv_size")
+    K, pad = 3, 1
+    rng = np.random.default_rng(0)
+    x_host = rng.standard_normal((N, C, H, H)).astype(np.float32)
+    with _limits(T):
+        convs = {a: dist.FilterParallelConv2d(C, O, K, padding=pad, comm=comm, backend=backend, rng=1, threads=T,
+                                              assemble=a) for a in ("allgatherv", "p2p")}
+    full = convs["allgatherv"].state_dict()
+    serial = pc.Conv2d(C, O, K, padding=pad, backend=backend)
+    serial.weight.data = backend.asarray(full["weight"])
+    serial.bias.data = backend.asarray(full["bias"])
+    # check against the oracle on a slice of the batch before timing anything
+    want = pc.functional.conv2d(x_host[:2], full["weight"], full["bias"], padding=pad, backend="numpy")
+    ok = True
+    with _limits(T):
+        for conv in convs.values():
+            ok = ok and np.allclose(pc.to_numpy(conv(x_host[:2])), want, rtol=1e-4, atol=1e-4)
+    if not all(comm.allgather(ok)):
+        raise RuntimeError("conv-large-mpi: filter-parallel output does not match the NumPy oracle; not timing it")
+    x = backend.asarray(x_host)
+    configs = [("1 rank", 1, T, None), ("1 rank", 1, size * T, None),
+               (f"{size} ranks", size, T, "allgatherv"), (f"{size} ranks", size, T, "p2p")]
+    if size == 1:
+        configs = configs[:1]
+    times = {i: [] for i in range(len(configs))}
+    comm_share = {i: [] for i in range(len(configs))}
+    for rep in range(repeats + 1):  # repetition 0 warms up
+        for i, (_, ranks, threads, assemble) in enumerate(configs):
+            if ranks == 1:
+                if rank == 0:
+                    with _limits(threads):
+                        t0 = time.perf_counter()
+                        serial(x)
+                        backend.synchronize()
+                        if rep:
+                            times[i].append(time.perf_counter() - t0)
+                _sleeping_barrier(comm)
+            else:
+                conv = convs[assemble]
+                with _limits(threads):
+                    comm.Barrier()
+                    conv.timings = {"compute": 0.0, "comm": 0.0}
+                    t0 = time.perf_counter()
+                    conv(x)
+                    backend.synchronize()
+                    seconds = comm.allreduce(time.perf_counter() - t0, op=dist.MPI.MAX)
+                if rep:
+                    times[i].append(seconds)
+                    comm_share[i].append(max(comm.allgather(conv.timings["comm"] / seconds)))
+            comm.Barrier()
+    if rank != 0:
+        return []
+    flops = 2.0 * N * O * C * K * K * H * H
+    base = statistics.median(times[0])
+    results = []
+    for i, (label, ranks, threads, assemble) in enumerate(configs):
+        s = _summary(times[i])
+        config = f"{label} x {threads} thread(s)" + (f" {assemble}" if assemble else "")
+        row = {"workload": "conv-large-mpi", "backend": backend.name, "config": config, "assemble": assemble,
+               "ranks": ranks, "threads_per_rank": threads, "shape": [N, C, H, H], "filters": O, **s,
+               "gflops": flops / s["median_s"] / 1e9, "speedup": base / s["median_s"],
+               "efficiency": base / s["median_s"] / (ranks * threads / T)}
+        if ranks > 1:
+            row["comm_fraction"] = statistics.median(comm_share[i])
+            row["vs_1rank_same_cores"] = statistics.median(times[1]) / s["median_s"]
+        results.append(row)
+    return results
+
+
+# ------------------------------------------------------------------- driver
+def run_mpi_workloads(names, args=None) -> list[dict]:
+    """Run the named MPI workloads on every rank of ``COMM_WORLD``; rank 0 gets the result rows.
+
+    ``args`` is any object with the attributes of this module's command line
+    (``repeats``, ``threads_per_rank``, ``backend``, ``dp_batch``, ...); missing
+    ones take the defaults in :data:`DEFAULTS`. Collective: every rank must call it.
+    """
+    from parconv import distributed as dist
+
+    comm = dist.MPI.COMM_WORLD
+    names = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown MPI workloads {unknown}; known: {list(WORKLOADS)}")
+    results = []
+    with dist.abort_on_error(comm, "bench/mpi_bench.py"):
+        for name in names:
+            fn = bench_data_parallel if name == "data-parallel" else bench_conv_large_mpi
+            results += fn(comm, args)
+            comm.Barrier()
+    measured = [r for r in results if r["workload"] == "data-parallel" and "compute_per_sample_s" in r]
+    if measured:
+        _attach_cost_model(measured[-1], args)
+    return results
+
+
+def _attach_cost_model(row, args) -> None:
+    """Project the measured data-parallel row to 8..1024 ranks (``row["cost_model"]``)."""
+    ranks = [int(r) for r in str(_arg(args, "cost_ranks")).split(",") if r.strip()]
+    per_rank = getattr(args, "batch_per_rank", None) or max(1, row["global_batch"] // row["ranks"])
+    params = {"compute_per_sample_s": row["compute_per_sample_s"], "grad_bytes": row["grad_bytes"],
+              "batch_per_rank": per_rank, "bandwidth": _arg(args, "bandwidth_gbs") * 1e9,
+              "latency": _arg(args, "latency_us") * 1e-6, "overlap": _arg(args, "overlap"),
+              "algorithm": _arg(args, "algorithm")}
+    row["cost_model"] = {"params": params, "rows": cost_model(ranks=ranks, **params)}
+
+
+def format_results(rows) -> str:
+    lines = [f"{'workload':<15} {'config':<34} {'median s':>9} {'min s':>8} {'max s':>8} {'throughput':>14} "
+             f"{'speedup':>8} {'effic.':>7} {'vs 1 rank same cores':>21} {'comm share':>11}"]
+    for r in rows:
+        thr = f"{r['samples_per_s']:,.0f} img/s" if "samples_per_s" in r else f"{r['gflops']:.1f} GFLOP/s"
+        comm_share = r.get("allreduce_fraction", r.get("comm_fraction"))
+        same = r.get("vs_1rank_same_cores")
+        lines.append(f"{r['workload']:<15} {r['config']:<34} {r['median_s']:>9.3f} {r['min_s']:>8.3f} "
+                     f"{r['max_s']:>8.3f} {thr:>14} {r['speedup']:>7.2f}x {100 * r['efficiency']:>6.1f}% "
+                     f"{(f'{same:.2f}x' if same else '-'):>21} "
+                     f"{(f'{100 * comm_share:.1f}%' if comm_share is not None else '-'):>11}")
+    for r in rows:
+        if "allreduce_alone_s" in r:
+            lines.append(f"data-parallel allreduce of {r['grad_bytes'] / 1e3:.1f} kB: "
+                         f"{r['allreduce_s_per_step'] * 1e3:.2f} ms/step exposed in backward "
+                         f"({100 * r['allreduce_fraction']:.1f}% of the step, waiting for the slowest rank "
+                         f"included); {r['allreduce_alone_s'] * 1e3:.3f} ms alone "
+                         f"({100 * r['allreduce_alone_fraction']:.1f}%); compute {r['compute_s_per_step'] * 1e3:.2f} "
+                         "ms/step")
+    for r in rows:
+        if "cost_model" in r:
+            p = r["cost_model"]["params"]
+            lines.append(format_cost_model(r["cost_model"]["rows"], p["bandwidth"], p["latency"], p["batch_per_rank"],
+                                           p["compute_per_sample_s"], p["grad_bytes"], p["algorithm"]))
+    return "\n".join(lines)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], help="timed repetitions (median reported)")
+    p.add_argument("--threads-per-rank", type=int, default=DEFAULTS["threads_per_rank"])
+    p.add_argument("--backend", default=None, help="default: the process default (openmp when built)")
+    p.add_argument("--dp-batch", type=int, default=DEFAULTS["dp_batch"], help="data-parallel global batch")
+    p.add_argument("--dp-filters", type=int, default=DEFAULTS["dp_filters"], help="cnn-mnist filters d")
+    p.add_argument("--dp-steps", type=int, default=DEFAULTS["dp_steps"], help="training steps per timing")
+    p.add_argument("--conv-batch", type=int, default=DEFAULTS["conv_batch"])
+    p.add_argument("--conv-channels", type=int, default=DEFAULTS["conv_channels"])
+    p.add_argument("--conv-filters", type=int, default=DEFAULTS["conv_filters"])
+    p.add_argument("--conv-size", type=int, default=DEFAULTS["conv_size"])
+    p.add_argument("--bandwidth-gbs", type=float, default=DEFAULTS["bandwidth_gbs"],
+                   help="cost model: link bandwidth in GB/s")
+    p.add_argument("--latency-us", type=float, default=DEFAULTS["latency_us"], help="cost model: latency in us")
+    p.add_argument("--cost-ranks", default=DEFAULTS["cost_ranks"])
+    p.add_argument("--overlap", type=float, default=DEFAULTS["overlap"],
+                   help="cost model: share of the allreduce hidden behind the backward")
+    p.add_argument("--algorithm", choices=("halving", "ring"), default=DEFAULTS["algorithm"])
+    p.add_argument("--cost-model-only", action="store_true", help="no MPI: just print the model")
+    p.add_argument("--compute-per-sample", type=float, default=None, help="seconds (with --cost-model-only)")
+    p.add_argument("--grad-bytes", type=float, default=None, help="bytes (with --cost-model-only)")
+    p.add_argument("--batch-per-rank", type=int, default=None, help="cost model batch per rank")
+    p.add_argument("--json", default=None, help="write the result rows here")
+    return p
+
+
+def _print_cost_model(args, compute_per_sample, grad_bytes, batch_per_rank, source="measured"):
+    ranks = [int(r) for r in str(args.cost_ranks).split(",") if r.strip()]
+    bw, lat = args.bandwidth_gbs * 1e9, args.latency_us * 1e-6
+    rows = cost_model(compute_per_sample, grad_bytes, batch_per_rank, bw, lat, ranks, args.overlap, args.algorithm)
+    print(format_cost_model(rows, bw, lat, batch_per_rank, compute_per_sample, grad_bytes, args.algorithm, source))
+    return rows
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.cost_model_only:
+        if args.compute_per_sample is None or args.grad_bytes is None:
+            raise SystemExit("--cost-model-only needs --compute-per-sample and --grad-bytes")
+        _print_cost_model(args, args.compute_per_sample, args.grad_bytes, args.batch_per_rank or 50, "given")
+        return 0
+    from parconv import distributed as dist
+
+    comm = dist.MPI.COMM_WORLD
+    dist.install_excepthook(comm)
+    rows = run_mpi_workloads(args.workloads, args)
+    if comm.Get_rank() == 0:
+        print(f"parconv {pc.__version__} | {comm.Get_size()} ranks x {args.threads_per_rank} thread(s) | "
+              f"{pc._config._cpu_count()} cores | {args.repeats} interleaved repetitions")
+        print(format_results(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""MPI tests of :mod:`parconv.distributed`: DataParallel, fit(distributed=True), FilterParallelConv2d,
+and the failure behaviour (an exception on one rank ends the job, never a hang).
+
+Run them directly with ``mpiexec -n 2 python -m pytest tests/test_distributed.py``. Under a plain
+``pytest tests`` run, :func:`test_suite_under_mpiexec` re-launches this file under
+``mpiexec -n 2`` (with a timeout) and the failure tests start their own small MPI jobs, so the
+normal test run covers everything. Without mpi4py or mpiexec the module is skipped.
+
+Every check inside the MPI run goes through :func:`on_all_ranks`, so a failure on one rank fails
+the test on every rank and the ranks never fall out of step in their collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import parconv as pc
+
+pytest.importorskip("mpi4py")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+UNDER_MPI = any(v in os.environ for v in MPI_ENV_VARS)
+BACKENDS = pc.available_backends()
+RTOL, ATOL = 1e-5, 1e-6
+SUITE_TIMEOUT = 180  # seconds for the whole re-launched MPI run
+FAIL_WITHIN = 20  # seconds an aborting job may take (startup included)
+
+
+def _mpiexec():
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for v in MPI_ENV_VARS:
+        env.pop(v, None)
+    return env
+
+
+needs_launcher = pytest.mark.skipif(UNDER_MPI or _mpiexec() is None,
+                                    reason="needs mpiexec, and not already running under MPI")
+needs_mpi_run = pytest.mark.skipif(not UNDER_MPI, reason="runs under mpiexec (re-launched by test_suite_under_mpiexec)")
+
+
+# ------------------------------------------------------------------ launcher side
+@needs_launcher
+@pytest.mark.mpi
+def test_suite_under_mpiexec():
+    """Run the MPI tests of this file under ``mpiexec -n 2`` and fail with their output if any fails."""
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-x",
+           "-p", "no:cacheprovider", "--noconftest", "-m", "mpi"]
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"MPI test run hung (> {SUITE_TIMEOUT} s):\n{exc.stdout}\n{exc.stderr}")
+    assert res.returncode == 0, f"mpiexec -n 2 pytest failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    assert " passed" in res.stdout and "failed" not in res.stdout, res.stdout
+
+
+def _run_job(tmp_path, body, args=(), ranks=2):
+    """Run a script under ``mpiexec -n ranks``; returns (returncode, output, seconds)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, str(script), *args]
+    t0 = time.monotonic()
+    try:
+        res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                             timeout=FAIL_WITHIN * 3)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the job hung instead of aborting (> {FAIL_WITHIN * 3} s):\n{exc.stdout}\n{exc.stderr}")
+    return res.returncode, res.stdout + res.stderr, time.monotonic() - t0
+
+
+FAILING_JOB = """
+    import sys
+    import numpy as np
+    import parconv as pc
+    from parconv import distributed as dist
+
+    comm = dist.MPI.COMM_WORLD
+    model = pc.Sequential(pc.Conv2d(1, 2, 3, rng=0), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(),
+                          pc.Linear(2 * 3 * 3, 3, rng=1), backend="numpy")
+    dp = dist.DataParallel(model)
+    x = np.zeros((4, 1, 8, 8), np.float32)
+    case = sys.argv[1]
+    if case == "library":
+        # rank 1 hands backward a wrong dy while rank 0 waits in the gradient allreduce
+        out = dp(x)
+        dy = np.ones(out.shape, np.float32) if comm.rank == 0 else np.ones((3, 3), np.float32)
+        dp.backward(dy)
+    elif case == "user":
+        # an uncaught exception in user code on rank 1; rank 0 goes on into a collective
+        if comm.rank == 1:
+            raise RuntimeError("boom in user code")
+        dp.backward(np.ones(dp(x).shape, np.float32))
+    elif case == "fit":
+        def callback(epoch, metrics):
+            if comm.rank == 1:
+                raise KeyError("callback failed")
+        rng = np.random.default_rng(0)
+        model.fit(rng.standard_normal((16, 1, 8, 8)), rng.integers(0, 3, 16), epochs=3, batch_size=4,
+                  verbose=False, distributed=True, callbacks=[callback])
+    print("rank", comm.rank, "finished: the job should have been aborted", flush=True)
+    comm.Barrier()
+"""
+
+
+@needs_launcher
+@pytest.mark.mpi
+@pytest.mark.parametrize("case, message", [("library", "dy must have the output's shape"),
+                                           ("user", "boom in user code"),
+                                           ("fit", "callback failed")])
+def test_exception_on_one_rank_aborts_all(tmp_path, case, message):
+    rc, out, seconds = _run_job(tmp_path, FAILING_JOB, [case])
+    assert rc != 0, out
+    assert seconds < FAIL_WITHIN, f"took {seconds:.1f} s to end:\n{out}"
+    assert "rank 1 of 2" in out and message in out, out
+    assert "finished" not in out, out
+
+
+@needs_launcher
+@pytest.mark.mpi
+def test_cli_distributed_error_ends_job(tmp_path):
+    """``parconv train --distributed --resume`` of a missing file fails on every rank, promptly."""
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-m", "parconv.cli", "train", "--distributed", "--quiet",
+           "--backend", "numpy", "--train-size", "200", "--epochs", "1", "--checkpoint", "",
+           "--resume", str(tmp_path / "missing.npz")]
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=FAIL_WITHIN * 3)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert time.monotonic() - t0 < FAIL_WITHIN, out
+    assert "missing.npz" in out and "does not exist" in out, out
+
+
+# ------------------------------------------------------------------ MPI side
+if UNDER_MPI:
+    from parconv import distributed as dist
+
+    COMM = dist.MPI.COMM_WORLD
+    RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+else:  # pragma: no cover - only the launcher tests run here
+    COMM, RANK, SIZE = None, 0, 1
+
+
+def on_all_ranks(check):
+    """Run ``check()``; if it fails on any rank, fail on every rank with all the messages."""
+    try:
+        check()
+        err = None
+    except AssertionError as exc:
+        err = f"rank {RANK}: {exc}"
+    errors = [e for e in COMM.allgather(err) if e]
+    if errors:
+        raise AssertionError("\n".join(errors))
+
+
+def assert_same_on_all_ranks(arrays: dict):
+    gathered = COMM.allgather({k: np.asarray(v) for k, v in arrays.items()})
+
+    def check():
+        for k, v in arrays.items():
+            for r, other in enumerate(gathered):
+                np.testing.assert_array_equal(other[k], v, err_msg=f"{k} differs on rank {r}")
+
+    on_all_ranks(check)
+
+
+def make_cnn(backend, seed):
+    rng = np.random.default_rng(seed)
+    return pc.Sequential(pc.Conv2d(1, 4, 3, rng=rng), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(),
+                         pc.Linear(4 * 4 * 4, 8, rng=rng), pc.ReLU(), pc.Linear(8, 5, rng=rng), backend=backend)
+
+
+def data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 1, 10, 10)).astype(np.float32), rng.integers(0, 5, n)
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bucket_cap_mb", [1.0, 1e-4])
+def test_data_parallel_matches_single_process(backend, bucket_cap_mb):
+    """Several momentum-SGD steps over the ranks equal single-process steps on the global batch,
+    although every rank starts from different weights (the broadcast fixes that)."""
+    x, y = data(6 * SIZE * 5)
+    loss_fn = pc.SoftmaxCrossEntropy()
+    ref = make_cnn(backend, seed=0)  # rank 0's initial weights
+    ref_opt = pc.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    model = make_cnn(backend, seed=RANK)
+    dp = dist.DataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    opt = pc.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    if bucket_cap_mb < 1e-3:
+        assert dp.num_buckets == 3  # one bucket per layer with parameters
+    batch = 6 * SIZE
+    for step in range(5):
+        idx = np.arange(step * batch, (step + 1) * batch)
+        loss_fn(ref(x[idx]), y[idx])
+        ref.backward(loss_fn.backward())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        lo, hi = dp.shard(batch)
+        loss_fn(dp(x[idx[lo:hi]]), y[idx[lo:hi]])
+        dp.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+
+    def check():
+        for name, want in ref.state_dict().items():
+            np.testing.assert_allclose(model.state_dict()[name], want, rtol=RTOL, atol=ATOL, err_msg=name)
+
+    on_all_ranks(check)
+    assert_same_on_all_ranks(model.state_dict())
+    assert dp.timings["allreduce"] <= dp.timings["backward"]
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n, batch_size", [(48, 12), (41, 10), (23, 7)])
+def test_fit_distributed_matches_serial_fit(backend, n, batch_size):
+    """fit(distributed=True) follows the serial fit with the same seed -- uneven shards and a last
+    batch smaller than the number of ranks included -- and its metrics are the global ones."""
+    x, y = data(n, seed=1)
+    xv, yv = data(9, seed=2)
+    ref = make_cnn(backend, seed=5)
+    h_ref = ref.fit(x, y, epochs=2, batch_size=batch_size, seed=11, verbose=False, validation_data=(xv, yv),
+                    optimizer=pc.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9))
+    model = make_cnn(backend, seed=5 + RANK)
+    h = model.fit(x, y, epochs=2, batch_size=batch_size, seed=11 + RANK, verbose=False, validation_data=(xv, yv),
+                  optimizer=pc.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), distributed=True)
+
+    def check():
+        for name, want in ref.state_dict().items():
+            np.testing.assert_allclose(model.state_dict()[name], want, rtol=RTOL, atol=ATOL, err_msg=name)
+        for key in ("loss", "val_loss"):
+            np.testing.assert_allclose(h[key], h_ref[key], rtol=1e-5, err_msg=key)
+        for key in ("accuracy", "val_accuracy"):
+            assert h[key] == h_ref[key], key
+
+    on_all_ranks(check)
+    assert_same_on_all_ranks(model.state_dict())
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+def test_data_parallel_evaluate_and_adam():
+    x, y = data(37, seed=3)
+    ref = make_cnn("numpy", seed=2)
+    ref.fit(x, y, epochs=1, batch_size=9, seed=4, verbose=False, optimizer=pc.optim.Adam(ref.parameters(), lr=0.01))
+    model = make_cnn("numpy", seed=2)
+    dp = dist.DataParallel(model)
+    dp.fit(x, y, epochs=1, batch_size=9, seed=4, verbose=False, optimizer=pc.optim.Adam(model.parameters(), lr=0.01))
+    want, got = ref.evaluate(x, y), dp.evaluate(x, y)
+
+    def check():
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+        assert got["accuracy"] == want["accuracy"]
+        for name, w in ref.state_dict().items():
+            np.testing.assert_allclose(model.state_dict()[name], w, rtol=RTOL, atol=ATOL, err_msg=name)
+
+    on_all_ranks(check)
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("assemble", ["allgatherv", "p2p"])
+@pytest.mark.parametrize("C, O, N, K, stride, padding, bias", [
+    (3, 5, 2, 3, 1, 1, True),    # 5 filters over 2 ranks: 3 + 2
+    (2, 1, 3, 3, 2, 0, True),    # fewer filters than ranks: a rank computes nothing
+    (4, 6, 1, 2, 1, 0, False),   # one sample (gathered straight into place), no bias
+    (1, 7, 4, 5, 2, 2, True),
+])
+def test_filter_parallel_conv2d_matches_conv2d(backend, assemble, C, O, N, K, stride, padding, bias):
+    rng = np.random.default_rng(C * 100 + O)
+    x = rng.standard_normal((N, C, 9, 9)).astype(np.float32)
+    ref = pc.Conv2d(C, O, K, stride, padding, bias=bias, backend=backend, rng=1)
+    conv = dist.FilterParallelConv2d(C, O, K, stride, padding, bias=bias, backend=backend, rng=2 + RANK,
+                                     assemble=assemble)
+    counts = conv.filter_counts
+    assert sum(counts) == O and max(counts) - min(counts) <= 1
+    conv.load_state_dict({name: p.numpy() for name, p in ref.named_parameters()})
+    y_ref = ref(x)
+    y = conv(x)
+    dy = rng.standard_normal(pc.to_numpy(y_ref).shape).astype(np.float32)
+    dx_ref = ref.backward(dy)
+    dx = conv.backward(dy)
+    state = conv.state_dict()
+    sl = slice(conv.filter_offsets[RANK], conv.filter_offsets[RANK] + counts[RANK])
+
+    def check():
+        np.testing.assert_allclose(pc.to_numpy(y), pc.to_numpy(y_ref), rtol=1e-5, atol=1e-5, err_msg="y")
+        np.testing.assert_allclose(pc.to_numpy(dx), pc.to_numpy(dx_ref), rtol=1e-5, atol=1e-5, err_msg="dx")
+        np.testing.assert_allclose(pc.to_numpy(conv.weight.grad), pc.to_numpy(ref.weight.grad)[sl],
+                                   rtol=1e-5, atol=1e-5, err_msg="dw slice")
+        if bias:
+            np.testing.assert_allclose(pc.to_numpy(conv.bias.grad), pc.to_numpy(ref.bias.grad)[sl],
+                                       rtol=1e-5, atol=1e-5, err_msg="db slice")
+        np.testing.assert_array_equal(state["weight"], ref.weight.numpy())
+        assert ("bias" in state) == bias
+        if bias:
+            np.testing.assert_array_equal(state["bias"], ref.bias.numpy())
+        assert conv.weight.shape == (counts[RANK], C, K, K)
+
+    on_all_ranks(check)
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+def test_filter_parallel_conv2d_training_step_and_init():
+    """Rank 0's initial weights are everyone's; a local SGD step on each slice equals a full step."""
+    conv = dist.FilterParallelConv2d(2, 5, 3, padding=1, backend="numpy", rng=10 + RANK)
+    full = conv.state_dict()
+    assert_same_on_all_ranks(full)
+    ref = pc.Conv2d(2, 5, 3, padding=1, backend="numpy")
+    ref.weight.data[...] = full["weight"]
+    ref.bias.data[...] = full["bias"]
+    x = np.random.default_rng(0).standard_normal((3, 2, 6, 6)).astype(np.float32)
+    for layer in (ref, conv):
+        opt = pc.optim.SGD(layer.parameters(), lr=0.1, momentum=0.5)
+        for _ in range(2):
+            y = layer(x)
+            layer.backward(np.asarray(pc.to_numpy(y)) * 2.0)
+            opt.step()
+            opt.zero_grad()
+    after = conv.state_dict()
+
+    def check():
+        np.testing.assert_allclose(after["weight"], ref.weight.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(after["bias"], ref.bias.numpy(), rtol=1e-5, atol=1e-6)
+
+    on_all_ranks(check)
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+def test_filter_parallel_load_state_dict_checks_shapes():
+    conv = dist.FilterParallelConv2d(2, 5, 3, backend="numpy")
+    with pytest.raises(ValueError, match="full"):
+        conv.load_state_dict({"weight": np.zeros((3, 2, 3, 3)), "bias": np.zeros(5)})
+    with pytest.raises(ValueError, match="missing"):
+        conv.load_state_dict({"weight": np.zeros((5, 2, 3, 3))})
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+def test_helpers():
+    assert dist.split_sizes(5, 2) == [3, 2]
+    assert dist.split_sizes(1, 3) == [1, 0, 0]
+    assert [dist.shard_bounds(7, 3, r) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    assert dist.default_threads() >= 1
+    seeds = COMM.allgather(dist.DataParallel(make_cnn("numpy", 0)).shared_seed(None))
+    assert len(set(seeds)) == 1
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+def test_fit_distributed_divergence_raises_on_every_rank():
+    """A NaN loss is detected on the global loss, so every rank stops at the same step (no hang)."""
+    import warnings
+
+    x, y = data(24, seed=4)
+    model = make_cnn("numpy", seed=0)
+    opt = pc.optim.SGD(model.parameters(), lr=1e12)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        with pytest.raises(pc.TrainingDivergedError, match="loss became"):
+            model.fit(x, y, epochs=5, batch_size=8, optimizer=opt, verbose=False, distributed=True)
+    state = model.state_dict()
+
+    def check():
+        for name, value in state.items():
+            assert np.isfinite(value).all(), f"{name} is not finite after the divergence"
+
+    on_all_ranks(check)
+    assert_same_on_all_ranks(state)
