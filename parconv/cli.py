@@ -113,7 +113,8 @@ def _train(args, comm) -> int:
     threads = pc.get_num_threads() if backend.name == "openmp" else None
     say(f"parconv {pc.__version__} | backend {backend.name}"
         + (f" | {size} MPI ranks" if comm is not None else "")
-        + (f" | {threads} threads" + (" per rank" if comm is not None else "") if threads else "")
+        + (f" | {threads} thread{'s' if threads != 1 else ''}" + (" per rank" if comm is not None else "")
+           if threads else "")
         + f" | data: {source}")
     say(f"model: conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[4].in_features}->10 "
         f"({model.num_parameters():,} parameters) | {args.optimizer} lr {args.lr} | batch {args.batch_size}"
@@ -240,6 +241,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # output piped into e.g. `head`, which closed early: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, TypeError, RuntimeError, OSError) as exc:
         from parconv.backends import BackendUnavailableError
 
