@@ -40,5 +40,5 @@ def test_info_lists_backends(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "parconv.cli", "info"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-m", "parconv.cli", "info"], capture_output=True, text=True, check=True)
     assert "backends:" in out.stdout

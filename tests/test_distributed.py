@@ -42,7 +42,8 @@ def _mpiexec():
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # child processes import the same parconv as this one (installed or in place), never a bare source tree
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(pc.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     for v in MPI_ENV_VARS:
         env.pop(v, None)
@@ -59,7 +60,7 @@ needs_mpi_run = pytest.mark.skipif(not UNDER_MPI, reason="runs under mpiexec (re
 @pytest.mark.mpi
 def test_suite_under_mpiexec():
     """Run the MPI tests of this file under ``mpiexec -n 2`` and fail with their output if any fails."""
-    cmd = [_mpiexec(), "-n", "2", sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-x",
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", "-m", "pytest", os.path.abspath(__file__), "-q", "-x",
            "-p", "no:cacheprovider", "--noconftest", "-m", "mpi"]
     try:
         res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
@@ -134,7 +135,7 @@ def test_exception_on_one_rank_aborts_all(tmp_path, case, message):
 @pytest.mark.mpi
 def test_cli_distributed_error_ends_job(tmp_path):
     """``parconv train --distributed --resume`` of a missing file fails on every rank, promptly."""
-    cmd = [_mpiexec(), "-n", "2", sys.executable, "-m", "parconv.cli", "train", "--distributed", "--quiet",
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", "-m", "parconv.cli", "train", "--distributed", "--quiet",
            "--backend", "numpy", "--train-size", "200", "--epochs", "1", "--checkpoint", "",
            "--resume", str(tmp_path / "missing.npz")]
     t0 = time.monotonic()

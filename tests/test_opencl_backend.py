@@ -327,7 +327,7 @@ def test_fresh_process_build_uses_the_disk_cache():
     """A second process finds the compiled kernels on disk (pyopencl's and PoCL's caches)."""
     code = ("import time; t = time.perf_counter(); from parconv.backends.opencl import OpenCLBackend; "
             "OpenCLBackend(); print(time.perf_counter() - t)")
-    seconds = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    seconds = float(subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True,
                                    timeout=300).stdout.split()[-1])
     assert seconds < 30
 
@@ -386,25 +386,25 @@ def test_device_selection_by_index_and_name():
 def test_device_env_var_is_honoured_and_never_prompts():
     code = "from parconv.backends import get; print(get('opencl').device.name)"
     env = dict(os.environ, PARCONV_OPENCL_DEVICE="0:0", PYOPENCL_CTX="")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
     import pyopencl as cl
 
     assert out.stdout.strip() == cl.get_platforms()[0].get_devices()[0].name
     env["PARCONV_OPENCL_DEVICE"] = "no-such-device-anywhere"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          stdin=subprocess.DEVNULL)
     assert out.returncode != 0 and "matches no OpenCL device" in out.stderr
 
 
 def test_importing_parconv_does_not_import_pyopencl_and_missing_pyopencl_is_explained():
     code = "import sys, parconv; assert 'pyopencl' not in sys.modules, 'parconv imported pyopencl'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120)
     code = ("import sys; sys.modules['pyopencl'] = None\n"
             "from parconv.backends import get\n"
             "try:\n    get('opencl')\nexcept Exception as exc:\n    print(exc)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert 'pip install "parconv[opencl]"' in out.stdout
 
 

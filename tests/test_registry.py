@@ -17,7 +17,7 @@ def test_importing_parconv_imports_no_optional_dependency():
         heavy = [m for m in ("pyopencl", "mpi4py", "torch", "matplotlib", "tqdm") if m in sys.modules]
         print(heavy)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 

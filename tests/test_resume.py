@@ -56,13 +56,14 @@ def data_dir(tmp_path_factory):
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # child processes import the same parconv as this one (installed or in place), never a bare source tree
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(pc.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")  # reproducible per thread count; the same for every run here
     return env
 
 
 def _train_cmd(data_dir, checkpoint, resume=None, mpi_ranks=0):
-    cmd = [sys.executable, "-m", "parconv.cli", "train", "--data", str(data_dir), "--split", "test",
+    cmd = [sys.executable, "-P", "-m", "parconv.cli", "train", "--data", str(data_dir), "--split", "test",
            "--train-size", str(N_TRAIN), "--epochs", "2", "--batch-size", "16", "--filters", "6",
            "--checkpoint", str(checkpoint), "--checkpoint-every", "3", "--seed", "7", "--quiet",
            "--backend", BACKEND]

@@ -1,0 +1,116 @@
+"""The benchmark suite in --quick mode: every workload runs and every answer is checked.
+
+Nothing here asserts a timing: the test machine is shared and tiny shapes
+time nothing meaningful. What must hold is that the suite runs end to end,
+checks each implementation against the NumPy oracle and writes its outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import parconv as pc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+LOCAL_WORKLOADS = ("conv-small", "conv-large", "cnn-mnist", "cnn-5-50-100", "mlp-quadrants", "linear")
+
+try:
+    import torch  # noqa: F401
+
+    HAVE_TORCH = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAVE_TORCH = False
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--threads", "1,2", "--out", str(out),
+         "--no-progress"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )
+    return proc, out
+
+
+def test_quick_run_exits_zero(quick_run):
+    proc, _ = quick_run
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "QUICK MODE" in proc.stdout
+
+
+def test_quick_run_checks_every_workload_against_the_oracle(quick_run):
+    proc, out = quick_run
+    path = out / "results.json"
+    assert path.exists(), proc.stderr[-2000:]
+    results = json.loads(path.read_text())
+    assert results["quick"] is True
+    assert results["checks_passed"] is True
+    assert results["errors"] == []
+    expected_impls = set(pc.available_backends()) | ({"torch"} if HAVE_TORCH else set())
+    for name in LOCAL_WORKLOADS:
+        wl = results["workloads"].get(name)
+        assert wl is not None, f"workload {name} missing from results.json"
+        assert wl["cases"], f"{name}: no cases"
+        for case in wl["cases"]:
+            where = f"{name} {case['name']}"
+            assert case["checks"], f"{where}: no answer checks"
+            failed = [c for c in case["checks"] if not c["ok"]]
+            assert not failed, f"{where}: {failed}"
+            assert case["skipped"] == [], f"{where}: {case['skipped']}"
+            small = {c["config"] for c in case["checks"] if c["size"] == "small"}
+            timed = {r["config"] for r in case["results"]}
+            assert timed and timed <= small, f"{where}: timed {timed} without a small-size oracle check"
+            assert {c.split("@")[0] for c in timed} == expected_impls, where
+
+
+def test_quick_run_writes_machine_amdahl_and_plots(quick_run):
+    _, out = quick_run
+    results = json.loads((out / "results.json").read_text())
+    m = results["machine"]
+    for key in ("cpu", "logical_cpus", "python", "versions", "env", "blas"):
+        assert key in m
+    assert results["settings"]["threads"] == [1, 2]
+    assert results["amdahl"], "no Amdahl analysis"
+    for a in results["amdahl"]:
+        assert 0.0 < a["p"] <= 1.0
+        assert [r["threads"] for r in a["rows"]] == [1, 2]
+    for name in results["plots"]:
+        assert (out / name).stat().st_size > 0
+    assert any(p.startswith("speedup_") for p in results["plots"])
+    assert "layers_cnn-5-50-100.png" in results["plots"]
+    assert "throughput_vs_batch_cnn-mnist.png" in results["plots"]
+
+
+def test_docs_page_is_generated_from_the_results(quick_run, tmp_path):
+    _, out = quick_run
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "make_docs.py"), str(out / "results.json"),
+                           "--docs-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert page.startswith("# Benchmarks")
+    for name in LOCAL_WORKLOADS:
+        assert f"### {name}" in page
+    pngs = os.listdir(tmp_path / "_static" / "bench")
+    assert pngs and all(f"_static/bench/{p}" in page for p in pngs)
+
+
+def test_amdahl_and_karp_flatt_formulas():
+    sys.path.insert(0, BENCH)
+    try:
+        import amdahl
+    finally:
+        sys.path.remove(BENCH)
+    assert amdahl.amdahl_bound(1.0, 8) == pytest.approx(8.0)
+    assert amdahl.amdahl_bound(0.98, 2) == pytest.approx(1 / (0.02 + 0.49))
+    # a measured speedup equal to the Amdahl bound gives back the serial fraction
+    s = amdahl.amdahl_bound(0.9, 4)
+    assert amdahl.karp_flatt(s, 4) == pytest.approx(0.1)
+    assert amdahl.karp_flatt(2.0, 1) is None
