@@ -1,0 +1,305 @@
+"""Timing machinery of the benchmark suite: thread scopes, answer checks, interleaved repetitions.
+
+A *config* is one implementation at one thread count (``openmp@2``,
+``torch@1``, ``numpy@1``). A *runner* is one config bound to one case's
+inputs: ``prepare()`` (untimed: restores the start state, e.g. the initial
+weights of a training step), ``run()`` (the timed work), ``sync()`` (waits for
+a device), ``answer()`` (host arrays of the last run, for the checks) and
+optionally ``breakdown()`` (per-layer seconds of the last run).
+
+Timing follows three rules:
+
+* every config is checked against the NumPy oracle before it is timed, and a
+  config whose answer is wrong is never timed;
+* the compared configs are *interleaved*: repetition ``r`` runs every config
+  once, in an order rotated by ``r``, so drifting machine load (other jobs,
+  turbo, thermal) hits every config alike and per-repetition ratios are paired;
+* the thread setting is applied outside the timed region, and after a switch
+  of thread count a short case gets one untimed settling call (thread pools
+  resize lazily on their first parallel region).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: normalised max error (max |got - ref| / max |ref|) an answer may have
+DEFAULT_TOL = 1e-3
+#: cases whose single call is shorter than this get an untimed settling call after a thread switch
+SETTLE_BELOW_S = 0.05
+
+
+@dataclass(frozen=True, order=True)
+class Config:
+    """One implementation at one thread count (0: a device backend that manages its own threads)."""
+
+    impl: str
+    threads: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl}@{self.threads if self.threads else 'device'}"
+
+
+@contextlib.contextmanager
+def thread_scope(impl_kind: str, n: int):
+    """Run the enclosed block with ``n`` threads for an implementation of ``impl_kind``.
+
+    ``"parconv"``: :func:`parconv.num_threads` (the OpenMP backend reads it on
+    every op); ``"torch"``: :func:`torch.set_num_threads`. The BLAS libraries
+    threadpoolctl finds (NumPy's, SciPy's, MKL) are limited to ``n`` too, which
+    is what makes ``numpy@n`` mean "NumPy matmul on n threads". ``n == 0``
+    changes nothing (a device backend such as OpenCL schedules its own work).
+    """
+    from threadpoolctl import threadpool_limits
+
+    import parconv as pc
+
+    if n == 0:
+        yield
+        return
+    with threadpool_limits(limits=n, user_api="blas"):
+        if impl_kind == "torch":
+            import torch
+
+            previous = torch.get_num_threads()
+            torch.set_num_threads(n)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(previous)
+        else:
+            with pc.num_threads(n):
+                yield
+
+
+# ----------------------------------------------------------------------------- answers
+def compare_answers(got: dict, ref: dict, tol: float = DEFAULT_TOL) -> dict:
+    """Compare two answers (dicts of arrays) key by key.
+
+    The error of a key is ``max |got - ref| / max(max |ref|, 1e-12)``; an
+    answer passes when every key is present with the reference's shape and
+    an error of at most ``tol``. Returns ``{"ok", "max_err", "worst_key",
+    "message"}``.
+    """
+    worst, worst_key = 0.0, None
+    for key, r in ref.items():
+        if key not in got:
+            return {"ok": False, "max_err": float("inf"), "worst_key": key, "message": f"missing output {key!r}"}
+        a = np.asarray(got[key], dtype=np.float64)
+        b = np.asarray(r, dtype=np.float64)
+        if a.shape != b.shape:
+            return {"ok": False, "max_err": float("inf"), "worst_key": key,
+                    "message": f"{key}: shape {a.shape} != oracle shape {b.shape}"}
+        if not np.all(np.isfinite(a)):
+            return {"ok": False, "max_err": float("inf"), "worst_key": key, "message": f"{key}: non-finite values"}
+        scale = max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-12)
+        err = float(np.max(np.abs(a - b))) / scale if a.size else 0.0
+        if err > worst or worst_key is None:
+            worst, worst_key = err, key
+    ok = worst <= tol
+    msg = f"max normalised error {worst:.2e} ({worst_key})" + ("" if ok else f" > tolerance {tol:g}")
+    return {"ok": ok, "max_err": worst, "worst_key": worst_key, "message": msg}
+
+
+# ----------------------------------------------------------------------------- noise
+class BackgroundLoad:
+    """CPU time other processes used while a block ran, in cores (Linux; None elsewhere).
+
+    Other jobs on the machine steal cores from the timed code, and they hurt
+    multi-threaded configs most (a parallel region waits for its slowest
+    thread). ``(busy CPU time of the machine - this process's CPU time) /
+    wall time`` says how many cores were busy with something else.
+    """
+
+    def __init__(self):
+        self.cores = None
+
+    @staticmethod
+    def _machine_busy_s():
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _self_s():
+        t = os.times()
+        return t.user + t.system
+
+    def __enter__(self):
+        self._t0, self._busy0, self._self0 = time.perf_counter(), self._machine_busy_s(), self._self_s()
+        return self
+
+    def __exit__(self, *exc):
+        busy = self._machine_busy_s()
+        wall = time.perf_counter() - self._t0
+        if busy is not None and self._busy0 is not None and wall > 0:
+            self.cores = max(0.0, ((busy - self._busy0) - (self._self_s() - self._self0)) / wall)
+        return False
+
+
+# ----------------------------------------------------------------------------- stats
+def summarize(times: list[float]) -> dict:
+    """Median, min, max, mean and standard deviation (seconds) of a list of samples."""
+    if not times:
+        return {"n": 0, "median": None, "min": None, "max": None, "mean": None, "stdev": None}
+    return {
+        "n": len(times),
+        "median": statistics.median(times),
+        "min": min(times),
+        "max": max(times),
+        "mean": statistics.fmean(times),
+        "stdev": statistics.stdev(times) if len(times) > 1 else 0.0,
+    }
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float | None:
+    """Median over repetitions of ``num[r] / den[r]`` (samples of one interleaved run).
+
+    Lists of different lengths (a config timed once only, see ``--serial-max-s``)
+    are not paired: the ratio of the medians is returned.
+    """
+    if not num or not den:
+        return None
+    if len(num) != len(den):
+        return statistics.median(num) / statistics.median(den)
+    pairs = [a / b for a, b in zip(num, den) if b > 0]
+    return statistics.median(pairs) if pairs else None
+
+
+# ----------------------------------------------------------------------------- timing
+@dataclass
+class Timed:
+    """Everything measured for one config of one case."""
+
+    config: Config
+    times: list = field(default_factory=list)  # seconds per call, one per repetition
+    breakdowns: list = field(default_factory=list)  # per-layer dicts, one per repetition
+    inner: int = 1  # calls averaged into one sample
+    single: bool = False  # one untimed-loop call only (a slow serial baseline)
+
+
+def _one_sample(runner, inner: int) -> float:
+    runner.prepare()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        runner.run()
+    runner.sync()
+    return (time.perf_counter() - t0) / inner
+
+
+def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: float,
+                settle: bool = True, gap: float = 0.0, on_run=None) -> dict:
+    """Time every runner ``repeat`` times, interleaved.
+
+    Parameters
+    ----------
+    runners : dict Config -> runner
+        Already checked; each has been run at least once.
+    kinds : dict impl name -> "parconv" | "torch"
+    repeat, warmup : int
+        Timed repetitions and untimed warm-up calls per config.
+    min_time : float
+        Seconds one sample should last at least; a shorter call is repeated
+        ``inner`` times (fixed per config from the warm-up) and averaged.
+    settle : bool
+        Give short cases an untimed call after each thread switch.
+    gap : float
+        Seconds to sleep between configs (untimed), so the idle threads of the
+        previous runtime (OpenMP, BLAS and OpenCL pools spin-wait a while
+        after their work) stop competing for cores before the next timing.
+    on_run : callable, optional
+        Called after every run (progress display).
+
+    Returns
+    -------
+    dict Config -> Timed
+    """
+    configs = list(runners)
+    out = {c: Timed(c) for c in configs}
+    per_call = {}
+    for c in configs:
+        with thread_scope(kinds[c.impl], c.threads):
+            t = float("inf")
+            for _ in range(max(warmup, 1)):
+                t = min(t, _one_sample(runners[c], 1))
+                if on_run:
+                    on_run()
+        per_call[c] = t
+        out[c].inner = max(1, int(np.ceil(min_time / t))) if min_time > 0 and t > 0 else 1
+    for r in range(repeat):
+        k = r % len(configs)
+        for c in configs[k:] + configs[:k]:
+            runner = runners[c]
+            if gap > 0:
+                time.sleep(gap)
+            with thread_scope(kinds[c.impl], c.threads):
+                if settle and per_call[c] < SETTLE_BELOW_S:
+                    runner.prepare()
+                    runner.run()
+                    runner.sync()
+                out[c].times.append(_one_sample(runner, out[c].inner))
+                bd = runner.breakdown() if hasattr(runner, "breakdown") else None
+                if bd is not None:
+                    out[c].breakdowns.append(bd)
+            if on_run:
+                on_run()
+    return out
+
+
+def case_rows(timed: dict, flops: float | None, items: int | None) -> list[dict]:
+    """Per-config result rows: stats, GFLOP/s, throughput, speedup/efficiency vs 1 thread, ratios.
+
+    ``speedup`` is the paired median of ``t(impl@1)[r] / t(impl@n)[r]``;
+    ``vs_<other>`` the paired median of ``t(other@n)[r] / t(impl@n)[r]``
+    (> 1: this config is faster), falling back to the other implementation's
+    only config when it has one (the serial NumPy baseline, a device backend)
+    and, for a device backend, to the others' largest thread count.
+    """
+    by_impl: dict[str, dict[int, Timed]] = {}
+    for c, t in timed.items():
+        by_impl.setdefault(c.impl, {})[c.threads] = t
+    rows = []
+    for c in sorted(timed, key=lambda c: (c.impl, c.threads)):
+        t = timed[c]
+        s = summarize(t.times)
+        row = {"config": c.label, "impl": c.impl, "threads": c.threads, "times_s": t.times, "inner": t.inner, **s}
+        if t.single:
+            row["single_call"] = True  # too slow to repeat: the one full-size check call, not interleaved
+        med = s["median"]
+        row["gflops"] = flops / med / 1e9 if flops and med else None
+        row["items_per_s"] = items / med if items and med else None
+        one = by_impl[c.impl].get(1)
+        if one is not None and t.times and c.threads > 0:
+            sp = paired_ratio(one.times, t.times)
+            row["speedup"] = sp
+            row["efficiency"] = sp / c.threads if sp is not None else None
+        else:
+            row["speedup"] = row["efficiency"] = None
+        for other, runs in by_impl.items():
+            if other == c.impl:
+                continue
+            if c.threads in runs:
+                ref = runs[c.threads]
+            elif len(runs) == 1:  # a serial baseline or a device backend: one config only
+                ref = next(iter(runs.values()))
+            elif c.threads == 0:  # a device backend vs the others at their most threads
+                ref = runs[max(runs)]
+            else:
+                ref = None
+            row[f"vs_{other}"] = paired_ratio(ref.times, t.times) if ref is not None and t.times else None
+        if t.breakdowns:
+            keys = list(t.breakdowns[0])
+            row["breakdown_s"] = {k: statistics.median(b[k] for b in t.breakdowns if k in b) for k in keys}
+        rows.append(row)
+    return rows

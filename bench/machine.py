@@ -1,0 +1,143 @@
+"""What a benchmark result needs to be read later: CPU, cores, library versions, thread settings."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+              "KMP_BLOCKTIME", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PARCONV_BACKEND")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        import cpuinfo  # py-cpuinfo, the "bench" extra; slow (it may spawn a subprocess), so second choice
+
+        return cpuinfo.get_cpu_info().get("brand_raw") or platform.processor()
+    except Exception:  # noqa: BLE001 - optional
+        return platform.processor() or "unknown"
+
+
+def _physical_cores() -> int | None:
+    try:
+        seen = set()
+        phys = core = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                elif not line.strip():
+                    if core is not None:
+                        seen.add((phys, core))
+                    phys = core = None
+        return len(seen) or None
+    except OSError:
+        return None
+
+
+def _flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_vnni") if x in have]
+    except OSError:
+        pass
+    return []
+
+
+def _git_commit() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def machine_info(backends: dict, have_torch: bool) -> dict:
+    """A JSON-able description of this machine and the software the results came from."""
+    import numpy as np
+    import scipy
+    from threadpoolctl import threadpool_info
+
+    import parconv as pc
+
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "cpu": _cpu_model(),
+        "cpu_flags": _flags(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": _physical_cores(),
+        "affinity_cpus": affinity,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "versions": {"parconv": pc.__version__, "numpy": np.__version__, "scipy": scipy.__version__},
+        "git_commit": _git_commit(),
+        "env": {k: os.environ.get(k) for k in THREAD_ENV},
+        "parconv_threads_default": pc.get_num_threads(),
+        "blas": [{k: lib.get(k) for k in ("user_api", "internal_api", "version", "num_threads", "filepath")}
+                 for lib in threadpool_info()],
+        "backends": {},
+    }
+    from parconv.backends.base import Backend
+
+    for name, be in backends.items():
+        # whether the backend has its own fused conv+ReLU+maxpool kernel (else the composed default runs)
+        entry = {"name": name, "fused_conv_relu_maxpool": type(be).conv2d_relu_maxpool2d_forward
+                 is not Backend.conv2d_relu_maxpool2d_forward}
+        if hasattr(be, "info"):
+            try:
+                entry.update(be.info())
+            except Exception as exc:  # noqa: BLE001 - informational only
+                entry["info_error"] = str(exc)
+        info["backends"][name] = entry
+    if have_torch:
+        import torch
+
+        info["versions"]["torch"] = torch.__version__
+        info["torch"] = {"num_threads": torch.get_num_threads(),
+                         "mkldnn": bool(torch.backends.mkldnn.is_available()),
+                         "parallel_info": torch.__config__.parallel_info()}
+    try:
+        import matplotlib
+
+        info["versions"]["matplotlib"] = matplotlib.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def summary_line(info: dict) -> str:
+    v = info["versions"]
+    parts = [info["cpu"], f"{info['affinity_cpus']} cpus ({info.get('physical_cores') or '?'} physical cores)",
+             f"python {info['python']}", f"parconv {v['parconv']}", f"numpy {v['numpy']}"]
+    if "torch" in v:
+        parts.append(f"torch {v['torch']}")
+    if info.get("load_average"):
+        parts.append("load avg " + "/".join(f"{x:.2f}" for x in info["load_average"]))
+    return " | ".join(parts)

@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""Regenerate ``docs/benchmarks.md`` and ``docs/_static/bench/*.png`` from a benchmark run.
+
+::
+
+    python bench/run.py --docs                 # run the suite, then write the page (one command)
+    python bench/make_docs.py                  # rewrite the page from bench/out/results.json
+
+The page is MyST markdown: the machine, how the numbers were taken, one table
+per workload, the Amdahl analysis, the targets and the plots (copied next to
+the page, so the docs build does not depend on ``bench/out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+STATIC = os.path.join("_static", "bench")
+
+
+def _f(v, spec, none="–"):
+    return none if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def _md_table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """A pipe table; the first ``left`` columns are left-aligned, the rest (numbers) right-aligned."""
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " if i < left else " ---: " for i in
+                                                         range(len(header))) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _configs(cases: list) -> list[str]:
+    seen = {}
+    for c in cases:
+        for r in c["results"]:
+            seen[r["config"]] = (r["impl"] != "numpy", r["impl"] == "torch", r["impl"], r["threads"])
+    return sorted(seen, key=seen.get)
+
+
+def workload_table(name: str, wl: dict, target_backend: str) -> list[str]:
+    cases = [c for c in wl.get("cases", []) if c.get("results")]
+    if not cases:
+        return [f"*{name}: no results.*"]
+    cfgs = _configs(cases)
+    tmax = max(r["threads"] for c in cases for r in c["results"] if r["impl"] == target_backend) \
+        if any(r["impl"] == target_backend for c in cases for r in c["results"]) else None
+    bg = any(c.get("background_cores") is not None for c in cases)
+    header = ["case"] + [f"{c} ms" for c in cfgs]
+    extra = []
+    if tmax:
+        tb = f"{target_backend}@{tmax}"
+        extra = [f"{tb} GFLOP/s", f"{tb} speedup", f"{tb} vs torch", f"{tb} vs numpy"]
+    rows = []
+    for c in cases:
+        by = {r["config"]: r for r in c["results"]}
+        row = [c["name"]]
+        for cfg in cfgs:
+            r = by.get(cfg)
+            row.append(_f(r and r["median"] and 1e3 * r["median"], ".3g") + (" †" if r and r.get("single_call")
+                                                                             else ""))
+        if tmax:
+            r = by.get(f"{target_backend}@{tmax}") or {}
+            row += [_f(r.get("gflops"), ".3g"), _f(r.get("speedup"), ".2f"), _f(r.get("vs_torch"), ".2f"),
+                    _f(r.get("vs_numpy"), ".3g")]
+        if bg:
+            row.append(_f(c.get("background_cores"), ".2f"))
+        rows.append(row)
+    table = _md_table(header + extra + (["other load (cores)"] if bg else []), rows)
+    if any(r.get("single_call") for c in cases for r in c["results"]):
+        table += ["", "† one call only (the serial NumPy baseline is not repeated where a call takes more than "
+                      "`--serial-max-s` seconds)."]
+    return table
+
+
+def layer_table(wl: dict) -> list[str]:
+    cases = [c for c in wl.get("cases", []) if c.get("results")]
+    rows_with = [r for c in cases[:1] for r in c["results"] if r.get("breakdown_s")]
+    if not rows_with:
+        return []
+    keys = list(rows_with[0]["breakdown_s"])
+    header = ["layer, phase"] + [f"{r['config']} ms" for r in rows_with]
+    rows = [[k] + [_f(1e3 * r["breakdown_s"].get(k, float("nan")), ".3g") for r in rows_with] for k in keys]
+    return ["", f"Per-layer median times ({cases[0]['name']}):", ""] + _md_table(header, rows)
+
+
+def mpi_table(entries: list) -> list[str]:
+    """The rows bench/mpi_bench.py returns (one per ranks x threads configuration)."""
+    if not entries:
+        return ["*No results.*"]
+    rows = []
+    for e in entries:
+        thr = (f"{e['samples_per_s']:,.0f} img/s" if e.get("samples_per_s") else
+               f"{e['gflops']:.1f} GFLOP/s" if e.get("gflops") else "–")
+        rows.append([str(e.get("config", "?")), _f(e.get("median_s"), ".4g"), _f(e.get("min_s"), ".4g"),
+                     _f(e.get("max_s"), ".4g"), thr, _f(e.get("speedup"), ".2f"), _f(e.get("efficiency"), ".2f")])
+    return _md_table(["config", "median s", "min s", "max s", "throughput", "speedup", "efficiency"], rows)
+
+
+def amdahl_tables(entries: list) -> list[str]:
+    out = []
+    for a in entries:
+        out += ["", f"**{a['workload']} {a['case']}** on `{a['impl']}`: parallel fraction "
+                    f"$p = {a['p']:.4f}$ (serial {100 * a['serial_fraction']:.2f} %)", ""]
+        rows = [[str(r["threads"]), _f(1e3 * r["total_s"], ".3g"), _f(1e3 * r["kernel_s"], ".3g"),
+                 _f(1e3 * r["serial_s"], ".3g"), _f(r["measured_speedup"], ".2f"), _f(r["amdahl_bound"], ".2f"),
+                 _f(r["karp_flatt"], ".4f")] for r in a["rows"]]
+        out += _md_table(["threads", "step ms", "kernel ms", "serial ms", "measured speedup", "Amdahl bound",
+                          "Karp–Flatt e"], rows)
+    return out
+
+
+def target_table(entries: list) -> list[str]:
+    rows = [[{True: "✅ met", False: "❌ missed", None: "n/a"}[e["ok"]], e["workload"], e["case"], e["target"],
+             e["config"], _f(e["value"], ".2f")] for e in entries]
+    return _md_table(["", "workload", "case", "target", "config", "measured"], rows, left=5)
+
+
+def render(results: dict, plots: list[str]) -> str:
+    m = results.get("machine", {})
+    v = m.get("versions", {})
+    s = results.get("settings", {})
+    tb = s.get("target_backend", "openmp")
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- generated by bench/make_docs.py from bench/out/results.json; do not edit by hand -->",
+        "",
+        "The suite in `bench/run.py` reproduces the experiments of the studies parconv grew from "
+        "(see the workloads in the design notes) and compares the backends with PyTorch CPU. Regenerate "
+        "this page, tables and plots included, with one command:",
+        "",
+        "```bash",
+        "python bench/run.py --docs            # add e.g. --threads 1,2,4,8 --backends openmp",
+        "```",
+        "",
+    ]
+    if results.get("quick"):
+        lines += ["```{warning}", "These results come from `--quick` mode (tiny shapes, one repetition): they "
+                  "only show that every answer was checked; the timings mean nothing.", "```", ""]
+    lines += [
+        "## How the numbers are taken",
+        "",
+        "- Every implementation is first checked against the NumPy oracle on a small size, then at the timed "
+        "size against NumPy's (or, where NumPy is not timed, PyTorch's) answer; a wrong answer is never timed.",
+        f"- Repetitions are **interleaved**: each of the {s.get('repeat')} repetition(s) runs every "
+        "(implementation, threads) configuration once, in a rotating order, after "
+        f"{s.get('warmup')} warm-up call(s). Tables show the **median** in milliseconds; ratios (speedup vs "
+        "1 thread, `vs torch`, `vs numpy`) are medians of per-repetition ratios, so they compare runs taken at "
+        "the same moment."
+        + (f" Calls shorter than {1e3 * s['min_time_s']:.0f} ms are repeated and averaged within one sample."
+           if s.get("min_time_s") else ""),
+        "- `opencl@device` (when present) runs on the OpenCL device, which schedules its own threads; it is "
+        "compared with the others at their largest thread count.",
+        "- Threads: `parconv.num_threads(n)` for parconv backends, `torch.set_num_threads(n)` for PyTorch, "
+        "threadpoolctl for the BLAS of NumPy (`numpy@n` in the `linear` workload is NumPy matmul on n "
+        "threads; elsewhere `numpy@1` is the serial reference backend).",
+        "- GFLOP/s count 2 FLOPs per multiply-add of the convolution and linear layers only.",
+        "- `vs X` > 1 means faster than X at the same thread count.",
+        "- *other load* is the CPU time other processes used while a case was timed, in cores (from "
+        "`/proc/stat`): where it is well above 0, the multi-threaded numbers of that case are pessimistic, "
+        "because a parallel region waits for its slowest thread.",
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {m.get('cpu', '?')} — {m.get('affinity_cpus', '?')} CPUs available "
+        f"({m.get('physical_cores') or '?'} physical cores), flags {', '.join(m.get('cpu_flags', [])) or '?'}",
+        f"- Software: Python {m.get('python', '?')}, parconv {v.get('parconv', '?')}, NumPy {v.get('numpy', '?')}, "
+        f"SciPy {v.get('scipy', '?')}" + (f", PyTorch {v['torch']}" if "torch" in v else "")
+        + (f" (commit {m['git_commit']})" if m.get("git_commit") else ""),
+        f"- Threads measured: {', '.join(str(t) for t in s.get('threads', []))}; load average at start "
+        f"{'/'.join(f'{x:.2f}' for x in m.get('load_average') or [])}"
+        + (f", at end {'/'.join(f'{x:.2f}' for x in m['load_average_end'])}" if m.get("load_average_end") else ""),
+        f"- Run on {m.get('date', '?')}; command `{results.get('command', 'python bench/run.py')}`; "
+        f"{results.get('elapsed_s', 0):.0f} s.",
+        "",
+    ]
+    if (m.get("load_average") or [0])[0] > 0.5 * (m.get("affinity_cpus") or 1):
+        lines += ["```{note}", "The machine was busy with other work while this ran (see the load average): "
+                  "absolute times are noisy. Interleaving keeps the ratios fairer than the absolute numbers, but "
+                  "treat differences of a few percent as noise.", "```", ""]
+    lines += ["## Results", ""]
+    for name, wl in results.get("workloads", {}).items():
+        lines += [f"### {name}", "", f"{wl.get('title', name)}.", ""]
+        if wl.get("skipped"):
+            lines += [f"*Skipped: {wl['skipped']}*", ""]
+            continue
+        if "cases" not in wl:
+            lines += mpi_table(wl.get("entries", [])) + [""]
+            continue
+        notes = sorted({c.get("note") for c in wl["cases"] if c.get("note")})
+        if notes:
+            lines += ["Shapes: " + "; ".join(notes) + ".", ""]
+        lines += workload_table(name, wl, tb)
+        lines += layer_table(wl)
+        for p in plots:
+            base = os.path.basename(p)
+            if base.endswith(f"_{name}.png") or (name in base and "throughput" in base):
+                lines += ["", f"![{base}]({STATIC}/{base})"]
+        lines.append("")
+    if results.get("amdahl"):
+        lines += ["## Amdahl analysis", "",
+                  "A proxy backend times every kernel call of a training step (the parallel part); the rest of "
+                  "the step (layers, validation, Python) is serial. With $p$ the kernel fraction on one thread, "
+                  "the Amdahl bound is $S(n) = 1 / ((1 - p) + p / n)$ and the Karp–Flatt serial fraction of a "
+                  "measured speedup $S$ is $e = (1/S - 1/n) / (1 - 1/n)$.", ""]
+        lines += amdahl_tables(results["amdahl"])
+        if any(os.path.basename(p) == "amdahl.png" for p in plots):
+            lines += ["", f"![amdahl.png]({STATIC}/amdahl.png)"]
+        lines.append("")
+    if results.get("targets"):
+        lines += ["## Targets", "", f"Measured for `{tb}` at 2 threads unless stated (one interleaved run).", ""]
+        lines += target_table(results["targets"])
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_docs(results: dict, out_dir: str, docs_dir: str = os.path.join(ROOT, "docs")) -> str:
+    """Write ``docs_dir/benchmarks.md`` and copy the run's PNGs to ``docs_dir/_static/bench``."""
+    static = os.path.join(docs_dir, STATIC)
+    os.makedirs(static, exist_ok=True)
+    for old in os.listdir(static):
+        if old.endswith(".png"):
+            os.remove(os.path.join(static, old))
+    plots = []
+    for name in results.get("plots", []):
+        src = os.path.join(out_dir, name)
+        if os.path.exists(src):
+            shutil.copy2(src, os.path.join(static, name))
+            plots.append(name)
+    page = os.path.join(docs_dir, "benchmarks.md")
+    with open(page, "w", encoding="utf-8") as f:
+        f.write(render(results, plots))
+    return page
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Regenerate docs/benchmarks.md from a bench/run.py results.json")
+    p.add_argument("results", nargs="?", default=os.path.join(HERE, "out", "results.json"))
+    p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"))
+    args = p.parse_args(argv)
+    with open(args.results, encoding="utf-8") as f:
+        results = json.load(f)
+    page = write_docs(results, os.path.dirname(os.path.abspath(args.results)), args.docs_dir)
+    print(f"wrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,546 @@
+#!/usr/bin/env python
+"""parconv benchmark suite: reproduce the studies' experiments and compare with PyTorch CPU.
+
+Examples
+--------
+::
+
+    python bench/run.py                                  # every workload, threads 1,2,4,..,cores
+    python bench/run.py --threads 1,2 --backends openmp --workloads conv-large,cnn-mnist
+    python bench/run.py --quick                          # tiny shapes, checks answers only (the test suite)
+    python bench/run.py --docs                           # full run, then regenerate docs/benchmarks.md
+    mpiexec -n 4 python bench/run.py --workloads data-parallel,conv-large-mpi
+
+For every case the suite checks each implementation against the NumPy oracle
+on a small size, then at the timed size against the NumPy answer (or, when
+NumPy is not timed, PyTorch's), warms up, and times the compared
+implementations interleaved (repetition ``r`` runs every config once, in an
+order rotated by ``r``). It reports median, min and max, GFLOP/s, speedup and
+efficiency vs 1 thread and ratios vs the other implementations at equal
+threads (paired per repetition). A config whose answer is wrong is not timed
+and makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+ROOT = os.path.dirname(HERE)
+
+import numpy as np  # noqa: E402
+
+import parconv as pc  # noqa: E402
+
+import harness  # noqa: E402
+import targets as targets_mod  # noqa: E402
+import workloads as W  # noqa: E402
+from harness import Config, compare_answers, thread_scope  # noqa: E402
+
+SCHEMA = 1
+
+
+# ============================================================================ options
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+def _name_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def default_threads() -> list[int]:
+    cores = pc._config._cpu_count()
+    out, n = [], 1
+    while n < cores:
+        out.append(n)
+        n *= 2
+    return sorted(set(out + [cores]))
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench/run.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="workloads: " + ", ".join(W.LOCAL_WORKLOADS) + " (default: all of these); MPI (run under "
+               "mpiexec): " + ", ".join(W.MPI_WORKLOADS))
+    p.add_argument("--threads", type=_int_list, default=None,
+                   help="thread counts, e.g. 1,2,4 (default: 1, 2, 4, ... and the core count; 1 is always added)")
+    p.add_argument("--backends", type=_name_list, default=None,
+                   help="parconv backends to time (default: every available one; unavailable ones are skipped)")
+    p.add_argument("--workloads", type=_name_list, default=None, help="comma-separated workload names, or 'all'")
+    p.add_argument("--compare", default="auto", choices=("auto", "torch", "none"),
+                   help="time PyTorch CPU alongside (auto: when it is installed)")
+    p.add_argument("--repeat", type=int, default=None, help="timed repetitions per config (default 7; --quick: 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up calls per config (default 2; --quick: 1)")
+    p.add_argument("--min-time", type=float, default=None,
+                   help="seconds one sample lasts at least; shorter calls are repeated and averaged "
+                        "(default 0.05; --quick: 0)")
+    p.add_argument("--gap", type=float, default=None,
+                   help="untimed pause between configs in seconds, so the previous runtime's spinning idle "
+                        "threads go to sleep (default 0.01; --quick: 0)")
+    p.add_argument("--serial-max-s", type=float, default=1.0,
+                   help="the serial NumPy baseline is timed with one call only where that call takes longer "
+                        "than this many seconds (default 1.0)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes, one repetition: checks every answer, timings mean nothing (used by the tests)")
+    p.add_argument("--filters", type=_int_list, default=None, help="cnn-mnist filter sweep (default 32,64,128,256)")
+    p.add_argument("--batches", type=_int_list, default=None, help="cnn-mnist batch sweep (default 100,250,500,1000)")
+    p.add_argument("--no-amdahl", action="store_true", help="skip the Amdahl analysis")
+    p.add_argument("--target-backend", default="openmp", help="backend the targets are evaluated for")
+    p.add_argument("--out", default=os.path.join(HERE, "out"), help="output directory (results.json, PNGs)")
+    p.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    p.add_argument("--docs", action="store_true",
+                   help="after the run, regenerate docs/benchmarks.md and docs/_static/bench/ from it")
+    p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"), help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+# ============================================================================ console
+class Progress:
+    """A tqdm bar on stderr (a no-op when disabled); ``write`` prints above it."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def step(self, n: int = 1):
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def describe(self, text: str):
+        if self.bar is not None:
+            self.bar.set_description(text, refresh=True)
+
+    def write(self, text: str = ""):
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt(v, spec, none="-"):
+    return none if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def format_case_table(workload: str, case: dict, impls: list[str]) -> str:
+    flops = case.get("flops")
+    head = f"{workload} | {case['name']}" + (f" | {case['note']}" if case.get("note") else "")
+    if flops:
+        head += f" | {flops / 1e9:.3g} GFLOP"
+    checks = case.get("checks", [])
+    n_ok = sum(c["ok"] for c in checks)
+    head += f" | checks {n_ok}/{len(checks)} ok"
+    if case.get("background_cores") is not None:
+        head += f" | other processes used {case['background_cores']:.2f} cores"
+    lines = [head]
+    others = [i for i in impls if any(f"vs_{i}" in r for r in case["results"])]
+    cols = ["config", "median ms", "min ms", "max ms", "GFLOP/s", f"{case.get('item_unit', 'items')}/s",
+            "speedup", "eff"] + [f"vs {o}" for o in others]
+    table = [cols]
+    for r in case["results"]:
+        row = [r["config"] + (" (1 call)" if r.get("single_call") else ""),
+               _fmt(r["median"] and 1e3 * r["median"], ".3f"), _fmt(r["min"] and 1e3 * r["min"], ".3f"),
+               _fmt(r["max"] and 1e3 * r["max"], ".3f"),
+               _fmt(r.get("gflops"), ".2f"), _fmt(r.get("items_per_s"), ".4g"),
+               _fmt(r.get("speedup"), ".2f"), _fmt(r.get("efficiency"), ".2f")]
+        row += [_fmt(r.get(f"vs_{o}"), ".2f") for o in others]
+        table.append(row)
+    widths = [max(len(str(t[i])) for t in table) for i in range(len(cols))]
+    for t in table:
+        lines.append("  " + "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in
+                                      enumerate(zip(t, widths))))
+    for s in case.get("skipped", []):
+        lines.append(f"  skipped {s['config']}: {s['reason']}")
+    for c in checks:
+        if not c["ok"]:
+            lines.append(f"  CHECK FAILED {c['config']} ({c['size']} size): {c['message']}")
+    breakdown = [r for r in case["results"] if r.get("breakdown_s")]
+    if breakdown:
+        keys = list(breakdown[0]["breakdown_s"])
+        lines.append("  per-layer median ms: " + ", ".join(r["config"] for r in breakdown))
+        w = max(len(k) for k in keys)
+        for k in keys:
+            lines.append(f"    {k.ljust(w)}  "
+                     + "  ".join(f"{1e3 * r['breakdown_s'].get(k, 0.0):9.3f}" for r in breakdown))
+    return "\n".join(lines)
+
+
+def format_amdahl(a: dict) -> str:
+    lines = [f"Amdahl | {a['workload']} {a['case']} [{a['impl']}] | parallel (kernel) fraction p = {a['p']:.4f}, "
+             f"serial 1-p = {a['serial_fraction']:.4f}"]
+    cols = ["threads", "step ms", "kernel ms", "serial ms", "kernel %", "measured S", "Amdahl S", "Karp-Flatt e"]
+    table = [cols]
+    for r in a["rows"]:
+        table.append([str(r["threads"]), _fmt(1e3 * r["total_s"], ".3f"), _fmt(1e3 * r["kernel_s"], ".3f"),
+                      _fmt(1e3 * r["serial_s"], ".3f"), _fmt(100 * r["kernel_fraction"], ".1f"),
+                      _fmt(r["measured_speedup"], ".2f"), _fmt(r["amdahl_bound"], ".2f"),
+                      _fmt(r["karp_flatt"], ".4f")])
+    widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
+    lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(t, widths)) for t in table]
+    return "\n".join(lines)
+
+
+def format_targets(entries: list[dict]) -> str:
+    if not entries:
+        return "targets: none evaluated"
+    lines = ["targets (paired median ratios from one interleaved run):"]
+    for e in entries:
+        state = {True: "MET   ", False: "MISSED", None: "n/a   "}[e["ok"]]
+        lines.append(f"  {state} {e['workload']:13s} {e['case']:22s} {e['target']:45s} "
+                     f"{_fmt(e['value'], '.2f'):>6s} (need >= {e['threshold']}) [{e['config']}]")
+    s = targets_mod.summary(entries)
+    lines.append(f"  {s['met']} met, {s['missed']} missed, {s['not_measured']} not measured")
+    return "\n".join(lines)
+
+
+# ============================================================================ running
+def resolve_impls(args, progress_print) -> tuple[list, list]:
+    """The implementations to time, and the ones skipped with a reason."""
+    impls, skipped = [], []
+    names = args.backends if args.backends is not None else pc.backends.registered()
+    for name in names:
+        try:
+            impls.append(W.Impl(name, "parconv", pc.backends.get(name)))
+        except Exception as exc:  # noqa: BLE001 - an unavailable backend is skipped, not fatal
+            reason = str(exc).split(". To install")[0]
+            skipped.append({"impl": name, "reason": reason})
+            if args.backends is not None:
+                progress_print(f"skipping backend {name!r}: {reason}")
+    if args.compare in ("auto", "torch"):
+        try:
+            import torch  # noqa: F401
+
+            impls.append(W.Impl("torch", "torch"))
+        except ImportError:
+            skipped.append({"impl": "torch", "reason": "PyTorch is not installed"})
+            if args.compare == "torch":
+                progress_print("skipping --compare torch: PyTorch is not installed")
+    return impls, skipped
+
+
+def configs_for(workload, impls, threads) -> list[Config]:
+    out = []
+    for impl in impls:
+        if impl.kind == "parconv" and not impl.backend.host_arrays:
+            out.append(Config(impl.name, 0))  # a device: its own threads, one config
+            continue
+        serial = impl.name == "numpy" and not workload.numpy_all_threads
+        for n in ([1] if serial else threads):
+            out.append(Config(impl.name, n))
+    return out
+
+
+def _kinds(impls):
+    return {i.name: i.kind for i in impls}
+
+
+def run_case(case, impls, threads, args, progress) -> dict:
+    wl = case.workload
+    configs = configs_for(wl, impls, threads)
+    by_name = {i.name: i for i in impls}
+    kinds = _kinds(impls)
+    numpy_impl = W.Impl("numpy", "parconv", pc.backends.get("numpy"))
+    res = {"name": case.name, "params": case.params, "check_params": case.check_params, "note": case.note,
+           "flops": case.flops, "items": case.items, "item_unit": case.item_unit, "checks": [], "skipped": [],
+           "results": [], "full_size_reference": None}
+
+    def skip(c, reason):
+        res["skipped"].append({"config": c.label, "reason": reason})
+
+    # 1. small size against the NumPy oracle
+    progress.describe(f"{wl.name} {case.name}: checking")
+    small_inp = case.inputs(case.check_params)
+    with thread_scope("parconv", 1):
+        oracle = case.runner(numpy_impl, case.check_params, small_inp)
+        oracle.prepare()
+        oracle.run()
+        oracle_ans = oracle.answer()
+    del oracle
+    good = []
+    for c in configs:
+        try:
+            with thread_scope(kinds[c.impl], c.threads):
+                r = case.runner(by_name[c.impl], case.check_params, small_inp)
+                r.prepare()
+                r.run()
+                r.sync()
+                ans = r.answer()
+        except Exception as exc:  # noqa: BLE001 - one failing implementation must not stop the suite
+            skip(c, f"{type(exc).__name__}: {exc}")
+            res["checks"].append({"config": c.label, "size": "small", "ok": False, "max_err": None,
+                                  "message": f"raised {type(exc).__name__}: {exc}"})
+            continue
+        cmp = compare_answers(ans, oracle_ans)
+        res["checks"].append({"config": c.label, "size": "small", "reference": "numpy oracle", **cmp})
+        if cmp["ok"]:
+            good.append(c)
+        else:
+            skip(c, "wrong answer vs the NumPy oracle: " + cmp["message"])
+        progress.step()
+    del small_inp, oracle_ans
+
+    # 2. timed size: build, run once, agree with the reference (NumPy when timed, else PyTorch)
+    progress.describe(f"{wl.name} {case.name}: full-size check")
+    inp = case.inputs(case.params)
+    runners = {}
+    for c in good:
+        try:
+            runners[c] = case.runner(by_name[c.impl], case.params, inp)
+        except Exception as exc:  # noqa: BLE001
+            skip(c, f"{type(exc).__name__} while building: {exc}")
+    order = sorted(runners, key=lambda c: (c.impl != "numpy", c.impl != "torch", c.threads, c.impl))
+    ref_ans, ref_label = None, None
+    first_call = {}
+    for c in order:
+        try:
+            with thread_scope(kinds[c.impl], c.threads):
+                runners[c].prepare()
+                t0 = time.perf_counter()
+                runners[c].run()
+                runners[c].sync()
+                first_call[c] = time.perf_counter() - t0
+                ans = runners[c].answer()
+        except Exception as exc:  # noqa: BLE001
+            skip(c, f"{type(exc).__name__}: {exc}")
+            del runners[c]
+            continue
+        progress.step()
+        if ref_ans is None:
+            ref_ans, ref_label = ans, c.label
+            res["full_size_reference"] = ref_label
+            continue
+        cmp = compare_answers(ans, ref_ans)
+        res["checks"].append({"config": c.label, "size": "full", "reference": ref_label, **cmp})
+        if not cmp["ok"]:
+            skip(c, f"full-size answer differs from {ref_label}: {cmp['message']}")
+            del runners[c]
+    del ref_ans
+
+    # 3. interleaved timing; a serial NumPy baseline slower than --serial-max-s keeps its one call
+    singles = {}
+    for c in list(runners):
+        if c.impl == "numpy" and not wl.numpy_all_threads and first_call.get(c, 0.0) > args.serial_max_s:
+            singles[c] = harness.Timed(c, times=[first_call[c]], single=True)
+            del runners[c]
+            progress.step(max(args.warmup, 1) + args.repeat)
+    timed = {}
+    if runners:
+        progress.describe(f"{wl.name} {case.name}: timing")
+        with harness.BackgroundLoad() as bg:
+            timed = harness.interleaved(runners, kinds, args.repeat, args.warmup, args.min_time,
+                                        settle=not args.quick, gap=args.gap, on_run=progress.step)
+        res["background_cores"] = bg.cores
+    timed.update(singles)
+    if timed:
+        res["results"] = harness.case_rows(timed, case.flops, case.items)
+    return res
+
+
+def run_amdahl(cases, impls, threads, args, progress) -> list[dict]:
+    import amdahl
+
+    out = []
+    for case in cases:
+        for impl in impls:
+            if impl.kind != "parconv":
+                continue
+            progress.describe(f"amdahl {case.workload.name} {case.name} [{impl.name}]")
+            try:
+                a = amdahl.analyse(case, impl, threads, args.repeat, args.warmup, on_run=progress.step)
+            except Exception as exc:  # noqa: BLE001
+                progress.write(f"Amdahl analysis of {case.workload.name} {case.name} on {impl.name} failed: {exc}")
+                continue
+            progress.write(format_amdahl(a) + "\n")
+            out.append(a)
+    return out
+
+
+def run_mpi(names, args, log) -> dict:
+    """Dispatch the MPI workloads to bench/mpi_bench.py (written separately), imported lazily."""
+    try:
+        import mpi_bench
+    except ImportError as exc:
+        msg = f"bench/mpi_bench.py is not available ({exc})"
+        log(f"skipping {', '.join(names)}: {msg}")
+        return {n: {"title": W.MPI_TITLES.get(n, n), "skipped": msg} for n in names}
+    # mpi_bench reads its own option names; missing ones take its defaults
+    mpi_args = argparse.Namespace(**vars(args))
+    mpi_args.repeats = args.repeat
+    if args.threads and len(args.threads) == 1:
+        mpi_args.threads_per_rank = args.threads[0]
+    if args.backends and len(args.backends) == 1:
+        mpi_args.backend = args.backends[0]
+    rows = mpi_bench.run_mpi_workloads(names, mpi_args) or []
+    if rows and _mpi_rank() == 0 and hasattr(mpi_bench, "format_results"):
+        log(mpi_bench.format_results(rows) + "\n")
+    out = {}
+    for item in rows:
+        name = item.get("workload") or item.get("name") or "mpi"
+        if "cases" in item:
+            out[name] = item
+        else:
+            out.setdefault(name, {"title": W.MPI_TITLES.get(name, name), "mpi": True, "entries": []})[
+                "entries"].append(item)
+    for name in names:
+        out.setdefault(name, {"title": W.MPI_TITLES.get(name, name), "skipped": "mpi_bench returned nothing for it"})
+    return out
+
+
+def _mpi_rank() -> int:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi.COMM_WORLD.Get_rank() if mpi is not None else 0
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    args.repeat = args.repeat if args.repeat is not None else (1 if args.quick else 7)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.min_time = args.min_time if args.min_time is not None else (0.0 if args.quick else 0.05)
+    args.gap = args.gap if args.gap is not None else (0.0 if args.quick else 0.01)
+    if args.repeat < 1 or args.warmup < 0 or args.min_time < 0 or args.gap < 0:
+        raise SystemExit("bench/run.py: --repeat must be >= 1; --warmup, --min-time and --gap >= 0")
+    threads = args.threads or default_threads()
+    if 1 not in threads:
+        print("note: adding 1 thread (speedups are relative to it)")
+        threads = sorted(set(threads) | {1})
+    if args.workloads in (None, ["all"]):
+        names = list(W.LOCAL_WORKLOADS) + (list(W.MPI_WORKLOADS) if args.workloads == ["all"] else [])
+    else:
+        names = args.workloads
+    unknown = [n for n in names if n not in W.LOCAL_WORKLOADS and n not in W.MPI_WORKLOADS]
+    if unknown:
+        raise SystemExit(f"bench/run.py: unknown workloads {unknown}; known: "
+                         f"{', '.join(W.LOCAL_WORKLOADS + W.MPI_WORKLOADS)}")
+    t_start = time.perf_counter()
+    results = {"schema": SCHEMA, "suite": "parconv bench/run.py", "quick": args.quick,
+               "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "settings": {"threads": threads, "repeat": args.repeat, "warmup": args.warmup,
+                            "min_time_s": args.min_time, "gap_s": args.gap, "interleaved": True, "tolerance": harness.DEFAULT_TOL,
+                            "target_backend": args.target_backend},
+               "workloads": {}, "amdahl": [], "targets": [], "errors": []}
+
+    mpi_names = [n for n in names if n in W.MPI_WORKLOADS]
+    local_names = [n for n in names if n in W.LOCAL_WORKLOADS]
+    if mpi_names:
+        results["workloads"].update(run_mpi(mpi_names, args, print))
+        if _mpi_rank() != 0:
+            return 0
+
+    impls, skipped = resolve_impls(args, print)
+    results["skipped_impls"] = skipped
+    kinds = _kinds(impls)
+    from machine import machine_info, summary_line
+
+    results["machine"] = machine_info({i.name: i.backend for i in impls if i.kind == "parconv"}, "torch" in kinds)
+    print(f"parconv benchmarks | {summary_line(results['machine'])}")
+    print(f"implementations: {', '.join(i.name for i in impls)} | threads {threads} | repeat {args.repeat} "
+          f"(interleaved) | warm-up {args.warmup}" + (" | QUICK MODE: tiny shapes, timings mean nothing"
+                                                       if args.quick else ""))
+    if "numpy" not in kinds and "linear" in local_names:
+        impls.insert(0, W.Impl("numpy", "parconv", pc.backends.get("numpy")))  # NumPy matmul is linear's baseline
+    opts = {"filters": args.filters, "batches": args.batches}
+    plan = [(name, W.WORKLOADS[name], W.WORKLOADS[name].cases(args.quick, opts)) for name in local_names]
+
+    # total runs for the progress bar
+    total = 0
+    amdahl_cases = []
+    for name, wl, cases in plan:
+        wl_impls = [i for i in impls if i.name != "numpy" or name == "linear" or "numpy" in kinds]
+        n_cfg = len(configs_for(wl, wl_impls, threads))
+        total += len(cases) * n_cfg * (2 + max(args.warmup, 1) + args.repeat)
+        amdahl_cases += [c for c in cases if c.amdahl]
+    # Amdahl: the parallel backends (NumPy is the serial reference; analysed only when it is all there is)
+    # (host backends only: a device backend's calls return before its kernels finish)
+    parconv_impls = [i for i in impls if i.kind == "parconv" and i.backend.host_arrays and i.name != "numpy"] or \
+        [i for i in impls if i.kind == "parconv" and "numpy" in kinds]
+    if not args.no_amdahl:
+        total += len(amdahl_cases) * len(parconv_impls) * len(threads) * (max(args.warmup, 1) + args.repeat)
+    progress = Progress(total, not args.no_progress)
+    any_failed = False
+    try:
+        for name, wl, cases in plan:
+            wl_impls = [i for i in impls if i.name != "numpy" or name == "linear" or "numpy" in kinds]
+            entry = {"title": wl.title, "numpy_all_threads": wl.numpy_all_threads, "cases": []}
+            results["workloads"][name] = entry
+            for case in cases:
+                try:
+                    res = run_case(case, wl_impls, threads, args, progress)
+                except Exception as exc:  # noqa: BLE001 - report and go on with the next case
+                    tb = traceback.format_exc()
+                    results["errors"].append({"workload": name, "case": case.name, "error": repr(exc), "traceback": tb})
+                    progress.write(f"ERROR in {name} {case.name}: {exc!r}\n{tb}")
+                    any_failed = True
+                    continue
+                entry["cases"].append(res)
+                any_failed |= not all(c["ok"] for c in res["checks"])
+                progress.write(format_case_table(name, res, [i.name for i in wl_impls]) + "\n")
+        if not args.no_amdahl and amdahl_cases:
+            results["amdahl"] = run_amdahl(amdahl_cases, parconv_impls, threads, args, progress)
+    finally:
+        progress.close()
+
+    if args.quick:
+        results["targets_note"] = "not evaluated in --quick mode (tiny shapes; timings mean nothing)"
+    else:
+        results["targets"] = targets_mod.evaluate(results, args.target_backend)
+        print(format_targets(results["targets"]))
+    results["checks_passed"] = not any_failed
+    results["elapsed_s"] = time.perf_counter() - t_start
+    if results["machine"].get("load_average") is not None and hasattr(os, "getloadavg"):
+        results["machine"]["load_average_end"] = list(os.getloadavg())
+
+    os.makedirs(args.out, exist_ok=True)
+    pngs = []
+    if not args.no_plots:
+        from plots import make_plots
+
+        pngs = make_plots(results, args.out)
+    results["plots"] = [os.path.basename(p) for p in pngs]
+    path = os.path.join(args.out, "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=_json_default)
+    print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else "") + f" ({results['elapsed_s']:.0f} s)")
+    if args.docs:
+        from make_docs import write_docs
+
+        page = write_docs(results, args.out, args.docs_dir)
+        print(f"wrote {page}")
+    if any_failed:
+        print("FAILED: some answers disagree with the NumPy oracle (see CHECK FAILED above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The performance targets of the suite, evaluated on a results dict.
+
+Every target compares configs measured in the same interleaved run (paired
+per-repetition ratios, median over repetitions), at ``THREADS`` threads.
+"""
+
+from __future__ import annotations
+
+THREADS = 2
+
+
+def _cases(results, workload):
+    wl = results.get("workloads", {}).get(workload)
+    return [c for c in (wl or {}).get("cases", []) if c.get("results")]
+
+
+def _row(case, impl, threads):
+    for r in case["results"]:
+        if r["impl"] == impl and r["threads"] == threads:
+            return r
+    return None
+
+
+def _entry(target, workload, case, value, threshold, config):
+    return {"target": target, "workload": workload, "case": case, "config": config, "value": value,
+            "threshold": threshold, "ok": None if value is None else bool(value >= threshold)}
+
+
+def evaluate(results: dict, backend: str = "openmp", threads: int = THREADS) -> list[dict]:
+    """One entry per (target, case): ``value``, ``threshold`` and ``ok`` (None when not measured)."""
+    out = []
+    cfg = f"{backend}@{threads}"
+    for wl in ("conv-small", "conv-large"):
+        for case in _cases(results, wl):
+            need = 1.0 if case["name"] == "forward" else 0.9
+            r = _row(case, backend, threads)
+            out.append(_entry(f"{case['name']} >= {need}x PyTorch", wl, case["name"],
+                              r and r.get("vs_torch"), need, cfg))
+    for case in _cases(results, "cnn-mnist"):
+        if case["params"]["N"] in (100, 1000):
+            r = _row(case, backend, threads)
+            out.append(_entry("training step >= 2x PyTorch", "cnn-mnist", case["name"],
+                              r and r.get("vs_torch"), 2.0, cfg))
+    for wl in ("conv-large", "cnn-mnist"):
+        for case in _cases(results, wl):
+            r = _row(case, backend, threads)
+            out.append(_entry(f"speedup {threads} vs 1 thread >= 1.8", wl, case["name"],
+                              r and r.get("speedup"), 1.8, cfg))
+    for wl, wl_res in results.get("workloads", {}).items():
+        for case in (wl_res.get("cases", []) if isinstance(wl_res, dict) else []):
+            if not case.get("results"):
+                continue
+            r = _row(case, backend, threads)
+            out.append(_entry(f"{threads} threads never slower than 1", wl, case["name"],
+                              r and r.get("speedup"), 1.0, cfg))
+    for case in _cases(results, "linear"):
+        if case["name"] == "forward":
+            for n in sorted({r["threads"] for r in case["results"] if r["impl"] == backend}):
+                r = _row(case, backend, n)
+                out.append(_entry("linear forward >= 0.8x NumPy matmul (equal threads)", "linear", case["name"],
+                                  r and r.get("vs_numpy"), 0.8, f"{backend}@{n}"))
+    return out
+
+
+def summary(entries: list[dict]) -> dict:
+    """Counts of targets met, missed and not measured."""
+    return {"met": sum(e["ok"] is True for e in entries), "missed": sum(e["ok"] is False for e in entries),
+            "not_measured": sum(e["ok"] is None for e in entries)}

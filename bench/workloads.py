@@ -1,0 +1,646 @@
+"""The benchmark workloads (DESIGN.md, "Workloads") and their runners.
+
+Every workload yields *cases* (one shape each). A case builds a *runner* for
+any implementation: a parconv backend (``numpy``, ``openmp``, ``opencl``, ...)
+or PyTorch CPU (``torch``), all computing the same maths from the same inputs
+and the same initial weights, so their answers can be compared with the NumPy
+oracle and with each other. Runners follow :mod:`harness`'s protocol.
+
+Shapes: N batch, C in-channels, O filters, H, W input, K kernel, F in-features,
+G out-features, d the filters of the cnn-mnist sweep.
+
+FLOP counts are 2 per multiply-add of the convolution and linear layers
+(elementwise ops, pooling and losses are not counted).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import parconv as pc
+import parconv.functional as PF
+
+LOCAL_WORKLOADS = ("conv-small", "conv-large", "cnn-mnist", "cnn-5-50-100", "mlp-quadrants", "linear")
+MPI_WORKLOADS = ("data-parallel", "conv-large-mpi")
+MPI_TITLES = {
+    "data-parallel": "data-parallel: cnn-mnist training over MPI ranks (gradient-averaging SGD; bench/mpi_bench.py)",
+    "conv-large-mpi": "conv-large-mpi: the conv-large layer split over output filters across MPI ranks "
+                      "(bench/mpi_bench.py)",
+}
+
+CNN_FILTERS = (32, 64, 128, 256)
+CNN_BATCHES = (100, 250, 500, 1000)
+LR = 0.1
+
+
+@dataclass
+class Impl:
+    """An implementation: a parconv backend (kind "parconv") or PyTorch (kind "torch")."""
+
+    name: str
+    kind: str
+    backend: object = None
+
+
+@dataclass
+class Case:
+    """One shape of one workload."""
+
+    workload: "Workload"
+    name: str
+    params: dict
+    check_params: dict
+    flops: float
+    items: int | None = None
+    item_unit: str = "images"
+    amdahl: bool = False
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def inputs(self, params: dict) -> dict:
+        return self.workload.inputs(params)
+
+    def runner(self, impl: Impl, params: dict, inputs: dict):
+        return self.workload.runner(impl, params, inputs)
+
+
+# ============================================================================ runners
+def _np(a):
+    return None if a is None else np.asarray(pc.to_numpy(a), dtype=np.float32)
+
+
+class _Runner:
+    """Defaults of the runner protocol."""
+
+    def prepare(self):
+        pass
+
+    def sync(self):
+        pass
+
+
+# ------------------------------------------------------------------------------ conv
+class ParconvConv(_Runner):
+    """``conv2d`` forward, or forward then backward (dx, dw, db), through :mod:`parconv.functional`."""
+
+    def __init__(self, be, inp, padding, backward):
+        self.be, self.padding, self.backward = be, padding, backward
+        self.x, self.w, self.b = be.asarray(inp["x"]), be.asarray(inp["w"]), be.asarray(inp["b"])
+        self.dy = be.asarray(inp["dy"]) if backward else None
+        self.out = None
+
+    def run(self):
+        y = PF.conv2d(self.x, self.w, self.b, 1, self.padding, backend=self.be)
+        grads = None
+        if self.backward:
+            grads = PF.conv2d_backward(self.x, self.w, self.dy, 1, self.padding, backend=self.be)
+        self.out = (y, grads)
+
+    def sync(self):
+        self.be.synchronize()
+
+    def answer(self):
+        y, grads = self.out
+        ans = {"y": _np(y)}
+        if grads is not None:
+            ans.update(dx=_np(grads[0]), dw=_np(grads[1]), db=_np(grads[2]))
+        return ans
+
+
+class TorchConv(_Runner):
+    def __init__(self, inp, padding, backward):
+        import torch
+
+        self.torch, self.padding, self.backward = torch, padding, backward
+        self.x, self.w, self.b = (torch.from_numpy(inp[k]).requires_grad_(backward) for k in ("x", "w", "b"))
+        self.dy = torch.from_numpy(inp["dy"]) if backward else None
+        self.out = None
+
+    def run(self):
+        F = self.torch.nn.functional
+        if not self.backward:
+            with self.torch.no_grad():
+                self.out = F.conv2d(self.x, self.w, self.b, 1, self.padding)
+            return
+        self.x.grad = self.w.grad = self.b.grad = None
+        y = F.conv2d(self.x, self.w, self.b, 1, self.padding)
+        y.backward(self.dy)
+        self.out = y
+
+    def answer(self):
+        ans = {"y": self.out.detach().numpy()}
+        if self.backward:
+            ans.update(dx=self.x.grad.numpy(), dw=self.w.grad.numpy(), db=self.b.grad.numpy())
+        return ans
+
+
+# ---------------------------------------------------------------------------- linear
+class ParconvLinear(_Runner):
+    def __init__(self, be, inp, backward):
+        self.be, self.backward = be, backward
+        self.x, self.w, self.b = be.asarray(inp["x"]), be.asarray(inp["w"]), be.asarray(inp["b"])
+        self.dy = be.asarray(inp["dy"]) if backward else None
+        self.out = None
+
+    def run(self):
+        y = PF.linear(self.x, self.w, self.b, backend=self.be)
+        grads = PF.linear_backward(self.x, self.w, self.dy, backend=self.be) if self.backward else None
+        self.out = (y, grads)
+
+    sync = ParconvConv.sync
+    answer = ParconvConv.answer
+
+
+class TorchLinear(_Runner):
+    def __init__(self, inp, backward):
+        import torch
+
+        self.torch, self.backward = torch, backward
+        self.x, self.w, self.b = (torch.from_numpy(inp[k]).requires_grad_(backward) for k in ("x", "w", "b"))
+        self.dy = torch.from_numpy(inp["dy"]) if backward else None
+        self.out = None
+
+    def run(self):
+        F = self.torch.nn.functional
+        if not self.backward:
+            with self.torch.no_grad():
+                self.out = F.linear(self.x, self.w, self.b)
+            return
+        self.x.grad = self.w.grad = self.b.grad = None
+        y = F.linear(self.x, self.w, self.b)
+        y.backward(self.dy)
+        self.out = y
+
+    answer = TorchConv.answer
+
+
+# ------------------------------------------------------------------------- networks
+# A network is a list of layer specs: ("conv", C, O, K, padding), ("relu",),
+# ("sigmoid",), ("maxpool", K), ("flatten",), ("linear", F, G); the loss is
+# "ce" (softmax cross-entropy, int labels) or "bce" (binary cross-entropy).
+def layer_label(i: int, spec: tuple) -> str:
+    kind = spec[0]
+    if kind == "conv":
+        return f"{i}:conv{spec[3]}x{spec[3]}x{spec[2]}"
+    if kind == "linear":
+        return f"{i}:fc{spec[1]}->{spec[2]}"
+    if kind == "maxpool":
+        return f"{i}:maxpool{spec[1]}"
+    return f"{i}:{kind}"
+
+
+def build_parconv(spec, backend, fuse=True):
+    layers = []
+    rng = np.random.default_rng(0)
+    for s in spec:
+        kind = s[0]
+        if kind == "conv":
+            layers.append(pc.Conv2d(s[1], s[2], kernel_size=s[3], padding=s[4], rng=rng, backend="numpy"))
+        elif kind == "linear":
+            layers.append(pc.Linear(s[1], s[2], rng=rng, backend="numpy"))
+        elif kind == "relu":
+            layers.append(pc.ReLU(backend="numpy"))
+        elif kind == "sigmoid":
+            layers.append(pc.Sigmoid(backend="numpy"))
+        elif kind == "maxpool":
+            layers.append(pc.MaxPool2d(s[1], backend="numpy"))
+        elif kind == "flatten":
+            layers.append(pc.Flatten(backend="numpy"))
+        else:
+            raise ValueError(f"unknown layer spec {s!r}")
+    return pc.Sequential(*layers, backend=backend, fuse=fuse)
+
+
+def build_torch(spec):
+    from torch import nn
+
+    mods = []
+    for s in spec:
+        kind = s[0]
+        if kind == "conv":
+            mods.append(nn.Conv2d(s[1], s[2], kernel_size=s[3], padding=s[4]))
+        elif kind == "linear":
+            mods.append(nn.Linear(s[1], s[2]))
+        elif kind == "relu":
+            mods.append(nn.ReLU())
+        elif kind == "sigmoid":
+            mods.append(nn.Sigmoid())
+        elif kind == "maxpool":
+            mods.append(nn.MaxPool2d(s[1]))
+        elif kind == "flatten":
+            mods.append(nn.Flatten())
+        else:
+            raise ValueError(f"unknown layer spec {s!r}")
+    return nn.Sequential(*mods)
+
+
+def initial_state(spec, seed: int) -> dict:
+    """PyTorch-style initial weights (uniform ±1/sqrt(fan_in)) keyed like ``state_dict``."""
+    rng = np.random.default_rng(seed)
+    state = {}
+    for i, s in enumerate(spec):
+        if s[0] == "conv":
+            fan_in = s[1] * s[3] * s[3]
+            shape = (s[2], s[1], s[3], s[3])
+        elif s[0] == "linear":
+            fan_in, shape = s[1], (s[2], s[1])
+        else:
+            continue
+        bound = 1.0 / np.sqrt(fan_in)
+        state[f"{i}.weight"] = rng.uniform(-bound, bound, shape).astype(np.float32)
+        state[f"{i}.bias"] = rng.uniform(-bound, bound, shape[0]).astype(np.float32)
+    return state
+
+
+def network_flops(spec, in_shape) -> float:
+    """FLOPs of one training step (forward, backward; the first layer computes no dx)."""
+    shape = tuple(in_shape)  # (N, C, H, W) or (N, F)
+    total = 0.0
+    first_param = True
+    for s in spec:
+        kind = s[0]
+        if kind == "conv":
+            N, C, H, W = shape
+            K, pad = s[3], s[4]
+            P, Q = H + 2 * pad - K + 1, W + 2 * pad - K + 1
+            fwd = 2.0 * N * s[2] * P * Q * C * K * K
+            total += fwd * (2 if first_param else 3)
+            shape = (N, s[2], P, Q)
+            first_param = False
+        elif kind == "linear":
+            N = shape[0]
+            fwd = 2.0 * N * s[1] * s[2]
+            total += fwd * (2 if first_param else 3)
+            shape = (N, s[2])
+            first_param = False
+        elif kind == "maxpool":
+            N, C, H, W = shape
+            shape = (N, C, H // s[1], W // s[1])
+        elif kind == "flatten":
+            shape = (shape[0], int(np.prod(shape[1:])))
+    return total
+
+
+class ParconvTrainStep(_Runner):
+    """One SGD training step: forward, loss, backward, update.
+
+    ``prepare`` restores the initial weights, so every timed step is the same
+    step and ``answer`` (the loss and each parameter's update) is comparable
+    across implementations. With ``per_layer`` the layers run unfused and one
+    at a time, and ``breakdown`` returns each layer's forward and backward
+    seconds.
+    """
+
+    def __init__(self, be, inp, per_layer=False):
+        self.be, self.per_layer = be, per_layer
+        self.model = build_parconv(inp["spec"], be, fuse=not per_layer)
+        self.model.load_state_dict(inp["state"])
+        self.params = self.model.named_parameters()
+        self.init = [be.copy(p.data) for _, p in self.params]
+        self.opt = pc.optim.SGD(self.model.parameters(), lr=LR)
+        self.x = be.asarray(inp["x"])
+        if inp["loss"] == "ce":
+            self.loss_fn = pc.SoftmaxCrossEntropy()
+            self.y = self.loss_fn.prepare_target(inp["y"], inp["y"].shape[0], be)
+        else:
+            self.loss_fn = pc.BCELoss()
+            self.y = self.loss_fn.prepare_target(inp["y"], inp["y"].shape, be)
+        self.labels = [layer_label(i, s) for i, s in enumerate(inp["spec"])]
+        self.loss = None
+        self._times = {}
+
+    def prepare(self):
+        for (_, p), p0 in zip(self.params, self.init):
+            self.be.copy_into(p.data, p0)
+            p.grad = None
+
+    def run(self):
+        if self.per_layer:
+            return self._run_per_layer()
+        out = self.model.forward(self.x)
+        self.loss = self.loss_fn.forward(out, self.y, backend=self.be)
+        self.model.backward(self.loss_fn.backward())
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def _run_per_layer(self):
+        be, t, clock = self.be, {}, time.perf_counter
+        h = self.x
+        for label, layer in zip(self.labels, self.model.layers):
+            t0 = clock()
+            h = layer.forward(h)
+            be.synchronize()
+            t[f"{label} fwd"] = clock() - t0
+        t0 = clock()
+        self.loss = self.loss_fn.forward(h, self.y, backend=be)
+        dy = self.loss_fn.backward()
+        be.synchronize()
+        t["loss fwd+bwd"] = clock() - t0
+        for i in range(len(self.model.layers) - 1, -1, -1):
+            t0 = clock()
+            dy = self.model.layers[i].backward(dy, need_dx=i > 0)
+            be.synchronize()
+            t[f"{self.labels[i]} bwd"] = clock() - t0
+        t0 = clock()
+        self.opt.step()
+        self.opt.zero_grad()
+        be.synchronize()
+        t["sgd"] = clock() - t0
+        self._times = t
+
+    def breakdown(self):
+        return dict(self._times) if self.per_layer else None
+
+    def sync(self):
+        self.be.synchronize()
+
+    def answer(self):
+        ans = {"loss": np.array([self.loss], dtype=np.float64)}
+        for (name, p), p0 in zip(self.params, self.init):
+            ans[f"update:{name}"] = _np(p.data).astype(np.float64) - _np(p0)
+        return ans
+
+
+class TorchTrainStep(_Runner):
+    """PyTorch twin of :class:`ParconvTrainStep` (same network, weights, data, loss and SGD)."""
+
+    def __init__(self, inp, per_layer=False):
+        import torch
+
+        self.torch, self.per_layer = torch, per_layer
+        self.model = build_torch(inp["spec"])
+        self.model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inp["state"].items()})
+        self.params = list(self.model.named_parameters())
+        self.init = [p.detach().clone() for _, p in self.params]
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
+        self.x = torch.from_numpy(inp["x"])
+        if inp["loss"] == "ce":
+            self.loss_fn = torch.nn.CrossEntropyLoss()
+            self.y = torch.from_numpy(inp["y"].astype(np.int64))
+        else:
+            self.loss_fn = torch.nn.BCELoss()
+            self.y = torch.from_numpy(inp["y"].astype(np.float32))
+        self.labels = [layer_label(i, s) for i, s in enumerate(inp["spec"])]
+        self.loss = None
+        self._times = {}
+
+    def prepare(self):
+        with self.torch.no_grad():
+            for (_, p), p0 in zip(self.params, self.init):
+                p.copy_(p0)
+        self.opt.zero_grad(set_to_none=True)
+
+    def run(self):
+        if self.per_layer:
+            return self._run_per_layer()
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        self.loss = loss.item()
+
+    def _run_per_layer(self):
+        # each layer's input is detached, so its backward can be timed on its own
+        t, clock = {}, time.perf_counter
+        self.opt.zero_grad(set_to_none=True)
+        h, saved = self.x, []
+        for i, (label, mod) in enumerate(zip(self.labels, self.model)):
+            t0 = clock()
+            xi = h.detach().requires_grad_(i > 0)
+            h = mod(xi)
+            t[f"{label} fwd"] = clock() - t0
+            saved.append((xi, h))
+        t0 = clock()
+        logits = h.detach().requires_grad_(True)
+        loss = self.loss_fn(logits, self.y)
+        loss.backward()
+        t["loss fwd+bwd"] = clock() - t0
+        dy = logits.grad
+        for i in range(len(saved) - 1, -1, -1):
+            xi, out = saved[i]
+            t0 = clock()
+            out.backward(dy)
+            dy = xi.grad
+            t[f"{self.labels[i]} bwd"] = clock() - t0
+        t0 = clock()
+        self.opt.step()
+        t["sgd"] = clock() - t0
+        self.loss = loss.item()
+        self._times = t
+
+    def breakdown(self):
+        return dict(self._times) if self.per_layer else None
+
+    def answer(self):
+        ans = {"loss": np.array([self.loss], dtype=np.float64)}
+        for (name, p), p0 in zip(self.params, self.init):
+            ans[f"update:{name}"] = p.detach().numpy().astype(np.float64) - p0.numpy()
+        return ans
+
+
+# ============================================================================ workloads
+class Workload:
+    name = ""
+    title = ""
+    #: whether the NumPy backend is timed at every thread count (else at 1: the serial baseline)
+    numpy_all_threads = False
+    per_layer = False
+
+    def cases(self, quick: bool, opts: dict) -> list[Case]:
+        raise NotImplementedError
+
+    def inputs(self, params: dict) -> dict:
+        raise NotImplementedError
+
+    def runner(self, impl: Impl, params: dict, inp: dict):
+        raise NotImplementedError
+
+
+class ConvWorkload(Workload):
+    """One 3x3 convolution, 64 filters, padding 1, on 128x32x32 inputs (batch 1 or 64)."""
+
+    def __init__(self, name, batch, title):
+        self.name, self.batch, self.title = name, batch, title
+
+    def cases(self, quick, opts):
+        if quick:
+            p = dict(N=min(self.batch, 2), C=8, H=8, W=8, O=8, K=3, padding=1)
+            chk = dict(p)
+        else:
+            p = dict(N=self.batch, C=128, H=32, W=32, O=64, K=3, padding=1)
+            chk = dict(N=min(self.batch, 4), C=16, H=12, W=12, O=8, K=3, padding=1)
+        fwd = 2.0 * p["N"] * p["O"] * p["H"] * p["W"] * p["C"] * p["K"] ** 2  # padding 1 keeps P = H
+        shape = f"x {p['N']}x{p['C']}x{p['H']}x{p['W']}, {p['O']} filters {p['K']}x{p['K']}"
+        return [
+            Case(self, "forward", dict(p, backward=False), dict(chk, backward=False), fwd, p["N"], note=shape),
+            Case(self, "forward+backward", dict(p, backward=True), dict(chk, backward=True), 3 * fwd, p["N"],
+                 note=shape),
+        ]
+
+    def inputs(self, p):
+        rng = np.random.default_rng(1)
+        scale = 1.0 / np.sqrt(p["C"] * p["K"] ** 2)
+        arrays = {
+            "x": rng.standard_normal((p["N"], p["C"], p["H"], p["W"])),
+            "w": rng.standard_normal((p["O"], p["C"], p["K"], p["K"])) * scale,
+            "b": rng.standard_normal(p["O"]),
+            "dy": rng.standard_normal((p["N"], p["O"], p["H"], p["W"])),
+        }
+        return {k: v.astype(np.float32) for k, v in arrays.items()}
+
+    def runner(self, impl, p, inp):
+        if impl.kind == "torch":
+            return TorchConv(inp, p["padding"], p["backward"])
+        return ParconvConv(impl.backend, inp, p["padding"], p["backward"])
+
+
+class LinearWorkload(Workload):
+    """``y = x @ w.T + b`` (and its backward) against NumPy matmul at equal threads."""
+
+    name = "linear"
+    title = "linear layer vs NumPy matmul"
+    numpy_all_threads = True
+
+    def cases(self, quick, opts):
+        if quick:
+            big, small = dict(N=8, F=16, G=8), dict(N=2, F=4, G=3)
+        else:
+            big, small = dict(N=512, F=2048, G=1024), dict(N=16, F=64, G=32)
+        chk = dict(big, N=8)
+        out = []
+        for label, p, c, bwd in (("forward", big, chk, False), ("forward+backward", big, chk, True),
+                                 ("forward, small", small, small, False)):
+            fl = 2.0 * p["N"] * p["F"] * p["G"] * (3 if bwd else 1)
+            out.append(Case(self, label, dict(p, backward=bwd), dict(c, backward=bwd), fl, p["N"], "rows",
+                            note=f"x {p['N']}x{p['F']}, w {p['G']}x{p['F']}"))
+        return out
+
+    def inputs(self, p):
+        rng = np.random.default_rng(2)
+        arrays = {
+            "x": rng.standard_normal((p["N"], p["F"])),
+            "w": rng.standard_normal((p["G"], p["F"])) / np.sqrt(p["F"]),
+            "b": rng.standard_normal(p["G"]),
+            "dy": rng.standard_normal((p["N"], p["G"])),
+        }
+        return {k: v.astype(np.float32) for k, v in arrays.items()}
+
+    def runner(self, impl, p, inp):
+        if impl.kind == "torch":
+            return TorchLinear(inp, p["backward"])
+        return ParconvLinear(impl.backend, inp, p["backward"])
+
+
+_MNIST = None
+
+
+def mnist_batch(n: int):
+    """The first ``n`` images of the bundled real MNIST sample, standardised, and their labels."""
+    global _MNIST
+    if _MNIST is None:
+        x, y = pc.datasets.load_mnist("test")
+        x = (x - x.mean()) / x.std()
+        _MNIST = (np.ascontiguousarray(x, dtype=np.float32), y.astype(np.int32))
+    x, y = _MNIST
+    if n > x.shape[0]:
+        raise ValueError(f"cnn-mnist: batch {n} is larger than the {x.shape[0]} bundled images")
+    return x[:n], y[:n]
+
+
+class TrainingWorkload(Workload):
+    """A training step of a network (forward, loss, backward, SGD update)."""
+
+    def inputs(self, p):
+        spec = self.spec(p)
+        if p["data"] == "mnist":
+            x, y = mnist_batch(p["N"])
+        else:
+            x, y = pc.datasets.quadrants(p["N"], seed=3)
+        return {"spec": spec, "loss": p["loss"], "x": x, "y": y, "state": initial_state(spec, 4)}
+
+    def runner(self, impl, p, inp):
+        if impl.kind == "torch":
+            return TorchTrainStep(inp, per_layer=self.per_layer)
+        return ParconvTrainStep(impl.backend, inp, per_layer=self.per_layer)
+
+    def _case(self, name, p, chk, amdahl=False, note=""):
+        in_shape = (p["N"], 1, 28, 28) if p["data"] == "mnist" else (p["N"], 2)
+        return Case(self, name, p, chk, network_flops(self.spec(p), in_shape), p["N"],
+                    "images" if p["data"] == "mnist" else "samples", amdahl=amdahl, note=note)
+
+
+class CnnMnist(TrainingWorkload):
+    """conv 3x3 x d, ReLU, maxpool 2, FC 169d -> 10, softmax cross-entropy, SGD lr 0.1 on real MNIST."""
+
+    name = "cnn-mnist"
+    title = "cnn-mnist training step (filter and batch-size sweep)"
+
+    @staticmethod
+    def spec(p):
+        d = p["d"]
+        return [("conv", 1, d, 3, 0), ("relu",), ("maxpool", 2), ("flatten",), ("linear", 169 * d, 10)]
+
+    def cases(self, quick, opts):
+        filters = opts.get("filters") or ((4, 8) if quick else CNN_FILTERS)
+        batches = opts.get("batches") or ((8, 16) if quick else CNN_BATCHES)
+        amdahl = {(filters[0], batches[0]), (filters[-1], batches[-1])}
+        out = []
+        for d in filters:
+            for n in batches:
+                p = dict(d=d, N=n, data="mnist", loss="ce")
+                out.append(self._case(f"d={d} batch={n}", p, dict(p, N=min(n, 8)), amdahl=(d, n) in amdahl))
+        return out
+
+
+class Cnn55010(TrainingWorkload):
+    """conv 5x5 x 50, ReLU, FC 100, ReLU, FC 10 on 28x28 MNIST: per-layer forward/backward times."""
+
+    name = "cnn-5-50-100"
+    title = "cnn-5-50-100 per-layer times"
+    per_layer = True
+
+    @staticmethod
+    def spec(p):
+        o, h = p["filters"], p["hidden"]
+        return [("conv", 1, o, 5, 0), ("relu",), ("flatten",), ("linear", o * 24 * 24, h), ("relu",),
+                ("linear", h, 10)]
+
+    def cases(self, quick, opts):
+        p = dict(filters=6, hidden=12, N=4, data="mnist", loss="ce") if quick else \
+            dict(filters=50, hidden=100, N=100, data="mnist", loss="ce")
+        return [self._case(f"batch={p['N']}", p, dict(p, N=min(p["N"], 4)), amdahl=True,
+                           note=f"conv 5x5x{p['filters']} -> FC {p['hidden']} -> FC 10")]
+
+
+class MlpQuadrants(TrainingWorkload):
+    """Linear(2, H), ReLU, Linear(H, H), ReLU, Linear(H, 1), Sigmoid, BCE on the quadrants set."""
+
+    name = "mlp-quadrants"
+    title = "mlp-quadrants training step"
+
+    @staticmethod
+    def spec(p):
+        h = p["hidden"]
+        return [("linear", 2, h), ("relu",), ("linear", h, h), ("relu",), ("linear", h, 1), ("sigmoid",)]
+
+    def cases(self, quick, opts):
+        sizes = ((16, 32), (4, 8)) if quick else ((512, 2048), (32, 64))
+        out = []
+        for k, (h, n) in enumerate(sizes):
+            p = dict(hidden=h, N=n, data="quadrants", loss="bce")
+            out.append(self._case(f"hidden={h} batch={n}" + (", small" if k else ""), p, dict(p, N=min(n, 16)),
+                                  amdahl=k == 0, note="2 -> H -> H -> 1"))
+        return out
+
+
+WORKLOADS = {
+    "conv-small": ConvWorkload("conv-small", 1, "conv-small: one conv layer, batch 1"),
+    "conv-large": ConvWorkload("conv-large", 64, "conv-large: one conv layer, batch 64"),
+    "cnn-mnist": CnnMnist(),
+    "cnn-5-50-100": Cnn55010(),
+    "mlp-quadrants": MlpQuadrants(),
+    "linear": LinearWorkload(),
+}
