@@ -197,7 +197,7 @@ def make_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--backend", default=None, help="backend name (default: PARCONV_BACKEND or openmp)")
     t.add_argument("--threads", type=_positive_int, default=None, help="OpenMP threads (default: all cores)")
-    t.add_argument("--epochs", type=_positive_int, default=8)
+    t.add_argument("--epochs", type=_positive_int, default=10)
     t.add_argument("--batch-size", type=_positive_int, default=50)
     t.add_argument("--lr", type=_positive_float, default=0.02, help="learning rate")
     t.add_argument("--momentum", type=_nonneg_float, default=0.9, help="SGD momentum")
