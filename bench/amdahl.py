@@ -93,10 +93,12 @@ def karp_flatt(speedup: float, n: int) -> float | None:
     return (1.0 / speedup - 1.0 / n) / (1.0 - 1.0 / n)
 
 
-def analyse(case, impl: Impl, threads: list[int], repeat: int, warmup: int, on_run=None) -> dict:
+def analyse(case, impl: Impl, threads: list[int], repeat: int, warmup: int, settle: bool = True,
+            on_run=None) -> dict:
     """Split ``case``'s training step on ``impl`` into kernel and serial time at each thread count.
 
-    Repetitions are interleaved over the thread counts like the main timing.
+    Repetitions are interleaved over the thread counts like the main timing
+    (with an untimed settling step before each timed one when ``settle``).
     Returns a dict with ``p`` (kernel fraction at 1 thread) and one row per
     thread count: total / kernel / serial medians (s), the measured speedup
     (paired median vs 1 thread), the Amdahl bound and the Karp–Flatt serial
@@ -119,6 +121,10 @@ def analyse(case, impl: Impl, threads: list[int], repeat: int, warmup: int, on_r
         k = r % len(threads)
         for n in threads[k:] + threads[:k]:
             with thread_scope("parconv", n):
+                if settle:
+                    runner.prepare()
+                    runner.run()
+                    runner.sync()
                 runner.prepare()
                 proxy.reset()
                 t0 = time.perf_counter()

@@ -14,9 +14,12 @@ Timing follows three rules:
 * the compared configs are *interleaved*: repetition ``r`` runs every config
   once, in an order rotated by ``r``, so drifting machine load (other jobs,
   turbo, thermal) hits every config alike and per-repetition ratios are paired;
-* the thread setting is applied outside the timed region, and after a switch
-  of thread count a short case gets one untimed settling call (thread pools
-  resize lazily on their first parallel region).
+* the thread setting is applied outside the timed region, and every timed
+  sample follows one untimed *settling* call of the same config: thread pools
+  resize lazily on their first parallel region, and the previous config (often
+  another library) leaves caches, page tables and the allocator in its own
+  state; measured without it, a 1-thread openmp cnn-mnist step right after a
+  PyTorch step ran 2.5x slower than in steady state.
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ import numpy as np
 
 #: normalised max error (max |got - ref| / max |ref|) an answer may have
 DEFAULT_TOL = 1e-3
-#: cases whose single call is shorter than this get an untimed settling call after a thread switch
-SETTLE_BELOW_S = 0.05
 
 
 @dataclass(frozen=True, order=True)
@@ -148,6 +149,20 @@ class BackgroundLoad:
         return False
 
 
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.2, window_s: float = 1.0) -> dict:
+    """Sleep until other processes use fewer than ``threshold`` cores over ``window_s`` (at most ``max_wait_s``).
+
+    Returns ``{"waited_s", "background_cores"}`` (the last window's load; None
+    where /proc/stat is missing).
+    """
+    t0 = time.perf_counter()
+    while True:
+        with BackgroundLoad() as bg:
+            time.sleep(window_s)
+        if bg.cores is None or bg.cores < threshold or time.perf_counter() - t0 >= max_wait_s:
+            return {"waited_s": time.perf_counter() - t0 - window_s, "background_cores": bg.cores}
+
+
 # ----------------------------------------------------------------------------- stats
 def summarize(times: list[float]) -> dict:
     """Median, min, max, mean and standard deviation (seconds) of a list of samples."""
@@ -213,7 +228,7 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
         Seconds one sample should last at least; a shorter call is repeated
         ``inner`` times (fixed per config from the warm-up) and averaged.
     settle : bool
-        Give short cases an untimed call after each thread switch.
+        Run one untimed call of the config right before each timed sample.
     gap : float
         Seconds to sleep between configs (untimed), so the idle threads of the
         previous runtime (OpenMP, BLAS and OpenCL pools spin-wait a while
@@ -244,7 +259,7 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
             if gap > 0:
                 time.sleep(gap)
             with thread_scope(kinds[c.impl], c.threads):
-                if settle and per_call[c] < SETTLE_BELOW_S:
+                if settle:
                     runner.prepare()
                     runner.run()
                     runner.sync()

@@ -158,6 +158,9 @@ def render(results: dict, plots: list[str]) -> str:
         f"{s.get('warmup')} warm-up call(s). Tables show the **median** in milliseconds; ratios (speedup vs "
         "1 thread, `vs torch`, `vs numpy`) are medians of per-repetition ratios, so they compare runs taken at "
         "the same moment."
+        + (" Each timed call follows an untimed call of the same configuration, so every sample is steady "
+           "state and not disturbed by the previous configuration's cache and memory state." if s.get("settle")
+           else "")
         + (f" Calls shorter than {1e3 * s['min_time_s']:.0f} ms are repeated and averaged within one sample."
            if s.get("min_time_s") else ""),
         "- `opencl@device` (when present) runs on the OpenCL device, which schedules its own threads; it is "

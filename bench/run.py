@@ -90,9 +90,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds one sample lasts at least; shorter calls are repeated and averaged "
                         "(default 0.05; --quick: 0)")
+    p.add_argument("--no-settle", action="store_true",
+                   help="time each sample without the untimed settling call of the same config before it "
+                        "(halves the run time; the previous config's cache and allocator state then leak in)")
     p.add_argument("--gap", type=float, default=None,
                    help="untimed pause between configs in seconds, so the previous runtime's spinning idle "
                         "threads go to sleep (default 0.01; --quick: 0)")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="before timing each case, wait up to this long until other processes use less than "
+                        "0.2 cores (for shared machines; default 0: do not wait)")
     p.add_argument("--serial-max-s", type=float, default=1.0,
                    help="the serial NumPy baseline is timed with one call only where that call takes longer "
                         "than this many seconds (default 1.0)")
@@ -348,10 +354,14 @@ def run_case(case, impls, threads, args, progress) -> dict:
             progress.step(max(args.warmup, 1) + args.repeat)
     timed = {}
     if runners:
+        if args.wait_quiet > 0:
+            progress.describe(f"{wl.name} {case.name}: waiting for other processes to go idle")
+            res["quiet_wait"] = harness.wait_for_quiet(args.wait_quiet)
         progress.describe(f"{wl.name} {case.name}: timing")
         with harness.BackgroundLoad() as bg:
             timed = harness.interleaved(runners, kinds, args.repeat, args.warmup, args.min_time,
-                                        settle=not args.quick, gap=args.gap, on_run=progress.step)
+                                        settle=not (args.quick or args.no_settle), gap=args.gap,
+                                        on_run=progress.step)
         res["background_cores"] = bg.cores
     timed.update(singles)
     if timed:
@@ -369,7 +379,8 @@ def run_amdahl(cases, impls, threads, args, progress) -> list[dict]:
                 continue
             progress.describe(f"amdahl {case.workload.name} {case.name} [{impl.name}]")
             try:
-                a = amdahl.analyse(case, impl, threads, args.repeat, args.warmup, on_run=progress.step)
+                a = amdahl.analyse(case, impl, threads, args.repeat, args.warmup,
+                                   settle=not (args.quick or args.no_settle), on_run=progress.step)
             except Exception as exc:  # noqa: BLE001
                 progress.write(f"Amdahl analysis of {case.workload.name} {case.name} on {impl.name} failed: {exc}")
                 continue
@@ -446,7 +457,8 @@ def main(argv=None) -> int:
     results = {"schema": SCHEMA, "suite": "parconv bench/run.py", "quick": args.quick,
                "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "settings": {"threads": threads, "repeat": args.repeat, "warmup": args.warmup,
-                            "min_time_s": args.min_time, "gap_s": args.gap, "interleaved": True, "tolerance": harness.DEFAULT_TOL,
+                            "min_time_s": args.min_time, "gap_s": args.gap, "interleaved": True,
+                            "settle": not (args.quick or args.no_settle), "tolerance": harness.DEFAULT_TOL,
                             "target_backend": args.target_backend},
                "workloads": {}, "amdahl": [], "targets": [], "errors": []}
 

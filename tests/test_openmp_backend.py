@@ -139,6 +139,50 @@ def test_conv2d_large_batch_dw_reduction_deterministic():
         close(a, c)
 
 
+@SETTINGS
+@given(conv_cases(), st.integers(1, 3), st.integers(1, 3))
+def test_fused_conv_relu_maxpool_matches_composition(case, pool_kernel, pool_stride):
+    N, C, O, H, W, K, stride, padding, bias, threads, seed = case
+    P = (H + 2 * padding - K) // stride + 1
+    Q = (W + 2 * padding - K) // stride + 1
+    if min(P, Q) < pool_kernel:
+        return
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, K, K), 1 / np.sqrt(C * K * K))
+    b = uniform(rng, (O,)) if bias else None
+    with num_threads(threads):
+        y, am = omp.conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
+        y_ref, am_ref = ref.conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
+        close(y, y_ref)
+        assert am.dtype == np.int32
+        # the argmax may differ only where two window values tie within float32 rounding
+        z = ref.conv2d_forward(x, w, b, stride, padding).reshape(N, O, -1)
+        picked = np.take_along_axis(z, am.reshape(N, O, -1), axis=2)
+        picked_ref = np.take_along_axis(z, am_ref.reshape(N, O, -1), axis=2)
+        np.testing.assert_allclose(picked, picked_ref, rtol=RTOL, atol=ATOL)
+        dy = uniform(rng, y.shape)
+        got = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, stride, padding)
+        want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, stride, padding)
+    for g, e in zip(got, want):
+        close(g, e)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_conv_relu_maxpool_mnist_shape(threads):
+    rng = np.random.default_rng(4)
+    x = uniform(rng, (6, 1, 28, 28))
+    w = uniform(rng, (32, 1, 3, 3), 1 / 3)
+    b = uniform(rng, (32,))
+    with num_threads(threads):
+        y, am = omp.conv2d_relu_maxpool2d_forward(x, w, b, 1, 0, 2, 2)
+    y_ref, am_ref = ref.conv2d_relu_maxpool2d_forward(x, w, b, 1, 0, 2, 2)
+    assert y.shape == (6, 32, 13, 13)
+    close(y, y_ref)
+    assert np.array_equal(am, am_ref)
+    assert (y >= 0).all()
+
+
 # --------------------------------------------------------------- maxpool2d
 @st.composite
 def pool_cases(draw):

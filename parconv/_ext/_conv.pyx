@@ -5,26 +5,29 @@
 # Hp, Wp the zero-padded input; NR the positions one micro-kernel call covers.
 """conv2d kernels.
 
-Forward (and, for stride 1, the input gradient, which is the convolution of
-dy with the flipped, transposed filters) runs register-blocked micro-kernels
-(``pc_conv.h``) on weights packed once per call:
+Stride 1 (the common case) runs entirely on register-blocked micro-kernels
+(``pc_conv.h``) reading a zero-padded copy of each image in place, with no
+im2col matrix:
 
-* stride 1: straight from a zero-padded copy of the image ("wide grid",
-  no im2col);
-* stride > 1: from an im2col tile of a few output rows in thread-private
-  scratch sized to stay in L2.
+* forward: ``y = w @ B`` with B(k, s) a shifted view of the padded image;
+* input gradient: the stride-1 convolution of dy with the flipped,
+  transposed filters (padding K - 1 - padding);
+* weight gradient: ``dw = dy @ B^T``, vectorised along the filters (dy packed
+  transposed) or, for a small depth C*K*K, along the positions.
 
-The weight gradient (and the input gradient for stride > 1) uses im2col +
-``scipy.linalg.cython_blas.sgemm``. Row-major matrices go to the
-column-major BLAS as their transposes: a row-major (r, c) array is a
-column-major (c, r) one. The caller (``parconv.backends.openmp``) limits the
-BLAS library to one thread around these calls, since every sgemm here runs
-inside an OpenMP parallel region.
+Stride > 1: the forward runs the same micro-kernels on im2col tiles of a few
+output rows in thread-private scratch; the backward uses im2col +
+``scipy.linalg.cython_blas.sgemm`` (row-major matrices go to the column-major
+BLAS as their transposes). The caller (``parconv.backends.openmp``) limits
+the BLAS library to one thread around those calls, since every sgemm here
+runs inside an OpenMP parallel region.
 
-Work is split into chunks (images, tiles of output positions or channel
-blocks), never more threads than chunks, and every chunk writes its own part
-of the output. Inputs are trusted: shapes, dtypes and contiguity are
-validated in Python.
+Work is split into chunks (images, rows or panels of output positions,
+channel or tap blocks), never more threads than chunks, and every chunk
+writes its own part of the output; weight-gradient partial sums live in
+per-thread buffers added in thread order, so a thread count always gives the
+same bits. Inputs are trusted: shapes, dtypes and contiguity are validated in
+Python.
 """
 
 from cython.parallel cimport parallel, prange, threadid
@@ -37,24 +40,38 @@ cdef extern from "pc_common.h":
                    int c0, int c1, int p0, int p1, float *cols, Py_ssize_t ld) noexcept nogil
     void pc_col2im(const float *dcols, int H, int W, int K, int S, int pad, int Q,
                    int c0, int c1, int p0, int p1, float *dx) noexcept nogil
+    double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
+    void pc_pool_bases(int W, int S, int P, int Q, int *base) noexcept nogil
+    void pc_pool_plane(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y, int *am,
+                       int relu) noexcept nogil
 
 cdef extern from "pc_conv.h":
-    int PCC_NR
+    int PCC_NR, PCC_VEC, PCC_NVMAX, PCC_MR_MAX, PCC_KR_MAX
     const char *PCC_ISA
-    int pcc_num_blocks(int O) noexcept nogil
-    void pcc_pack_block(const float *w, int O, int kdim, int b, float *a) noexcept nogil
-    void pcc_pack_block_flipped(const float *w, int O, int C, int K, int b, float *a) noexcept nogil
+    int pcc_main_mr(int nv) noexcept nogil
+    void pcc_flip_filters(const float *w, int O, int C, int K, int c0, int c1, float *wt) noexcept nogil
     void pcc_pad_image(const float *x, int H, int W, int pad, int Hp, int Wp, int c0, int c1,
                        float *xp) noexcept nogil
     void pcc_offsets_shifted(int C, int K, int Hp, int Wp, int *off) noexcept nogil
     void pcc_offsets_tile(int kdim, int ldb, int *off) noexcept nogil
-    void pcc_conv_panels(const float *a, int O, int kdim, const float *b, const int *off,
+    void pcc_conv_panels(const float *a, int O, int kdim, int mr0, int nv, const float *b, const int *off,
                          Py_ssize_t s_begin, Py_ssize_t s_end, int Wg, int Q, float *y, Py_ssize_t ldy,
                          const float *bias, float *ct) noexcept nogil
-
-# one extra micro-kernel width of readable floats after every B operand
-cdef int SLACK = PCC_NR + 16
-
+    void pcc_conv_rows(const float *a, int O, int kdim, int mr0, int nv, const float *b, const int *off,
+                       int p_begin, int p_end, int Wg, int Q, float *y, Py_ssize_t ldy,
+                       const float *bias, float *ct) noexcept nogil
+    Py_ssize_t pcc_rows_cost(int P, int Q, int nv) noexcept nogil
+    Py_ssize_t pcc_panels_cost(int P, int Q, int Wg, int nv) noexcept nogil
+    void pcc_dw_accumulate(const float *dyT, Py_ssize_t ldd, const float *b, const int *off,
+                           int k_begin, int k_end, Py_ssize_t S, float *dwT) noexcept nogil
+    void pcc_dy_transposed(const float *dy, int O, int P, int Q, int Wg, Py_ssize_t ldd,
+                           float *dyT) noexcept nogil
+    void pcc_dw_untranspose(const float *dwT, Py_ssize_t ldd, int O, int kdim, float *dw) noexcept nogil
+    int pcc_dwdot_choose(int O, int kdim, int *mr, int *nj) noexcept nogil
+    void pcc_dwdot_accumulate(int variant, const float *dyw, Py_ssize_t lds, int O, const float *b,
+                              const int *off, int kdim, Py_ssize_t S, float *dw) noexcept nogil
+    void pcc_dy_wide(const float *dy, int O, int O_pad, int P, int Q, int Wg, Py_ssize_t lds,
+                     float *dyw) noexcept nogil
 
 def kernel_isa():
     """Instruction set the convolution micro-kernels were compiled for."""
@@ -91,96 +108,178 @@ cdef int _balance_tiles(int N, int P, int tp, int nt) noexcept:
     return (P + t - 1) // t
 
 
-cdef inline void _pack_block(const float *w, int O, int kdim, int flip_O, int K, int b,
-                             float *a) noexcept nogil:
-    """Pack filter block b; flip_O > 0: w is (flip_O, O, K, K), packed flipped and transposed."""
-    if flip_O > 0:
-        pcc_pack_block_flipped(w, flip_O, O, K, b, a)
-    else:
-        pcc_pack_block(w, O, kdim, b, a)
+# relative speed of the micro-kernels by panel width (nv vectors): narrow panels
+# load more per multiply-add
+cdef double[5] _NV_SPEED = [1.0, 0.92, 0.98, 1.0, 1.0]
 
 
-cdef inline int _pack_threads(int O, int kdim, int nb, int nt) noexcept nogil:
-    """Threads for packing O x kdim weights in nb blocks (one when it is small)."""
-    if <Py_ssize_t>O * kdim < 16384:
-        return 1
-    return _min(nt, nb)
+def _tune_nv_speed(speeds=None):
+    """Read (and with ``speeds``, a sequence of 4 floats, set) the relative micro-kernel speeds."""
+    cdef int i
+    if speeds is not None:
+        for i in range(4):
+            _NV_SPEED[i + 1] = float(speeds[i])
+    return [_NV_SPEED[i] for i in range(1, 5)]
+
+
+cdef int _chunks_per_image(int N, int units, int nt) noexcept:
+    """Chunks to cut each image's work units into so that N * chunks keeps nt threads busy."""
+    cdef int cpi = 1
+    if nt > 1 and not (N >= nt and _even_split(N, nt)):
+        cpi = (nt + N - 1) // N
+        while cpi < units and not _even_split(N * cpi, nt):
+            cpi += 1
+        cpi = _min(cpi, units)
+    return cpi
+
+
+cdef int _plan_walk(int N, int P, int Q, int Wg, int nt, bint allow_rows, int kdim, int *plan) noexcept:
+    """Pick the panel width nv (returned), the walk (plan[0]: 1 row walk, 0 panel walk) and the
+    chunks per image (plan[1]) that minimise the work of the busiest thread: positions times
+    (kdim multiply-adds + the cost of storing, higher when panels go through scratch)."""
+    cdef int nv, rows, units, cpi, per_unit, nr
+    cdef Py_ssize_t s_end = <Py_ssize_t>(P - 1) * Wg + Q
+    cdef double cost, best = 1e300
+    cdef int best_nv = 1
+    plan[0] = 0
+    plan[1] = 1
+    for nv in range(1, PCC_NVMAX + 1):
+        nr = nv * PCC_VEC
+        for rows in range(2 if allow_rows else 1):
+            if rows:
+                units = P
+                per_unit = (Q + nr - 1) // nr * nr
+            else:
+                units = <int>((s_end + nr - 1) // nr)
+                per_unit = nr
+            cpi = _chunks_per_image(N, units, nt)
+            # busiest thread: its share of chunks times the units of the biggest chunk
+            cost = (<double>((N * cpi + nt - 1) // nt) * ((units + cpi - 1) // cpi) * per_unit
+                    * (kdim + (2 if rows or Wg == Q else 8))) / _NV_SPEED[nv]
+            if cost < best:
+                best, best_nv, plan[0], plan[1] = cost, nv, rows, cpi
+    return best_nv
 
 
 cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
                        const float *w, int flip_O, int O, const float *bias,
-                       float *y, int P, int Q, int nt) noexcept:
-    """Stride-1 convolution from zero-padded images ("wide grid").
+                       float *y, int P, int Q, int nt,
+                       int pk=0, int ps=0, int *am=NULL) noexcept:
+    """Stride-1 convolution straight from zero-padded images.
 
     w is (O, C, K, K), or with ``flip_O > 0`` the (flip_O, O, K, K) filters of
     the forward whose input gradient this is. ``pad`` may be negative (the
-    padded image is then a crop). Returns 1 when scratch could not be
-    allocated, else 0.
+    padded image is then a crop). Work is split into chunks of output rows
+    (row walk) or panels (panel walk) of each image.
+
+    With ``pk > 0`` the convolution of each image goes to thread-private
+    scratch and only ``relu(maxpool(., pk, ps))`` is written: y is then the
+    (N, O, PP, QQ) pooled output and am its argmax in the (P, Q) plane. This
+    needs whole images per chunk; when the split would cut images it returns
+    2 having done nothing. Returns 1 when scratch could not be allocated,
+    else 0.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
     cdef int kdim = C * K * K
     cdef Py_ssize_t img = <Py_ssize_t>C * Hp * Wp, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef Py_ssize_t s_end = <Py_ssize_t>(P - 1) * Wp + Q
-    cdef int panels = <int>((s_end + PCC_NR - 1) // PCC_NR)
-    cdef int cpi = 1  # chunks (of whole panels) per image
+    cdef int slack = PCC_NR + K + 16
+    cdef int plan[2]
+    cdef int nv = _plan_walk(N, P, Q, Wp, nt, True, kdim, plan)
+    cdef bint by_rows = plan[0]
+    cdef int cpi = plan[1]  # chunks (of whole rows or panels) per image
+    cdef int mr0 = pcc_main_mr(nv)
+    cdef int nr = nv * PCC_VEC
+    cdef int nf
+    cdef int units = P if by_rows else <int>((s_end + nr - 1) // nr)
     cdef int failed[1]
     cdef int *off = <int *>malloc(sizeof(int) * kdim)
     cdef float *shared = NULL
     cdef float *buf = NULL
     cdef float *ct = NULL
-    cdef int nb = pcc_num_blocks(O)
-    cdef float *a = <float *>malloc(sizeof(float) * <Py_ssize_t>O * kdim)
-    cdef int it, n, ch, pa, pb
+    cdef const float *a = w
+    cdef float *wt = NULL
+    cdef int it, n, ch, ua, ub, o
     cdef Py_ssize_t i
+    cdef int PP = (P - pk) // ps + 1 if pk > 0 else 0
+    cdef int QQ = (Q - pk) // ps + 1 if pk > 0 else 0
+    cdef Py_ssize_t PPQQ = <Py_ssize_t>PP * QQ
+    cdef float *z = NULL
+    cdef int *pool_base = NULL
     failed[0] = 0
-    if off == NULL or a == NULL:
+    if pk > 0 and cpi != 1:
         free(off)
-        free(a)
+        return 2
+    if pk > 0:
+        pool_base = <int *>malloc(sizeof(int) * PPQQ)
+        if pool_base == NULL:
+            free(off)
+            return 1
+        pc_pool_bases(Q, ps, PP, QQ, pool_base)
+    if flip_O > 0:
+        wt = <float *>malloc(sizeof(float) * <Py_ssize_t>O * kdim)
+        a = wt
+    if off == NULL or (flip_O > 0 and wt == NULL):
+        free(off)
+        free(wt)
         return 1
     pcc_offsets_shifted(C, K, Hp, Wp, off)
-    if nt > 1 and not (N >= nt and _even_split(N, nt)):
-        cpi = (nt + N - 1) // N
-        while cpi < panels and not _even_split(N * cpi, nt):
-            cpi += 1
-        cpi = _min(cpi, panels)
     nt = _min(nt, N * cpi)
     if cpi == 1:
-        with nogil:
-            for i in prange(nb, schedule="static", num_threads=_pack_threads(O, kdim, nb, nt)):
-                _pack_block(w, O, kdim, flip_O, K, <int>i, a)
         # whole images per chunk: each thread pads the image it works on into private scratch
+        if flip_O > 0:
+            with nogil:
+                for it in prange(O, schedule="static", num_threads=_min(nt, O) if <Py_ssize_t>O * kdim > 16384 else 1):
+                    pcc_flip_filters(w, flip_O, O, K, it, it + 1, wt)
         with nogil, parallel(num_threads=nt):
-            buf = <float *>malloc(sizeof(float) * (img + SLACK))
-            ct = <float *>malloc(sizeof(float) * 16 * PCC_NR)
-            if buf == NULL or ct == NULL:
+            buf = <float *>malloc(sizeof(float) * (img + slack))
+            ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
+            z = NULL
+            if pk > 0:
+                z = <float *>malloc(sizeof(float) * O * PQ)
+            if buf == NULL or ct == NULL or (pk > 0 and z == NULL):
                 failed[0] = 1
             else:
-                memset(buf + img, 0, sizeof(float) * SLACK)
+                memset(buf + img, 0, sizeof(float) * slack)
             for n in prange(N, schedule="static"):
                 if failed[0]:
                     continue
                 pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
-                pcc_conv_panels(a, O, kdim, buf, off, 0, s_end, Wp, Q, y + n * O * PQ, PQ, bias, ct)
+                if pk > 0:
+                    # conv of this image into scratch, then only the pooled maxima leave
+                    if by_rows:
+                        pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wp, Q, z, PQ, bias, ct)
+                    else:
+                        pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wp, Q, z, PQ, bias, ct)
+                    for o in range(O):
+                        pc_pool_plane(z + o * PQ, pool_base, Q, pk, ps, PP, QQ, y + (n * O + o) * PPQQ,
+                                      am + (n * O + o) * PPQQ, 1)
+                elif by_rows:
+                    pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wp, Q, y + n * O * PQ, PQ, bias, ct)
+                else:
+                    pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wp, Q, y + n * O * PQ, PQ, bias, ct)
             free(buf)
             free(ct)
+            free(z)
     else:
-        # few images: pad them all once (in parallel), then split each image's panels
-        shared = <float *>malloc(sizeof(float) * (N * img + SLACK))
+        # few images: pad them all once (in parallel), then split each image's rows or panels
+        shared = <float *>malloc(sizeof(float) * (N * img + slack))
         if shared == NULL:
             free(off)
-            free(a)
+            free(wt)
             return 1
-        memset(shared + N * img, 0, sizeof(float) * SLACK)
+        memset(shared + N * img, 0, sizeof(float) * slack)
+        nf = O if flip_O > 0 else 0
         with nogil:
-            # one pass packs the filter blocks and pads the planes
-            for i in prange(nb + <Py_ssize_t>N * C, schedule="static", num_threads=nt):
-                if i < nb:
-                    _pack_block(w, O, kdim, flip_O, K, <int>i, a)
+            # one pass flips the filters (input gradient) and pads the planes
+            for i in prange(nf + <Py_ssize_t>N * C, schedule="static", num_threads=nt):
+                if i < nf:
+                    pcc_flip_filters(w, flip_O, O, K, <int>i, <int>i + 1, wt)
                 else:
-                    pcc_pad_image(x + ((i - nb) // C) * C * HW, H, W, pad, Hp, Wp, <int>((i - nb) % C),
-                                  <int>((i - nb) % C) + 1, shared + ((i - nb) // C) * img)
+                    pcc_pad_image(x + ((i - nf) // C) * C * HW, H, W, pad, Hp, Wp, <int>((i - nf) % C),
+                                  <int>((i - nf) % C) + 1, shared + ((i - nf) // C) * img)
         with nogil, parallel(num_threads=nt):
-            ct = <float *>malloc(sizeof(float) * 16 * PCC_NR)
+            ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
             if ct == NULL:
                 failed[0] = 1
             for it in prange(N * cpi, schedule="static"):
@@ -188,14 +287,19 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                     continue
                 n = it // cpi
                 ch = it % cpi
-                pa = <int>((<long>panels * ch) // cpi)
-                pb = <int>((<long>panels * (ch + 1)) // cpi)
-                pcc_conv_panels(a, O, kdim, shared + n * img, off, <Py_ssize_t>pa * PCC_NR,
-                                min(<Py_ssize_t>pb * PCC_NR, s_end), Wp, Q, y + n * O * PQ, PQ, bias, ct)
+                ua = <int>((<long>units * ch) // cpi)
+                ub = <int>((<long>units * (ch + 1)) // cpi)
+                if by_rows:
+                    pcc_conv_rows(a, O, kdim, mr0, nv, shared + n * img, off, ua, ub, Wp, Q,
+                                  y + n * O * PQ, PQ, bias, ct)
+                else:
+                    pcc_conv_panels(a, O, kdim, mr0, nv, shared + n * img, off, <Py_ssize_t>ua * nr,
+                                    min(<Py_ssize_t>ub * nr, s_end), Wp, Q, y + n * O * PQ, PQ, bias, ct)
             free(ct)
         free(shared)
     free(off)
-    free(a)
+    free(wt)
+    free(pool_base)
     return failed[0]
 
 
@@ -208,30 +312,26 @@ cdef int _conv_tiled(const float *x, int N, int C, int H, int W, int S, int pad,
     cdef int tp = _balance_tiles(N, P, _tile_rows(P, Q, kdim, tile_bytes), nt)
     cdef int tiles = (P + tp - 1) // tp
     cdef int ldb = tp * Q
+    cdef int plan[2]
+    cdef int nv = _plan_walk(1, tp, Q, Q, 1, False, kdim, plan)
+    cdef int mr0 = pcc_main_mr(nv)
     cdef int failed[1]
     cdef int *off = <int *>malloc(sizeof(int) * kdim)
     cdef float *cols = NULL
     cdef float *ct = NULL
-    cdef int nb = pcc_num_blocks(O)
-    cdef float *a = <float *>malloc(sizeof(float) * <Py_ssize_t>O * kdim)
-    cdef int it, n, t, p0, p1, i
+    cdef int it, n, t, p0, p1
     failed[0] = 0
-    if off == NULL or a == NULL:
-        free(off)
-        free(a)
+    if off == NULL:
         return 1
     pcc_offsets_tile(kdim, ldb, off)
     nt = _min(nt, N * tiles)
-    with nogil:
-        for i in prange(nb, schedule="static", num_threads=_pack_threads(O, kdim, nb, nt)):
-            _pack_block(w, O, kdim, 0, K, i, a)
     with nogil, parallel(num_threads=nt):
-        cols = <float *>malloc(sizeof(float) * (<Py_ssize_t>kdim * ldb + SLACK))
-        ct = <float *>malloc(sizeof(float) * 16 * PCC_NR)
+        cols = <float *>malloc(sizeof(float) * (<Py_ssize_t>kdim * ldb + PCC_NR + 16))
+        ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
         if cols == NULL or ct == NULL:
             failed[0] = 1
         else:
-            memset(cols, 0, sizeof(float) * (<Py_ssize_t>kdim * ldb + SLACK))
+            memset(cols, 0, sizeof(float) * (<Py_ssize_t>kdim * ldb + PCC_NR + 16))
         for it in prange(N * tiles, schedule="static"):
             if failed[0]:
                 continue
@@ -240,12 +340,11 @@ cdef int _conv_tiled(const float *x, int N, int C, int H, int W, int S, int pad,
             p0 = t * tp
             p1 = _min(P, p0 + tp)
             pc_im2col(x + n * C * HW, H, W, K, S, pad, Q, 0, C, p0, p1, cols, ldb)
-            pcc_conv_panels(a, O, kdim, cols, off, 0, <Py_ssize_t>(p1 - p0) * Q, Q, Q,
+            pcc_conv_panels(w, O, kdim, mr0, nv, cols, off, 0, <Py_ssize_t>(p1 - p0) * Q, Q, Q,
                             y + n * O * PQ + p0 * Q, PQ, bias, ct)
         free(cols)
         free(ct)
     free(off)
-    free(a)
     return failed[0]
 
 
@@ -274,54 +373,191 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         raise MemoryError("conv2d_forward: could not allocate scratch")
 
 
-def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
-                    const float[:, :, :, ::1] w,   # IN  (O, C, K, K)
-                    const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)
-                    float[:, :, :, ::1] dx,        # OUT (N, C, H, W) or None, overwritten
-                    float[:, :, :, ::1] dw,        # OUT (O, C, K, K), overwritten
-                    float[::1] db,                 # OUT (O,) or None, overwritten
-                    int stride, int padding, int num_threads,
-                    Py_ssize_t tile_bytes=4194304):
-    """Convolution backward: ``dw = sum_n dy_n @ cols_n^T``, ``dx``, ``db = sum dy``.
+cdef enum:
+    # below this depth C*K*K the weight gradient runs along s (no transposed copy of dy)
+    DW_DOT_MAX_KDIM = 32
 
-    dx for stride 1 (and padding < K) is the stride-1 convolution of dy with
-    the flipped, transposed filters and padding K - 1 - padding, run by the
-    forward micro-kernels. Otherwise dx is ``col2im(w^T @ dy_n)``, computed
-    alongside dw.
 
-    dw is split one of two ways, both deterministic for a given thread count:
+cdef int _dw_dot(const float *x, int N, int C, int H, int W, int pad, int K,
+                 const float *dy, int O, int P, int Q, float *dw, int nt) noexcept:
+    """Stride-1 weight gradient for a small depth C*K*K (see ``pcc_dwdot_accumulate``).
 
-    * by image (enough images): each thread accumulates dw for its static
-      block of images in a private buffer; the buffers are summed afterwards
-      in thread order.
-    * by in-channel block (fewer images than threads, e.g. batch 1): each
-      thread owns the columns of dw (and planes of dx) of its channels, so
-      there is nothing to reduce.
-
-    db is summed per filter in double, by one thread per filter.
+    Each thread sums its static block of images into a private dw (thread 0
+    into dw itself); the buffers are added in thread order. Returns 1 when
+    scratch could not be allocated.
     """
-    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
-    cdef int O = w.shape[0], K = w.shape[2]
-    cdef int P = dy.shape[2], Q = dy.shape[3]
-    cdef int S = stride, pad = padding
+    cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
+    cdef int kdim = C * K * K
+    cdef int blk[2]
+    cdef int variant = pcc_dwdot_choose(O, kdim, &blk[0], &blk[1])
+    cdef int Opad = (O + blk[0] - 1) // blk[0] * blk[0]
+    cdef int kpad = (kdim + blk[1] - 1) // blk[1] * blk[1]
+    cdef Py_ssize_t lds = (<Py_ssize_t>P * Wp + PCC_VEC - 1) // PCC_VEC * PCC_VEC
+    cdef Py_ssize_t img = <Py_ssize_t>C * Hp * Wp, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef Py_ssize_t wsize = <Py_ssize_t>O * kdim, dyw_size = <Py_ssize_t>Opad * lds
+    cdef int slack = PCC_NR + K + 16
+    cdef int failed[1]
+    cdef int *off = <int *>calloc(kpad, sizeof(int))
+    cdef float *acc = NULL
+    cdef float *buf = NULL
+    cdef float *dyw = NULL
+    cdef float *dwt = NULL
+    cdef int n, tid = 0
+    cdef Py_ssize_t e, j
+    failed[0] = 0
+    if off == NULL:
+        return 1
+    pcc_offsets_shifted(C, K, Hp, Wp, off)
+    memset(dw, 0, sizeof(float) * wsize)
+    nt = _min(nt, N)
+    if nt > 1:
+        acc = <float *>calloc(<size_t>(nt - 1) * wsize, sizeof(float))
+        if acc == NULL:
+            free(off)
+            return 1
+    with nogil, parallel(num_threads=nt):
+        tid = threadid()
+        dwt = dw if tid == 0 else acc + (tid - 1) * wsize
+        buf = <float *>malloc(sizeof(float) * (img + slack))
+        dyw = <float *>malloc(sizeof(float) * dyw_size)
+        if buf == NULL or dyw == NULL:
+            failed[0] = 1
+        else:
+            memset(buf + img, 0, sizeof(float) * slack)
+        for n in prange(N, schedule="static"):
+            if failed[0]:
+                continue
+            pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
+            pcc_dy_wide(dy + n * O * PQ, O, Opad, P, Q, Wp, lds, dyw)
+            pcc_dwdot_accumulate(variant, dyw, lds, O, buf, off, kdim, lds, dwt)
+        free(buf)
+        free(dyw)
+    if nt > 1 and not failed[0]:
+        # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
+        with nogil:
+            for e in prange(wsize, schedule="static", num_threads=nt if wsize > 16384 else 1):
+                for j in range(nt - 1):
+                    dw[e] = dw[e] + acc[j * wsize + e]
+    free(acc)
+    free(off)
+    return failed[0]
+
+
+cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
+                     const float *dy, int O, int P, int Q, float *dw, int nt) noexcept:
+    """Stride-1 weight gradient dw (O, C*K*K) (overwritten) on the wide grid of the padded images.
+
+    The sums are built transposed, dw^T (kpad, Opad), by ``pcc_dw_accumulate``.
+    Enough images: each thread sums its static block of images into a private
+    dw^T, and the buffers are added in thread order. Fewer images than
+    threads: all images are padded once and each thread owns a range of dw^T
+    rows. Returns 1 when scratch could not be allocated.
+    """
+    cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
+    cdef int kdim = C * K * K
+    cdef int kpad = (kdim + PCC_KR_MAX - 1) // PCC_KR_MAX * PCC_KR_MAX
+    cdef Py_ssize_t ldd = (O + PCC_VEC - 1) // PCC_VEC * PCC_VEC
+    cdef Py_ssize_t S = <Py_ssize_t>P * Wp
+    cdef Py_ssize_t img = <Py_ssize_t>C * Hp * Wp, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef Py_ssize_t tsize = <Py_ssize_t>kpad * ldd, dyt_size = S * ldd
+    cdef int slack = PCC_NR + K + 16
+    cdef int nkb = kpad // PCC_KR_MAX
+    cdef bint by_image = nt == 1 or (N >= nt and _even_split(N, nt)) or nkb < nt
+    cdef int failed[1]
+    cdef int *off = <int *>calloc(kpad, sizeof(int))
+    cdef float *acc = NULL
+    cdef float *buf = NULL
+    cdef float *dyT = NULL
+    cdef float *dwt = NULL
+    cdef float *shared = NULL
+    cdef int n, tid = 0, i, k0, k1, o
+    cdef Py_ssize_t e, j, pl
+    failed[0] = 0
+    if kdim <= DW_DOT_MAX_KDIM:
+        free(off)
+        return _dw_dot(x, N, C, H, W, pad, K, dy, O, P, Q, dw, nt)
+    if off == NULL:
+        return 1
+    pcc_offsets_shifted(C, K, Hp, Wp, off)
+    if by_image:
+        nt = _min(nt, N)
+        acc = <float *>calloc(<size_t>nt * tsize, sizeof(float))
+        if acc == NULL:
+            free(off)
+            return 1
+        with nogil, parallel(num_threads=nt):
+            tid = threadid()
+            dwt = acc + tid * tsize
+            buf = <float *>malloc(sizeof(float) * (img + slack))
+            dyT = <float *>malloc(sizeof(float) * dyt_size)
+            if buf == NULL or dyT == NULL:
+                failed[0] = 1
+            else:
+                memset(buf + img, 0, sizeof(float) * slack)
+            for n in prange(N, schedule="static"):
+                if failed[0]:
+                    continue
+                pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
+                pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wp, ldd, dyT)
+                pcc_dw_accumulate(dyT, ldd, buf, off, 0, kdim, S, dwt)
+            free(buf)
+            free(dyT)
+        if not failed[0]:
+            with nogil:
+                if nt > 1:
+                    # fixed thread order: dw^T = ((dw^T_0 + dw^T_1) + dw^T_2) + ...
+                    for e in prange(tsize, schedule="static", num_threads=nt):
+                        for j in range(1, nt):
+                            acc[e] = acc[e] + acc[j * tsize + e]
+                pcc_dw_untranspose(acc, ldd, O, kdim, dw)
+        free(acc)
+    else:
+        nt = _min(nt, nkb)
+        shared = <float *>malloc(sizeof(float) * (N * (img + dyt_size) + tsize + slack))
+        if shared == NULL:
+            free(off)
+            return 1
+        dwt = shared + N * (img + dyt_size)
+        memset(dwt, 0, sizeof(float) * (tsize + slack))
+        with nogil:
+            for pl in prange(<Py_ssize_t>N * (C + 1), schedule="static", num_threads=nt):
+                n = <int>(pl // (C + 1))
+                i = <int>(pl % (C + 1))
+                if i < C:
+                    pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, i, i + 1, shared + n * img)
+                else:
+                    pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wp, ldd, shared + N * img + n * dyt_size)
+            for i in prange(nt, schedule="static", num_threads=nt):
+                k0 = PCC_KR_MAX * <int>((<long>nkb * i) // nt)
+                k1 = _min(kdim, PCC_KR_MAX * <int>((<long>nkb * (i + 1)) // nt))
+                for n in range(N):
+                    pcc_dw_accumulate(shared + N * img + n * dyt_size, ldd, shared + n * img, off, k0, k1, S,
+                                      dwt)
+            pcc_dw_untranspose(dwt, ldd, O, kdim, dw)
+        free(shared)
+    free(off)
+    return failed[0]
+
+
+cdef int _backward_blas(const float *xp, int N, int C, int H, int W, const float *wp, int O, int K,
+                        const float *dyp, int P, int Q, int S, int pad, float *dxp, float *dwp,
+                        int nt, Py_ssize_t tile_bytes) noexcept:
+    """im2col + sgemm backward: dw (when dwp) and dx = col2im(w^T @ dy_n) (when dxp), overwritten.
+
+    dw is split by image (private buffers summed in thread order) or, with
+    fewer images than threads, by in-channel block (each thread owns its
+    columns of dw and planes of dx). Returns 1 when scratch could not be
+    allocated.
+    """
     cdef int KK = K * K
     cdef int CKK = C * KK
     cdef Py_ssize_t PQ = <Py_ssize_t>P * Q, HW = <Py_ssize_t>H * W
     cdef Py_ssize_t wsize = <Py_ssize_t>O * CKK
     cdef bint direct = K == 1 and S == 1 and pad == 0
-    cdef bint dx_by_conv = dx is not None and S == 1 and pad <= K - 1
-    cdef bint need_dx = dx is not None and not dx_by_conv
-    cdef int nt = num_threads if num_threads > 0 else 1
+    cdef bint need_dx = dxp != NULL, need_dw = dwp != NULL
     cdef bint by_image = nt == 1 or C < nt or (N >= nt and _even_split(N, nt))
     cdef int tp = P if direct else _tile_rows(P, Q, CKK, tile_bytes)
     cdef int tiles = (P + tp - 1) // tp
-    cdef const float *xp = &x[0, 0, 0, 0]
-    cdef float *wp = <float *>&w[0, 0, 0, 0]
-    cdef const float *dyp = &dy[0, 0, 0, 0]
-    cdef float *dxp = NULL
-    cdef float *dwp = &dw[0, 0, 0, 0]
-    if dx is not None:
-        dxp = &dx[0, 0, 0, 0]
     cdef char tN = b'N', tT = b'T'
     cdef float one = 1.0, zero = 0.0
     cdef int failed[1]
@@ -335,29 +571,27 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef int tid = 0
     cdef Py_ssize_t e, j
     failed[0] = 0
-
-    if dx_by_conv:
-        failed[0] = _conv_shifted(dyp, N, O, P, Q, K - 1 - pad, K, wp, O, C, NULL, dxp, H, W, nt)
-        if failed[0]:
-            raise MemoryError("conv2d_backward: could not allocate scratch")
-
-    memset(dwp, 0, sizeof(float) * wsize)
+    if need_dw:
+        memset(dwp, 0, sizeof(float) * wsize)
     if by_image:
         nt = _min(nt, N)
-        if nt > 1:
+        if nt > 1 and need_dw:
             acc = <float *>calloc(<size_t>(nt - 1) * wsize, sizeof(float))
             if acc == NULL:
-                raise MemoryError("conv2d_backward: could not allocate dw accumulators")
+                return 1
         with nogil, parallel(num_threads=nt):
             tid = threadid()
-            dwt = dwp if tid == 0 else acc + (tid - 1) * wsize
+            dwt = NULL
+            if need_dw:
+                dwt = dwp if tid == 0 else acc + (tid - 1) * wsize
             cols = NULL
             dcols = NULL
             if not direct:
-                cols = <float *>malloc(sizeof(float) * <size_t>CKK * tp * Q)
+                if need_dw:
+                    cols = <float *>malloc(sizeof(float) * <size_t>CKK * tp * Q)
                 if need_dx:
                     dcols = <float *>malloc(sizeof(float) * <size_t>CKK * tp * Q)
-                if cols == NULL or (need_dx and dcols == NULL):
+                if (need_dw and cols == NULL) or (need_dx and dcols == NULL):
                     failed[0] = 1
             for n in prange(N, schedule="static"):
                 if failed[0]:
@@ -372,31 +606,32 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                     p1 = _min(P, p0 + tp)
                     m = (p1 - p0) * Q
                     ldc = <int>PQ
-                    if direct:
-                        a = <float *>(xp + n * <Py_ssize_t>C * HW + <Py_ssize_t>p0 * Q)
-                        lda = <int>PQ
-                    else:
-                        pc_im2col(xp + n * <Py_ssize_t>C * HW, H, W, K, S, pad, Q, 0, C, p0, p1, cols, m)
-                        a = cols
-                        lda = m
-                    # dw^T (CKK x O) += cols (CKK x m) @ dy_n[:, tile]^T (m x O)
-                    sgemm(&tT, &tN, &CKK, &O, &m, &one, a, &lda,
-                          <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                          &one, dwt, &CKK)
+                    if need_dw:
+                        if direct:
+                            a = <float *>(xp + n * <Py_ssize_t>C * HW + <Py_ssize_t>p0 * Q)
+                            lda = <int>PQ
+                        else:
+                            pc_im2col(xp + n * <Py_ssize_t>C * HW, H, W, K, S, pad, Q, 0, C, p0, p1, cols, m)
+                            a = cols
+                            lda = m
+                        # dw^T (CKK x O) += cols (CKK x m) @ dy_n[:, tile]^T (m x O)
+                        sgemm(&tT, &tN, &CKK, &O, &m, &one, a, &lda,
+                              <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
+                              &one, dwt, &CKK)
                     if need_dx:
                         # dcols^T (m x CKK) = dy_n[:, tile]^T (m x O) @ w (O x CKK)
                         if direct:
                             sgemm(&tN, &tT, &m, &CKK, &O, &one,
                                   <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                                  wp, &CKK, &zero, dxn + <Py_ssize_t>p0 * Q, &ldc)
+                                  <float *>wp, &CKK, &zero, dxn + <Py_ssize_t>p0 * Q, &ldc)
                         else:
                             sgemm(&tN, &tT, &m, &CKK, &O, &one,
                                   <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                                  wp, &CKK, &zero, dcols, &m)
+                                  <float *>wp, &CKK, &zero, dcols, &m)
                             pc_col2im(dcols, H, W, K, S, pad, Q, 0, C, p0, p1, dxn)
             free(cols)
             free(dcols)
-        if nt > 1 and not failed[0]:
+        if nt > 1 and need_dw and not failed[0]:
             # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
             with nogil:
                 for e in prange(wsize, schedule="static", num_threads=nt):
@@ -406,14 +641,14 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     else:
         nt = _min(nt, C)
         with nogil, parallel(num_threads=nt):
-            tid = threadid()
             cols = NULL
             dcols = NULL
             if not direct:
-                cols = <float *>malloc(sizeof(float) * <size_t>CKK * tp * Q)
+                if need_dw:
+                    cols = <float *>malloc(sizeof(float) * <size_t>CKK * tp * Q)
                 if need_dx:
                     dcols = <float *>malloc(sizeof(float) * <size_t>CKK * tp * Q)
-                if cols == NULL or (need_dx and dcols == NULL):
+                if (need_dw and cols == NULL) or (need_dx and dcols == NULL):
                     failed[0] = 1
             for i in prange(nt, schedule="static"):
                 if failed[0]:
@@ -433,31 +668,103 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                         p1 = _min(P, p0 + tp)
                         m = (p1 - p0) * Q
                         ldc = <int>PQ
-                        if direct:
-                            a = <float *>(xp + (n * <Py_ssize_t>C + c0) * HW + <Py_ssize_t>p0 * Q)
-                            lda = <int>PQ
-                        else:
-                            pc_im2col(xp + n * <Py_ssize_t>C * HW, H, W, K, S, pad, Q, c0, c1, p0, p1, cols, m)
-                            a = cols
-                            lda = m
-                        # dw[:, channel block]^T (mk x O) += cols_block (mk x m) @ dy_n[:, tile]^T (m x O)
-                        sgemm(&tT, &tN, &mk, &O, &m, &one, a, &lda,
-                              <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                              &one, dwp + c0 * KK, &CKK)
+                        if need_dw:
+                            if direct:
+                                a = <float *>(xp + (n * <Py_ssize_t>C + c0) * HW + <Py_ssize_t>p0 * Q)
+                                lda = <int>PQ
+                            else:
+                                pc_im2col(xp + n * <Py_ssize_t>C * HW, H, W, K, S, pad, Q, c0, c1, p0, p1, cols, m)
+                                a = cols
+                                lda = m
+                            # dw[:, channel block]^T (mk x O) += cols_block (mk x m) @ dy_n[:, tile]^T (m x O)
+                            sgemm(&tT, &tN, &mk, &O, &m, &one, a, &lda,
+                                  <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
+                                  &one, dwp + c0 * KK, &CKK)
                         if need_dx:
                             if direct:
                                 sgemm(&tN, &tT, &m, &mk, &O, &one,
                                       <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                                      wp + c0 * KK, &CKK, &zero, dxn + c0 * HW + <Py_ssize_t>p0 * Q, &ldc)
+                                      <float *>wp + c0 * KK, &CKK, &zero, dxn + c0 * HW + <Py_ssize_t>p0 * Q, &ldc)
                             else:
                                 sgemm(&tN, &tT, &m, &mk, &O, &one,
                                       <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                                      wp + c0 * KK, &CKK, &zero, dcols, &m)
+                                      <float *>wp + c0 * KK, &CKK, &zero, dcols, &m)
                                 pc_col2im(dcols, H, W, K, S, pad, Q, c0, c1, p0, p1, dxn)
             free(cols)
             free(dcols)
-    if failed[0]:
-        raise MemoryError("conv2d_backward: could not allocate im2col scratch")
+    return failed[0]
+
+
+def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                                  const float[:, :, :, ::1] w,  # IN  (O, C, K, K)
+                                  const float[::1] b,           # IN  (O,) or None
+                                  float[:, :, :, ::1] y,        # OUT (N, O, PP, QQ), overwritten
+                                  int[:, :, :, ::1] argmax,     # OUT (N, O, PP, QQ) int32, overwritten
+                                  int stride, int padding, int pool_kernel, int pool_stride,
+                                  int num_threads):
+    """``relu(maxpool2d(conv2d(x)))`` without writing the convolution output.
+
+    Each thread convolves whole images into private scratch and pools from
+    there; argmax indexes the (P, Q) convolution plane. Returns False, having
+    written nothing, where that does not apply (stride > 1, or fewer images
+    than threads, where the convolution splits images): the caller composes
+    the unfused ops then.
+    """
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = w.shape[0], K = w.shape[2]
+    cdef int P = H + 2 * padding - K + 1, Q = W + 2 * padding - K + 1
+    cdef const float *bp = NULL
+    cdef int failed
+    if stride != 1:
+        return False
+    if b is not None:
+        bp = &b[0]
+    failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
+                           &y[0, 0, 0, 0], P, Q, num_threads if num_threads > 0 else 1,
+                           pool_kernel, pool_stride, &argmax[0, 0, 0, 0])
+    if failed == 1:
+        raise MemoryError("conv2d_relu_maxpool2d_forward: could not allocate scratch")
+    return failed == 0
+
+
+def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
+                    const float[:, :, :, ::1] w,   # IN  (O, C, K, K)
+                    const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)
+                    float[:, :, :, ::1] dx,        # OUT (N, C, H, W) or None, overwritten
+                    float[:, :, :, ::1] dw,        # OUT (O, C, K, K), overwritten
+                    float[::1] db,                 # OUT (O,) or None, overwritten
+                    int stride, int padding, int num_threads,
+                    Py_ssize_t tile_bytes=4194304):
+    """Convolution backward: dx, dw and ``db = sum dy`` (all overwritten).
+
+    Stride 1: dw by ``_dw_shifted`` (micro-kernels on the padded images), dx
+    (padding < K) by ``_conv_shifted`` on dy with the flipped, transposed
+    filters. Otherwise im2col + sgemm (``_backward_blas``). db is summed per
+    filter in double, one thread per filter.
+    """
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = w.shape[0], K = w.shape[2]
+    cdef int P = dy.shape[2], Q = dy.shape[3]
+    cdef int nt = num_threads if num_threads > 0 else 1
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef const float *wp = &w[0, 0, 0, 0]
+    cdef const float *dyp = &dy[0, 0, 0, 0]
+    cdef float *dxp = NULL
+    cdef float *dwp = &dw[0, 0, 0, 0]
+    cdef bint dx_by_conv = dx is not None and stride == 1 and padding <= K - 1
+    cdef bint dw_by_kernel = stride == 1
+    cdef int failed = 0
+    if dx is not None:
+        dxp = &dx[0, 0, 0, 0]
+    if dx_by_conv:
+        failed = _conv_shifted(dyp, N, O, P, Q, K - 1 - padding, K, wp, O, C, NULL, dxp, H, W, nt)
+    if not failed and dw_by_kernel:
+        failed = _dw_shifted(xp, N, C, H, W, padding, K, dyp, O, P, Q, dwp, nt)
+    if not failed and (not dw_by_kernel or (dx is not None and not dx_by_conv)):
+        failed = _backward_blas(xp, N, C, H, W, wp, O, K, dyp, P, Q, stride, padding,
+                                NULL if dx_by_conv else dxp, NULL if dw_by_kernel else dwp, nt, tile_bytes)
+    if failed:
+        raise MemoryError("conv2d_backward: could not allocate scratch")
     if db is not None:
         _sum_planes(dy, db, num_threads)
 
@@ -467,9 +774,7 @@ cdef void _sum_planes(const float[:, :, :, ::1] dy, float[::1] db, int num_threa
     cdef int N = dy.shape[0], O = dy.shape[1]
     cdef Py_ssize_t PQ = <Py_ssize_t>dy.shape[2] * dy.shape[3]
     cdef const float *dyp = &dy[0, 0, 0, 0]
-    cdef const float *row
     cdef int o, n
-    cdef Py_ssize_t j
     cdef double s
     cdef int nt = num_threads if num_threads > 0 else 1
     if <Py_ssize_t>N * O * PQ < 65536:
@@ -479,7 +784,5 @@ cdef void _sum_planes(const float[:, :, :, ::1] dy, float[::1] db, int num_threa
         for o in prange(O, schedule="static", num_threads=nt):
             s = 0.0
             for n in range(N):
-                row = dyp + (n * <Py_ssize_t>O + o) * PQ
-                for j in range(PQ):
-                    s = s + row[j]
+                s = s + pc_sum_f32(dyp + (n * <Py_ssize_t>O + o) * PQ, PQ)
             db[o] = <float>s

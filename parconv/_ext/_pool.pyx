@@ -10,7 +10,13 @@ is race-free without atomics.
 """
 
 from cython.parallel cimport prange
+from libc.stdlib cimport malloc, free
 from libc.string cimport memset
+
+cdef extern from "pc_common.h":
+    void pc_pool_bases(int W, int S, int P, int Q, int *base) noexcept nogil
+    void pc_pool_plane(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y, int *am,
+                       int relu) noexcept nogil
 
 cdef enum:
     # below this much work one thread is faster than waking a team
@@ -26,29 +32,6 @@ cdef inline int _threads_for(Py_ssize_t work, Py_ssize_t chunks, int num_threads
     return <int>(nt if nt > 0 else 1)
 
 
-cdef inline void _pool_plane(const float *x, float *y, int *am, int H, int W, int K, int S,
-                             int P, int Q) noexcept nogil:
-    """Max and first argmax of every K x K window of one plane."""
-    cdef int p, q, kh, kw, h0, w0, best_i, idx
-    cdef float best, v
-    for p in range(P):
-        h0 = p * S
-        for q in range(Q):
-            w0 = q * S
-            best_i = h0 * W + w0
-            best = x[best_i]
-            for kh in range(K):
-                for kw in range(K):
-                    idx = (h0 + kh) * W + w0 + kw
-                    v = x[idx]
-                    # strictly greater keeps the first maximum; a NaN wins once and stays
-                    if v > best or (v != v and best == best):
-                        best = v
-                        best_i = idx
-            y[p * Q + q] = best
-            am[p * Q + q] = best_i
-
-
 def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                       float[:, :, :, ::1] y,        # OUT (N, C, P, Q), overwritten
                       int[:, :, :, ::1] argmax,     # OUT (N, C, P, Q) int32, overwritten
@@ -61,10 +44,15 @@ def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef int *ap = &argmax[0, 0, 0, 0]
+    cdef int *base = <int *>malloc(sizeof(int) * PQ)
     cdef Py_ssize_t i
+    if base == NULL:
+        raise MemoryError("maxpool2d_forward: could not allocate window table")
     with nogil:
+        pc_pool_bases(W, stride, P, Q, base)
         for i in prange(planes, schedule="static", num_threads=nt):
-            _pool_plane(xp + i * HW, yp + i * PQ, ap + i * PQ, H, W, kernel_size, stride, P, Q)
+            pc_pool_plane(xp + i * HW, base, W, kernel_size, stride, P, Q, yp + i * PQ, ap + i * PQ, 0)
+    free(base)
 
 
 def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)

@@ -31,6 +31,8 @@ static inline int pc_omp_max_threads(void) { return 1; }
 
 typedef ptrdiff_t pc_idx;
 
+#define PC_COMMA ,
+
 /* ------------------------------------------------------------ activations */
 
 /* y = max(x, 0); NaN passes through like np.maximum. */
@@ -116,6 +118,90 @@ static inline void pc_adam(float *restrict p, const float *restrict g, float *re
     }
 }
 
+/* ----------------------------------------------------------------- pool */
+
+/* Max pooling works one window tap at a time over many outputs, with y and am as the
+ * running maximum and its flat input index: branch-free selects over a long flat loop
+ * vectorise, whereas per-window compares are coin flips the branch predictor loses.
+ * Rule (np.argmax): a strictly greater value replaces, so the first maximum stays; a NaN
+ * replaces a number once and then stays. */
+#define PC_POOL_SELECT(v, idx, yv, av)                              \
+    do {                                                            \
+        float b_ = (yv);                                            \
+        int take_ = ((v) > b_) | (((v) != (v)) & (b_ == b_));       \
+        (yv) = take_ ? (v) : b_;                                    \
+        (av) = take_ ? (idx) : (av);                                \
+    } while (0)
+
+/* One tap over the n outputs of a row: input x[base + j*S]. */
+#define PC_DEFINE_POOL_TAP(NAME, SDECL, SEXPR)                                               \
+    static inline void NAME(const float *restrict x, float *restrict y, int *restrict am,    \
+                            int n, int base SDECL)                                           \
+    {                                                                                        \
+        for (int j = 0; j < n; j++) {                                                        \
+            int idx = base + j * (SEXPR);                                                    \
+            float v = x[idx];                                                                \
+            PC_POOL_SELECT(v, idx, y[j], am[j]);                                             \
+        }                                                                                    \
+    }
+PC_DEFINE_POOL_TAP(pc_pool_tap_s1, , 1)
+PC_DEFINE_POOL_TAP(pc_pool_tap_s2, , 2)
+PC_DEFINE_POOL_TAP(pc_pool_tap_sn, PC_COMMA int S, S)
+
+/* Flat input index of the first element of each output window: base[p*Q + q] = p*S*W + q*S. */
+static inline void pc_pool_bases(int W, int S, int P, int Q, int *restrict base)
+{
+    for (int p = 0; p < P; p++)
+        for (int q = 0; q < Q; q++) base[p * Q + q] = p * S * W + q * S;
+}
+
+/* Max pooling of one (H, W) plane: K x K windows, stride S, P x Q outputs, window origins in
+ * base (pc_pool_bases). am gets the flat index h*W + w of each window's first maximum;
+ * relu: y = max(window max, 0) (the argmax still of the window itself). Rows of 16 or more
+ * outputs go tap by tap along each row (plain or permuted loads); shorter rows tap by tap over
+ * the whole plane through base (gathers). */
+static inline void pc_pool_plane(const float *restrict x, const int *restrict base, int W, int K, int S,
+                                 int P, int Q, float *restrict y, int *restrict am, int relu)
+{
+    pc_idx PQ = (pc_idx)P * Q;
+    if (Q >= 16) {
+        for (int p = 0; p < P; p++) {
+            float *yr = y + (pc_idx)p * Q;
+            int *ar = am + (pc_idx)p * Q;
+            for (int q = 0; q < Q; q++) {
+                ar[q] = p * S * W + q * S;
+                yr[q] = x[ar[q]];
+            }
+            for (int kh = 0; kh < K; kh++) {
+                for (int kw = kh == 0 ? 1 : 0; kw < K; kw++) {
+                    int b0 = (p * S + kh) * W + kw;
+                    if (S == 1) pc_pool_tap_s1(x, yr, ar, Q, b0);
+                    else if (S == 2) pc_pool_tap_s2(x, yr, ar, Q, b0);
+                    else pc_pool_tap_sn(x, yr, ar, Q, b0, S);
+                }
+            }
+        }
+    } else {
+        for (pc_idx t = 0; t < PQ; t++) {
+            am[t] = base[t];
+            y[t] = x[base[t]];
+        }
+        for (int kh = 0; kh < K; kh++) {
+            for (int kw = kh == 0 ? 1 : 0; kw < K; kw++) {
+                int off = kh * W + kw;
+                for (pc_idx t = 0; t < PQ; t++) {
+                    int idx = base[t] + off;
+                    float v = x[idx];
+                    PC_POOL_SELECT(v, idx, y[t], am[t]);
+                }
+            }
+        }
+    }
+    if (relu) {
+        for (pc_idx t = 0; t < PQ; t++) y[t] = y[t] < 0.0f ? 0.0f : y[t];
+    }
+}
+
 /* ----------------------------------------------------------------- conv */
 
 /* First and one-past-last output column q whose input column q*S + kw - pad lies in [0, W). */
@@ -191,6 +277,19 @@ static inline void pc_col2im(const float *restrict dcols, int H, int W, int K, i
             }
         }
     }
+}
+
+/* Sum of n floats, in double: 16 float partial sums (vectorisable), then added in double. */
+static inline double pc_sum_f32(const float *restrict p, pc_idx n)
+{
+    float acc[16] = {0.0f};
+    pc_idx i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += p[i + j];
+    double s = 0.0;
+    for (int j = 0; j < 16; j++) s += acc[j];
+    for (; i < n; i++) s += p[i];
+    return s;
 }
 
 /* y[o, s] += b[o] for a tile of T spatial positions with row stride ld. */

@@ -7,16 +7,21 @@
  * B is never materialised as a matrix: B(k, s) = base[off[k] + s] through a
  * table of k offsets, which covers two layouts:
  *
- *  - stride 1, "wide grid": base is the zero-padded image (C, Hp, Wp) and s
- *    runs over p*Wp + q, q < Wp, so the input of tap (c, kh, kw) for output s
- *    is base[c*Hp*Wp + kh*Wp + kw + s]: a shifted view, no im2col at all. The
- *    Wp - Q columns per row that wrap around are computed and thrown away.
+ *  - stride 1: base is the zero-padded image (C, Hp, Wp) and output (p, q)
+ *    sits at s = p*Wp + q, so the input of tap (c, kh, kw) is
+ *    base[c*Hp*Wp + kh*Wp + kw + s]: a shifted view, no im2col at all.
  *  - any stride: base is an im2col tile (kdim, ldb) and off[k] = k*ldb.
  *
- * Weights are packed once per call into blocks of MR filters, k-major
- * ([k][MR]), so the micro-kernel reads MR consecutive floats per k and
- * broadcasts each; it keeps MR x NR sums in registers (NR = NV vectors of
- * spatial positions) for the whole k loop and writes them once.
+ * A micro-kernel keeps MR filters x NR positions (NR = NV vectors) of sums in
+ * registers for the whole k loop. Positions are walked either as "panels" of
+ * NR consecutive s (the Wp - Q wrap-around columns of each row computed and
+ * thrown away) or "row by row" (panels start at q = 0 of every output row, so
+ * there is no wrap-around, only the last panel of a row may be partial); the
+ * caller picks the cheaper walk and NV.
+ *
+ * Filters are read in place, (O, kdim) row-major, in blocks of the kernel's main
+ * MR rows, then 8, 4, 2, 1 for the rest (the input gradient's flipped,
+ * transposed filters are built once per call in the same layout).
  *
  * FMAs are explicit intrinsics: setup.py builds with -ffp-contract=off so
  * elementwise kernels round like NumPy, which would otherwise forbid FMA here.
@@ -33,32 +38,32 @@ typedef ptrdiff_t pcc_idx;
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PCC_VEC 16
-#define PCC_NV 3
-#define PCC_MR 8
+#define PCC_NVMAX 4
 typedef __m512 pcc_v;
 #define PCC_ZERO() _mm512_setzero_ps()
 #define PCC_LOADU(p) _mm512_loadu_ps(p)
 #define PCC_SET1(x) _mm512_set1_ps(x)
 #define PCC_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define PCC_STOREU(p, v) _mm512_storeu_ps((p), (v))
+/* the first n (0 < n < 16) lanes of v to p */
+#define PCC_STORE_FIRST(p, v, n) _mm512_mask_storeu_ps((p), (__mmask16)((1u << (n)) - 1u), (v))
 #define PCC_ISA "avx512"
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PCC_VEC 8
-#define PCC_NV 2
-#define PCC_MR 6
+#define PCC_NVMAX 2
 typedef __m256 pcc_v;
 #define PCC_ZERO() _mm256_setzero_ps()
 #define PCC_LOADU(p) _mm256_loadu_ps(p)
 #define PCC_SET1(x) _mm256_set1_ps(x)
 #define PCC_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define PCC_STOREU(p, v) _mm256_storeu_ps((p), (v))
+#define PCC_STORE_FIRST(p, v, n) pcc_store_first_((p), (v), (n))
 #define PCC_ISA "avx2"
 #else
 /* portable: GCC/clang vector extensions, 4 lanes, multiply then add */
 #define PCC_VEC 4
-#define PCC_NV 2
-#define PCC_MR 6
+#define PCC_NVMAX 2
 typedef float pcc_v __attribute__((vector_size(16)));
 static inline pcc_v pcc_loadu_(const float *p) { pcc_v v; memcpy(&v, p, sizeof v); return v; }
 static inline void pcc_storeu_(float *p, pcc_v v) { memcpy(p, &v, sizeof v); }
@@ -67,98 +72,241 @@ static inline void pcc_storeu_(float *p, pcc_v v) { memcpy(p, &v, sizeof v); }
 #define PCC_SET1(x) ((pcc_v){0.0f, 0.0f, 0.0f, 0.0f} + (x))
 #define PCC_FMA(a, b, c) ((a) * (b) + (c))
 #define PCC_STOREU(p, v) pcc_storeu_((p), (v))
+#define PCC_STORE_FIRST(p, v, n) pcc_store_first_((p), (v), (n))
 #define PCC_ISA "generic"
 #endif
 
-#define PCC_NR (PCC_VEC * PCC_NV)
+#if !defined(__AVX512F__)
+static inline void pcc_store_first_(float *p, pcc_v v, int n)
+{
+    float t[PCC_VEC];
+    memcpy(t, &v, sizeof t);
+    memcpy(p, t, sizeof(float) * (size_t)n);
+}
+#endif
 
-/* ct[i*NR + j] = sum_k a[k*MR + i] * b[off[k] + j], i < MR, j < NR. */
-#define PCC_DEFINE_UKERNEL(MR)                                                            \
-    static inline void pcc_ukernel_##MR(int kdim, const float *restrict a,                \
-                                        const float *restrict b, const int *restrict off, \
-                                        float *restrict ct)                               \
-    {                                                                                     \
-        pcc_v acc[MR][PCC_NV];                                                            \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                             \
-            _Pragma("GCC unroll 4") for (int j = 0; j < PCC_NV; j++) acc[i][j] = PCC_ZERO(); \
-        for (int k = 0; k < kdim; k++) {                                                  \
-            const float *bk = b + off[k];                                                 \
-            const float *ak = a + (pcc_idx)k * MR;                                        \
-            pcc_v bv[PCC_NV];                                                             \
-            _Pragma("GCC unroll 4") for (int j = 0; j < PCC_NV; j++)                      \
-                bv[j] = PCC_LOADU(bk + j * PCC_VEC);                                      \
-            _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                       \
-                pcc_v av = PCC_SET1(ak[i]);                                               \
-                _Pragma("GCC unroll 4") for (int j = 0; j < PCC_NV; j++)                  \
-                    acc[i][j] = PCC_FMA(av, bv[j], acc[i][j]);                            \
-            }                                                                             \
-        }                                                                                 \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                             \
-            _Pragma("GCC unroll 4") for (int j = 0; j < PCC_NV; j++)                      \
-                PCC_STOREU(ct + i * PCC_NR + j * PCC_VEC, acc[i][j]);                     \
+/* Keep v in a register: stops the compiler from re-loading a shared operand as a
+ * memory operand of every FMA that uses it. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && PCC_VEC > 4
+#define PCC_KEEP(v) __asm__("" : "+v"(v))
+#else
+#define PCC_KEEP(v) ((void)0)
+#endif
+
+/* widest panel, and the row stride of the ct scratch (PCC_MR_MAX rows) */
+#define PCC_NR (PCC_VEC * PCC_NVMAX)
+#define PCC_MR_MAX 24
+/* main block height for NV vectors: MR * NV accumulators fill the register file */
+#if PCC_VEC == 16
+static inline int pcc_main_mr(int nv) { return nv == 1 ? 24 : nv == 2 ? 12 : nv == 3 ? 8 : 6; }
+#else
+static inline int pcc_main_mr(int nv) { return nv == 1 ? 12 : 6; }
+#endif
+
+/* out[i*ldo + j] = bias[i] + sum_k a[i*lda + k] * b[off[k] + j] for i < MR, j < min(count, NV*VEC)
+ * (bias may be NULL). */
+#define PCC_DEFINE_UKERNEL(MR, NV)                                                          \
+    static inline void pcc_ukernel_##MR##_##NV(int kdim, const float *restrict a, pcc_idx lda, \
+                                               const float *restrict b,                     \
+                                               const int *restrict off,                     \
+                                               const float *restrict bias,                  \
+                                               float *restrict out, pcc_idx ldo, int count) \
+    {                                                                                       \
+        pcc_v acc[MR][NV];                                                                  \
+        _Pragma("GCC unroll 24") for (int i = 0; i < MR; i++) {                             \
+            pcc_v b0 = bias ? PCC_SET1(bias[i]) : PCC_ZERO();                               \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++) acc[i][j] = b0;            \
+        }                                                                                   \
+        for (int k = 0; k < kdim; k++) {                                                    \
+            const float *bk = b + off[k];                                                   \
+            const float *ak = a + k;                                                        \
+            pcc_v bv[NV];                                                                   \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++)                            \
+                bv[j] = PCC_LOADU(bk + j * PCC_VEC);                                        \
+            _Pragma("GCC unroll 24") for (int i = 0; i < MR; i++) {                         \
+                pcc_v av = PCC_SET1(ak[i * lda]);                                           \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++)                        \
+                    acc[i][j] = PCC_FMA(av, bv[j], acc[i][j]);                              \
+            }                                                                               \
+        }                                                                                   \
+        if (count >= NV * PCC_VEC) {                                                        \
+            _Pragma("GCC unroll 24") for (int i = 0; i < MR; i++)                           \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++)                        \
+                    PCC_STOREU(out + i * ldo + j * PCC_VEC, acc[i][j]);                     \
+        } else {                                                                            \
+            _Pragma("GCC unroll 24") for (int i = 0; i < MR; i++)                           \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++) {                      \
+                    int left = count - j * PCC_VEC;                                         \
+                    if (left >= PCC_VEC) PCC_STOREU(out + i * ldo + j * PCC_VEC, acc[i][j]); \
+                    else if (left > 0) PCC_STORE_FIRST(out + i * ldo + j * PCC_VEC, acc[i][j], left); \
+                }                                                                           \
+        }                                                                                   \
     }
 
-PCC_DEFINE_UKERNEL(PCC_MR)
-#if PCC_MR != 4
-PCC_DEFINE_UKERNEL(4)
-#endif
-PCC_DEFINE_UKERNEL(2)
-PCC_DEFINE_UKERNEL(1)
+#define PCC_DEFINE_TAIL_UKERNELS(NV) \
+    PCC_DEFINE_UKERNEL(8, NV)        \
+    PCC_DEFINE_UKERNEL(4, NV)        \
+    PCC_DEFINE_UKERNEL(2, NV)        \
+    PCC_DEFINE_UKERNEL(1, NV)
 
-/* Width of the filter block starting at o0 (blocks of PCC_MR, then 4, 2, 1). */
-static inline int pcc_block_width(int O, int o0)
+#if PCC_VEC == 16
+PCC_DEFINE_UKERNEL(24, 1)
+PCC_DEFINE_UKERNEL(12, 2)
+PCC_DEFINE_UKERNEL(6, 4)
+PCC_DEFINE_TAIL_UKERNELS(1)
+PCC_DEFINE_TAIL_UKERNELS(2)
+PCC_DEFINE_TAIL_UKERNELS(3)
+PCC_DEFINE_TAIL_UKERNELS(4)
+#else
+PCC_DEFINE_UKERNEL(12, 1)
+PCC_DEFINE_UKERNEL(6, 2)
+PCC_DEFINE_TAIL_UKERNELS(1)
+PCC_DEFINE_TAIL_UKERNELS(2)
+#endif
+
+/* Run the (mr, nv) micro-kernel. */
+static inline void pcc_ukernel(int mr, int nv, int kdim, const float *a, pcc_idx lda, const float *b,
+                               const int *off, const float *bias, float *out, pcc_idx ldo, int count)
+{
+#define PCC_CASE(MR, NV) \
+    if (mr == MR && nv == NV) { pcc_ukernel_##MR##_##NV(kdim, a, lda, b, off, bias, out, ldo, count); return; }
+#if PCC_VEC == 16
+    PCC_CASE(24, 1) PCC_CASE(12, 2) PCC_CASE(8, 3) PCC_CASE(6, 4)
+    PCC_CASE(8, 1) PCC_CASE(4, 1) PCC_CASE(2, 1) PCC_CASE(1, 1)
+    PCC_CASE(8, 2) PCC_CASE(4, 2) PCC_CASE(2, 2) PCC_CASE(1, 2)
+    PCC_CASE(4, 3) PCC_CASE(2, 3) PCC_CASE(1, 3)
+    PCC_CASE(8, 4) PCC_CASE(4, 4) PCC_CASE(2, 4) PCC_CASE(1, 4)
+#else
+    PCC_CASE(12, 1) PCC_CASE(6, 2)
+    PCC_CASE(8, 1) PCC_CASE(4, 1) PCC_CASE(2, 1) PCC_CASE(1, 1)
+    PCC_CASE(8, 2) PCC_CASE(4, 2) PCC_CASE(2, 2) PCC_CASE(1, 2)
+#endif
+#undef PCC_CASE
+}
+
+/* Height of the filter block starting at o0 when the main blocks are mr0 high. */
+static inline int pcc_block_width(int O, int o0, int mr0)
 {
     int rest = O - o0;
-    int full = (O / PCC_MR) * PCC_MR;
-    if (o0 < full) return PCC_MR;
+    if (rest >= mr0) return mr0;
+    if (rest >= 8 && mr0 > 8) return 8;
     if (rest >= 4) return 4;
     if (rest >= 2) return 2;
     return 1;
 }
 
-/* Number of filter blocks of O rows. */
-static inline int pcc_num_blocks(int O)
+/* Rows [c0, c1) of the filters of the stride-1 input gradient, a convolution of dy with
+ * wt[c, o, kh, kw] = w[o, c, K-1-kh, K-1-kw]: wt is (C, O*K*K) row-major, w is (O, C, K, K). */
+static inline void pcc_flip_filters(const float *restrict w, int O, int C, int K, int c0, int c1,
+                                    float *restrict wt)
 {
-    int nb = O / PCC_MR, o0 = nb * PCC_MR;
-    while (o0 < O) {
-        o0 += pcc_block_width(O, o0);
-        nb++;
+    int KK = K * K;
+    for (int c = c0; c < c1; c++) {
+        float *dst = wt + (pcc_idx)c * O * KK;
+        for (int o = 0; o < O; o++) {
+            const float *src = w + ((pcc_idx)o * C + c) * KK;
+            for (int t = 0; t < KK; t++) dst[o * KK + t] = src[KK - 1 - t];
+        }
     }
-    return nb;
 }
 
-/* First row of block b. */
-static inline int pcc_block_start(int O, int b)
+/* All O filters (a: (O, kdim) row-major) for one panel of nv vectors starting at position s0
+ * (B at b + s0); the nseg segments [j0, j1) of the panel land at y + dst (+ o*ldy), bias added.
+ * A panel that is one segment from its first position is stored straight from the registers;
+ * otherwise through ct, a PCC_MR_MAX x PCC_NR scratch. */
+static inline void pcc_panel(const float *restrict a, int O, int kdim, int mr0, int nv,
+                             const float *restrict b, const int *restrict off,
+                             int nseg, const int *seg_j0, const int *seg_j1, const pcc_idx *seg_dst,
+                             float *restrict y, pcc_idx ldy, const float *restrict bias, float *restrict ct)
 {
-    int full = O / PCC_MR;
-    if (b <= full) return b * PCC_MR;
-    int o0 = full * PCC_MR;
-    for (int i = full; i < b; i++) o0 += pcc_block_width(O, o0);
-    return o0;
+    int direct = nseg == 1 && seg_j0[0] == 0;
+    for (int o0 = 0; o0 < O;) {
+        int mr = pcc_block_width(O, o0, mr0);
+        const float *bo = bias ? bias + o0 : NULL;
+        if (direct) {
+            pcc_ukernel(mr, nv, kdim, a + (pcc_idx)o0 * kdim, kdim, b, off, bo,
+                        y + (pcc_idx)o0 * ldy + seg_dst[0], ldy, seg_j1[0]);
+        } else if (nseg > 0) {
+            pcc_ukernel(mr, nv, kdim, a + (pcc_idx)o0 * kdim, kdim, b, off, bo, ct, PCC_NR, nv * PCC_VEC);
+            for (int i = 0; i < mr; i++) {
+                float *yo = y + (pcc_idx)(o0 + i) * ldy;
+                const float *ci = ct + i * PCC_NR;
+                for (int g = 0; g < nseg; g++)
+                    memcpy(yo + seg_dst[g], ci + seg_j0[g], sizeof(float) * (size_t)(seg_j1[g] - seg_j0[g]));
+            }
+        }
+        o0 += mr;
+    }
 }
 
-/* Pack block b of w (O, kdim) row-major: rows [o0, o0 + mr) as [k][mr] at a + o0*kdim. */
-static inline void pcc_pack_block(const float *restrict w, int O, int kdim, int b, float *restrict a)
+/* Panel walk: positions [s_begin, s_end) of the grid of width Wg (q < Q valid), panels of
+ * nv*VEC consecutive s: y[o*ldy + p*Q + q] = sum_k a_o[k] B(k, s) + bias[o] for s = p*Wg + q.
+ * B must be readable up to s_end - 1 + nv*VEC. */
+static inline void pcc_conv_panels(const float *restrict a, int O, int kdim, int mr0, int nv,
+                                   const float *restrict b, const int *restrict off,
+                                   pcc_idx s_begin, pcc_idx s_end, int Wg, int Q,
+                                   float *restrict y, pcc_idx ldy, const float *restrict bias,
+                                   float *restrict ct)
 {
-    int o0 = pcc_block_start(O, b), mr = pcc_block_width(O, o0);
-    float *restrict blk = a + (pcc_idx)o0 * kdim;
-    const float *restrict w0 = w + (pcc_idx)o0 * kdim;
-    for (int k = 0; k < kdim; k++)
-        for (int i = 0; i < mr; i++) blk[(pcc_idx)k * mr + i] = w0[(pcc_idx)i * kdim + k];
+    int nr = nv * PCC_VEC;
+    int seg_j0[PCC_NR + 2], seg_j1[PCC_NR + 2];
+    pcc_idx seg_dst[PCC_NR + 2];
+    for (pcc_idx s0 = s_begin; s0 < s_end; s0 += nr) {
+        int nseg = 0;
+        pcc_idx s_stop = s0 + nr < s_end ? s0 + nr : s_end;
+        for (pcc_idx s = s0; s < s_stop;) {
+            pcc_idx p = s / Wg, q = s - p * Wg;
+            pcc_idx valid_end = p * Wg + Q;
+            if (q < Q) {
+                pcc_idx e = valid_end < s_stop ? valid_end : s_stop;
+                int j0 = (int)(s - s0);
+                if (nseg > 0 && seg_j1[nseg - 1] == j0 && seg_dst[nseg - 1] + (j0 - seg_j0[nseg - 1]) == p * Q + q) {
+                    seg_j1[nseg - 1] = (int)(e - s0);  /* contiguous in y too (Wg == Q): merge */
+                } else {
+                    seg_j0[nseg] = j0;
+                    seg_j1[nseg] = (int)(e - s0);
+                    seg_dst[nseg] = p * Q + q;
+                    nseg++;
+                }
+            }
+            s = (p + 1) * Wg;
+        }
+        pcc_panel(a, O, kdim, mr0, nv, b + s0, off, nseg, seg_j0, seg_j1, seg_dst, y, ldy, bias, ct);
+    }
 }
 
-/* Pack block b of the weights of the stride-1 input gradient, a convolution of dy with
- * wt[c, o, kh, kw] = w[o, c, K-1-kh, K-1-kw]: rows are in-channels c (C of them),
- * depth k = (o, kh, kw). w is (O, C, K, K). */
-static inline void pcc_pack_block_flipped(const float *restrict w, int O, int C, int K, int b, float *restrict a)
+/* Row walk: output rows [p_begin, p_end) of the grid of width Wg, each in panels of nv*VEC
+ * starting at q = 0. B must be readable up to (p_end - 1)*Wg + Q - 1 + nv*VEC. */
+static inline void pcc_conv_rows(const float *restrict a, int O, int kdim, int mr0, int nv,
+                                 const float *restrict b, const int *restrict off,
+                                 int p_begin, int p_end, int Wg, int Q,
+                                 float *restrict y, pcc_idx ldy, const float *restrict bias,
+                                 float *restrict ct)
 {
-    int KK = K * K, kdim = O * KK;
-    int c0 = pcc_block_start(C, b), mr = pcc_block_width(C, c0);
-    float *restrict blk = a + (pcc_idx)c0 * kdim;
-    for (int o = 0; o < O; o++)
-        for (int t = 0; t < KK; t++)
-            for (int i = 0; i < mr; i++)
-                blk[(pcc_idx)(o * KK + t) * mr + i] = w[((pcc_idx)o * C + c0 + i) * KK + KK - 1 - t];
+    int nr = nv * PCC_VEC;
+    int j0 = 0, j1;
+    pcc_idx dst;
+    for (int p = p_begin; p < p_end; p++) {
+        for (int q0 = 0; q0 < Q; q0 += nr) {
+            j1 = Q - q0 < nr ? Q - q0 : nr;
+            dst = (pcc_idx)p * Q + q0;
+            pcc_panel(a, O, kdim, mr0, nv, b + (pcc_idx)p * Wg + q0, off, 1, &j0, &j1, &dst, y, ldy, bias, ct);
+        }
+    }
+}
+
+/* Positions the row walk computes for Q columns with panels of nv vectors, and the panel walk
+ * for a grid of width Wg (P rows): the caller keeps the cheaper. */
+static inline pcc_idx pcc_rows_cost(int P, int Q, int nv)
+{
+    int nr = nv * PCC_VEC;
+    return (pcc_idx)P * ((Q + nr - 1) / nr) * nr;
+}
+static inline pcc_idx pcc_panels_cost(int P, int Q, int Wg, int nv)
+{
+    int nr = nv * PCC_VEC;
+    pcc_idx s_end = (pcc_idx)(P - 1) * Wg + Q;
+    return (s_end + nr - 1) / nr * nr;
 }
 
 /* Copy one image x (C, H, W) into the zero-padded buffer xp (C, Hp, Wp) with pad rows/cols
@@ -201,65 +349,253 @@ static inline void pcc_offsets_tile(int kdim, int ldb, int *restrict off)
     for (int k = 0; k < kdim; k++) off[k] = k * ldb;
 }
 
-/* Output positions [s_begin, s_end) of the grid of width Wg (q < Q valid) for all O rows:
- * y[o*ldy + p*Q + q] = sum_k a_o[k] B(k, s) (+ bias[o]) for s = p*Wg + q.
- * ct: scratch of PCC_MR * PCC_NR floats. B must be readable up to s_end - 1 + PCC_NR. */
-static inline void pcc_conv_panels(const float *restrict a, int O, int kdim,
-                                   const float *restrict b, const int *restrict off,
-                                   pcc_idx s_begin, pcc_idx s_end, int Wg, int Q,
-                                   float *restrict y, pcc_idx ldy, const float *restrict bias,
-                                   float *restrict ct)
-{
-    /* row segments of one panel: positions [j0, j1) land at y + dst */
-    int seg_j0[PCC_NR + 2], seg_j1[PCC_NR + 2];
-    pcc_idx seg_dst[PCC_NR + 2];
-    for (pcc_idx s0 = s_begin; s0 < s_end; s0 += PCC_NR) {
-        int nseg = 0;
-        pcc_idx s_stop = s0 + PCC_NR < s_end ? s0 + PCC_NR : s_end;
-        pcc_idx s = s0;
-        while (s < s_stop) {
-            pcc_idx p = s / Wg, q = s - p * Wg;
-            pcc_idx row_end = (p + 1) * Wg;
-            pcc_idx valid_end = p * Wg + Q;
-            if (q < Q) {
-                pcc_idx e = valid_end < s_stop ? valid_end : s_stop;
-                seg_j0[nseg] = (int)(s - s0);
-                seg_j1[nseg] = (int)(e - s0);
-                seg_dst[nseg] = p * Q + q;
-                nseg++;
-            }
-            s = row_end;
-        }
-        for (int o0 = 0; o0 < O;) {
-            int mr = pcc_block_width(O, o0);
-            const float *ab = a + (pcc_idx)o0 * kdim;
-            const float *bs = b + s0;
-            switch (mr) {
-            case PCC_MR: pcc_ukernel_PCC_MR(kdim, ab, bs, off, ct); break;
-#if PCC_MR != 4
-            case 4: pcc_ukernel_4(kdim, ab, bs, off, ct); break;
+
+/* ----------------------------------------------------------- weight gradient
+ *
+ * dw^T[k, o] = sum_s B(k, s) * dy[o, s], computed as a GEMM with vectors along
+ * the filters o: dy of one image is packed transposed (dyT[s, o], rows padded
+ * to a whole number of vectors and zero where s is not a valid output position),
+ * B(k, s) is broadcast straight from the padded image (b[off[k] + s]), and a
+ * KR x OV block of vector sums stays in registers over the whole s loop. No
+ * horizontal reductions; dw^T is accumulated in a (kpad, Opad) scratch.
+ */
+
+#if PCC_VEC == 16
+#define PCC_OVMAX 4
+#else
+#define PCC_OVMAX 2
 #endif
-            case 2: pcc_ukernel_2(kdim, ab, bs, off, ct); break;
-            default: pcc_ukernel_1(kdim, ab, bs, off, ct); break;
+
+/* acc rows: taps k0 .. k0+KR-1; columns: OV vectors of filters starting at dyT + o0. */
+#define PCC_DEFINE_DW_UKERNEL(KR, OV)                                                       \
+    static inline void pcc_dw_ukernel_##KR##_##OV(const float *restrict dyT, pcc_idx ldd,  \
+                                                   const float *restrict b,                 \
+                                                   const int *restrict off, pcc_idx S,      \
+                                                   float *restrict dwT, pcc_idx ldw)        \
+    {                                                                                       \
+        pcc_v acc[KR][OV];                                                                  \
+        const float *bk[KR];                                                                \
+        _Pragma("GCC unroll 24") for (int r = 0; r < KR; r++) {                             \
+            bk[r] = b + off[r];                                                             \
+            _Pragma("GCC unroll 4") for (int v = 0; v < OV; v++)                            \
+                acc[r][v] = PCC_LOADU(dwT + r * ldw + v * PCC_VEC);                          \
+        }                                                                                   \
+        for (pcc_idx s = 0; s < S; s++) {                                                   \
+            pcc_v dv[OV];                                                                   \
+            _Pragma("GCC unroll 4") for (int v = 0; v < OV; v++)                            \
+                dv[v] = PCC_LOADU(dyT + s * ldd + v * PCC_VEC);                              \
+            _Pragma("GCC unroll 24") for (int r = 0; r < KR; r++) {                         \
+                pcc_v bv = PCC_SET1(bk[r][s]);                                              \
+                _Pragma("GCC unroll 4") for (int v = 0; v < OV; v++)                        \
+                    acc[r][v] = PCC_FMA(bv, dv[v], acc[r][v]);                              \
+            }                                                                               \
+        }                                                                                   \
+        _Pragma("GCC unroll 24") for (int r = 0; r < KR; r++)                               \
+            _Pragma("GCC unroll 4") for (int v = 0; v < OV; v++)                            \
+                PCC_STOREU(dwT + r * ldw + v * PCC_VEC, acc[r][v]);                          \
+    }
+
+#if PCC_VEC == 16
+#define PCC_KR_MAX 24
+PCC_DEFINE_DW_UKERNEL(6, 4)
+PCC_DEFINE_DW_UKERNEL(8, 3)
+PCC_DEFINE_DW_UKERNEL(12, 2)
+PCC_DEFINE_DW_UKERNEL(24, 1)
+static inline int pcc_dw_kr(int ov) { return ov == 4 ? 6 : ov == 3 ? 8 : ov == 2 ? 12 : 24; }
+#else
+#define PCC_KR_MAX 12
+PCC_DEFINE_DW_UKERNEL(6, 2)
+PCC_DEFINE_DW_UKERNEL(12, 1)
+static inline int pcc_dw_kr(int ov) { return ov == 2 ? 6 : 12; }
+#endif
+
+/* dw^T rows [k_begin, k_end) (+)= over s < S of b[off[k] + s] * dyT[s, :].
+ * dyT: (S, ldd) with ldd = Opad = O rounded up to a multiple of VEC; dwT: (kpad, ldd).
+ * off must have valid entries up to k_end rounded up to PCC_KR_MAX (extra ones e.g. 0);
+ * dwT rows past k_end are scratch. k_begin must be a multiple of PCC_KR_MAX. */
+static inline void pcc_dw_accumulate(const float *restrict dyT, pcc_idx ldd, const float *restrict b,
+                                     const int *restrict off, int k_begin, int k_end, pcc_idx S,
+                                     float *restrict dwT)
+{
+    int nvec = (int)(ldd / PCC_VEC);
+    for (int v0 = 0; v0 < nvec;) {
+        int ov = nvec - v0 < PCC_OVMAX ? nvec - v0 : PCC_OVMAX;
+        int kr = pcc_dw_kr(ov);
+        for (int k0 = k_begin; k0 < k_end; k0 += kr) {
+            const float *d = dyT + v0 * PCC_VEC;
+            float *o = dwT + (pcc_idx)k0 * ldd + v0 * PCC_VEC;
+#if PCC_VEC == 16
+            switch (ov) {
+            case 4: pcc_dw_ukernel_6_4(d, ldd, b, off + k0, S, o, ldd); break;
+            case 3: pcc_dw_ukernel_8_3(d, ldd, b, off + k0, S, o, ldd); break;
+            case 2: pcc_dw_ukernel_12_2(d, ldd, b, off + k0, S, o, ldd); break;
+            default: pcc_dw_ukernel_24_1(d, ldd, b, off + k0, S, o, ldd); break;
             }
-            for (int i = 0; i < mr; i++) {
-                float bo = bias ? bias[o0 + i] : 0.0f;
-                float *yo = y + (pcc_idx)(o0 + i) * ldy;
-                const float *ci = ct + i * PCC_NR;
-                for (int g = 0; g < nseg; g++) {
-                    float *dst = yo + seg_dst[g];
-                    const float *src = ci + seg_j0[g];
-                    int len = seg_j1[g] - seg_j0[g];
-                    if (bias) {
-                        for (int j = 0; j < len; j++) dst[j] = src[j] + bo;
-                    } else {
-                        for (int j = 0; j < len; j++) dst[j] = src[j];
-                    }
-                }
+#else
+            if (ov == 2) pcc_dw_ukernel_6_2(d, ldd, b, off + k0, S, o, ldd);
+            else pcc_dw_ukernel_12_1(d, ldd, b, off + k0, S, o, ldd);
+#endif
+        }
+        v0 += ov;
+    }
+}
+
+/* Pack dy (O, P, Q) of one image transposed onto the grid of width Wg:
+ * dyT[(p*Wg + q)*ldd + o] = dy[o, p, q]; zero for q >= Q and for o >= O. Rows: P*Wg. */
+static inline void pcc_dy_transposed(const float *restrict dy, int O, int P, int Q, int Wg, pcc_idx ldd,
+                                     float *restrict dyT)
+{
+    pcc_idx PQ = (pcc_idx)P * Q;
+    for (int p = 0; p < P; p++) {
+        for (int q = 0; q < Wg; q++) {
+            float *dst = dyT + ((pcc_idx)p * Wg + q) * ldd;
+            if (q >= Q) {
+                memset(dst, 0, sizeof(float) * (size_t)ldd);
+                continue;
             }
-            o0 += mr;
+            const float *src = dy + (pcc_idx)p * Q + q;
+            int o = 0;
+            for (; o < O; o++) dst[o] = src[(pcc_idx)o * PQ];
+            for (; o < ldd; o++) dst[o] = 0.0f;
         }
     }
+}
+
+/* ------------------------------------------- weight gradient, small depth
+ *
+ * For a small kdim (one or a few input channels), packing dy transposed costs
+ * more than the product itself, so dw[o, k] = sum_s dyw[o, s] * B(k, s) runs
+ * with vectors along s instead: DMR x DNJ vector partial sums over the whole
+ * image, each reduced horizontally once. dyw is dy on the same grid as B
+ * (zeros where q >= Q and after the last row), rows padded to whole blocks.
+ */
+
+#if PCC_VEC == 16
+#define PCC_HSUM(v) _mm512_reduce_add_ps(v)
+#elif PCC_VEC == 8
+static inline float pcc_hsum_(pcc_v v)
+{
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+    return _mm_cvtss_f32(t);
+}
+#define PCC_HSUM(v) pcc_hsum_(v)
+#else
+#define PCC_HSUM(v) (((v)[0] + (v)[1]) + ((v)[2] + (v)[3]))
+#endif
+
+/* dw[o*kdim + k] += sum over s < S (a multiple of VEC) of dyw[o*lds + s] * b[off[k] + s], o < O,
+ * k < kdim, in blocks of MR filters x NJ taps. dyw has O rounded up to MR rows (the extra
+ * ones zero); off has kdim rounded up to NJ entries (the extra ones 0). */
+#define PCC_DEFINE_DWDOT(MR, NJ)                                                                   \
+    static inline void pcc_dwdot_##MR##_##NJ(const float *restrict dyw, pcc_idx lds, int O,          \
+                                             const float *restrict b, const int *restrict off,       \
+                                             int kdim, pcc_idx S, float *restrict dw)                \
+    {                                                                                                \
+        for (int o0 = 0; o0 < O; o0 += MR) {                                                         \
+            for (int k0 = 0; k0 < kdim; k0 += NJ) {                                                  \
+                pcc_v acc[MR][NJ];                                                                   \
+                const float *bj[NJ];                                                                 \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NJ; j++) bj[j] = b + off[k0 + j];        \
+                _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                 \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < NJ; j++) acc[i][j] = PCC_ZERO();     \
+                const float *d0 = dyw + (pcc_idx)o0 * lds;                                           \
+                for (pcc_idx s = 0; s < S; s += PCC_VEC) {                                           \
+                    pcc_v dv[MR];                                                                    \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                           \
+                        dv[i] = PCC_LOADU(d0 + i * lds + s);                                         \
+                        PCC_KEEP(dv[i]);                                                             \
+                    }                                                                                \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < NJ; j++) {                           \
+                        pcc_v bv = PCC_LOADU(bj[j] + s);                                             \
+                        PCC_KEEP(bv);                                                                \
+                        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                         \
+                            acc[i][j] = PCC_FMA(dv[i], bv, acc[i][j]);                               \
+                    }                                                                                \
+                }                                                                                    \
+                float out[MR][NJ]; /* registers stay registers: constant indices only */             \
+                _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                 \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < NJ; j++) out[i][j] = PCC_HSUM(acc[i][j]); \
+                for (int i = 0; i < MR && o0 + i < O; i++)                                           \
+                    for (int j = 0; j < NJ && k0 + j < kdim; j++)                                    \
+                        dw[(pcc_idx)(o0 + i) * kdim + k0 + j] += out[i][j];                          \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+#if PCC_VEC == 16
+PCC_DEFINE_DWDOT(4, 6)
+PCC_DEFINE_DWDOT(4, 5)
+PCC_DEFINE_DWDOT(8, 3)
+PCC_DEFINE_DWDOT(6, 4)
+#define PCC_DWDOT_VARIANTS 4
+static const int pcc_dwdot_mr_[4] = {4, 4, 8, 6}, pcc_dwdot_nj_[4] = {6, 5, 3, 4};
+#else
+PCC_DEFINE_DWDOT(3, 4)
+#define PCC_DWDOT_VARIANTS 1
+static const int pcc_dwdot_mr_[1] = {3}, pcc_dwdot_nj_[1] = {4};
+#endif
+
+/* The (MR, NJ) variant computing the fewest padded filter x tap pairs for O x kdim. */
+static inline int pcc_dwdot_choose(int O, int kdim, int *mr, int *nj)
+{
+    int best = 0;
+    long best_cost = -1;
+    for (int v = 0; v < PCC_DWDOT_VARIANTS; v++) {
+        int m = pcc_dwdot_mr_[v], n = pcc_dwdot_nj_[v];
+        long cost = (long)((O + m - 1) / m * m) * ((kdim + n - 1) / n * n);
+        if (best_cost < 0 || cost < best_cost) {
+            best = v;
+            best_cost = cost;
+        }
+    }
+    *mr = pcc_dwdot_mr_[best];
+    *nj = pcc_dwdot_nj_[best];
+    return best;
+}
+
+static inline void pcc_dwdot_accumulate(int variant, const float *dyw, pcc_idx lds, int O, const float *b,
+                                        const int *off, int kdim, pcc_idx S, float *dw)
+{
+#if PCC_VEC == 16
+    switch (variant) {
+    case 0: pcc_dwdot_4_6(dyw, lds, O, b, off, kdim, S, dw); break;
+    case 1: pcc_dwdot_4_5(dyw, lds, O, b, off, kdim, S, dw); break;
+    case 2: pcc_dwdot_8_3(dyw, lds, O, b, off, kdim, S, dw); break;
+    default: pcc_dwdot_6_4(dyw, lds, O, b, off, kdim, S, dw); break;
+    }
+#else
+    (void)variant;
+    pcc_dwdot_3_4(dyw, lds, O, b, off, kdim, S, dw);
+#endif
+}
+
+/* Lay dy (O, P, Q) of one image on the grid of width Wg: dyw[o*lds + p*Wg + q] = dy[o, p, q];
+ * zero for q >= Q, after the last row (up to lds >= P*Wg) and for the rows o in [O, O_pad). */
+static inline void pcc_dy_wide(const float *restrict dy, int O, int O_pad, int P, int Q, int Wg, pcc_idx lds,
+                               float *restrict dyw)
+{
+    for (int o = 0; o < O_pad; o++) {
+        float *dst = dyw + (pcc_idx)o * lds;
+        if (o >= O) {
+            memset(dst, 0, sizeof(float) * (size_t)lds);
+            continue;
+        }
+        const float *src = dy + (pcc_idx)o * P * Q;
+        for (int p = 0; p < P; p++) {
+            memcpy(dst + (pcc_idx)p * Wg, src + (pcc_idx)p * Q, sizeof(float) * (size_t)Q);
+            if (Wg > Q) memset(dst + (pcc_idx)p * Wg + Q, 0, sizeof(float) * (size_t)(Wg - Q));
+        }
+        memset(dst + (pcc_idx)P * Wg, 0, sizeof(float) * (size_t)(lds - (pcc_idx)P * Wg));
+    }
+}
+
+/* dw[o, k] (+)= dwT[k, o] for k < kdim, o < O. */
+static inline void pcc_dw_untranspose(const float *restrict dwT, pcc_idx ldd, int O, int kdim, float *restrict dw)
+{
+    for (int o = 0; o < O; o++)
+        for (int k = 0; k < kdim; k++) dw[(pcc_idx)o * kdim + k] = dwT[(pcc_idx)k * ldd + o];
 }
 
 #endif /* PARCONV_PC_CONV_H */

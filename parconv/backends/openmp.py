@@ -5,13 +5,14 @@ reference backend; every op reads :func:`parconv._config.get_num_threads` when
 it is called and hands that thread count to its kernel, which caps it by the
 number of chunks it has and runs small inputs on one thread.
 
-Convolution and linear kernels call the BLAS ``sgemm`` of SciPy from inside
-OpenMP parallel regions. A BLAS that spawned its own threads there would
-oversubscribe the cores, so every such call runs with SciPy's BLAS limited to
-one thread (:class:`_BlasOneThread`). Limiting costs about 2 µs per op (one
-``get`` and two ``set`` calls on the library), small next to any kernel that
-uses BLAS, so it is done per call and the user's BLAS setting outside
-parconv is left alone.
+Stride-1 convolutions run on register-blocked micro-kernels (``pc_conv.h``).
+Linear layers and the strided convolution backward call the BLAS ``sgemm`` of
+SciPy from inside OpenMP parallel regions. A BLAS that spawned its own
+threads there would oversubscribe the cores, so every such call runs with
+SciPy's BLAS limited to one thread (:class:`_BlasOneThread`). Limiting costs
+3-7 µs per op (a lock, one ``get`` and two ``set`` calls on the library, as
+measured on a 2-core Zen 4), small next to any kernel that uses BLAS, so it is
+done per call and the user's BLAS setting outside parconv is left alone.
 
 Shapes: N batch, C in-channels, O filters, H, W input, P, Q output, K kernel,
 F in-features, G out-features.
@@ -19,6 +20,7 @@ F in-features, G out-features.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -30,9 +32,9 @@ from .base import Backend
 
 __all__ = ["OpenMPBackend", "openmp_enabled", "omp_max_threads"]
 
-#: im2col scratch per thread in the conv forward (bytes); chosen by measurement (see tests/bench)
+#: im2col scratch per thread of the strided conv forward (bytes): about one L2 cache
 CONV_FORWARD_TILE_BYTES = 1 << 20
-#: im2col scratch per thread in the conv backward (bytes); bigger tiles keep the dw GEMM's k long
+#: im2col scratch per thread of the strided conv backward (bytes); big tiles keep the dw GEMM's k long
 CONV_BACKWARD_TILE_BYTES = 1 << 22
 
 
@@ -142,6 +144,7 @@ class OpenMPBackend(Backend):
             "openmp_enabled": openmp_enabled(),
             "omp_max_threads": omp_max_threads(),
             "num_threads": get_num_threads(),
+            "conv_kernels": _conv.kernel_isa(),
             "blas": _blas_one_thread.info(),
         }
 
@@ -194,8 +197,8 @@ class OpenMPBackend(Backend):
         if min(N, C, O, P, Q) <= 0:
             return self._reference().conv2d_forward(x, w, b, stride, padding)
         y = np.empty((N, O, P, Q), dtype=np.float32)
-        with _blas_one_thread:
-            _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
+        # no BLAS here: micro-kernels only
+        _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
         return y
 
     def conv2d_backward(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
@@ -206,10 +209,33 @@ class OpenMPBackend(Backend):
         dx = np.empty(x.shape, dtype=np.float32) if need_dx else None
         dw = np.empty(w.shape, dtype=np.float32)
         db = np.empty(O, dtype=np.float32) if need_db else None
-        with _blas_one_thread:
+        K = w.shape[2]
+        # stride 1 runs on micro-kernels only; im2col + sgemm otherwise (see _conv.conv2d_backward)
+        uses_blas = stride != 1 or (need_dx and padding > K - 1)
+        with _blas_one_thread if uses_blas else contextlib.nullcontext():
             _conv.conv2d_backward(x, w, dy, dx, dw, db, stride, padding, get_num_threads(),
                                   CONV_BACKWARD_TILE_BYTES)
         return dx, dw, db
+
+    def conv2d_relu_maxpool2d_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride):
+        """Fused: each thread convolves whole images into private scratch and writes only the pooled maxima.
+
+        Falls back to the composed unfused ops where the fused kernel does not apply (stride > 1,
+        or fewer images than threads).
+        """
+        x, w = _f32(x), _f32(w)
+        b = None if b is None else _f32(b)
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
+        PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
+        if stride == 1 and min(N, C, O, PP, QQ) > 0:
+            y = np.empty((N, O, PP, QQ), dtype=np.float32)
+            argmax = np.empty((N, O, PP, QQ), dtype=np.int32)
+            if _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, argmax, stride, padding, pool_kernel,
+                                                   pool_stride, get_num_threads()):
+                return y, argmax
+        return super().conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
 
     # --------------------------------------------------------------- maxpool2d
     def maxpool2d_forward(self, x, kernel_size, stride):
