@@ -46,7 +46,9 @@ import time
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
+try:  # prefer the installed parconv; fall back to this checkout when it is not installed
+    import parconv  # noqa: F401
+except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import parconv as pc  # noqa: E402

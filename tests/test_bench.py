@@ -31,7 +31,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # the benchmark imports the same parconv as this process (installed or in place), never a bare source tree
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pc.__file__)) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--threads", "1,2", "--out", str(out),
          "--no-progress"],
