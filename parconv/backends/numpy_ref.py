@@ -21,11 +21,11 @@ def _out_size(size: int, k: int, stride: int, padding: int = 0) -> int:
     return (size + 2 * padding - k) // stride + 1
 
 
-class NumpyBackend(Backend):
-    name = "numpy"
+class HostArrays:
+    """Array methods of the backends whose arrays are C-contiguous NumPy arrays on the host."""
+
     host_arrays = True
 
-    # ------------------------------------------------------------------ arrays
     def asarray(self, x, dtype=np.float32):
         return np.ascontiguousarray(x, dtype=dtype)
 
@@ -55,6 +55,10 @@ class NumpyBackend(Backend):
 
     def all_finite(self, a):
         return bool(np.isfinite(a).all())
+
+
+class NumpyBackend(HostArrays, Backend):
+    name = "numpy"
 
     # ------------------------------------------------------------------ conv2d
     @staticmethod

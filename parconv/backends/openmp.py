@@ -29,6 +29,7 @@ import numpy as np
 from .._config import get_num_threads
 from .._ext import _activations, _conv, _dense, _losses, _optim, _pool, _threads
 from .base import Backend
+from .numpy_ref import HostArrays
 
 __all__ = ["OpenMPBackend", "openmp_enabled", "omp_max_threads"]
 
@@ -124,11 +125,10 @@ def _out_size(size: int, k: int, stride: int, padding: int = 0) -> int:
     return (size + 2 * padding - k) // stride + 1
 
 
-class OpenMPBackend(Backend):
+class OpenMPBackend(HostArrays, Backend):
     """Cython + OpenMP kernels on host float32 arrays; see the module docstring."""
 
     name = "openmp"
-    host_arrays = True
 
     def __init__(self):
         self._ref = None
@@ -155,37 +155,6 @@ class OpenMPBackend(Backend):
 
             self._ref = NumpyBackend()
         return self._ref
-
-    # ------------------------------------------------------------------ arrays
-    def asarray(self, x, dtype=np.float32):
-        return np.ascontiguousarray(x, dtype=dtype)
-
-    def to_numpy(self, a):
-        return np.asarray(a)
-
-    def is_array(self, a):
-        return isinstance(a, np.ndarray)
-
-    def empty(self, shape, dtype=np.float32):
-        return np.empty(shape, dtype=dtype)
-
-    def zeros(self, shape, dtype=np.float32):
-        return np.zeros(shape, dtype=dtype)
-
-    def reshape(self, a, shape):
-        return a.reshape(shape)
-
-    def copy(self, a):
-        return a.copy()
-
-    def copy_into(self, dst, src):
-        dst[...] = src
-
-    def fill(self, a, value):
-        a.fill(value)
-
-    def all_finite(self, a):
-        return bool(np.isfinite(a).all())
 
     # ------------------------------------------------------------------ conv2d
     def conv2d_forward(self, x, w, b, stride, padding):
