@@ -6,6 +6,7 @@ so; ``PARCONV_REQUIRE_OPENMP=1`` turns that into an error.
 """
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -79,7 +80,10 @@ def _openmp_flags(compiler_cmd):
             f.write(OMP_TEST)
         for cflags, lflags in candidates:
             exe = os.path.join(tmp, "omp_test")
-            cmd = compiler_cmd + cflags + [src, "-o", exe] + lflags
+            # the user's CFLAGS/LDFLAGS (e.g. Homebrew libomp's -I/-L on macOS) take part in the probe too
+            env_c = shlex.split(os.environ.get("CFLAGS", "") + " " + os.environ.get("CPPFLAGS", ""))
+            env_l = shlex.split(os.environ.get("LDFLAGS", ""))
+            cmd = compiler_cmd + env_c + cflags + [src, "-o", exe] + env_l + lflags
             try:
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
                 out = subprocess.run([exe], check=True, capture_output=True, timeout=60).stdout
