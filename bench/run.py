@@ -38,7 +38,11 @@ ROOT = os.path.dirname(HERE)
 
 import numpy as np  # noqa: E402
 
-import parconv as pc  # noqa: E402
+try:  # prefer the installed parconv; fall back to this checkout when it is not installed
+    import parconv as pc
+except ImportError:
+    sys.path.insert(1, ROOT)
+    import parconv as pc
 
 import harness  # noqa: E402
 import targets as targets_mod  # noqa: E402

@@ -282,7 +282,9 @@ def test_activations_match_reference(shape, threads):
             y_ref = getattr(ref, f"{op}_forward")(x)
             assert np.all(np.isfinite(y))
             close(y, y_ref, rtol=1e-6, atol=1e-7)
-            close(getattr(omp, f"{op}_backward")(y, dy), getattr(ref, f"{op}_backward")(y_ref, dy), rtol=1e-6, atol=1e-7)
+            # the same forward output into both backwards: 1 - y near y = 1 amplifies any ulp
+            close(getattr(omp, f"{op}_backward")(y_ref, dy), getattr(ref, f"{op}_backward")(y_ref, dy),
+                  rtol=1e-6, atol=1e-7)
     assert y.shape == shape
 
 

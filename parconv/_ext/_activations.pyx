@@ -18,7 +18,7 @@ cdef extern from "pc_common.h":
 
 cdef enum:
     SERIAL_BELOW = 32768          # elements, for the cheap ops
-    SERIAL_BELOW_EXP = 8192       # elements, for sigmoid (one expf each)
+    SERIAL_BELOW_EXP = 16384      # elements, for sigmoid (a vectorised exp each)
 
 
 cdef inline int _chunks(Py_ssize_t n, Py_ssize_t serial_below, int num_threads) noexcept nogil:

@@ -49,13 +49,40 @@ static inline void pc_relu_bwd(const float *restrict y, const float *restrict dy
     for (pc_idx i = 0; i < n; i++) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
+/* exp(t) for t <= 0, in a form that vectorises: t = n ln2 + r with |r| <= ln2/2 (Cody-Waite
+ * split of ln2), exp(r) by the Cephes degree-6 polynomial (about 1 ulp), times 2^n built in
+ * the exponent bits. Below -87.3 (where float32 exp turns subnormal) it returns
+ * exp(-87.3) ~ 1.2e-38 instead. NaN in, NaN out. */
+static inline float pc_exp_nonpos(float t)
+{
+    float c = t < -87.3f ? -87.3f : t;
+    /* round to nearest by the 1.5 * 2^23 trick (no libm call, so it vectorises) */
+    float nf = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = c - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int bits = ((int)nf + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    float e = p * scale;
+    return t != t ? t : e;
+}
+
 /* y = 1 / (1 + exp(-x)) via exp(-|x|), so exp never overflows. */
 static inline void pc_sigmoid_fwd(const float *restrict x, float *restrict y, pc_idx n)
 {
+    PC_SIMD
     for (pc_idx i = 0; i < n; i++) {
         float v = x[i];
-        float e = expf(-fabsf(v));
-        y[i] = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        float e = pc_exp_nonpos(-fabsf(v));
+        float d = 1.0f + e;
+        y[i] = (v >= 0.0f ? 1.0f : e) / d;
     }
 }
 
