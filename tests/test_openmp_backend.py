@@ -288,6 +288,17 @@ def test_activations_match_reference(shape, threads):
     assert y.shape == shape
 
 
+def test_sigmoid_vectorised_exp_accuracy():
+    # the kernel's own exp: within a few ulp of NumPy's over the whole range, saturating cleanly
+    x = np.concatenate([np.linspace(-120, 120, 200_001, dtype=np.float32),
+                        np.array([np.inf, -np.inf, 0.0, -0.0], dtype=np.float32)])
+    with num_threads(2), np.errstate(under="ignore"):
+        y = omp.sigmoid_forward(x)
+        y_ref = ref.sigmoid_forward(x)
+    close(y, y_ref, rtol=1e-6, atol=1e-7)
+    assert y[-4] == 1.0 and 0.0 <= y[-3] < 1e-37 and y[-2] == y[-1] == 0.5
+
+
 def test_activations_propagate_nan():
     x = np.array([np.nan, -1.0, 2.0], dtype=np.float32)
     assert np.isnan(omp.relu_forward(x)[0]) and np.isnan(omp.sigmoid_forward(x)[0])

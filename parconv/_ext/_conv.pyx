@@ -222,6 +222,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     if off == NULL or (flip_O > 0 and wt == NULL):
         free(off)
         free(wt)
+        free(pool_base)
         return 1
     pcc_offsets_shifted(C, K, Hp, Wp, off)
     nt = _min(nt, N * cpi)
