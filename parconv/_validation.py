@@ -96,3 +96,18 @@ def check_float(value, name: str, where: str, minimum: float | None = None, maxi
 def check_grad_shape(dy_shape: tuple, expected: tuple, where: str) -> None:
     if dy_shape != expected:
         raise ValueError(f"{where}: gradient dy must have the forward output's shape {expected}, got {dy_shape}")
+
+
+def state_array(value, key: str, shape: tuple, where: str, what: str = "") -> np.ndarray:
+    """One state-dict entry (NumPy array, array-like or torch tensor) checked against ``shape``.
+
+    Returns a host array (not yet copied); ``what`` qualifies the expected shape in the message.
+    """
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    value = np.asarray(value)
+    if value.dtype.kind not in "biuf":
+        raise TypeError(f"{where}: {key} must be a real numeric array, got dtype {value.dtype}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{where}: {key} has shape {tuple(value.shape)}, expected {what}{tuple(shape)}")
+    return value

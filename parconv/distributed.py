@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from . import _config
 from .layers import Conv2d, Layer, Parameter
-from ._validation import check_float, check_int, shape_of
+from ._validation import check_float, check_int, shape_of, state_array
 
 __all__ = [
     "MPI",
@@ -802,14 +802,7 @@ class FilterParallelConv2d(Layer):
             raise ValueError(f"{where}: expected keys {list(expected)}, missing {missing}, unexpected {unexpected}")
         staged = {}
         for k, shape in expected.items():
-            value = state[k]
-            if hasattr(value, "detach"):  # a torch tensor
-                value = value.detach().cpu().numpy()
-            value = np.asarray(value)
-            if value.dtype.kind not in "biuf":
-                raise TypeError(f"{where}: {k} must be a real numeric array, got dtype {value.dtype}")
-            if tuple(value.shape) != shape:
-                raise ValueError(f"{where}: {k} has shape {tuple(value.shape)}, expected the full {shape}")
+            value = state_array(state[k], k, shape, where, what="the full ")
             staged[k] = np.array(value[self._slice], dtype=np.float32, order="C", copy=True)
         self.weight.data = self.backend.asarray(staged["weight"])
         self.weight.grad = None

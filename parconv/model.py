@@ -9,7 +9,7 @@ import numpy as np
 
 from . import backends as _backends
 from ._io import load_npz, save_npz
-from ._validation import check_int, shape_of, to_backend_array
+from ._validation import check_int, shape_of, state_array, to_backend_array
 from .layers import LAYER_TYPES, Conv2d, Layer, MaxPool2d, ReLU
 from .losses import BCELoss, Loss, SoftmaxCrossEntropy
 
@@ -260,14 +260,7 @@ class Sequential:
             raise ValueError(f"load_state_dict: unexpected keys {unexpected} (model expects {list(named)})")
         staged = {}
         for k, p in named.items():
-            value = state[k]
-            if hasattr(value, "detach"):  # a torch tensor
-                value = value.detach().cpu().numpy()
-            value = np.asarray(value)
-            if value.dtype.kind not in "biuf":
-                raise TypeError(f"load_state_dict: {k} must be a real numeric array, got dtype {value.dtype}")
-            if tuple(value.shape) != p.shape:
-                raise ValueError(f"load_state_dict: {k} has shape {tuple(value.shape)}, expected {p.shape}")
+            value = state_array(state[k], k, p.shape, "load_state_dict")
             staged[k] = np.array(value, dtype=np.float32, order="C", copy=True)  # never alias caller data
         for k, p in named.items():
             p.data = p.backend.asarray(staged[k])
