@@ -188,10 +188,12 @@ def render(results: dict, plots: list[str]) -> str:
         f"{results.get('elapsed_s', 0):.0f} s.",
         "",
     ]
-    if (m.get("load_average") or [0])[0] > 0.5 * (m.get("affinity_cpus") or 1):
-        lines += ["```{note}", "The machine was busy with other work while this ran (see the load average): "
-                  "absolute times are noisy. Interleaving keeps the ratios fairer than the absolute numbers, but "
-                  "treat differences of a few percent as noise.", "```", ""]
+    busy = [f"{name} {c['name']} ({c['background_cores']:.2f} cores)"
+            for name, wl in results.get("workloads", {}).items() for c in wl.get("cases", [])
+            if (c.get("background_cores") or 0) > 0.2]
+    if busy:
+        lines += ["```{note}", "Other processes used a noticeable share of the CPU while these cases were "
+                  "timed, so their multi-threaded numbers are pessimistic: " + "; ".join(busy) + ".", "```", ""]
     lines += ["## Results", ""]
     for name, wl in results.get("workloads", {}).items():
         lines += [f"### {name}", "", f"{wl.get('title', name)}.", ""]
