@@ -25,6 +25,7 @@ Timing follows three rules:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import time
@@ -192,6 +193,33 @@ def paired_ratio(num: list[float], den: list[float]) -> float | None:
     return statistics.median(pairs) if pairs else None
 
 
+def median_ci(values: list[float], conf: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free confidence interval of the median: order statistics ``(x_(k), x_(n-k+1))``.
+
+    ``k`` is the largest rank with ``P(Binomial(n, 1/2) < k) <= (1 - conf) / 2``, so the
+    interval covers the true median with probability at least ``conf`` (7 samples:
+    min to max, 98.4%). None for fewer than 6 samples, where no such ``k`` exists.
+    """
+    xs = sorted(values)
+    n = len(xs)
+    tail, k, cum = (1.0 - conf) / 2.0, 0, 0.0
+    while True:
+        cum += math.comb(n, k) / 2.0 ** n  # P(B <= k)
+        if cum > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return xs[k - 1], xs[n - k]
+
+
+def paired_ratio_ci(num: list[float], den: list[float], conf: float = 0.95) -> tuple[float, float] | None:
+    """:func:`median_ci` of the paired per-repetition ratios (None when not paired)."""
+    if not num or not den or len(num) != len(den):
+        return None
+    return median_ci([a / b for a, b in zip(num, den) if b > 0], conf)
+
+
 # ----------------------------------------------------------------------------- timing
 @dataclass
 class Timed:
@@ -298,6 +326,7 @@ def case_rows(timed: dict, flops: float | None, items: int | None) -> list[dict]
         if one is not None and t.times and c.threads > 0:
             sp = paired_ratio(one.times, t.times)
             row["speedup"] = sp
+            row["speedup_ci"] = paired_ratio_ci(one.times, t.times)
             row["efficiency"] = sp / c.threads if sp is not None else None
         else:
             row["speedup"] = row["efficiency"] = None

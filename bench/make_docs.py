@@ -121,8 +121,13 @@ def amdahl_tables(entries: list) -> list[str]:
 
 
 def target_table(entries: list) -> list[str]:
+    def measured(e):
+        noise = e.get("within_noise")
+        return _f(e["value"], ".2f") + (f" (equal within noise: 95% interval {noise[0]:.2f}–{noise[1]:.2f})"
+                                         if noise else "")
+
     rows = [[{True: "✅ met", False: "❌ missed", None: "n/a"}[e["ok"]], e["workload"], e["case"], e["target"],
-             e["config"], _f(e["value"], ".2f")] for e in entries]
+             e["config"], measured(e)] for e in entries]
     return _md_table(["", "workload", "case", "target", "config", "measured"], rows, left=5)
 
 

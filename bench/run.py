@@ -219,8 +219,10 @@ def format_targets(entries: list[dict]) -> str:
     lines = ["targets (paired median ratios from one interleaved run):"]
     for e in entries:
         state = {True: "MET   ", False: "MISSED", None: "n/a   "}[e["ok"]]
+        noise = e.get("within_noise")
+        extra = f" equal within noise, 95% interval {noise[0]:.2f}-{noise[1]:.2f}" if noise else ""
         lines.append(f"  {state} {e['workload']:13s} {e['case']:22s} {e['target']:45s} "
-                     f"{_fmt(e['value'], '.2f'):>6s} (need >= {e['threshold']}) [{e['config']}]")
+                     f"{_fmt(e['value'], '.2f'):>6s} (need >= {e['threshold']}) [{e['config']}]{extra}")
     s = targets_mod.summary(entries)
     lines.append(f"  {s['met']} met, {s['missed']} missed, {s['not_measured']} not measured")
     return "\n".join(lines)

@@ -116,3 +116,42 @@ def test_amdahl_and_karp_flatt_formulas():
     s = amdahl.amdahl_bound(0.9, 4)
     assert amdahl.karp_flatt(s, 4) == pytest.approx(0.1)
     assert amdahl.karp_flatt(2.0, 1) is None
+
+
+def _bench_module(name):
+    sys.path.insert(0, BENCH)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_median_confidence_interval_uses_order_statistics():
+    harness = _bench_module("harness")
+    assert harness.median_ci([5.0, 1.0, 3.0, 2.0, 4.0, 7.0, 6.0]) == (1.0, 7.0)  # n=7: min..max (98.4%)
+    assert harness.median_ci([float(i) for i in range(9)]) == (1.0, 7.0)
+    assert harness.median_ci([1.0, 2.0, 3.0]) is None  # too few samples for 95%
+    assert harness.paired_ratio_ci([2.0] * 7, [1.0] * 7) == (2.0, 2.0)
+    assert harness.paired_ratio_ci([2.0] * 7, [1.0] * 6) is None
+
+
+def test_never_slower_target_needs_a_measured_slowdown():
+    targets = _bench_module("targets")
+
+    def results(one, two):
+        rows = [{"impl": "openmp", "threads": 1, "speedup": 1.0, "speedup_ci": [1.0, 1.0]}]
+        rows.append({"impl": "openmp", "threads": 2, "speedup": two[0], "speedup_ci": two[1]})
+        return {"workloads": {"linear": {"cases": [{"name": "forward, small", "params": {}, "results": rows}]}}}
+
+    def verdict(speedup, ci):
+        entries = [e for e in targets.evaluate(results(None, (speedup, ci)))
+                   if e["target"].endswith("never slower than 1")]
+        assert len(entries) == 1
+        return entries[0]
+
+    assert verdict(1.2, [1.1, 1.3])["ok"] is True
+    e = verdict(0.99, [0.95, 1.02])  # the interval covers 1.0: equal within noise
+    assert e["ok"] is True and e["within_noise"] == [0.95, 1.02]
+    e = verdict(0.9, [0.85, 0.97])  # every pair slower: a real slowdown
+    assert e["ok"] is False and "within_noise" not in e
+    assert verdict(0.9, None)["ok"] is False  # no interval (too few repetitions): the median decides

@@ -398,6 +398,34 @@ def test_blas_limit_is_restored():
     assert [lib.get_num_threads() for lib in libs] == before
 
 
+def test_blas_limit_restores_a_multi_thread_setting_even_on_error():
+    from threadpoolctl import threadpool_limits
+
+    libs = _blas_one_thread._controllers()
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = [lib.get_num_threads() for lib in libs]
+        with pytest.raises(KeyError):
+            with _blas_one_thread:
+                assert all(lib.get_num_threads() == 1 for lib in libs)
+                raise KeyError("boom")
+        assert [lib.get_num_threads() for lib in libs] == before
+        # a kernel that calls sgemm leaves the setting as it found it too
+        rng = np.random.default_rng(0)
+        omp.linear_forward(rng.random((64, 256), dtype=np.float32), rng.random((128, 256), dtype=np.float32), None)
+        assert [lib.get_num_threads() for lib in libs] == before
+
+
+def test_blas_limit_hooks_reject_bad_use():
+    from parconv._ext import _threads
+
+    if not _threads.blas_hooked():
+        pytest.skip("this BLAS goes through threadpoolctl")
+    with pytest.raises(RuntimeError, match="without"):
+        _threads.blas_limit_exit()
+    with pytest.raises(ValueError, match="both"):
+        _threads.blas_hooks(1, 0)
+
+
 def test_registry_finds_openmp():
     from parconv.backends import get
 

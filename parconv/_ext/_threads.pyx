@@ -17,3 +17,58 @@ def openmp_enabled():
 def omp_max_threads():
     """``omp_get_max_threads()`` of the OpenMP runtime, 1 in a serial build."""
     return int(pc_omp_max_threads())
+
+
+# --- one-thread BLAS around the kernels that call sgemm ----------------------
+# The OpenMP backend limits the BLAS to one thread while a kernel calls sgemm
+# from inside its own parallel region. Through threadpoolctl that costs 3-6 µs
+# per op, more than a small linear layer takes, so where the BLAS is OpenBLAS
+# with its own pthreads pool the backend hands over the addresses of
+# ``openblas_get_num_threads`` / ``openblas_set_num_threads`` and the limit is
+# two C calls. Callers hold the GIL, which serialises the counter below.
+
+ctypedef int (*_blas_get_fn)() noexcept nogil
+ctypedef void (*_blas_set_fn)(int) noexcept nogil
+
+cdef _blas_get_fn _blas_get = NULL
+cdef _blas_set_fn _blas_set = NULL
+cdef int _blas_depth = 0
+cdef int _blas_saved = 1
+
+
+def blas_hooks(size_t get_addr, size_t set_addr):
+    """Install (or, with zeros, remove) the BLAS thread-count functions by address."""
+    global _blas_get, _blas_set
+    if _blas_depth != 0:
+        raise RuntimeError("cannot change the BLAS hooks inside a limited section")
+    if (get_addr == 0) != (set_addr == 0):
+        raise ValueError("get_addr and set_addr must both be zero or both be set")
+    _blas_get = <_blas_get_fn><void *>get_addr
+    _blas_set = <_blas_set_fn><void *>set_addr
+
+
+def blas_hooked():
+    """Whether :func:`blas_hooks` installed the functions."""
+    return _blas_get != NULL
+
+
+def blas_limit_enter():
+    """Limit the BLAS to one thread; nests, the outermost call saves the old count."""
+    global _blas_depth, _blas_saved
+    if _blas_get == NULL:
+        raise RuntimeError("blas_hooks() was not called")
+    if _blas_depth == 0:
+        _blas_saved = _blas_get()
+        if _blas_saved != 1:
+            _blas_set(1)
+    _blas_depth += 1
+
+
+def blas_limit_exit():
+    """Undo one :func:`blas_limit_enter`; the outermost restores the saved count."""
+    global _blas_depth
+    if _blas_depth <= 0:
+        raise RuntimeError("blas_limit_exit() without blas_limit_enter()")
+    _blas_depth -= 1
+    if _blas_depth == 0 and _blas_saved != 1:
+        _blas_set(_blas_saved)

@@ -9,10 +9,10 @@ Stride-1 convolutions run on register-blocked micro-kernels (``pc_conv.h``).
 Linear layers and the strided convolution backward call the BLAS ``sgemm`` of
 SciPy from inside OpenMP parallel regions. A BLAS that spawned its own
 threads there would oversubscribe the cores, so every such call runs with
-SciPy's BLAS limited to one thread (:class:`_BlasOneThread`). Limiting costs
-3-7 µs per op (a lock, one ``get`` and two ``set`` calls on the library, as
-measured on a 2-core Zen 4), small next to any kernel that uses BLAS, so it is
-done per call and the user's BLAS setting outside parconv is left alone.
+SciPy's BLAS limited to one thread (:class:`_BlasOneThread`), per call, so
+the user's BLAS setting outside parconv is left alone. With OpenBLAS (SciPy's
+wheels) that is two direct C calls, about 0.3 µs; with another BLAS it goes
+through threadpoolctl, 3-7 µs per op as measured on a 2-core Zen 4.
 
 Shapes: N batch, C in-channels, O filters, H, W input, P, Q output, K kernel,
 F in-features, G out-features.
@@ -63,6 +63,7 @@ class _BlasOneThread:
         self._libs = None
         self._saved = []
         self._depth = 0
+        self._fast = None  # None: not decided yet; True: C hooks in _threads
 
     def _controllers(self):
         if self._libs is None:
@@ -81,7 +82,38 @@ class _BlasOneThread:
             self._libs = own or blas
         return self._libs
 
+    def _install_fast_path(self):
+        """Hand OpenBLAS's own get/set functions to ``_threads`` when that is safe.
+
+        Only for OpenBLAS with its pthreads pool (one process-wide count that
+        ``openblas_set_num_threads`` changes); any other BLAS or threading
+        layer keeps the threadpoolctl path.
+        """
+        import ctypes
+
+        libs = self._controllers()
+        fast = False
+        if len(libs) == 1 and libs[0].internal_api == "openblas" and getattr(libs[0], "threading_layer", "") == "pthreads":
+            dynlib = libs[0].dynlib
+            for prefix in ("", "scipy_"):
+                for suffix in ("", "64_", "_64"):
+                    get = getattr(dynlib, f"{prefix}openblas_get_num_threads{suffix}", None)
+                    set_ = getattr(dynlib, f"{prefix}openblas_set_num_threads{suffix}", None)
+                    if get is not None and set_ is not None and not fast:
+                        _threads.blas_hooks(
+                            ctypes.cast(get, ctypes.c_void_p).value, ctypes.cast(set_, ctypes.c_void_p).value
+                        )
+                        fast = True
+        self._fast = fast
+
     def __enter__(self):
+        if self._fast is None:
+            with self._lock:
+                if self._fast is None:
+                    self._install_fast_path()
+        if self._fast:
+            _threads.blas_limit_enter()
+            return self
         with self._lock:
             if self._depth == 0:
                 libs = self._controllers()
@@ -93,6 +125,9 @@ class _BlasOneThread:
         return self
 
     def __exit__(self, *exc):
+        if self._fast:
+            _threads.blas_limit_exit()
+            return False
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
