@@ -81,6 +81,51 @@ def test_conv2d_forward_backward_match_reference(case):
         close(g, e)
 
 
+@st.composite
+def winograd_cases(draw):
+    N = draw(st.integers(1, 3))
+    C = draw(st.integers(64, 80))
+    O = draw(st.integers(64, 72))
+    padding = draw(st.integers(0, 2))
+    H = draw(st.integers(13, 22))
+    W = draw(st.integers(13, 22))
+    return N, C, O, H, W, padding, draw(st.booleans()), draw(st.sampled_from([1, 2])), draw(st.integers(0, 2**31 - 1))
+
+
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
+@given(winograd_cases())
+def test_conv2d_winograd_forward_matches_reference(case):
+    """3x3 stride-1 layers with >= 64 channels and filters run Winograd F(2x2, 3x3)."""
+    from parconv._ext import _conv
+
+    N, C, O, H, W, padding, bias, threads, seed = case
+    P, Q = H + 2 * padding - 2, W + 2 * padding - 2
+    assert _conv.winograd_applies(C, O, 3, 1, P, Q)
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    b = uniform(rng, (O,)) if bias else None
+    with num_threads(threads):
+        y = omp.conv2d_forward(x, w, b, 1, padding)
+        close(y, ref.conv2d_forward(x, w, b, 1, padding))
+        assert np.array_equal(y, omp.conv2d_forward(x, w, b, 1, padding))  # same threads, same bits
+    # the direct micro-kernels give the same result within float32 rounding
+    direct = np.empty_like(y)
+    _conv.conv2d_forward(x, w, b, direct, 1, padding, threads, 1 << 20, False)
+    np.testing.assert_allclose(y, direct, rtol=1e-5, atol=2e-6)
+
+
+def test_conv2d_winograd_only_where_it_pays():
+    from parconv._ext import _conv
+
+    assert _conv.winograd_applies(128, 64, 3, 1, 32, 32)  # conv-small / conv-large
+    assert not _conv.winograd_applies(1, 64, 3, 1, 26, 26)  # cnn-mnist first layer
+    assert not _conv.winograd_applies(128, 64, 3, 2, 16, 16)  # strided
+    assert not _conv.winograd_applies(128, 64, 5, 1, 28, 28)  # 5x5
+    assert not _conv.winograd_applies(512, 512, 3, 1, 7, 7)  # 16 tiles: too few for the GEMMs
+    assert not _conv.winograd_applies(32, 64, 3, 1, 32, 32)  # too few channels
+
+
 @pytest.mark.parametrize(
     "N, C, H, K, stride, padding",
     [

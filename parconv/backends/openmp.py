@@ -201,8 +201,11 @@ class OpenMPBackend(HostArrays, Backend):
         if min(N, C, O, P, Q) <= 0:
             return self._reference().conv2d_forward(x, w, b, stride, padding)
         y = np.empty((N, O, P, Q), dtype=np.float32)
-        # no BLAS here: micro-kernels only
-        _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
+        if _conv.winograd_applies(C, O, K, stride, P, Q):
+            with _blas_one_thread:  # Winograd's 16 GEMMs per block of tiles are sgemm calls
+                _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
+        else:  # micro-kernels only, no BLAS
+            _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
         return y
 
     def conv2d_backward(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
@@ -225,7 +228,9 @@ class OpenMPBackend(HostArrays, Backend):
         """Fused: each thread convolves whole images into private scratch and writes only the pooled maxima.
 
         Falls back to the composed unfused ops where the fused kernel does not apply (stride > 1,
-        or fewer images than threads).
+        or fewer images than threads) and where the convolution runs Winograd F(2x2, 3x3)
+        (``_conv.winograd_applies``): there the composition was 8-20% faster than the fused
+        direct kernel on a 2-core Zen 4 (64x128x32x32 with 64 filters: 50.7 ms against 58.0 ms).
         """
         x, w = _f32(x), _f32(w)
         b = None if b is None else _f32(b)
@@ -233,7 +238,7 @@ class OpenMPBackend(HostArrays, Backend):
         O, _, K, _ = w.shape
         P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
         PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
-        if stride == 1 and min(N, C, O, PP, QQ) > 0:
+        if stride == 1 and min(N, C, O, PP, QQ) > 0 and not _conv.winograd_applies(C, O, K, stride, P, Q):
             y = np.empty((N, O, PP, QQ), dtype=np.float32)
             argmax = np.empty((N, O, PP, QQ), dtype=np.int32)
             if _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, argmax, stride, padding, pool_kernel,
