@@ -169,25 +169,43 @@ def _dp_setup(args, backend):
     return x.astype(np.float32), y, lambda: build_cnn(filters, backend=backend, seed=0)
 
 
-def _train_steps(model, opt, x, y, batch, steps, dp=None):
-    """Time ``steps`` optimizer steps (after one warm-up step); returns seconds."""
+def _train_steps(model, opt, x, y, batch, steps, dp=None, warmup=3):
+    """Time ``steps`` optimizer steps after ``warmup`` untimed ones; returns seconds.
+
+    Configs are interleaved, so a rank (or a thread) that sat idle in the config
+    before starts this one cold; the untimed steps let every config reach its
+    steady state alike before the clock starts.
+    """
+    return _train_steps_detail(model, opt, x, y, batch, steps, dp, warmup)[0]
+
+
+def _train_steps_detail(model, opt, x, y, batch, steps, dp=None, warmup=3):
+    """:func:`_train_steps` plus each timed step's seconds and (with ``dp``) its seconds in allreduce."""
     loss_fn = pc.SoftmaxCrossEntropy()
     lo, hi = dp.shard(batch) if dp is not None else (0, batch)
     t0 = 0.0
-    for s in range(steps + 1):
-        if s == 1:
+    n = len(x) // batch
+    step_s, allreduce_s = [], []
+    for s in range(steps + warmup):
+        if s == warmup:
             if dp is not None:
                 dp.comm.Barrier()
                 dp.reset_timings()
             t0 = time.perf_counter()
-        xb, yb = x[s * batch + lo:s * batch + hi], y[s * batch + lo:s * batch + hi]
+        ts = time.perf_counter()
+        ar0 = dp.timings["allreduce"] if dp is not None else 0.0
+        b = s % n
+        xb, yb = x[b * batch + lo:b * batch + hi], y[b * batch + lo:b * batch + hi]
         out = (dp or model)(xb)
         loss_fn(out, yb)
         (dp or model).backward(loss_fn.backward())
         opt.step()
         opt.zero_grad()
+        if s >= warmup:
+            step_s.append(time.perf_counter() - ts)
+            allreduce_s.append(dp.timings["allreduce"] - ar0 if dp is not None else 0.0)
     model.backend.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, step_s, allreduce_s
 
 
 def _allreduce_alone(comm, nbytes, repeats=30) -> float:
@@ -233,7 +251,7 @@ def bench_data_parallel(comm, args) -> list[dict]:
     if size == 1:
         configs = configs[:1]
     times = {i: [] for i in range(len(configs))}
-    ar_share = []
+    ar_share, ar_share_step = [], []
     models = {}
     for i, (_, ranks, threads) in enumerate(configs):
         with _limits(threads):
@@ -250,12 +268,15 @@ def bench_data_parallel(comm, args) -> list[dict]:
                 _sleeping_barrier(comm)
             else:
                 with _limits(threads):
-                    seconds = _train_steps(model, opt, x, y, batch, steps, dp)
+                    seconds, step_s, step_ar = _train_steps_detail(model, opt, x, y, batch, steps, dp)
                 # the step of a data-parallel run ends when its slowest rank ends
                 seconds = comm.allreduce(seconds, op=dist.MPI.MAX)
                 times[i].append(seconds)
                 shares = comm.allgather(dp.timings["allreduce"] / seconds)
                 ar_share.append(max(shares))
+                # the typical step: median over steps of each rank's share, the larger of the ranks
+                step_shares = comm.allgather(statistics.median(a / t for a, t in zip(step_ar, step_s)))
+                ar_share_step.append(max(step_shares))
             comm.Barrier()
     pure_ar = _allreduce_alone(comm, 4 * models[0][0].num_parameters()) if size > 1 else 0.0
     if rank != 0:
@@ -272,6 +293,8 @@ def bench_data_parallel(comm, args) -> list[dict]:
         if ranks > 1:
             share = statistics.median(ar_share)
             row["allreduce_fraction"] = share
+            # the same per step: a noise spike on one rank makes the other wait in that step only
+            row["allreduce_fraction_median_step"] = statistics.median(ar_share_step)
             row["allreduce_s_per_step"] = share * row["step_s"]
             row["compute_s_per_step"] = (1 - share) * row["step_s"]
             row["vs_1rank_same_cores"] = thr / (batch * steps / statistics.median(times[1]))
@@ -319,18 +342,30 @@ def bench_conv_large_mpi(comm, args) -> list[dict]:
                (f"{size} ranks", size, T, "allgatherv"), (f"{size} ranks", size, T, "p2p")]
     if size == 1:
         configs = configs[:1]
+    # one rank may run the full layer with Winograd where each rank's slice of filters is too narrow
+    # for it; the same layer on the direct kernels shows what the decomposition itself gains
+    has_winograd = hasattr(backend, "winograd")
+    if has_winograd and size > 1:
+        configs.append(("1 rank", 1, T, "direct"))
     times = {i: [] for i in range(len(configs))}
     comm_share = {i: [] for i in range(len(configs))}
     for rep in range(repeats + 1):  # repetition 0 warms up
         for i, (_, ranks, threads, assemble) in enumerate(configs):
             if ranks == 1:
                 if rank == 0:
-                    with _limits(threads):
-                        t0 = time.perf_counter()
-                        serial(x)
-                        backend.synchronize()
-                        if rep:
-                            times[i].append(time.perf_counter() - t0)
+                    saved = getattr(backend, "winograd", None)
+                    try:
+                        if assemble == "direct":
+                            backend.winograd = False
+                        with _limits(threads):
+                            t0 = time.perf_counter()
+                            serial(x)
+                            backend.synchronize()
+                            if rep:
+                                times[i].append(time.perf_counter() - t0)
+                    finally:
+                        if has_winograd:
+                            backend.winograd = saved
                 _sleeping_barrier(comm)
             else:
                 conv = convs[assemble]
@@ -353,6 +388,8 @@ def bench_conv_large_mpi(comm, args) -> list[dict]:
     for i, (label, ranks, threads, assemble) in enumerate(configs):
         s = _summary(times[i])
         config = f"{label} x {threads} thread(s)" + (f" {assemble}" if assemble else "")
+        if assemble == "direct":
+            config += " kernels (no Winograd)"
         row = {"workload": "conv-large-mpi", "backend": backend.name, "config": config, "assemble": assemble,
                "ranks": ranks, "threads_per_rank": threads, "shape": [N, C, H, H], "filters": O, **s,
                "gflops": flops / s["median_s"] / 1e9, "speedup": base / s["median_s"],
@@ -360,6 +397,9 @@ def bench_conv_large_mpi(comm, args) -> list[dict]:
         if ranks > 1:
             row["comm_fraction"] = statistics.median(comm_share[i])
             row["vs_1rank_same_cores"] = statistics.median(times[1]) / s["median_s"]
+            direct = [j for j, cfg in enumerate(configs) if cfg[3] == "direct"]
+            if direct:
+                row["speedup_vs_direct_1rank"] = statistics.median(times[direct[0]]) / s["median_s"]
         results.append(row)
     return results
 
@@ -403,22 +443,27 @@ def _attach_cost_model(row, args) -> None:
 
 
 def format_results(rows) -> str:
-    lines = [f"{'workload':<15} {'config':<34} {'median s':>9} {'min s':>8} {'max s':>8} {'throughput':>14} "
+    lines = [f"{'workload':<15} {'config':<48} {'median s':>9} {'min s':>8} {'max s':>8} {'throughput':>14} "
              f"{'speedup':>8} {'effic.':>7} {'vs 1 rank same cores':>21} {'comm share':>11}"]
     for r in rows:
         thr = f"{r['samples_per_s']:,.0f} img/s" if "samples_per_s" in r else f"{r['gflops']:.1f} GFLOP/s"
         comm_share = r.get("allreduce_fraction", r.get("comm_fraction"))
         same = r.get("vs_1rank_same_cores")
-        lines.append(f"{r['workload']:<15} {r['config']:<34} {r['median_s']:>9.3f} {r['min_s']:>8.3f} "
+        lines.append(f"{r['workload']:<15} {r['config']:<48} {r['median_s']:>9.3f} {r['min_s']:>8.3f} "
                      f"{r['max_s']:>8.3f} {thr:>14} {r['speedup']:>7.2f}x {100 * r['efficiency']:>6.1f}% "
                      f"{(f'{same:.2f}x' if same else '-'):>21} "
                      f"{(f'{100 * comm_share:.1f}%' if comm_share is not None else '-'):>11}")
+    for r in rows:
+        if "speedup_vs_direct_1rank" in r:
+            lines.append(f"conv-large-mpi {r['config']}: {r['speedup_vs_direct_1rank']:.2f}x one rank on the "
+                         "direct kernels (each rank's slice of filters is below the Winograd threshold)")
     for r in rows:
         if "allreduce_alone_s" in r:
             lines.append(f"data-parallel allreduce of {r['grad_bytes'] / 1e3:.1f} kB: "
                          f"{r['allreduce_s_per_step'] * 1e3:.2f} ms/step exposed in backward "
                          f"({100 * r['allreduce_fraction']:.1f}% of the step, waiting for the slowest rank "
-                         f"included); {r['allreduce_alone_s'] * 1e3:.3f} ms alone "
+                         f"included; median step {100 * r['allreduce_fraction_median_step']:.1f}%); "
+                         f"{r['allreduce_alone_s'] * 1e3:.3f} ms alone "
                          f"({100 * r['allreduce_alone_fraction']:.1f}%); compute {r['compute_s_per_step'] * 1e3:.2f} "
                          "ms/step")
     for r in rows:

@@ -356,7 +356,7 @@ cdef int _conv_tiled(const float *x, int N, int C, int H, int W, int S, int pad,
 cdef extern from "pc_winograd.h":
     void pcw_filters(const float *w, int O, int C, int o0, int o1, float *U, float *scratch) noexcept nogil
     Py_ssize_t pcw_filter_scratch_floats(int C) noexcept nogil
-    Py_ssize_t pcw_scratch_floats(int tW) noexcept nogil
+    Py_ssize_t pcw_scratch_floats(int tW, int rb) noexcept nogil
     void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int ty1, int tW,
                    float *V, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
     void pcw_output(const float *M, Py_ssize_t ldx, Py_ssize_t ldt, int o0, int o1, int ty0, int ty1,
@@ -419,7 +419,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     ldxv = <Py_ssize_t>C * ldt
     ldxm = <Py_ssize_t>O * ldt
     with nogil, parallel(num_threads=nt):
-        V = <float *>malloc(sizeof(float) * (16 * <size_t>(ldxv + ldxm) + pcw_scratch_floats(tW)
+        V = <float *>malloc(sizeof(float) * (16 * <size_t>(ldxv + ldxm) + pcw_scratch_floats(tW, rb)
                                              + pcw_filter_scratch_floats(C)))
         if V == NULL:
             failed[0] = 1

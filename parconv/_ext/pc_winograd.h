@@ -120,38 +120,49 @@ static void pcw_filters(const float *w, int O, int C, int o0, int o1, float *U, 
     }
 }
 
-/* Scratch floats pcw_input and pcw_output need for tW tiles per row. */
-static inline pcw_idx pcw_scratch_floats(int tW)
+/* Scratch floats pcw_input and pcw_output need for blocks of rb rows of tW tiles. */
+static inline pcw_idx pcw_scratch_floats(int tW, int rb)
 {
-    return (pcw_idx)(2 * tW + 2) + 16 * (pcw_idx)tW;
+    return (pcw_idx)(2 * rb + 2) * (2 * tW + 2) + 16 * (pcw_idx)tW;
 }
 
-/* V of every channel of one image x (C, H, W), tile rows ty0..ty1. */
+/* V of every channel of one image x (C, H, W), tile rows ty0..ty1 (at most rb of them).
+ *
+ * Each channel's input rows of the block are copied once into a zero-padded
+ * plane whose margins are cleared once per call; B^T then runs along the rows
+ * (four per tile row, into h) and across them (into V). */
 static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int ty1, int tW,
                       float *V, pcw_idx ldx, pcw_idx ldt, float *scratch)
 {
     const int Wt = 2 * tW + 2;                 /* padded input columns the tiles of a row read */
-    float *row = scratch;                      /* one zero-padded input row */
-    float *h = scratch + Wt;                   /* h[(r * 4 + k) * tW + i]: row r after B^T along it */
+    const int nrows = 2 * (ty1 - ty0) + 2;     /* input rows the block reads */
+    const int ih0 = 2 * ty0 - pad;
+    float *plane = scratch;                    /* nrows x Wt */
+    float *h = scratch + (pcw_idx)nrows * Wt;  /* h[(r * 4 + k) * tW + i]: row r after B^T along it */
     int lo = pad < Wt ? pad : Wt;              /* first column that holds x[.., 0] */
     int hi = W + pad < Wt ? W + pad : Wt;
     if (hi < lo)
         hi = lo;
+    for (int r = 0; r < nrows; r++) {
+        memset(plane + (pcw_idx)r * Wt, 0, sizeof(float) * (size_t)lo);
+        memset(plane + (pcw_idx)r * Wt + hi, 0, sizeof(float) * (size_t)(Wt - hi));
+    }
     for (int c = 0; c < C; c++) {
         const float *xc = x + (pcw_idx)c * H * W;
+        for (int r = 0; r < nrows; r++) {
+            const int ih = ih0 + r;
+            float *row = plane + (pcw_idx)r * Wt + lo;
+            if (ih < 0 || ih >= H)
+                memset(row, 0, sizeof(float) * (size_t)(hi - lo));
+            else
+                memcpy(row, xc + (pcw_idx)ih * W, sizeof(float) * (size_t)(hi - lo));
+        }
         for (int ty = ty0; ty < ty1; ty++) {
             const pcw_idx t0 = (pcw_idx)(ty - ty0) * tW + (pcw_idx)c * ldt;
+            const float *rows = plane + (pcw_idx)(2 * (ty - ty0)) * Wt;
             for (int r = 0; r < 4; r++) {
-                const int ih = 2 * ty - pad + r;
                 float *hr = h + (pcw_idx)r * 4 * tW;
-                if (ih < 0 || ih >= H) {   /* B^T of a zero row */
-                    memset(hr, 0, sizeof(float) * 4 * (size_t)tW);
-                    continue;
-                }
-                memset(row, 0, sizeof(float) * (size_t)lo);
-                memcpy(row + lo, xc + (pcw_idx)ih * W, sizeof(float) * (size_t)(hi - lo));
-                memset(row + hi, 0, sizeof(float) * (size_t)(Wt - hi));
-                pcw_bt_row(row, hr, hr + tW, hr + 2 * tW, hr + 3 * tW, tW);
+                pcw_bt_row(rows + (pcw_idx)r * Wt, hr, hr + tW, hr + 2 * tW, hr + 3 * tW, tW);
             }
             for (int k = 0; k < 4; k++)    /* B^T across the four rows: V[r' * 4 + k] */
                 pcw_bt(h + (pcw_idx)(0 * 4 + k) * tW, h + (pcw_idx)(1 * 4 + k) * tW,
@@ -167,7 +178,8 @@ static void pcw_output(const float *M, pcw_idx ldx, pcw_idx ldt, int o0, int o1,
                        int tW, int P, int Q, const float *bias, float *y, float *scratch)
 {
     float *s = scratch;                        /* s[(a * 4 + k) * tW + i]: A^T across rows, a = 0, 1 */
-    float *r = scratch + 8 * (pcw_idx)tW;      /* the two output rows of a tile row, 2 tW each */
+    float *r = scratch + 8 * (pcw_idx)tW;      /* an output row of 2 tW, when Q is odd */
+    const int even = Q == 2 * tW;
     for (int o = o0; o < o1; o++) {
         const float bo = bias ? bias[o] : 0.0f;
         for (int ty = ty0; ty < ty1; ty++) {
@@ -175,14 +187,14 @@ static void pcw_output(const float *M, pcw_idx ldx, pcw_idx ldt, int o0, int o1,
             for (int k = 0; k < 4; k++)
                 pcw_at(m + (0 * 4 + k) * ldx, m + (1 * 4 + k) * ldx, m + (2 * 4 + k) * ldx,
                        m + (3 * 4 + k) * ldx, s + (pcw_idx)k * tW, s + (pcw_idx)(4 + k) * tW, tW);
-            for (int a = 0; a < 2; a++)
+            for (int a = 0; a < 2 && 2 * ty + a < P; a++) {
+                float *yo = y + ((pcw_idx)o * P + 2 * ty + a) * Q;
                 pcw_at_row(s + (pcw_idx)(a * 4) * tW, s + (pcw_idx)(a * 4 + 1) * tW,
                            s + (pcw_idx)(a * 4 + 2) * tW, s + (pcw_idx)(a * 4 + 3) * tW, bo,
-                           r + (pcw_idx)a * 2 * tW, tW);
-            float *yo = y + ((pcw_idx)o * P + 2 * ty) * Q;
-            memcpy(yo, r, sizeof(float) * (size_t)Q);
-            if (2 * ty + 1 < P)
-                memcpy(yo + Q, r + 2 * tW, sizeof(float) * (size_t)Q);
+                           even ? yo : r, tW);
+                if (!even)
+                    memcpy(yo, r, sizeof(float) * (size_t)Q);
+            }
         }
     }
 }

@@ -165,8 +165,16 @@ class OpenMPBackend(HostArrays, Backend):
 
     name = "openmp"
 
+    #: Run wide 3x3 stride-1 forward convolutions as Winograd F(2x2, 3x3) (see
+    #: ``_conv.winograd_applies``). Set to False on an instance to use the direct
+    #: kernels everywhere, e.g. to compare the two or to sum in the direct order.
+    winograd: bool = True
+
     def __init__(self):
         self._ref = None
+
+    def _winograd(self, C, O, K, stride, P, Q) -> bool:
+        return bool(self.winograd) and _conv.winograd_applies(C, O, K, stride, P, Q)
 
     @property
     def openmp_enabled(self) -> bool:
@@ -201,11 +209,12 @@ class OpenMPBackend(HostArrays, Backend):
         if min(N, C, O, P, Q) <= 0:
             return self._reference().conv2d_forward(x, w, b, stride, padding)
         y = np.empty((N, O, P, Q), dtype=np.float32)
-        if _conv.winograd_applies(C, O, K, stride, P, Q):
+        if self._winograd(C, O, K, stride, P, Q):
             with _blas_one_thread:  # Winograd's 16 GEMMs per block of tiles are sgemm calls
                 _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
         else:  # micro-kernels only, no BLAS
-            _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
+            _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
+                                 winograd=False)
         return y
 
     def conv2d_backward(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
@@ -238,7 +247,7 @@ class OpenMPBackend(HostArrays, Backend):
         O, _, K, _ = w.shape
         P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
         PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
-        if stride == 1 and min(N, C, O, PP, QQ) > 0 and not _conv.winograd_applies(C, O, K, stride, P, Q):
+        if stride == 1 and min(N, C, O, PP, QQ) > 0 and not self._winograd(C, O, K, stride, P, Q):
             y = np.empty((N, O, PP, QQ), dtype=np.float32)
             argmax = np.empty((N, O, PP, QQ), dtype=np.int32)
             if _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, argmax, stride, padding, pool_kernel,
