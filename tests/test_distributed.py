@@ -12,6 +12,7 @@ the test on every rank and the ranks never fall out of step in their collectives
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -144,6 +145,29 @@ def test_cli_distributed_error_ends_job(tmp_path):
     assert res.returncode != 0, out
     assert time.monotonic() - t0 < FAIL_WITHIN, out
     assert "missing.npz" in out and "does not exist" in out, out
+
+
+@needs_launcher
+@pytest.mark.mpi
+def test_mpi_benchmark_runs_and_checks_its_answers(tmp_path):
+    """``mpiexec -n 2 python bench/mpi_bench.py`` on tiny shapes: both workloads check their answer
+    against a serial run before timing, write their rows and the cost model. No timing is asserted."""
+    out = tmp_path / "mpi.json"
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", os.path.join(ROOT, "bench", "mpi_bench.py"),
+           "--workloads", "data-parallel,conv-large-mpi", "--repeats", "1", "--dp-steps", "2", "--dp-filters", "4",
+           "--conv-batch", "2", "--conv-channels", "8", "--conv-filters", "5", "--conv-size", "8",
+           "--cost-ranks", "8,64", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(out.read_text())["results"]
+    configs = {(r["workload"], r["config"]) for r in rows}
+    assert ("data-parallel", "2 ranks x 1 thread(s)") in configs
+    assert any(w == "conv-large-mpi" and "allgatherv" in c for w, c in configs)
+    dp = next(r for r in rows if r["workload"] == "data-parallel" and r["ranks"] == 2)
+    for key in ("allreduce_fraction", "allreduce_fraction_median_step", "allreduce_alone_s", "vs_1rank_same_cores"):
+        assert key in dp and dp[key] >= 0
+    assert [c["ranks"] for c in dp["cost_model"]["rows"]] == [8, 64]
+    assert "cost model" in res.stdout
 
 
 # ------------------------------------------------------------------ MPI side
