@@ -141,3 +141,50 @@ def summary_line(info: dict) -> str:
     if info.get("load_average"):
         parts.append("load avg " + "/".join(f"{x:.2f}" for x in info["load_average"]))
     return " | ".join(parts)
+
+
+def reference_scaling(threads: list[int], rounds: int = 7, size: tuple = (512, 2048, 1024)) -> dict | None:
+    """Speedup of NumPy's float32 matmul (the BLAS) at each thread count over 1 thread, measured now.
+
+    A compute-bound kernel that scales almost perfectly on idle cores: on a shared
+    or virtualised machine it shows how much parallel speed the cores give at
+    this moment, the ceiling for every speedup of the run. Interleaved rounds,
+    median of the per-round ratios. None without threadpoolctl.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl comes with parconv's dependencies
+        return None
+    import statistics
+    import time
+
+    import numpy as np
+
+    m, k, n = size
+    rng = np.random.default_rng(0)
+    a, b = rng.random((m, k), dtype=np.float32), rng.random((k, n), dtype=np.float32)
+    counts = sorted(set([1] + [int(t) for t in threads if int(t) > 0]))
+    ratios = {t: [] for t in counts if t > 1}
+    for _ in range(rounds):
+        seconds = {}
+        for t in counts:
+            with threadpool_limits(t):
+                a @ b
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    a @ b
+                seconds[t] = (time.perf_counter() - t0) / 3
+        for t in ratios:
+            ratios[t].append(seconds[1] / seconds[t])
+    return {"kernel": f"numpy float32 matmul {m}x{k} @ {k}x{n}", "rounds": rounds,
+            "speedup": {str(t): statistics.median(r) for t, r in ratios.items()},
+            "speedup_min": {str(t): min(r) for t, r in ratios.items()},
+            "speedup_max": {str(t): max(r) for t, r in ratios.items()}}
+
+
+def scaling_line(ref: dict | None, when: str) -> str:
+    if not ref or not ref["speedup"]:
+        return ""
+    parts = [f"{t} threads {s:.2f}x (rounds {ref['speedup_min'][t]:.2f}-{ref['speedup_max'][t]:.2f})"
+             for t, s in ref["speedup"].items()]
+    return f"machine ceiling {when}: BLAS sgemm speedup over 1 thread " + ", ".join(parts)

@@ -191,8 +191,15 @@ def render(results: dict, plots: list[str]) -> str:
         + (f", at end {'/'.join(f'{x:.2f}' for x in m['load_average_end'])}" if m.get("load_average_end") else ""),
         f"- Run on {m.get('date', '?')}; command `{results.get('command', 'python bench/run.py')}`; "
         f"{results.get('elapsed_s', 0):.0f} s.",
-        "",
     ]
+    for when in ("start", "end"):
+        ref = m.get(f"reference_scaling_{when}")
+        if ref and ref.get("speedup"):
+            lines.append(f"- Machine ceiling at the {when}: the BLAS's own float32 matmul ran "
+                         + ", ".join(f"{sp:.2f}x faster on {t} threads (rounds {ref['speedup_min'][t]:.2f}–"
+                                     f"{ref['speedup_max'][t]:.2f})" for t, sp in ref["speedup"].items())
+                         + " than on 1; no kernel's speedup can be expected above it.")
+    lines.append("")
     busy = [f"{name} {c['name']} ({c['background_cores']:.2f} cores)"
             for name, wl in results.get("workloads", {}).items() for c in wl.get("cases", [])
             if (c.get("background_cores") or 0) > 0.2]

@@ -478,10 +478,13 @@ def main(argv=None) -> int:
     impls, skipped = resolve_impls(args, print)
     results["skipped_impls"] = skipped
     kinds = _kinds(impls)
-    from machine import machine_info, summary_line
+    from machine import machine_info, reference_scaling, scaling_line, summary_line
 
     results["machine"] = machine_info({i.name: i.backend for i in impls if i.kind == "parconv"}, "torch" in kinds)
     print(f"parconv benchmarks | {summary_line(results['machine'])}")
+    if not args.quick and len(threads) > 1:
+        results["machine"]["reference_scaling_start"] = reference_scaling(threads)
+        print(scaling_line(results["machine"]["reference_scaling_start"], "at the start"))
     print(f"implementations: {', '.join(i.name for i in impls)} | threads {threads} | repeat {args.repeat} "
           f"(interleaved) | warm-up {args.warmup}" + (" | QUICK MODE: tiny shapes, timings mean nothing"
                                                        if args.quick else ""))
@@ -531,6 +534,9 @@ def main(argv=None) -> int:
     if args.quick:
         results["targets_note"] = "not evaluated in --quick mode (tiny shapes; timings mean nothing)"
     else:
+        if len(threads) > 1:
+            results["machine"]["reference_scaling_end"] = reference_scaling(threads)
+            print(scaling_line(results["machine"]["reference_scaling_end"], "at the end"))
         results["targets"] = targets_mod.evaluate(results, args.target_backend)
         print(format_targets(results["targets"]))
     results["checks_passed"] = not any_failed

@@ -228,6 +228,33 @@ def test_fused_conv_relu_maxpool_mnist_shape(threads):
     assert (y >= 0).all()
 
 
+@pytest.mark.parametrize("C, padding, pool", [(1, 0, (2, 2)), (3, 1, (2, 2)), (2, 2, (3, 2))])
+def test_fused_backward_matches_composition_and_is_thread_count_independent(C, padding, pool):
+    """The fused backward never writes the full-size dz; dw sums each filter's images in order,
+    so 1 and 2 threads give the same bits; every need_dx / need_db combination."""
+    rng = np.random.default_rng(11)
+    N, O, H = 5, 7, 13
+    x = uniform(rng, (N, C, H, H))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    b = uniform(rng, (O,))
+    y, am = omp.conv2d_relu_maxpool2d_forward(x, w, b, 1, padding, *pool)
+    dy = uniform(rng, y.shape)
+    dy[0, 0] = np.nan  # a NaN gradient reaches dw/db only where the pooled value is positive
+    want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, padding)
+    for need_dx in (True, False):
+        for need_db in (True, False):
+            runs = []
+            for threads in (1, 2):
+                with num_threads(threads):
+                    runs.append(omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, padding, need_dx, need_db))
+            for got in runs:
+                assert (got[0] is None) == (not need_dx) and (got[2] is None) == (not need_db)
+                for g, e in zip(got, want):
+                    if g is not None:
+                        np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL, equal_nan=True)
+            assert np.array_equal(runs[0][1], runs[1][1], equal_nan=True)
+
+
 # --------------------------------------------------------------- maxpool2d
 @st.composite
 def pool_cases(draw):

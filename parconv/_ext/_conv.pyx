@@ -833,6 +833,82 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
     return failed == 0
 
 
+cdef extern from "pc_fused.h":
+    Py_ssize_t pcf_dw_scratch_floats(int C, int H, int W, int pad, int K, int P, int Q, int nf) noexcept nogil
+    int pcf_dw(const float *x, int N, int C, int H, int W, int pad, int K, int P, int Q,
+                const float *y, const int *am, const float *dy, int O, int PQp, int o0, int o1,
+                float *dw, float *db, float *scratch) noexcept nogil
+    Py_ssize_t pcf_dx_scratch_floats(int C, int H, int W, int pad, int P, int Q) noexcept nogil
+    void pcf_dx(int n, int C, int H, int W, int pad, int K, int P, int Q, const float *w,
+                const float *y, const int *am, const float *dy, int O, int PQp, float *dx,
+                float *scratch) noexcept nogil
+
+
+cdef enum:
+    # multiply-adds of the fused backward below which it runs on one thread
+    FUSED_BWD_SERIAL_BELOW = 1 << 18
+
+
+def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C, H, W)
+                                   const float[:, :, :, ::1] w,     # IN  (O, C, K, K)
+                                   const float[:, :, :, ::1] y,     # IN  (N, O, PP, QQ) fused forward output
+                                   const int[:, :, :, ::1] argmax,  # IN  (N, O, PP, QQ) index in the (P, Q) plane
+                                   const float[:, :, :, ::1] dy,    # IN  (N, O, PP, QQ)
+                                   float[:, :, :, ::1] dx,          # OUT (N, C, H, W) or None, overwritten
+                                   float[:, :, :, ::1] dw,          # OUT (O, C, K, K), overwritten
+                                   float[::1] db,                   # OUT (O,) or None, overwritten
+                                   int padding, int num_threads):
+    """Gradients of ``relu(maxpool2d(conv2d(x)))`` (stride-1 convolution) without a full-size dz.
+
+    See ``pc_fused.h``. dw and db: filters split over threads, each filter
+    summing its images in order (the same bits at every thread count); dx:
+    images split over threads.
+    """
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = w.shape[0], K = w.shape[2]
+    cdef int P = H + 2 * padding - K + 1, Q = W + 2 * padding - K + 1
+    cdef int PQp = y.shape[2] * y.shape[3]
+    cdef int nt = num_threads if num_threads > 0 else 1
+    cdef double macs = <double>N * O * P * Q * C * K * K
+    cdef int failed[1]
+    cdef int t, n, nf, o0, o1
+    cdef float *scr
+    cdef float *dbp = NULL
+    cdef Py_ssize_t dws = 0
+    failed[0] = 0
+    if db is not None:
+        dbp = &db[0]
+    if macs < FUSED_BWD_SERIAL_BELOW:
+        nt = 1
+    nf = _min(nt, O)
+    dws = pcf_dw_scratch_floats(C, H, W, padding, K, P, Q, (O + nf - 1) // nf)
+    with nogil:
+        for t in prange(nf, schedule="static", chunksize=1, num_threads=nf):
+            o0 = <int>((<long>O * t) // nf)
+            o1 = <int>((<long>O * (t + 1)) // nf)
+            scr = <float *>malloc(sizeof(float) * dws)
+            if scr == NULL:
+                failed[0] = 1
+            else:
+                if pcf_dw(&x[0, 0, 0, 0], N, C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
+                          &dy[0, 0, 0, 0], O, PQp, o0, o1, &dw[0, 0, 0, 0], dbp, scr):
+                    failed[0] = 1
+                free(scr)
+        if dx is not None and not failed[0]:
+            dws = pcf_dx_scratch_floats(C, H, W, padding, P, Q)
+            with parallel(num_threads=_min(nt, N)):
+                scr = <float *>malloc(sizeof(float) * dws)
+                if scr == NULL:
+                    failed[0] = 1
+                for n in prange(N, schedule="static"):
+                    if scr != NULL:
+                        pcf_dx(n, C, H, W, padding, K, P, Q, &w[0, 0, 0, 0], &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
+                               &dy[0, 0, 0, 0], O, PQp, &dx[0, 0, 0, 0], scr)
+                free(scr)
+    if failed[0]:
+        raise MemoryError("conv2d_relu_maxpool2d_backward: could not allocate scratch")
+
+
 def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                     const float[:, :, :, ::1] w,   # IN  (O, C, K, K)
                     const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)

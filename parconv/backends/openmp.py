@@ -255,6 +255,21 @@ class OpenMPBackend(HostArrays, Backend):
                 return y, argmax
         return super().conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
 
+    def conv2d_relu_maxpool2d_backward(self, x, w, y, argmax, dy, stride, padding, need_dx=True, need_db=True):
+        """Fused: each (image, filter) plane of the convolution's gradient is built in L1 scratch from
+        the pooled gradient and consumed at once (``pc_fused.h``); stride > 1 composes the unfused ops."""
+        x, w, y, dy = _f32(x), _f32(w), _f32(y), _f32(dy)
+        argmax = _i32(argmax)
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        if stride != 1 or min(N, C, O, H, W) <= 0 or y.size == 0:
+            return super().conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, stride, padding, need_dx, need_db)
+        dx = np.empty(x.shape, dtype=np.float32) if need_dx else None
+        dw = np.empty(w.shape, dtype=np.float32)
+        db = np.empty(O, dtype=np.float32) if need_db else None
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, dx, dw, db, padding, get_num_threads())
+        return dx, dw, db
+
     # --------------------------------------------------------------- maxpool2d
     def maxpool2d_forward(self, x, kernel_size, stride):
         x = _f32(x)

@@ -1,0 +1,209 @@
+/* Backward of the fused relu(maxpool(conv2d(x))) for _conv.pyx, stride-1 convolution.
+ *
+ * Shape legend: N batch, C in-channels, O filters, H, W input, Hp, Wp the
+ * zero-padded input, P, Q the convolution output, PQp the pooled positions of
+ * one plane, K kernel. y, argmax and dy are (N, O, PQp); argmax indexes the
+ * (P, Q) plane.
+ *
+ * The gradient of the convolution output, dz, is nonzero only at the argmax of
+ * a window whose pooled value is positive. The composed backward writes dz for
+ * the whole batch (N*O*P*Q floats) and reads it back; here each (image, filter)
+ * plane of dz is built in a P*Q scratch that stays in L1 and consumed at once:
+ *
+ *   dw[o, c, kh, kw] += sum_{p,q} dz[p, q] * xpad[c, p + kh, q + kw]
+ *   dx[c, p + kh, q + kw] += w[o, c, kh, kw] * dz[p, q]      (padded, per image)
+ *
+ * The dw taps are contiguous dot products over the plane (see pcf_dw), summed in
+ * float lanes per plane and in double across planes; the dx update runs along
+ * rows. A filter's dw sums its images in order, whatever the thread count.
+ */
+#ifndef PARCONV_PC_FUSED_H
+#define PARCONV_PC_FUSED_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef ptrdiff_t pcf_idx;
+
+/* sum of a[0..n), in the lanes of pcf_dot */
+static inline double pcf_sum(const float *restrict a, pcf_idx n);
+
+/* dy where y > 0, else +0 (NaN y passes nothing, like relu_backward): a bit mask, not a branch,
+ * since the sign of y is unpredictable. */
+static inline float pcf_relu_grad(float y, float dy)
+{
+    uint32_t bits;
+    memcpy(&bits, &dy, sizeof bits);
+    bits &= (uint32_t)0 - (uint32_t)(y > 0.0f);
+    float g;
+    memcpy(&g, &bits, sizeof g);
+    return g;
+}
+
+/* One plane of dz (n elements, overwritten): the pooled gradient at each argmax, through the map
+ * ``where`` from (P, Q) positions to dz's layout (NULL: the identity). Returns the plane's sum of
+ * gradients (its db share), summed from dz afterwards so the scatter loop carries no sum. */
+static inline double pcf_dz_plane(const float *restrict y, const int *restrict am, const float *restrict dy,
+                                  int PQp, const int *restrict where, float *restrict dz, pcf_idx n)
+{
+    memset(dz, 0, sizeof(float) * (size_t)n);
+    for (int j = 0; j < PQp; j++)
+        dz[where ? where[am[j]] : am[j]] += pcf_relu_grad(y[j], dy[j]);
+    return pcf_sum(dz, n);
+}
+
+/* Zero-padded copy of one image x (C, H, W) into xpad (C, Hp, Wp). */
+static void pcf_pad_image(const float *x, int C, int H, int W, int pad, float *xpad)
+{
+    const int Hp = H + 2 * pad, Wp = W + 2 * pad;
+    memset(xpad, 0, sizeof(float) * (size_t)C * Hp * Wp);
+    for (int c = 0; c < C; c++)
+        for (int h = 0; h < H; h++)
+            memcpy(xpad + ((pcf_idx)c * Hp + h + pad) * Wp + pad, x + ((pcf_idx)c * H + h) * W,
+                   sizeof(float) * (size_t)W);
+}
+
+/* dst[p * ldd + q] += a * dz[p, q] */
+static inline void pcf_rows_axpy(float a, const float *restrict dz, int P, int Q, float *restrict dst, pcf_idx ldd)
+{
+    for (int p = 0; p < P; p++) {
+        const float *restrict d = dz + (pcf_idx)p * Q;
+        float *restrict o = dst + (pcf_idx)p * ldd;
+        for (int q = 0; q < Q; q++)
+            o[q] = o[q] + a * d[q];
+    }
+}
+
+/* sum_s a[s] * b[s] over n terms: four independent 16-float accumulators (no add
+ * waits on the one before), combined in a fixed order. */
+static inline double pcf_dot(const float *restrict a, const float *restrict b, pcf_idx n)
+{
+    float l0[16], l1[16], l2[16], l3[16];
+    pcf_idx s = 0;
+    for (int j = 0; j < 16; j++)
+        l0[j] = l1[j] = l2[j] = l3[j] = 0.0f;
+    for (; s + 64 <= n; s += 64)
+        for (int j = 0; j < 16; j++) {
+            l0[j] = l0[j] + a[s + j] * b[s + j];
+            l1[j] = l1[j] + a[s + 16 + j] * b[s + 16 + j];
+            l2[j] = l2[j] + a[s + 32 + j] * b[s + 32 + j];
+            l3[j] = l3[j] + a[s + 48 + j] * b[s + 48 + j];
+        }
+    for (; s + 16 <= n; s += 16)
+        for (int j = 0; j < 16; j++)
+            l0[j] = l0[j] + a[s + j] * b[s + j];
+    double r = 0.0;
+    for (; s < n; s++)
+        r += (double)a[s] * b[s];
+    for (int j = 0; j < 16; j++)
+        r += (double)((l0[j] + l1[j]) + (l2[j] + l3[j]));
+    return r;
+}
+
+static inline double pcf_sum(const float *restrict a, pcf_idx n)
+{
+    float l0[16], l1[16];
+    pcf_idx s = 0;
+    for (int j = 0; j < 16; j++)
+        l0[j] = l1[j] = 0.0f;
+    for (; s + 32 <= n; s += 32)
+        for (int j = 0; j < 16; j++) {
+            l0[j] = l0[j] + a[s + j];
+            l1[j] = l1[j] + a[s + 16 + j];
+        }
+    double r = 0.0;
+    for (; s < n; s++)
+        r += (double)a[s];
+    for (int j = 0; j < 16; j++)
+        r += (double)(l0[j] + l1[j]);
+    return r;
+}
+
+/* Scratch floats of pcf_dw for one thread (the position map counted as floats). */
+static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int K, int P, int Q, int nf)
+{
+    (void)K; (void)nf;
+    return (pcf_idx)C * (H + 2 * pad) * (W + 2 * pad) + (pcf_idx)P * (W + 2 * pad) + (pcf_idx)P * Q;
+}
+
+/* dw (and db) of filters o0..o1, summed over all N images in order; 1 when out of memory.
+ *
+ * dz is laid out at the padded row stride Wp (zeros in the Wp - Q wrap-around
+ * columns), so tap (c, kh, kw) is one contiguous dot product of
+ * (P - 1) * Wp + Q terms against the padded image shifted by
+ * c * Hp * Wp + kh * Wp + kw. */
+static int pcf_dw(const float *x, int N, int C, int H, int W, int pad, int K, int P, int Q,
+                  const float *y, const int *am, const float *dy, int O, int PQp, int o0, int o1,
+                  float *dw, float *db, float *scratch)
+{
+    const int Hp = H + 2 * pad, Wp = W + 2 * pad;
+    const pcf_idx kdim = (pcf_idx)C * K * K, PQ = (pcf_idx)P * Q, PW = (pcf_idx)P * Wp;
+    const pcf_idx span = (pcf_idx)(P - 1) * Wp + Q;
+    float *xpad = scratch;
+    float *dzw = xpad + (pcf_idx)C * Hp * Wp;           /* (P, Wp) */
+    int *where = (int *)(dzw + PW);                     /* (p, q) of the plane -> p * Wp + q */
+    const pcf_idx nacc = (pcf_idx)(o1 - o0) * (kdim + 1); /* per filter: kdim tap sums, the bias sum */
+    double *acc = (double *)malloc(sizeof(double) * (size_t)(nacc > 0 ? nacc : 1));
+    if (!acc)
+        return 1;
+    memset(acc, 0, sizeof(double) * (size_t)nacc);
+    for (int p = 0; p < P; p++)
+        for (int q = 0; q < Q; q++)
+            where[(pcf_idx)p * Q + q] = p * Wp + q;
+    for (int n = 0; n < N; n++) {
+        pcf_pad_image(x + (pcf_idx)n * C * H * W, C, H, W, pad, xpad);
+        for (int o = o0; o < o1; o++) {
+            const pcf_idx plane = ((pcf_idx)n * O + o) * PQp;
+            double *a = acc + (pcf_idx)(o - o0) * (kdim + 1);
+            a[kdim] += pcf_dz_plane(y + plane, am + plane, dy + plane, PQp, where, dzw, PW);
+            for (int c = 0; c < C; c++)
+                for (int kh = 0; kh < K; kh++)
+                    for (int kw = 0; kw < K; kw++)
+                        a[((pcf_idx)c * K + kh) * K + kw] +=
+                            pcf_dot(dzw, xpad + ((pcf_idx)c * Hp + kh) * Wp + kw, span);
+        }
+    }
+    for (int o = o0; o < o1; o++) {
+        const double *a = acc + (pcf_idx)(o - o0) * (kdim + 1);
+        for (pcf_idx k = 0; k < kdim; k++)
+            dw[(pcf_idx)o * kdim + k] = (float)a[k];
+        if (db)
+            db[o] = (float)a[kdim];
+    }
+    free(acc);
+    return 0;
+}
+
+/* Scratch floats of pcf_dx for one thread. */
+static inline pcf_idx pcf_dx_scratch_floats(int C, int H, int W, int pad, int P, int Q)
+{
+    return (pcf_idx)C * (H + 2 * pad) * (W + 2 * pad) + (pcf_idx)P * Q;
+}
+
+/* dx of image n (C, H, W), overwritten: every filter's plane in order. */
+static void pcf_dx(int n, int C, int H, int W, int pad, int K, int P, int Q, const float *w,
+                   const float *y, const int *am, const float *dy, int O, int PQp, float *dx, float *scratch)
+{
+    const int Hp = H + 2 * pad, Wp = W + 2 * pad;
+    const pcf_idx PQ = (pcf_idx)P * Q;
+    float *dxpad = scratch;
+    float *dz = dxpad + (pcf_idx)C * Hp * Wp;
+    memset(dxpad, 0, sizeof(float) * (size_t)C * Hp * Wp);
+    for (int o = 0; o < O; o++) {
+        const pcf_idx plane = ((pcf_idx)n * O + o) * PQp;
+        pcf_dz_plane(y + plane, am + plane, dy + plane, PQp, NULL, dz, PQ);
+        for (int c = 0; c < C; c++)
+            for (int kh = 0; kh < K; kh++)
+                for (int kw = 0; kw < K; kw++)
+                    pcf_rows_axpy(w[(((pcf_idx)o * C + c) * K + kh) * K + kw], dz, P, Q,
+                                  dxpad + ((pcf_idx)c * Hp + kh) * Wp + kw, Wp);
+    }
+    for (int c = 0; c < C; c++)
+        for (int h = 0; h < H; h++)
+            memcpy(dx + ((pcf_idx)n * C + c) * H * W + (pcf_idx)h * W,
+                   dxpad + ((pcf_idx)c * Hp + h + pad) * Wp + pad, sizeof(float) * (size_t)W);
+}
+
+#endif
