@@ -85,10 +85,10 @@ def test_conv2d_forward_backward_match_reference(case):
 def winograd_cases(draw):
     N = draw(st.integers(1, 3))
     C = draw(st.integers(64, 80))
-    O = draw(st.integers(64, 72))
+    O = draw(st.integers(32, 72))
     padding = draw(st.integers(0, 2))
-    H = draw(st.integers(13, 22))
-    W = draw(st.integers(13, 22))
+    H = draw(st.integers(17, 24))  # >= 15x15 outputs: 64 tiles, enough for 32 filters
+    W = draw(st.integers(17, 24))
     return N, C, O, H, W, padding, draw(st.booleans()), draw(st.sampled_from([1, 2])), draw(st.integers(0, 2**31 - 1))
 
 
@@ -124,6 +124,9 @@ def test_conv2d_winograd_only_where_it_pays():
     assert not _conv.winograd_applies(128, 64, 5, 1, 28, 28)  # 5x5
     assert not _conv.winograd_applies(512, 512, 3, 1, 7, 7)  # 16 tiles: too few for the GEMMs
     assert not _conv.winograd_applies(32, 64, 3, 1, 32, 32)  # too few channels
+    assert _conv.winograd_applies(128, 32, 3, 1, 32, 32)  # a 2-rank slice of conv-large's filters
+    assert not _conv.winograd_applies(64, 32, 3, 1, 13, 13)  # 49 tiles x 32 filters: too little GEMM work
+    assert _conv.winograd_applies(64, 64, 3, 1, 13, 13)
 
 
 @pytest.mark.parametrize(

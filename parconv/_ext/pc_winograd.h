@@ -58,17 +58,29 @@ static inline void pcw_bt(const float *restrict a0, const float *restrict a1, co
     }
 }
 
-/* B^T along one padded input row: tile i reads row[2i .. 2i+3]. */
-static inline void pcw_bt_row(const float *restrict row, float *restrict v0, float *restrict v1,
-                              float *restrict v2, float *restrict v3, int n)
+/* B^T along one padded input row held as its even (e[k] = row[2k]) and odd (o[k] = row[2k+1])
+ * columns: tile i reads row[2i .. 2i+3] = e[i], o[i], e[i+1], o[i+1], all unit-stride. */
+static inline void pcw_bt_row(const float *restrict e, const float *restrict o, float *restrict v0,
+                              float *restrict v1, float *restrict v2, float *restrict v3, int n)
 {
     for (int i = 0; i < n; i++) {
-        float d0 = row[2 * i], d1 = row[2 * i + 1], d2 = row[2 * i + 2], d3 = row[2 * i + 3];
+        float d0 = e[i], d1 = o[i], d2 = e[i + 1], d3 = o[i + 1];
         v0[i] = d0 - d2;
         v1[i] = d1 + d2;
         v2[i] = d2 - d1;
         v3[i] = d1 - d3;
     }
+}
+
+/* a[m] = x[2m], b[m] = x[2m + 1]: the even and odd elements of x[0..n) */
+static inline void pcw_split(const float *restrict x, int n, float *restrict a, float *restrict b)
+{
+    for (int m = 0; m < n / 2; m++) {
+        a[m] = x[2 * m];
+        b[m] = x[2 * m + 1];
+    }
+    if (n & 1)
+        a[n / 2] = x[n - 1];
 }
 
 /* A^T applied to four rows (the output transform, one axis). */
@@ -129,40 +141,45 @@ static inline pcw_idx pcw_scratch_floats(int tW, int rb)
 /* V of every channel of one image x (C, H, W), tile rows ty0..ty1 (at most rb of them).
  *
  * Each channel's input rows of the block are copied once into a zero-padded
- * plane whose margins are cleared once per call; B^T then runs along the rows
- * (four per tile row, into h) and across them (into V). */
+ * plane, every row stored as its even and its odd columns (tW + 1 each), so
+ * B^T along the rows (into h) reads unit-stride; B^T across the four rows of a
+ * tile row then writes V. Margins are cleared once per call. */
 static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int ty1, int tW,
                       float *V, pcw_idx ldx, pcw_idx ldt, float *scratch)
 {
-    const int Wt = 2 * tW + 2;                 /* padded input columns the tiles of a row read */
-    const int nrows = 2 * (ty1 - ty0) + 2;     /* input rows the block reads */
+    const int half = tW + 1;                    /* even (or odd) columns of a padded row */
+    const int Wt = 2 * half;                    /* floats of one stored row */
+    const int nrows = 2 * (ty1 - ty0) + 2;      /* input rows the block reads */
     const int ih0 = 2 * ty0 - pad;
-    float *plane = scratch;                    /* nrows x Wt */
-    float *h = scratch + (pcw_idx)nrows * Wt;  /* h[(r * 4 + k) * tW + i]: row r after B^T along it */
-    int lo = pad < Wt ? pad : Wt;              /* first column that holds x[.., 0] */
-    int hi = W + pad < Wt ? W + pad : Wt;
-    if (hi < lo)
-        hi = lo;
-    for (int r = 0; r < nrows; r++) {
-        memset(plane + (pcw_idx)r * Wt, 0, sizeof(float) * (size_t)lo);
-        memset(plane + (pcw_idx)r * Wt + hi, 0, sizeof(float) * (size_t)(Wt - hi));
-    }
+    float *plane = scratch;                     /* nrows x (even | odd) */
+    float *h = scratch + (pcw_idx)nrows * Wt;   /* h[(r * 4 + k) * tW + i]: row r after B^T along it */
+    /* padded column j = k + pad holds x[.., k]: the columns of x that land on even / odd slots */
+    const int kmax = W < 2 * tW + 2 - pad ? W : 2 * tW + 2 - pad;   /* columns of x the tiles read */
+    const int first_even = pad & 1;             /* x column whose padded index is even */
+    memset(plane, 0, sizeof(float) * (size_t)nrows * Wt);
     for (int c = 0; c < C; c++) {
         const float *xc = x + (pcw_idx)c * H * W;
         for (int r = 0; r < nrows; r++) {
             const int ih = ih0 + r;
-            float *row = plane + (pcw_idx)r * Wt + lo;
+            float *e = plane + (pcw_idx)r * Wt, *o = e + half;
             if (ih < 0 || ih >= H)
-                memset(row, 0, sizeof(float) * (size_t)(hi - lo));
+                continue;                       /* stays zero: no channel writes it */
+            if (kmax <= 0)
+                continue;
+            const float *xr = xc + (pcw_idx)ih * W;
+            /* x[k] goes to e[(k + pad) / 2] when k + pad is even, else o[(k + pad) / 2] */
+            if (first_even == 0)
+                pcw_split(xr, kmax, e + pad / 2, o + pad / 2);
             else
-                memcpy(row, xc + (pcw_idx)ih * W, sizeof(float) * (size_t)(hi - lo));
+                pcw_split(xr, kmax, o + pad / 2, e + (pad + 1) / 2);
         }
         for (int ty = ty0; ty < ty1; ty++) {
             const pcw_idx t0 = (pcw_idx)(ty - ty0) * tW + (pcw_idx)c * ldt;
             const float *rows = plane + (pcw_idx)(2 * (ty - ty0)) * Wt;
             for (int r = 0; r < 4; r++) {
                 float *hr = h + (pcw_idx)r * 4 * tW;
-                pcw_bt_row(rows + (pcw_idx)r * Wt, hr, hr + tW, hr + 2 * tW, hr + 3 * tW, tW);
+                const float *e = rows + (pcw_idx)r * Wt;
+                pcw_bt_row(e, e + half, hr, hr + tW, hr + 2 * tW, hr + 3 * tW, tW);
             }
             for (int k = 0; k < 4; k++)    /* B^T across the four rows: V[r' * 4 + k] */
                 pcw_bt(h + (pcw_idx)(0 * 4 + k) * tW, h + (pcw_idx)(1 * 4 + k) * tW,
