@@ -148,7 +148,7 @@ def reference_scaling(threads: list[int], rounds: int = 7, size: tuple = (512, 2
 
     A compute-bound kernel that scales almost perfectly on idle cores: on a shared
     or virtualised machine it shows how much parallel speed the cores give at
-    this moment, the ceiling for every speedup of the run. Interleaved rounds,
+    this moment, a reference for the speedups of the run. Interleaved rounds,
     median of the per-round ratios. None without threadpoolctl.
     """
     try:
@@ -187,4 +187,4 @@ def scaling_line(ref: dict | None, when: str) -> str:
         return ""
     parts = [f"{t} threads {s:.2f}x (rounds {ref['speedup_min'][t]:.2f}-{ref['speedup_max'][t]:.2f})"
              for t, s in ref["speedup"].items()]
-    return f"machine ceiling {when}: BLAS sgemm speedup over 1 thread " + ", ".join(parts)
+    return f"machine reference {when}: BLAS sgemm speedup over 1 thread " + ", ".join(parts)

@@ -195,10 +195,11 @@ def render(results: dict, plots: list[str]) -> str:
     for when in ("start", "end"):
         ref = m.get(f"reference_scaling_{when}")
         if ref and ref.get("speedup"):
-            lines.append(f"- Machine ceiling at the {when}: the BLAS's own float32 matmul ran "
+            lines.append(f"- Machine reference at the {when}: the BLAS's own float32 matmul ran "
                          + ", ".join(f"{sp:.2f}x faster on {t} threads (rounds {ref['speedup_min'][t]:.2f}–"
                                      f"{ref['speedup_max'][t]:.2f})" for t, sp in ref["speedup"].items())
-                         + " than on 1; no kernel's speedup can be expected above it.")
+                         + " than on 1: what the cores gave a well-scaling kernel at that moment (a shared "
+                         "or virtualised machine gives less when its neighbours are busy).")
     lines.append("")
     busy = [f"{name} {c['name']} ({c['background_cores']:.2f} cores)"
             for name, wl in results.get("workloads", {}).items() for c in wl.get("cases", [])

@@ -146,6 +146,16 @@ class _BlasOneThread:
 
 _blas_one_thread = _BlasOneThread()
 
+#: GEMMs below this many multiply-adds skip the limit: the kernels run them on the
+#: calling thread, and no BLAS splits work that small (OpenBLAS stays on one thread
+#: below 65536 * 4), so the two library calls would be the only cost that grows
+#: with the thread setting
+BLAS_LIMIT_MIN_MACS = 1 << 16
+
+
+def _blas_limit(macs: int):
+    return _blas_one_thread if macs >= BLAS_LIMIT_MIN_MACS else contextlib.nullcontext()
+
 
 def _f32(a):
     """a as C-contiguous float32 (no copy when it already is)."""
@@ -298,7 +308,7 @@ class OpenMPBackend(HostArrays, Backend):
         if min(x.shape + w.shape) <= 0:
             return self._reference().linear_forward(x, w, b)
         y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-        with _blas_one_thread:
+        with _blas_limit(x.shape[0] * x.shape[1] * w.shape[0]):
             _dense.linear_forward(x, w, b, y, get_num_threads())
         return y
 
@@ -309,7 +319,7 @@ class OpenMPBackend(HostArrays, Backend):
         dx = np.empty(x.shape, dtype=np.float32) if need_dx else None
         dw = np.empty(w.shape, dtype=np.float32)
         db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
-        with _blas_one_thread:
+        with _blas_limit(x.shape[0] * x.shape[1] * w.shape[0]):
             _dense.linear_backward(x, w, dy, dx, dw, db, get_num_threads())
         return dx, dw, db
 
