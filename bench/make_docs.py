@@ -123,8 +123,11 @@ def amdahl_tables(entries: list) -> list[str]:
 def target_table(entries: list) -> list[str]:
     def measured(e):
         noise = e.get("within_noise")
-        return _f(e["value"], ".2f") + (f" (equal within noise: 95% interval {noise[0]:.2f}–{noise[1]:.2f})"
-                                         if noise else "")
+        out = _f(e["value"], ".2f") + (f" (equal within noise: 95% interval {noise[0]:.2f}–{noise[1]:.2f})"
+                                        if noise else "")
+        if e.get("reference") is not None:
+            out += f" (machine reference {e['reference']:.2f}x)"
+        return out
 
     rows = [[{True: "✅ met", False: "❌ missed", None: "n/a"}[e["ok"]], e["workload"], e["case"], e["target"],
              e["config"], measured(e)] for e in entries]

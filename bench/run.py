@@ -44,7 +44,8 @@ except ImportError:
     sys.path.insert(1, ROOT)
     import parconv as pc
 
-import harness  # noqa: E402
+import harness
+from machine import reference_scaling  # noqa: E402
 import targets as targets_mod  # noqa: E402
 import workloads as W  # noqa: E402
 from harness import Config, compare_answers, thread_scope  # noqa: E402
@@ -165,6 +166,8 @@ def format_case_table(workload: str, case: dict, impls: list[str]) -> str:
     head += f" | checks {n_ok}/{len(checks)} ok"
     if case.get("background_cores") is not None:
         head += f" | other processes used {case['background_cores']:.2f} cores"
+    if case.get("reference_speedup"):
+        head += " | machine reference " + ", ".join(f"{v:.2f}x@{t}" for t, v in case["reference_speedup"].items())
     lines = [head]
     others = [i for i in impls if any(f"vs_{i}" in r for r in case["results"])]
     cols = ["config", "median ms", "min ms", "max ms", "GFLOP/s", f"{case.get('item_unit', 'items')}/s",
@@ -221,6 +224,8 @@ def format_targets(entries: list[dict]) -> str:
         state = {True: "MET   ", False: "MISSED", None: "n/a   "}[e["ok"]]
         noise = e.get("within_noise")
         extra = f" equal within noise, 95% interval {noise[0]:.2f}-{noise[1]:.2f}" if noise else ""
+        if e.get("reference") is not None:
+            extra += f" (machine reference {e['reference']:.2f}x)"
         lines.append(f"  {state} {e['workload']:13s} {e['case']:22s} {e['target']:45s} "
                      f"{_fmt(e['value'], '.2f'):>6s} (need >= {e['threshold']}) [{e['config']}]{extra}")
     s = targets_mod.summary(entries)
@@ -364,11 +369,18 @@ def run_case(case, impls, threads, args, progress) -> dict:
             progress.describe(f"{wl.name} {case.name}: waiting for other processes to go idle")
             res["quiet_wait"] = harness.wait_for_quiet(args.wait_quiet)
         progress.describe(f"{wl.name} {case.name}: timing")
+        probe = not args.quick and max(c.threads for c in runners) > 1
+        before = reference_scaling([max(c.threads for c in runners)], rounds=3) if probe else None
         with harness.BackgroundLoad() as bg:
             timed = harness.interleaved(runners, kinds, args.repeat, args.warmup, args.min_time,
                                         settle=not (args.quick or args.no_settle), gap=args.gap,
                                         on_run=progress.step)
         res["background_cores"] = bg.cores
+        if probe:
+            # what the cores gave a well-scaling kernel just before and just after this case
+            after = reference_scaling([max(c.threads for c in runners)], rounds=3)
+            res["reference_speedup"] = {t: min(before["speedup"][t], after["speedup"][t])
+                                        for t in before["speedup"]} if before and after else None
     timed.update(singles)
     if timed:
         res["results"] = harness.case_rows(timed, case.flops, case.items)

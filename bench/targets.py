@@ -50,8 +50,11 @@ def evaluate(results: dict, backend: str = "openmp", threads: int = THREADS) -> 
     for wl in ("conv-large", "cnn-mnist"):
         for case in _cases(results, wl):
             r = _row(case, backend, threads)
-            out.append(_entry(f"speedup {threads} vs 1 thread >= 1.8", wl, case["name"],
-                              r and r.get("speedup"), 1.8, cfg))
+            e = _entry(f"speedup {threads} vs 1 thread >= 1.8", wl, case["name"], r and r.get("speedup"), 1.8, cfg)
+            ref = (case.get("reference_speedup") or {}).get(str(threads))
+            if ref is not None:
+                e["reference"] = ref  # the BLAS's own speedup measured around this case
+            out.append(e)
     for wl, wl_res in results.get("workloads", {}).items():
         for case in (wl_res.get("cases", []) if isinstance(wl_res, dict) else []):
             if not case.get("results"):
