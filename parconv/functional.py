@@ -166,18 +166,31 @@ def maxpool2d(x, kernel_size: int, stride: int | None = None, *, return_indices:
     return (y, argmax) if return_indices else y
 
 
+def _check_argmax(argmax, shape, plane: int, be, where: str, made_by: str) -> None:
+    """argmax: the int32 backend array of ``shape`` from ``made_by``, every index inside a plane.
+
+    The kernels scatter through these indices with bounds checks off, so an
+    index outside ``[0, plane)`` is refused here.
+    """
+    if not be.is_array(argmax) or argmax.dtype != np.int32:
+        raise TypeError(f"{where}: argmax must be the int32 backend array returned by {made_by}")
+    if shape_of(argmax) != tuple(shape):
+        raise ValueError(f"{where}: argmax shape {shape_of(argmax)} must equal {tuple(shape)}")
+    host = be.to_numpy(argmax)
+    if host.size and (int(host.min()) < 0 or int(host.max()) >= plane):
+        raise ValueError(f"{where}: argmax holds indices outside [0, {plane}) (min {int(host.min())}, "
+                         f"max {int(host.max())}); pass the argmax {made_by} returned")
+
+
 def maxpool2d_backward(dy, argmax, x_shape, *, backend=None):
     """Gradient of :func:`maxpool2d` from the cached ``argmax``; returns dx of ``x_shape``."""
     be = _backends.get(backend)
     dy = to_backend_array(dy, be, "dy", "maxpool2d_backward")
-    if shape_of(argmax) != shape_of(dy):
-        raise ValueError(f"maxpool2d_backward: dy shape {shape_of(dy)} must equal argmax shape {shape_of(argmax)}")
-    if not be.is_array(argmax) or argmax.dtype != np.int32:
-        raise TypeError("maxpool2d_backward: argmax must be the int32 backend array returned by maxpool2d")
     x_shape = tuple(int(s) for s in x_shape)
     check_ndim(x_shape, 4, "x_shape", "maxpool2d_backward", "(N, C, H, W)")
     if x_shape[:2] != shape_of(dy)[:2]:
         raise ValueError(f"maxpool2d_backward: x_shape {x_shape} does not match dy shape {shape_of(dy)}")
+    _check_argmax(argmax, shape_of(dy), x_shape[2] * x_shape[3], be, "maxpool2d_backward", "maxpool2d")
     return be.maxpool2d_backward(dy, argmax, x_shape)
 
 
@@ -207,8 +220,14 @@ def conv2d_relu_maxpool2d_backward(x, weight, y, argmax, dy, stride: int = 1, pa
     x = to_backend_array(x, be, "x", where)
     w = to_backend_array(weight, be, "weight", where)
     dy = to_backend_array(dy, be, "dy", where)
-    conv2d_output_shape(shape_of(x), shape_of(w), stride, padding, where)
+    y = to_backend_array(y, be, "y", where)
+    N, O, P, Q = conv2d_output_shape(shape_of(x), shape_of(w), stride, padding, where)
+    check_ndim(shape_of(y), 4, "y", where, "(N, O, PP, QQ)")
+    if shape_of(y)[:2] != (N, O) or shape_of(y)[2] > P or shape_of(y)[3] > Q:
+        raise ValueError(f"{where}: y shape {shape_of(y)} is not a pooled output of the ({N}, {O}, {P}, {Q}) "
+                         "convolution")
     check_grad_shape(shape_of(dy), shape_of(y), where)
+    _check_argmax(argmax, shape_of(y), P * Q, be, where, "conv2d_relu_maxpool2d")
     return be.conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, int(stride), int(padding),
                                              bool(need_dx), bool(need_db))
 

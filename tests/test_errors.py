@@ -75,6 +75,42 @@ def test_linear_and_pool_errors(backend):
         pc.ReLU(backend=backend)(np.zeros((0, 3)))
 
 
+def test_pool_backward_argmax_is_checked_before_any_kernel_scatters_through_it(backend):
+    """The kernels scatter through argmax with bounds checks off: bad indices, dtypes and shapes
+    are refused at the functional boundary, for maxpool2d and the fused op."""
+    be = pc.backends.get(backend)
+    rng = np.random.default_rng(0)
+    x = be.asarray(rng.standard_normal((2, 3, 6, 6)).astype(np.float32))
+    y, am = F.maxpool2d(x, 2, return_indices=True, backend=backend)
+    dy = be.asarray(np.ones((2, 3, 3, 3), np.float32))
+    bad = pc.to_numpy(am).copy()
+    for value in (36, -1):
+        bad[1, 2, 2, 2] = value
+        with pytest.raises(ValueError, match=r"argmax holds indices outside \[0, 36\)"):
+            F.maxpool2d_backward(dy, be.asarray(bad, np.int32), (2, 3, 6, 6), backend=backend)
+    with pytest.raises(TypeError, match="argmax must be the int32 backend array"):
+        F.maxpool2d_backward(dy, be.asarray(pc.to_numpy(am).astype(np.float32)), (2, 3, 6, 6), backend=backend)
+    with pytest.raises(ValueError, match="argmax shape"):
+        F.maxpool2d_backward(dy, be.asarray(pc.to_numpy(am)[:1].copy(), np.int32), (2, 3, 6, 6), backend=backend)
+
+    w = be.asarray(rng.standard_normal((4, 3, 3, 3)).astype(np.float32))
+    y, am = F.conv2d_relu_maxpool2d(x, w, padding=1, backend=backend)  # conv (2, 4, 6, 6) -> pooled 3x3
+    dy = be.asarray(np.ones((2, 4, 3, 3), np.float32))
+    bad = pc.to_numpy(am).copy()
+    bad[0, 0, 0, 0] = 36
+    with pytest.raises(ValueError, match=r"argmax holds indices outside \[0, 36\)"):
+        F.conv2d_relu_maxpool2d_backward(x, w, y, be.asarray(bad, np.int32), dy, padding=1, backend=backend)
+    with pytest.raises(ValueError, match="is not a pooled output"):
+        F.conv2d_relu_maxpool2d_backward(x, w, be.asarray(np.ones((2, 5, 3, 3), np.float32)), am, dy,
+                                         padding=1, backend=backend)
+    dx, dw, db = F.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, padding=1, backend=backend)
+    assert shape_of_all(dx, dw, db) == [(2, 3, 6, 6), (4, 3, 3, 3), (4,)]
+
+
+def shape_of_all(*arrays):
+    return [tuple(a.shape) for a in arrays]
+
+
 @pytest.mark.parametrize("labels, exc, match", [
     ([0, 4], ValueError, r"labels must be in \[0, 4\), found 4"),
     ([-1, 0], ValueError, r"labels must be in \[0, 4\), found -1"),
