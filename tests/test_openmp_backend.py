@@ -109,6 +109,14 @@ def test_conv2d_winograd_forward_matches_reference(case):
         y = omp.conv2d_forward(x, w, b, 1, padding)
         close(y, ref.conv2d_forward(x, w, b, 1, padding))
         assert np.array_equal(y, omp.conv2d_forward(x, w, b, 1, padding))  # same threads, same bits
+    try:  # PyTorch as a second oracle where it is installed
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w),
+                                          None if b is None else torch.from_numpy(b), padding=padding)
+        close(y, want.numpy())
     # the direct micro-kernels give the same result within float32 rounding
     direct = np.empty_like(y)
     _conv.conv2d_forward(x, w, b, direct, 1, padding, threads, 1 << 20, False)

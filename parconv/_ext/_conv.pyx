@@ -837,7 +837,7 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
 
 
 cdef extern from "pc_fused.h":
-    Py_ssize_t pcf_dw_scratch_floats(int C, int H, int W, int pad, int K, int P, int Q, int nf) noexcept nogil
+    Py_ssize_t pcf_dw_scratch_floats(int C, int H, int W, int pad, int P, int Q) noexcept nogil
     int pcf_dw(const float *x, int N, int C, int H, int W, int pad, int K, int P, int Q,
                 const float *y, const int *am, const float *dy, int O, int PQp, int o0, int o1,
                 float *dw, float *db, float *scratch) noexcept nogil
@@ -884,7 +884,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     if macs < FUSED_BWD_SERIAL_BELOW:
         nt = 1
     nf = _min(nt, O)
-    dws = pcf_dw_scratch_floats(C, H, W, padding, K, P, Q, (O + nf - 1) // nf)
+    dws = pcf_dw_scratch_floats(C, H, W, padding, P, Q)
     with nogil:
         for t in prange(nf, schedule="static", chunksize=1, num_threads=nf):
             o0 = <int>((<long>O * t) // nf)

@@ -26,10 +26,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef ptrdiff_t pcf_idx;
+#include "pc_common.h"   /* pc_sum_f32 */
+#include "pc_conv.h"     /* pcc_pad_image */
 
-/* sum of a[0..n), in the lanes of pcf_dot */
-static inline double pcf_sum(const float *restrict a, pcf_idx n);
+typedef ptrdiff_t pcf_idx;
 
 /* dy where y > 0, else +0 (NaN y passes nothing, like relu_backward): a bit mask, not a branch,
  * since the sign of y is unpredictable. */
@@ -52,18 +52,7 @@ static inline double pcf_dz_plane(const float *restrict y, const int *restrict a
     memset(dz, 0, sizeof(float) * (size_t)n);
     for (int j = 0; j < PQp; j++)
         dz[where ? where[am[j]] : am[j]] += pcf_relu_grad(y[j], dy[j]);
-    return pcf_sum(dz, n);
-}
-
-/* Zero-padded copy of one image x (C, H, W) into xpad (C, Hp, Wp). */
-static void pcf_pad_image(const float *x, int C, int H, int W, int pad, float *xpad)
-{
-    const int Hp = H + 2 * pad, Wp = W + 2 * pad;
-    memset(xpad, 0, sizeof(float) * (size_t)C * Hp * Wp);
-    for (int c = 0; c < C; c++)
-        for (int h = 0; h < H; h++)
-            memcpy(xpad + ((pcf_idx)c * Hp + h + pad) * Wp + pad, x + ((pcf_idx)c * H + h) * W,
-                   sizeof(float) * (size_t)W);
+    return pc_sum_f32(dz, n);
 }
 
 /* dst[p * ldd + q] += a * dz[p, q] */
@@ -100,25 +89,6 @@ static inline double pcf_dot(const float *restrict a, const float *restrict b, p
         r += (double)a[s] * b[s];
     for (int j = 0; j < 16; j++)
         r += (double)((l0[j] + l1[j]) + (l2[j] + l3[j]));
-    return r;
-}
-
-static inline double pcf_sum(const float *restrict a, pcf_idx n)
-{
-    float l0[16], l1[16];
-    pcf_idx s = 0;
-    for (int j = 0; j < 16; j++)
-        l0[j] = l1[j] = 0.0f;
-    for (; s + 32 <= n; s += 32)
-        for (int j = 0; j < 16; j++) {
-            l0[j] = l0[j] + a[s + j];
-            l1[j] = l1[j] + a[s + 16 + j];
-        }
-    double r = 0.0;
-    for (; s < n; s++)
-        r += (double)a[s];
-    for (int j = 0; j < 16; j++)
-        r += (double)(l0[j] + l1[j]);
     return r;
 }
 
@@ -159,9 +129,8 @@ static inline void pcf_dot9(const float *restrict dz, const float *restrict src,
 }
 
 /* Scratch floats of pcf_dw for one thread (the position map counted as floats). */
-static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int K, int P, int Q, int nf)
+static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int P, int Q)
 {
-    (void)K; (void)nf;
     return (pcf_idx)C * (H + 2 * pad) * (W + 2 * pad) + (pcf_idx)P * (W + 2 * pad) + (pcf_idx)P * Q;
 }
 
@@ -193,7 +162,7 @@ static int pcf_dw(const float *x, int N, int C, int H, int W, int pad, int K, in
     for (int t = 0; t < 9; t++)
         off9[t] = (pcf_idx)(t / 3) * Wp + t % 3;
     for (int n = 0; n < N; n++) {
-        pcf_pad_image(x + (pcf_idx)n * C * H * W, C, H, W, pad, xpad);
+        pcc_pad_image(x + (pcf_idx)n * C * H * W, H, W, pad, Hp, Wp, 0, C, xpad);
         for (int o = o0; o < o1; o++) {
             const pcf_idx plane = ((pcf_idx)n * O + o) * PQp;
             double *a = acc + (pcf_idx)(o - o0) * (kdim + 1);

@@ -92,19 +92,17 @@ class _BlasOneThread:
         import ctypes
 
         libs = self._controllers()
-        fast = False
-        if len(libs) == 1 and libs[0].internal_api == "openblas" and getattr(libs[0], "threading_layer", "") == "pthreads":
-            dynlib = libs[0].dynlib
-            for prefix in ("", "scipy_"):
-                for suffix in ("", "64_", "_64"):
-                    get = getattr(dynlib, f"{prefix}openblas_get_num_threads{suffix}", None)
-                    set_ = getattr(dynlib, f"{prefix}openblas_set_num_threads{suffix}", None)
-                    if get is not None and set_ is not None and not fast:
-                        _threads.blas_hooks(
-                            ctypes.cast(get, ctypes.c_void_p).value, ctypes.cast(set_, ctypes.c_void_p).value
-                        )
-                        fast = True
-        self._fast = fast
+        self._fast = False
+        if len(libs) != 1 or libs[0].internal_api != "openblas" or getattr(libs[0], "threading_layer", "") != "pthreads":
+            return
+        dynlib = libs[0].dynlib
+        for affix in (("", ""), ("", "64_"), ("", "_64"), ("scipy_", ""), ("scipy_", "64_"), ("scipy_", "_64")):
+            get = getattr(dynlib, "{}openblas_get_num_threads{}".format(*affix), None)
+            set_ = getattr(dynlib, "{}openblas_set_num_threads{}".format(*affix), None)
+            if get is not None and set_ is not None:
+                _threads.blas_hooks(ctypes.cast(get, ctypes.c_void_p).value, ctypes.cast(set_, ctypes.c_void_p).value)
+                self._fast = True
+                return
 
     def __enter__(self):
         if self._fast is None:
