@@ -350,6 +350,77 @@ def test_linear_parallel_split_deterministic(N, F, G):
         np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
 
 
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 2))
+@given(
+    st.integers(1, 37), st.integers(2048, 2600), st.integers(1, 16), st.booleans(),
+    st.sampled_from([1, 2]), st.integers(0, 2**31 - 1),
+)
+def test_linear_narrow_kernels_match_reference(N, F, G, bias, threads, seed):
+    """Few outputs over >= 2048 inputs take the narrow kernels: oracle, sgemm and thread-count checks."""
+    from parconv._ext import _dense
+
+    assert omp._narrow(np.empty((1, F), np.float32), np.empty((G, F), np.float32))
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, F))
+    w = uniform(rng, (G, F), 1 / np.sqrt(F))
+    b = uniform(rng, (G,)) if bias else None
+    dy = uniform(rng, (N, G), 1 / np.sqrt(N))
+    need_dx, need_db = bool(seed & 1), bool(seed & 2)
+    with num_threads(threads):
+        y = omp.linear_forward(x, w, b)
+        grads = omp.linear_backward(x, w, dy, need_dx, need_db)
+    close(y, ref.linear_forward(x, w, b))
+    for g, e in zip(grads, ref.linear_backward(x, w, dy, need_dx, need_db)):
+        close(g, e)
+    # each row (forward) and each column (backward) belongs to one thread: the same bits at 1 thread
+    with num_threads(1):
+        assert np.array_equal(y, omp.linear_forward(x, w, b))
+        for g, e in zip(grads, omp.linear_backward(x, w, dy, need_dx, need_db)):
+            assert (g is None and e is None) or np.array_equal(g, e)
+    # and the sgemm path agrees within float32 rounding
+    sg = OpenMPBackend()
+    sg.narrow_linear = False
+    assert not sg._narrow(x, w)
+    np.testing.assert_allclose(sg.linear_forward(x, w, b), y, rtol=1e-5, atol=1e-6)
+    assert _dense.NARROW_MAX_G == 16
+
+
+@pytest.mark.parametrize("N, F, G", [(1, 1, 1), (2, 15, 16), (3, 17, 5), (9, 40, 10), (33, 300, 7), (64, 1000, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_narrow_kernels_edge_shapes(N, F, G, threads):
+    """The narrow kernels called directly on shapes the backend gives sgemm: odd rows, tails, tiny F."""
+    from parconv._ext import _dense
+
+    rng = np.random.default_rng(N * 1000 + F)
+    x, w, b = uniform(rng, (N, F)), uniform(rng, (G, F), 1 / np.sqrt(F)), uniform(rng, (G,))
+    dy = uniform(rng, (N, G), 1 / np.sqrt(N))
+    y = np.full((N, G), np.nan, np.float32)
+    dx, dw, db = (np.full(s, np.nan, np.float32) for s in ((N, F), (G, F), (G,)))
+    _dense.linear_forward(x, w, b, y, threads, True)
+    _dense.linear_backward(x, w, dy, dx, dw, db, threads, True)
+    close(y, ref.linear_forward(x, w, b))
+    for g, e in zip((dx, dw, db), ref.linear_backward(x, w, dy)):
+        close(g, e)
+    dw2 = np.full((G, F), np.nan, np.float32)
+    _dense.linear_backward(x, w, dy, None, dw2, None, threads, True)
+    assert np.array_equal(dw2, dw)
+    with pytest.raises(ValueError, match="at most 16 outputs"):
+        _dense.linear_forward(np.ones((2, 3), np.float32), np.ones((17, 3), np.float32), None,
+                              np.empty((2, 17), np.float32), threads, True)
+
+
+def test_linear_narrow_kernels_propagate_nan():
+    x = np.zeros((4, 4096), np.float32)
+    x[2, 100] = np.nan
+    w = np.ones((10, 4096), np.float32)
+    dy = np.ones((4, 10), np.float32)
+    y = omp.linear_forward(x, w, None)
+    assert np.isnan(y[2]).all() and not np.isnan(y[[0, 1, 3]]).any()
+    dx, dw, _ = omp.linear_backward(x, w, dy)
+    assert np.isnan(dw[:, 100]).all() and not np.isnan(np.delete(dw, 100, axis=1)).any()
+    assert not np.isnan(dx).any()
+
+
 # ------------------------------------------------------------- activations
 @pytest.mark.parametrize("shape", [(3,), (7, 5), (4, 8, 33, 33)])  # the last one runs in parallel
 @pytest.mark.parametrize("threads", [1, 2])
@@ -513,3 +584,52 @@ def test_registry_finds_openmp():
     from parconv.backends import get
 
     assert get("openmp").name == "openmp"
+
+
+# ------------------------------------------------------------------ buffer pool
+def test_buffer_pool_reuses_only_unreferenced_buffers():
+    from parconv.backends.openmp import _BufferPool
+
+    pool = _BufferPool(min_bytes=1024, max_bytes=64 * 1024)
+    a = pool.empty((16, 64))  # 4 KiB: pooled
+    a_ptr = a.__array_interface__["data"][0]
+    a[...] = 1.0
+    b = pool.empty((16, 64))
+    assert b.__array_interface__["data"][0] != a_ptr  # a is alive: never handed out twice
+    view = a[3:, ::2].T  # a view of a view still pins the buffer
+    del a
+    c = pool.empty((16, 64))
+    assert c.__array_interface__["data"][0] != a_ptr
+    assert np.all(view == 1.0)
+    del view
+    d = pool.empty((64, 16), np.int32)  # same bytes, any shape and dtype
+    assert d.__array_interface__["data"][0] == a_ptr
+    assert d.shape == (64, 16) and d.dtype == np.int32 and d.flags.c_contiguous and d.flags.writeable
+    small = pool.empty((3, 5))  # under min_bytes: a plain array
+    assert small.base is None
+    del b, c, d
+    assert pool.nbytes == 3 * 4096
+    for _ in range(40):  # beyond max_bytes the least recently used buffers are forgotten
+        pool.empty((1024 + _,), np.float32)
+    assert pool.nbytes <= 64 * 1024
+    pool.clear()
+    assert pool.nbytes == 0
+
+
+def test_backend_outputs_survive_later_ops():
+    """Pooled outputs a caller still holds keep their values across later ops of the same size."""
+    be = OpenMPBackend()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8, 256, 300), dtype=np.float32)  # 9.8 MB: pooled
+    y1 = be.relu_forward(x)
+    keep = y1.copy()
+    y2 = be.relu_forward(-x)
+    assert np.array_equal(y1, keep)
+    assert not np.shares_memory(y1, y2)
+    del y1
+    y3 = be.relu_forward(x)  # reuses y1's buffer
+    assert np.array_equal(y3, keep)
+    assert be._pool.nbytes >= 2 * x.nbytes
+    be.release_memory()
+    assert be._pool.nbytes == 0
+    assert np.array_equal(y3, keep)  # released buffers stay valid for whoever still holds them

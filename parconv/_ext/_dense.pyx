@@ -14,9 +14,20 @@ The caller limits the BLAS library to one thread around these calls.
 from cython.parallel cimport prange
 from scipy.linalg.cython_blas cimport sgemm
 
+cdef extern from "pc_dense.h":
+    int PCD_NARROW_G, PCD_BWD_FB
+    void pcd_linear_fwd_rows(const float *x, const float *w, const float *b, float *y,
+                             Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t F, int G) noexcept nogil
+    void pcd_linear_bwd_cols(const float *x, const float *w, const float *dy, float *dx, float *dw,
+                             Py_ssize_t N, Py_ssize_t F, int G, Py_ssize_t f0, Py_ssize_t f1,
+                             int fb) noexcept nogil
+
 cdef enum:
     # multiply-adds below which one thread beats waking a team
     SERIAL_BELOW_MACS = 1 << 20
+
+#: the narrow kernels (pc_dense.h) take layers with at most this many outputs
+NARROW_MAX_G = PCD_NARROW_G
 
 
 cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int lda,
@@ -58,15 +69,30 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
                    const float[:, ::1] w,  # IN  (G, F)
                    const float[::1] b,     # IN  (G,) or None
                    float[:, ::1] y,        # OUT (N, G), overwritten
-                   int num_threads):
-    """``y = x @ w.T + b``."""
+                   int num_threads,
+                   bint narrow=False):
+    """``y = x @ w.T + b``; ``narrow`` (G <= NARROW_MAX_G) streams x once instead of calling sgemm."""
     cdef int N = x.shape[0], F = x.shape[1], G = w.shape[0]
     cdef float *yp = &y[0, 0]
     cdef const float *bp = NULL
     cdef Py_ssize_t r, j
-    cdef int nt = num_threads
+    cdef int nt = num_threads if num_threads > 0 else 1
+    cdef int t
     if b is not None:
         bp = &b[0]
+    if narrow:
+        if G > PCD_NARROW_G:
+            raise ValueError(f"narrow linear_forward takes at most {PCD_NARROW_G} outputs, got {G}")
+        if <double>N * F * G < SERIAL_BELOW_MACS:
+            nt = 1
+        if nt > (N + 1) // 2:
+            nt = (N + 1) // 2
+        with nogil:
+            # row pairs split over threads: a pair never straddles two threads
+            for t in prange(nt, schedule="static", num_threads=nt):
+                pcd_linear_fwd_rows(&x[0, 0], &w[0, 0], bp, yp, 2 * ((<Py_ssize_t>((N + 1) // 2) * t) // nt),
+                                    min(N, 2 * ((<Py_ssize_t>((N + 1) // 2) * (t + 1)) // nt)), F, G)
+        return
     with nogil:
         # y^T (G x N) = w (G x F, stored as F x G: 'T') @ x^T (F x N)
         _par_sgemm(b'T', b'N', G, N, F, &w[0, 0], F, &x[0, 0], F, yp, G, num_threads)
@@ -84,25 +110,48 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
                     float[:, ::1] dx,        # OUT (N, F) or None, overwritten
                     float[:, ::1] dw,        # OUT (G, F), overwritten
                     float[::1] db,           # OUT (G,) or None, overwritten
-                    int num_threads):
-    """``dx = dy @ w``, ``dw = dy.T @ x``, ``db = dy.sum(0)`` (db summed in double)."""
+                    int num_threads,
+                    bint narrow=False):
+    """``dx = dy @ w``, ``dw = dy.T @ x``, ``db = dy.sum(0)`` (db summed in double).
+
+    ``narrow`` (G <= NARROW_MAX_G): dx and dw in one pass over x, columns split over threads.
+    """
     cdef int N = x.shape[0], F = x.shape[1], G = w.shape[0]
     cdef const float *dyp = &dy[0, 0]
     cdef float *dbp = NULL
     cdef float *dxp = NULL
     cdef int nt = num_threads if num_threads > 0 else 1
-    cdef int g, r
+    cdef int g, r, t, fb
+    cdef Py_ssize_t nblk
     cdef double s
     if dx is not None:
         dxp = &dx[0, 0]
     if db is not None:
         dbp = &db[0]
+    if narrow:
+        if G > PCD_NARROW_G:
+            raise ValueError(f"narrow linear_backward takes at most {PCD_NARROW_G} outputs, got {G}")
+        if <double>N * F * G < SERIAL_BELOW_MACS:
+            nt = 1
+        # column blocks of fb (a multiple of 16), at least one per thread where F allows
+        fb = PCD_BWD_FB
+        if <Py_ssize_t>fb * nt > F:
+            fb = max(16, <int>(((F + nt - 1) // nt + 15) // 16 * 16))
+        nblk = (F + fb - 1) // fb
+        if nt > nblk:
+            nt = <int>nblk
     with nogil:
-        if dxp != NULL:
+        if narrow:
+            for t in prange(nt, schedule="static", num_threads=nt):
+                pcd_linear_bwd_cols(&x[0, 0], &w[0, 0], dyp, dxp, &dw[0, 0], N, F, G,
+                                    min(F, fb * ((nblk * t) // nt)), min(F, fb * ((nblk * (t + 1)) // nt)), fb)
+            nt = num_threads if num_threads > 0 else 1
+        elif dxp != NULL:
             # dx^T (F x N) = w^T (F x G, stored so: 'N') @ dy^T (G x N)
             _par_sgemm(b'N', b'N', F, N, G, &w[0, 0], F, dyp, G, dxp, F, num_threads)
-        # dw^T (F x G) = x^T (F x N) @ dy (N x G, stored as G x N: 'T')
-        _par_sgemm(b'N', b'T', F, G, N, &x[0, 0], F, dyp, G, &dw[0, 0], F, num_threads)
+        if not narrow:
+            # dw^T (F x G) = x^T (F x N) @ dy (N x G, stored as G x N: 'T')
+            _par_sgemm(b'N', b'T', F, G, N, &x[0, 0], F, dyp, G, &dw[0, 0], F, num_threads)
         if dbp != NULL:
             if <Py_ssize_t>N * G < 32768:
                 nt = 1

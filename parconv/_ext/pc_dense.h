@@ -1,0 +1,197 @@
+/* Linear layers with few outputs (G <= PCD_NARROW_G) for _dense.pyx.
+ *
+ * Shape legend: N batch, F in-features, G out-features; x (N, F), w (G, F),
+ * dy (N, G), all row-major.
+ *
+ * A classifier head (F = 169 * d features -> 10 classes) is a GEMM whose
+ * inner or outer dimension is 10: far too thin for a BLAS to block well, and
+ * so cheap per element of x that it should run at the speed x streams from
+ * memory. These kernels read x (and write dx) exactly once:
+ *
+ *   forward   y[r, g]  = b[g] + sum_f x[r, f] w[g, f]        (rows split over threads)
+ *   backward  dx[r, f] = sum_g dy[r, g] w[g, f]              (columns split over threads)
+ *             dw[g, f] = sum_r dy[r, g] x[r, f]
+ *
+ * The backward walks x by blocks of PCD_BWD_FB columns: the block's slice of
+ * w and its dw accumulators stay in L1 while every row of the block streams
+ * by, so dx and dw come out of one pass. Each column belongs to one thread and
+ * sums its rows in order, so both passes give the same bits at every thread
+ * count. G is made a compile-time constant (a switch over always-inlined
+ * bodies), so the per-output accumulators live in registers.
+ */
+#ifndef PARCONV_PC_DENSE_H
+#define PARCONV_PC_DENSE_H
+
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+#include "pc_common.h"
+#include "pc_conv.h"   /* pcc_v: the vector type and its load / FMA / store */
+
+#define PCD_NARROW_G 16   /* largest G these kernels take */
+#define PCD_LANES 16
+#define PCD_BWD_FB 256    /* backward: w's slice and the dw accumulators, 2 x G x FB floats, in L1 */
+
+#if defined(__GNUC__)
+#define PCD_INLINE static inline __attribute__((always_inline))
+#else
+#define PCD_INLINE static inline
+#endif
+
+/* lanes of v summed in a fixed order, in double */
+PCD_INLINE double pcd_hsum(pcc_v v)
+{
+    float t[PCC_VEC];
+    double s = 0.0;
+    memcpy(t, &v, sizeof t);
+    for (int j = 0; j < PCC_VEC; j++)
+        s += (double)t[j];
+    return s;
+}
+
+/* ------------------------------------------------------------------ forward */
+
+/* Rows r0..r1 of y = x @ w.T + b (b may be NULL). Rows go in pairs sharing each load of w (an odd
+ * last row is paired with itself and its duplicate discarded), so a row's sums never depend on
+ * the split. Each (row, output) sums in PCC_VEC float lanes, then the lanes in double. */
+PCD_INLINE void pcd_fwd_rows_g(const float *restrict x, const float *restrict w, const float *restrict b,
+                               float *restrict y, pc_idx r0, pc_idx r1, pc_idx F, int G)
+{
+    for (pc_idx r = r0; r < r1; r += 2) {
+        const pc_idx rb = r + 1 < r1 ? r + 1 : r;
+        const float *restrict xa = x + r * F, *restrict xb = x + rb * F;
+        pcc_v a0[PCD_NARROW_G], a1[PCD_NARROW_G];
+        for (int g = 0; g < G; g++)
+            a0[g] = a1[g] = PCC_ZERO();
+        pc_idx s = 0;
+        for (; s + PCC_VEC <= F; s += PCC_VEC) {
+            const pcc_v va = PCC_LOADU(xa + s), vb = PCC_LOADU(xb + s);
+            for (int g = 0; g < G; g++) {
+                pcc_v wv = PCC_LOADU(w + (pc_idx)g * F + s);
+                PCC_KEEP(wv);  /* one load for both rows */
+                a0[g] = PCC_FMA(va, wv, a0[g]);
+                a1[g] = PCC_FMA(vb, wv, a1[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            double sa = pcd_hsum(a0[g]), sb = pcd_hsum(a1[g]);
+            for (pc_idx t = s; t < F; t++) {
+                sa += (double)xa[t] * w[(pc_idx)g * F + t];
+                sb += (double)xb[t] * w[(pc_idx)g * F + t];
+            }
+            const float bg = b ? b[g] : 0.0f;
+            y[r * G + g] = (float)sa + bg;
+            if (rb != r)
+                y[rb * G + g] = (float)sb + bg;
+        }
+    }
+}
+
+/* ----------------------------------------------------------------- backward */
+
+/* Columns c0..c0+nb (nb <= PCD_BWD_FB) of dw (and of dx unless NULL), over all N rows: rows go in
+ * pairs through the block, the dw accumulators (acc, G x PCD_BWD_FB floats) and w's slice in L1. */
+PCD_INLINE void pcd_bwd_block_g(const float *restrict x, const float *restrict w, const float *restrict dy,
+                                float *restrict dx, float *restrict dw, pc_idx N, pc_idx F, int G,
+                                pc_idx c0, int nb, float (*restrict acc)[PCD_BWD_FB])
+{
+    const float *restrict wb = w + c0;
+    const int nv = nb - nb % PCC_VEC;
+    for (int g = 0; g < G; g++)
+        memset(acc[g], 0, sizeof(float) * (size_t)nb);
+    for (pc_idx r = 0; r < N; r += 2) {
+        const int two = r + 1 < N;
+        const float *restrict xa = x + r * F + c0;
+        const float *restrict xb = two ? xa + F : xa;
+        float *restrict oa = dx ? dx + r * F + c0 : NULL;
+        float da[PCD_NARROW_G], db[PCD_NARROW_G];
+        for (int g = 0; g < G; g++) {
+            da[g] = dy[r * G + g];
+            db[g] = two ? dy[(r + 1) * G + g] : 0.0f;
+        }
+        for (int j = 0; j < nv; j += PCC_VEC) {
+            const pcc_v va = PCC_LOADU(xa + j), vb = PCC_LOADU(xb + j);
+            pcc_v sa = PCC_ZERO(), sb = PCC_ZERO();
+            for (int g = 0; g < G; g++) {
+                const pcc_v ga = PCC_SET1(da[g]), gb = PCC_SET1(db[g]);
+                if (dx) {
+                    pcc_v wv = PCC_LOADU(wb + (pc_idx)g * F + j);
+                    PCC_KEEP(wv);
+                    sa = PCC_FMA(ga, wv, sa);
+                    sb = PCC_FMA(gb, wv, sb);
+                }
+                PCC_STOREU(&acc[g][j], PCC_FMA(gb, vb, PCC_FMA(ga, va, PCC_LOADU(&acc[g][j]))));
+            }
+            if (dx) {
+                PCC_STOREU(oa + j, sa);
+                if (two)
+                    PCC_STOREU(oa + F + j, sb);
+            }
+        }
+        for (int j = nv; j < nb; j++) {
+            float sa = 0.0f, sb = 0.0f;
+            for (int g = 0; g < G; g++) {
+                const float wv = wb[(pc_idx)g * F + j];
+                sa = fmaf(da[g], wv, sa);
+                sb = fmaf(db[g], wv, sb);
+                acc[g][j] = fmaf(db[g], xb[j], fmaf(da[g], xa[j], acc[g][j]));
+            }
+            if (dx) {
+                oa[j] = sa;
+                if (two)
+                    oa[F + j] = sb;
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        memcpy(dw + (pc_idx)g * F + c0, acc[g], sizeof(float) * (size_t)nb);
+}
+
+PCD_INLINE void pcd_bwd_cols_g(const float *restrict x, const float *restrict w, const float *restrict dy,
+                               float *restrict dx, float *restrict dw, pc_idx N, pc_idx F, int G,
+                               pc_idx f0, pc_idx f1, int fb)
+{
+    float acc[PCD_NARROW_G][PCD_BWD_FB];
+    for (pc_idx c0 = f0; c0 < f1; c0 += fb) {
+        const int nb = (int)(f1 - c0 < fb ? f1 - c0 : fb);
+        pcd_bwd_block_g(x, w, dy, dx, dw, N, F, G, c0, nb, acc);
+    }
+}
+
+/* One copy of each body per G, so G is a constant inside it. */
+#define PCD_CASES(CALL) \
+    CALL(1) CALL(2) CALL(3) CALL(4) CALL(5) CALL(6) CALL(7) CALL(8) \
+    CALL(9) CALL(10) CALL(11) CALL(12) CALL(13) CALL(14) CALL(15) CALL(16)
+
+/* Rows r0..r1 of the narrow forward; G must be 1..PCD_NARROW_G. */
+static void pcd_linear_fwd_rows(const float *x, const float *w, const float *b, float *y,
+                                pc_idx r0, pc_idx r1, pc_idx F, int G)
+{
+    switch (G) {
+#define PCD_FWD_CASE(K) case K: pcd_fwd_rows_g(x, w, b, y, r0, r1, F, K); break;
+        PCD_CASES(PCD_FWD_CASE)
+#undef PCD_FWD_CASE
+    default: break;
+    }
+}
+
+/* Columns f0..f1 of the narrow backward, in blocks of fb (<= PCD_BWD_FB) columns; dx may be NULL. */
+static void pcd_linear_bwd_cols(const float *x, const float *w, const float *dy, float *dx, float *dw,
+                                pc_idx N, pc_idx F, int G, pc_idx f0, pc_idx f1, int fb)
+{
+    if (fb < 1 || fb > PCD_BWD_FB)
+        fb = PCD_BWD_FB;
+    switch (G) {
+#define PCD_BWD_CASE(K) \
+    case K: \
+        if (dx) pcd_bwd_cols_g(x, w, dy, dx, dw, N, F, K, f0, f1, fb); \
+        else pcd_bwd_cols_g(x, w, dy, NULL, dw, N, F, K, f0, f1, fb); \
+        break;
+        PCD_CASES(PCD_BWD_CASE)
+#undef PCD_BWD_CASE
+    default: break;
+    }
+}
+
+#endif /* PARCONV_PC_DENSE_H */
