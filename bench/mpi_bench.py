@@ -4,7 +4,8 @@ Workloads (run under ``mpiexec -n N``; every rank runs this module):
 
 ``data-parallel``
     cnn-mnist training steps (conv 3x3 x d + ReLU + maxpool 2 + FC -> 10,
-    softmax, SGD) at a fixed global batch. Three configurations, interleaved
+    softmax, SGD) at each global batch of ``--dp-batch`` (default 100 and 1000,
+    the two ends of cnn-mnist's sweep). Three configurations, interleaved
     repetition by repetition so machine noise hits them alike: 1 rank x T
     threads, 1 rank x N*T threads (the same cores used by threads instead of
     ranks) and N ranks x T threads with :class:`parconv.distributed.DataParallel`.
@@ -54,7 +55,7 @@ except ImportError:
 import parconv as pc  # noqa: E402
 
 WORKLOADS = ("data-parallel", "conv-large-mpi")
-DEFAULTS = dict(repeats=7, threads_per_rank=1, backend=None, dp_batch=100, dp_filters=32, dp_steps=10,
+DEFAULTS = dict(repeats=7, threads_per_rank=1, backend=None, dp_batch="100,1000", dp_filters=32, dp_steps=20,
                 conv_batch=64, conv_channels=128, conv_filters=64, conv_size=32, bandwidth_gbs=12.5,
                 latency_us=2.0, cost_ranks="8,16,32,64,128,256,512,1024", overlap=0.0, algorithm="halving")
 
@@ -155,11 +156,20 @@ def _summary(times):
 
 
 # ------------------------------------------------------------- data parallel
+def _dp_batches(args) -> list[int]:
+    """The global batches of the data-parallel run (``dp_batch``: an int or a comma-separated list)."""
+    value = _arg(args, "dp_batch")
+    batches = [int(b) for b in str(value).split(",") if b.strip()]
+    if not batches or min(batches) < 1:
+        raise ValueError(f"dp_batch must be positive global batch sizes, got {value!r}")
+    return batches
+
+
 def _dp_setup(args, backend):
     from parconv.cli import build_cnn
 
     x, y = pc.datasets.load_mnist("test")
-    batch, steps = _arg(args, "dp_batch"), _arg(args, "dp_steps")
+    batch, steps = max(_dp_batches(args)), _arg(args, "dp_steps")
     need = batch * (steps + 1)
     reps = -(-need // x.shape[0])
     x = np.concatenate([x] * reps)[:need]
@@ -238,13 +248,21 @@ def _check_dp(comm, make, x, y, batch):
 
 
 def bench_data_parallel(comm, args) -> list[dict]:
+    """Each global batch of ``dp_batch``: 1 rank x T threads, 1 rank x ranks*T threads, ranks x T threads."""
+    backend = pc.backends.get(_arg(args, "backend"))
+    x, y, make = _dp_setup(args, backend)
+    results = []
+    for batch in _dp_batches(args):
+        results += _bench_data_parallel_batch(comm, args, backend, x, y, make, batch)
+    return results
+
+
+def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[dict]:
     from parconv import distributed as dist
 
     rank, size = comm.Get_rank(), comm.Get_size()
     T = _arg(args, "threads_per_rank")
-    repeats, batch, steps = _arg(args, "repeats"), _arg(args, "dp_batch"), _arg(args, "dp_steps")
-    backend = pc.backends.get(_arg(args, "backend"))
-    x, y, make = _dp_setup(args, backend)
+    repeats, steps = _arg(args, "repeats"), _arg(args, "dp_steps")
     with _limits(T):
         _check_dp(comm, make, x, y, batch)
     configs = [("1 rank", 1, T), ("1 rank", 1, size * T), (f"{size} ranks", size, T)]
@@ -286,7 +304,8 @@ def bench_data_parallel(comm, args) -> list[dict]:
     for i, (label, ranks, threads) in enumerate(configs):
         s = _summary(times[i])
         thr = batch * steps / s["median_s"]
-        row = {"workload": "data-parallel", "backend": backend.name, "config": f"{label} x {threads} thread(s)",
+        row = {"workload": "data-parallel", "backend": backend.name,
+               "config": f"batch {batch}: {label} x {threads} thread(s)",
                "ranks": ranks, "threads_per_rank": threads, "global_batch": batch, "steps": steps, **s,
                "step_s": s["median_s"] / steps, "samples_per_s": thr,
                "speedup": base / s["median_s"], "efficiency": base / s["median_s"] / (ranks * threads / T)}
@@ -462,7 +481,7 @@ def format_results(rows) -> str:
                          f"{r['threads_per_rank']} thread(s) on the direct kernels (the same algorithm on both sides)")
     for r in rows:
         if "allreduce_alone_s" in r:
-            lines.append(f"data-parallel allreduce of {r['grad_bytes'] / 1e3:.1f} kB: "
+            lines.append(f"data-parallel batch {r['global_batch']}: allreduce of {r['grad_bytes'] / 1e3:.1f} kB: "
                          f"{r['allreduce_s_per_step'] * 1e3:.2f} ms/step exposed in backward "
                          f"({100 * r['allreduce_fraction']:.1f}% of the step, waiting for the slowest rank "
                          f"included; median step {100 * r['allreduce_fraction_median_step']:.1f}%); "
@@ -484,7 +503,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], help="timed repetitions (median reported)")
     p.add_argument("--threads-per-rank", type=int, default=DEFAULTS["threads_per_rank"])
     p.add_argument("--backend", default=None, help="default: the process default (openmp when built)")
-    p.add_argument("--dp-batch", type=int, default=DEFAULTS["dp_batch"], help="data-parallel global batch")
+    p.add_argument("--dp-batch", default=DEFAULTS["dp_batch"],
+                   help="data-parallel global batch sizes, comma-separated (cnn-mnist's sweep runs 100 to 1000)")
     p.add_argument("--dp-filters", type=int, default=DEFAULTS["dp_filters"], help="cnn-mnist filters d")
     p.add_argument("--dp-steps", type=int, default=DEFAULTS["dp_steps"], help="training steps per timing")
     p.add_argument("--conv-batch", type=int, default=DEFAULTS["conv_batch"])

@@ -155,15 +155,18 @@ def test_mpi_benchmark_runs_and_checks_its_answers(tmp_path):
     out = tmp_path / "mpi.json"
     cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", os.path.join(ROOT, "bench", "mpi_bench.py"),
            "--workloads", "data-parallel,conv-large-mpi", "--repeats", "1", "--dp-steps", "2", "--dp-filters", "4",
+           "--dp-batch", "20,40",
            "--conv-batch", "2", "--conv-channels", "8", "--conv-filters", "5", "--conv-size", "8",
            "--cost-ranks", "8,64", "--json", str(out)]
     res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(out.read_text())["results"]
     configs = {(r["workload"], r["config"]) for r in rows}
-    assert ("data-parallel", "2 ranks x 1 thread(s)") in configs
+    for batch in (20, 40):  # every global batch asked for
+        assert ("data-parallel", f"batch {batch}: 2 ranks x 1 thread(s)") in configs
     assert any(w == "conv-large-mpi" and "allgatherv" in c for w, c in configs)
-    dp = next(r for r in rows if r["workload"] == "data-parallel" and r["ranks"] == 2)
+    dp = [r for r in rows if r["workload"] == "data-parallel" and r["ranks"] == 2][-1]
+    assert dp["global_batch"] == 40
     for key in ("allreduce_fraction", "allreduce_fraction_median_step", "allreduce_alone_s", "vs_1rank_same_cores"):
         assert key in dp and dp[key] >= 0
     assert [c["ranks"] for c in dp["cost_model"]["rows"]] == [8, 64]
