@@ -157,7 +157,8 @@ BLAS_LIMIT_MIN_MACS = 1 << 16
 #: A linear layer with at most ``_dense.NARROW_MAX_G`` (16) outputs and at least this many
 #: inputs runs on the narrow kernels of pc_dense.h, which stream x once (and compute dx and dw
 #: in one pass): 1.3-2x faster than sgemm from 2048 features up (a 10-class head over 5408 to
-#: 43264 features, 100 to 1000 rows). Below it, where x fits in cache, sgemm is as fast or faster.
+#: 43264 features, 100 to 1000 rows). Below it the results were mixed (e.g. 2048 x 512 with one output:
+#: faster on one thread, slower on two; 100 x 1000 with ten outputs: slower), so sgemm keeps those.
 NARROW_MIN_FEATURES = 2048
 
 
