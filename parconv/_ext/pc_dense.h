@@ -27,7 +27,7 @@
 #include <string.h>
 
 #include "pc_common.h"
-#include "pc_conv.h"   /* pcc_v: the vector type and its load / FMA / store */
+#include "pc_conv.h"   /* pcc_v: the vector type and its load / FMA / store / horizontal sum */
 
 #define PCD_NARROW_G 16   /* largest G these kernels take */
 #define PCD_LANES 16
@@ -39,22 +39,12 @@
 #define PCD_INLINE static inline
 #endif
 
-/* lanes of v summed in a fixed order, in double */
-PCD_INLINE double pcd_hsum(pcc_v v)
-{
-    float t[PCC_VEC];
-    double s = 0.0;
-    memcpy(t, &v, sizeof t);
-    for (int j = 0; j < PCC_VEC; j++)
-        s += (double)t[j];
-    return s;
-}
-
 /* ------------------------------------------------------------------ forward */
 
 /* Rows r0..r1 of y = x @ w.T + b (b may be NULL). Rows go in pairs sharing each load of w (an odd
  * last row is paired with itself and its duplicate discarded), so a row's sums never depend on
- * the split. Each (row, output) sums in PCC_VEC float lanes, then the lanes in double. */
+ * the split. Each (row, output) sums in PCC_VEC float lanes, then the lanes (PCC_HSUM) and the
+ * tail in double. */
 PCD_INLINE void pcd_fwd_rows_g(const float *restrict x, const float *restrict w, const float *restrict b,
                                float *restrict y, pc_idx r0, pc_idx r1, pc_idx F, int G)
 {
@@ -75,7 +65,7 @@ PCD_INLINE void pcd_fwd_rows_g(const float *restrict x, const float *restrict w,
             }
         }
         for (int g = 0; g < G; g++) {
-            double sa = pcd_hsum(a0[g]), sb = pcd_hsum(a1[g]);
+            double sa = (double)PCC_HSUM(a0[g]), sb = (double)PCC_HSUM(a1[g]);
             for (pc_idx t = s; t < F; t++) {
                 sa += (double)xa[t] * w[(pc_idx)g * F + t];
                 sb += (double)xb[t] * w[(pc_idx)g * F + t];
