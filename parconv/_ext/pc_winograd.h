@@ -45,37 +45,66 @@ static inline void pcw_g(const float *restrict a0, const float *restrict a1, con
     }
 }
 
-/* B^T applied to four rows (the input transform, one axis). */
-static inline void pcw_bt(const float *restrict a0, const float *restrict a1, const float *restrict a2,
-                          const float *restrict a3, float *restrict v0, float *restrict v1,
-                          float *restrict v2, float *restrict v3, int n)
-{
-    for (int i = 0; i < n; i++) {
-        v0[i] = a0[i] - a2[i];
-        v1[i] = a1[i] + a2[i];
-        v2[i] = a2[i] - a1[i];
-        v3[i] = a1[i] - a3[i];
+/* B^T d B of the tiles i0 .. i0 + n of one tile row, n = 1 (float) or 16 (a vector of
+ * 16 tiles): rows is the tile row's first padded input row, stored as even | odd
+ * columns (half floats each, Wt per row); tile i reads row[2i .. 2i + 3] = e[i],
+ * o[i], e[i + 1], o[i + 1] of four rows. B^T along each row gives h[r][k], B^T
+ * across the rows V[r' * 4 + k]: the same operations in the same order for both
+ * widths, all in registers. */
+#define PCW_DEFINE_INPUT_TILES(NAME, T, LD, ST)                                                       \
+    static inline void NAME(const float *rows, int Wt, int half, int i0, float *V, pcw_idx ldx)      \
+    {                                                                                                 \
+        T h[4][4];                                                                                    \
+        for (int r = 0; r < 4; r++) {                                                                 \
+            const float *e = rows + (pcw_idx)r * Wt + i0, *o = e + half;                              \
+            const T d0 = LD(e), d1 = LD(o), d2 = LD(e + 1), d3 = LD(o + 1);                           \
+            h[r][0] = d0 - d2;                                                                        \
+            h[r][1] = d1 + d2;                                                                        \
+            h[r][2] = d2 - d1;                                                                        \
+            h[r][3] = d1 - d3;                                                                        \
+        }                                                                                             \
+        for (int k = 0; k < 4; k++) {                                                                 \
+            ST(V + (0 * 4 + k) * ldx + i0, h[0][k] - h[2][k]);                                       \
+            ST(V + (1 * 4 + k) * ldx + i0, h[1][k] + h[2][k]);                                       \
+            ST(V + (2 * 4 + k) * ldx + i0, h[2][k] - h[1][k]);                                       \
+            ST(V + (3 * 4 + k) * ldx + i0, h[1][k] - h[3][k]);                                       \
+        }                                                                                             \
     }
-}
 
-/* B^T along one padded input row held as its even (e[k] = row[2k]) and odd (o[k] = row[2k+1])
- * columns: tile i reads row[2i .. 2i+3] = e[i], o[i], e[i+1], o[i+1], all unit-stride. */
-static inline void pcw_bt_row(const float *restrict e, const float *restrict o, float *restrict v0,
-                              float *restrict v1, float *restrict v2, float *restrict v3, int n)
-{
-    for (int i = 0; i < n; i++) {
-        float d0 = e[i], d1 = o[i], d2 = e[i + 1], d3 = o[i + 1];
-        v0[i] = d0 - d2;
-        v1[i] = d1 + d2;
-        v2[i] = d2 - d1;
-        v3[i] = d1 - d3;
-    }
-}
+/* 16 floats as one value: GCC/clang lower it to AVX-512, pairs of AVX registers or
+ * narrower, whatever the target has */
+typedef float pcw_v16 __attribute__((vector_size(64)));
+static inline pcw_v16 pcw_ld16(const float *p) { pcw_v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void pcw_st16(float *p, pcw_v16 v) { memcpy(p, &v, sizeof v); }
+typedef float pcw_v8 __attribute__((vector_size(32)));
+static inline pcw_v8 pcw_ld8(const float *p) { pcw_v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void pcw_st8(float *p, pcw_v8 v) { memcpy(p, &v, sizeof v); }
+static inline float pcw_ld1(const float *p) { return *p; }
+static inline void pcw_st1(float *p, float v) { *p = v; }
+PCW_DEFINE_INPUT_TILES(pcw_input_tiles16, pcw_v16, pcw_ld16, pcw_st16)
+PCW_DEFINE_INPUT_TILES(pcw_input_tiles8, pcw_v8, pcw_ld8, pcw_st8)
+PCW_DEFINE_INPUT_TILES(pcw_input_tile1, float, pcw_ld1, pcw_st1)
 
-/* a[m] = x[2m], b[m] = x[2m + 1]: the even and odd elements of x[0..n) */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* a[m] = x[2m], b[m] = x[2m + 1]: the even and odd elements of x[0..n). Compilers
+ * leave this strided loop scalar, so with AVX-512 two permutes split 32 floats at a
+ * time (the tail stays scalar). */
 static inline void pcw_split(const float *restrict x, int n, float *restrict a, float *restrict b)
 {
-    for (int m = 0; m < n / 2; m++) {
+    int m = 0;
+#if defined(__AVX512F__)
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (; 2 * m + 32 <= n; m += 16) {
+        const __m512 lo = _mm512_loadu_ps(x + 2 * m), hi = _mm512_loadu_ps(x + 2 * m + 16);
+        _mm512_storeu_ps(a + m, _mm512_permutex2var_ps(lo, even, hi));
+        _mm512_storeu_ps(b + m, _mm512_permutex2var_ps(lo, odd, hi));
+    }
+#endif
+    for (; m < n / 2; m++) {
         a[m] = x[2 * m];
         b[m] = x[2 * m + 1];
     }
@@ -93,11 +122,27 @@ static inline void pcw_at(const float *restrict m0, const float *restrict m1, co
     }
 }
 
-/* A^T along the tiles of one output row, plus the bias: tile i writes r[2i], r[2i+1]. */
+/* A^T along the tiles of one output row, plus the bias: tile i writes r[2i], r[2i+1].
+ * With AVX-512 16 tiles at a time, interleaved by two permutes; the same
+ * operations in the same order as the scalar loop, so the same bits. */
 static inline void pcw_at_row(const float *restrict s0, const float *restrict s1, const float *restrict s2,
                               const float *restrict s3, float bias, float *restrict r, int n)
 {
-    for (int i = 0; i < n; i++) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512 vb = _mm512_set1_ps(bias);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 a0 = _mm512_loadu_ps(s0 + i), a1 = _mm512_loadu_ps(s1 + i);
+        const __m512 a2 = _mm512_loadu_ps(s2 + i), a3 = _mm512_loadu_ps(s3 + i);
+        const __m512 ev = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), a2), vb);
+        const __m512 od = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(a1, a2), a3), vb);
+        _mm512_storeu_ps(r + 2 * i, _mm512_permutex2var_ps(ev, first, od));
+        _mm512_storeu_ps(r + 2 * i + 16, _mm512_permutex2var_ps(ev, second, od));
+    }
+#endif
+    for (; i < n; i++) {
         r[2 * i] = ((s0[i] + s1[i]) + s2[i]) + bias;
         r[2 * i + 1] = ((s1[i] - s2[i]) - s3[i]) + bias;
     }
@@ -135,15 +180,16 @@ static void pcw_filters(const float *w, int O, int C, int o0, int o1, float *U, 
 /* Scratch floats pcw_input and pcw_output need for blocks of rb rows of tW tiles. */
 static inline pcw_idx pcw_scratch_floats(int tW, int rb)
 {
-    return (pcw_idx)(2 * rb + 2) * (2 * tW + 2) + 16 * (pcw_idx)tW;
+    return (pcw_idx)(2 * rb + 2) * (2 * tW + 2) + 10 * (pcw_idx)tW;
 }
 
 /* V of every channel of one image x (C, H, W), tile rows ty0..ty1 (at most rb of them).
  *
  * Each channel's input rows of the block are copied once into a zero-padded
  * plane, every row stored as its even and its odd columns (tW + 1 each), so
- * B^T along the rows (into h) reads unit-stride; B^T across the four rows of a
- * tile row then writes V. Margins are cleared once per call. */
+ * the four values of a tile in a row are unit-stride loads for 16 (8) tiles at
+ * a time; B^T along and across the rows stays in registers until V is written.
+ * Margins are cleared once per call. */
 static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int ty1, int tW,
                       float *V, pcw_idx ldx, pcw_idx ldt, float *scratch)
 {
@@ -152,7 +198,6 @@ static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int
     const int nrows = 2 * (ty1 - ty0) + 2;      /* input rows the block reads */
     const int ih0 = 2 * ty0 - pad;
     float *plane = scratch;                     /* nrows x (even | odd) */
-    float *h = scratch + (pcw_idx)nrows * Wt;   /* h[(r * 4 + k) * tW + i]: row r after B^T along it */
     /* padded column j = k + pad holds x[.., k]: the columns of x that land on even / odd slots */
     const int kmax = W < 2 * tW + 2 - pad ? W : 2 * tW + 2 - pad;   /* columns of x the tiles read */
     const int first_even = pad & 1;             /* x column whose padded index is even */
@@ -176,16 +221,13 @@ static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int
         for (int ty = ty0; ty < ty1; ty++) {
             const pcw_idx t0 = (pcw_idx)(ty - ty0) * tW + (pcw_idx)c * ldt;
             const float *rows = plane + (pcw_idx)(2 * (ty - ty0)) * Wt;
-            for (int r = 0; r < 4; r++) {
-                float *hr = h + (pcw_idx)r * 4 * tW;
-                const float *e = rows + (pcw_idx)r * Wt;
-                pcw_bt_row(e, e + half, hr, hr + tW, hr + 2 * tW, hr + 3 * tW, tW);
-            }
-            for (int k = 0; k < 4; k++)    /* B^T across the four rows: V[r' * 4 + k] */
-                pcw_bt(h + (pcw_idx)(0 * 4 + k) * tW, h + (pcw_idx)(1 * 4 + k) * tW,
-                       h + (pcw_idx)(2 * 4 + k) * tW, h + (pcw_idx)(3 * 4 + k) * tW,
-                       V + (0 * 4 + k) * ldx + t0, V + (1 * 4 + k) * ldx + t0,
-                       V + (2 * 4 + k) * ldx + t0, V + (3 * 4 + k) * ldx + t0, tW);
+            int i = 0;
+            for (; i + 16 <= tW; i += 16)
+                pcw_input_tiles16(rows, Wt, half, i, V + t0, ldx);
+            for (; i + 8 <= tW; i += 8)
+                pcw_input_tiles8(rows, Wt, half, i, V + t0, ldx);
+            for (; i < tW; i++)
+                pcw_input_tile1(rows, Wt, half, i, V + t0, ldx);
         }
     }
 }
