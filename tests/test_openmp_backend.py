@@ -240,6 +240,34 @@ def test_fused_conv_relu_maxpool_mnist_shape(threads):
     assert (y >= 0).all()
 
 
+@pytest.mark.parametrize("N, O, fused", [(1, 8, True), (3, 16, True), (5, 4, True), (1, 512, False)])
+def test_fused_forward_keeps_whole_images_when_the_split_is_uneven(N, O, fused):
+    """Fewer (or an odd number of) images than threads: small layers stay fused with whole images
+    per thread, large ones compose the unfused ops; both give the oracle's answer."""
+    from parconv._ext import _conv
+
+    rng = np.random.default_rng(N * 1000 + O)
+    x = uniform(rng, (N, 1, 28, 28))
+    w = uniform(rng, (O, 1, 3, 3), 1 / 3)
+    b = uniform(rng, (O,))
+    y = np.full((N, O, 13, 13), np.nan, np.float32)
+    am = np.full(y.shape, -1, np.int32)
+    assert _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, am, 1, 0, 2, 2, 2) == fused
+    y_ref, am_ref = ref.conv2d_relu_maxpool2d_forward(x, w, b, 1, 0, 2, 2)
+    if fused:
+        close(y, y_ref)
+        assert np.array_equal(am, am_ref)
+    else:  # nothing written: the backend composes instead
+        assert np.isnan(y).all() and (am == -1).all()
+    with num_threads(2):
+        y2, am2 = omp.conv2d_relu_maxpool2d_forward(x, w, b, 1, 0, 2, 2)
+    with num_threads(1):
+        y1, am1 = omp.conv2d_relu_maxpool2d_forward(x, w, b, 1, 0, 2, 2)
+    close(y2, y_ref)
+    assert np.array_equal(am2, am_ref)
+    np.testing.assert_allclose(y2, y1, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("C, padding, pool", [(1, 0, (2, 2)), (3, 1, (2, 2)), (2, 2, (3, 2))])
 def test_fused_backward_matches_composition_and_is_thread_count_independent(C, padding, pool):
     """The fused backward never writes the full-size dz; dw sums each filter's images in order,

@@ -211,11 +211,12 @@ class _BufferPool:
     def _refs(bufs, i) -> int:
         return sys.getrefcount(bufs[i])
 
-    def empty(self, shape, dtype=np.float32) -> np.ndarray:
+    def empty(self, shape, dtype=np.float32, any_size: bool = False) -> np.ndarray:
+        """An uninitialised array, from the pool when it has ``min_bytes`` or more (or ``any_size``)."""
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes < self.min_bytes or nbytes > self.max_bytes:
+        if (nbytes < self.min_bytes and not any_size) or nbytes > self.max_bytes:
             return np.empty(shape, dtype=dtype)
         with self._lock:
             if self._free_refs is None:
@@ -314,13 +315,19 @@ class OpenMPBackend(HostArrays, Backend):
         if min(N, C, O, P, Q) <= 0:
             return self._reference().conv2d_forward(x, w, b, stride, padding)
         y = self._empty((N, O, P, Q))
+        self._conv2d_forward_into(x, w, b, y, stride, padding)
+        return y
+
+    def _conv2d_forward_into(self, x, w, b, y, stride, padding):
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P, Q = y.shape[2], y.shape[3]
         if self._winograd(C, O, K, stride, P, Q):
             with _blas_one_thread:  # Winograd's 16 GEMMs per block of tiles are sgemm calls
                 _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
         else:  # micro-kernels only, no BLAS
             _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
                                  winograd=False)
-        return y
 
     def conv2d_backward(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
         x, w, dy = _f32(x), _f32(w), _f32(dy)
@@ -342,7 +349,9 @@ class OpenMPBackend(HostArrays, Backend):
         """Fused: each thread convolves whole images into private scratch and writes only the pooled maxima.
 
         Falls back to the composed unfused ops where the fused kernel does not apply (stride > 1,
-        or fewer images than threads) and where the convolution runs Winograd F(2x2, 3x3)
+        or images that do not split evenly over the threads while the busiest thread's extra
+        work would exceed ``FUSED_FWD_UNEVEN_MACS``, see ``_conv.pyx``) and where the
+        convolution runs Winograd F(2x2, 3x3)
         (``_conv.winograd_applies``): there the composition was 8-20% faster than the fused
         direct kernel on a 2-core Zen 4 (64x128x32x32 with 64 filters: 50.7 ms against 58.0 ms).
         """
@@ -358,6 +367,14 @@ class OpenMPBackend(HostArrays, Backend):
             if _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, argmax, stride, padding, pool_kernel,
                                                    pool_stride, get_num_threads()):
                 return y, argmax
+            # Composed, with the full-size convolution output in a pooled scratch buffer whatever its
+            # size: a fresh one every call lets malloc return its pages to the system and fault them
+            # in again (one 28x28 image through 256 filters on two threads: 735 us against 137 us).
+            z = self._pool.empty((N, O, P, Q), any_size=True)
+            self._conv2d_forward_into(x, w, b, z, stride, padding)
+            _pool.maxpool2d_forward(z, y, argmax, pool_kernel, pool_stride, get_num_threads())
+            del z
+            return self.relu_forward(y), argmax
         return super().conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
 
     def conv2d_relu_maxpool2d_backward(self, x, w, y, argmax, dy, stride, padding, need_dx=True, need_db=True):
