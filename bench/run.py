@@ -89,7 +89,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="parconv backends to time (default: every available one; unavailable ones are skipped)")
     p.add_argument("--workloads", type=_name_list, default=None, help="comma-separated workload names, or 'all'")
     p.add_argument("--compare", default="auto", choices=("auto", "torch", "none"),
-                   help="time PyTorch CPU alongside (auto: when it is installed)")
+                   help="time PyTorch CPU alongside (auto: when it is installed), and PyTorch CUDA "
+                        "(float32, TF32 off) where a CUDA GPU is visible")
     p.add_argument("--repeat", type=int, default=None, help="timed repetitions per config (default 7; --quick: 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up calls per config (default 2; --quick: 1)")
     p.add_argument("--min-time", type=float, default=None,
@@ -248,9 +249,11 @@ def resolve_impls(args, progress_print) -> tuple[list, list]:
                 progress_print(f"skipping backend {name!r}: {reason}")
     if args.compare in ("auto", "torch"):
         try:
-            import torch  # noqa: F401
+            import torch
 
             impls.append(W.Impl("torch", "torch"))
+            if torch.cuda.is_available():  # the GPU comparison for the OpenCL backend
+                impls.append(W.Impl("torch-cuda", "torch", device="cuda"))
         except ImportError:
             skipped.append({"impl": "torch", "reason": "PyTorch is not installed"})
             if args.compare == "torch":
@@ -261,7 +264,7 @@ def resolve_impls(args, progress_print) -> tuple[list, list]:
 def configs_for(workload, impls, threads) -> list[Config]:
     out = []
     for impl in impls:
-        if impl.kind == "parconv" and not impl.backend.host_arrays:
+        if (impl.kind == "parconv" and not impl.backend.host_arrays) or impl.device != "cpu":
             out.append(Config(impl.name, 0))  # a device: its own threads, one config
             continue
         serial = impl.name == "numpy" and not workload.numpy_all_threads

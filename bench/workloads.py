@@ -38,11 +38,12 @@ LR = 0.1
 
 @dataclass
 class Impl:
-    """An implementation: a parconv backend (kind "parconv") or PyTorch (kind "torch")."""
+    """An implementation: a parconv backend (kind "parconv") or PyTorch (kind "torch") on ``device``."""
 
     name: str
     kind: str
     backend: object = None
+    device: str = "cpu"
 
 
 @dataclass
@@ -110,13 +111,35 @@ class ParconvConv(_Runner):
         return ans
 
 
-class TorchConv(_Runner):
-    def __init__(self, inp, padding, backward):
+class _TorchRunner(_Runner):
+    """PyTorch on ``device`` ("cpu" or "cuda"); on CUDA, in full float32 (no TF32) like parconv."""
+
+    def _setup(self, device):
         import torch
 
-        self.torch, self.padding, self.backward = torch, padding, backward
-        self.x, self.w, self.b = (torch.from_numpy(inp[k]).requires_grad_(backward) for k in ("x", "w", "b"))
-        self.dy = torch.from_numpy(inp["dy"]) if backward else None
+        self.torch, self.device = torch, device
+        if device != "cpu":
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
+
+    def _tensor(self, a, requires_grad=False):
+        return self.torch.from_numpy(a).to(self.device).requires_grad_(requires_grad)
+
+    def sync(self):
+        if self.device != "cpu":
+            self.torch.cuda.synchronize()
+
+
+def _host(t):
+    return t.detach().cpu().numpy()
+
+
+class TorchConv(_TorchRunner):
+    def __init__(self, inp, padding, backward, device="cpu"):
+        self._setup(device)
+        self.padding, self.backward = padding, backward
+        self.x, self.w, self.b = (self._tensor(inp[k], backward) for k in ("x", "w", "b"))
+        self.dy = self._tensor(inp["dy"]) if backward else None
         self.out = None
 
     def run(self):
@@ -131,9 +154,9 @@ class TorchConv(_Runner):
         self.out = y
 
     def answer(self):
-        ans = {"y": self.out.detach().numpy()}
+        ans = {"y": _host(self.out)}
         if self.backward:
-            ans.update(dx=self.x.grad.numpy(), dw=self.w.grad.numpy(), db=self.b.grad.numpy())
+            ans.update(dx=_host(self.x.grad), dw=_host(self.w.grad), db=_host(self.b.grad))
         return ans
 
 
@@ -154,13 +177,12 @@ class ParconvLinear(_Runner):
     answer = ParconvConv.answer
 
 
-class TorchLinear(_Runner):
-    def __init__(self, inp, backward):
-        import torch
-
-        self.torch, self.backward = torch, backward
-        self.x, self.w, self.b = (torch.from_numpy(inp[k]).requires_grad_(backward) for k in ("x", "w", "b"))
-        self.dy = torch.from_numpy(inp["dy"]) if backward else None
+class TorchLinear(_TorchRunner):
+    def __init__(self, inp, backward, device="cpu"):
+        self._setup(device)
+        self.backward = backward
+        self.x, self.w, self.b = (self._tensor(inp[k], backward) for k in ("x", "w", "b"))
+        self.dy = self._tensor(inp["dy"]) if backward else None
         self.out = None
 
     def run(self):
@@ -364,25 +386,26 @@ class ParconvTrainStep(_Runner):
         return ans
 
 
-class TorchTrainStep(_Runner):
+class TorchTrainStep(_TorchRunner):
     """PyTorch twin of :class:`ParconvTrainStep` (same network, weights, data, loss and SGD)."""
 
-    def __init__(self, inp, per_layer=False):
-        import torch
-
-        self.torch, self.per_layer = torch, per_layer
+    def __init__(self, inp, per_layer=False, device="cpu"):
+        self._setup(device)
+        torch = self.torch
+        self.per_layer = per_layer
         self.model = build_torch(inp["spec"])
         self.model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inp["state"].items()})
+        self.model.to(device)
         self.params = list(self.model.named_parameters())
         self.init = [p.detach().clone() for _, p in self.params]
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
-        self.x = torch.from_numpy(inp["x"])
+        self.x = self._tensor(inp["x"])
         if inp["loss"] == "ce":
             self.loss_fn = torch.nn.CrossEntropyLoss()
-            self.y = torch.from_numpy(inp["y"].astype(np.int64))
+            self.y = self._tensor(inp["y"].astype(np.int64))
         else:
             self.loss_fn = torch.nn.BCELoss()
-            self.y = torch.from_numpy(inp["y"].astype(np.float32))
+            self.y = self._tensor(inp["y"].astype(np.float32))
         self.labels = [layer_label(i, s) for i, s in enumerate(inp["spec"])]
         self.loss = None
         self._times = {}
@@ -404,7 +427,12 @@ class TorchTrainStep(_Runner):
 
     def _run_per_layer(self):
         # each layer's input is detached, so its backward can be timed on its own
-        t, clock = {}, time.perf_counter
+        t = {}
+
+        def clock():
+            self.sync()  # a device's queued work belongs to the layer that queued it
+            return time.perf_counter()
+
         self.opt.zero_grad(set_to_none=True)
         h, saved = self.x, []
         for i, (label, mod) in enumerate(zip(self.labels, self.model)):
@@ -437,7 +465,7 @@ class TorchTrainStep(_Runner):
     def answer(self):
         ans = {"loss": np.array([self.loss], dtype=np.float64)}
         for (name, p), p0 in zip(self.params, self.init):
-            ans[f"update:{name}"] = p.detach().numpy().astype(np.float64) - p0.numpy()
+            ans[f"update:{name}"] = _host(p).astype(np.float64) - _host(p0)
         return ans
 
 
@@ -493,7 +521,7 @@ class ConvWorkload(Workload):
 
     def runner(self, impl, p, inp):
         if impl.kind == "torch":
-            return TorchConv(inp, p["padding"], p["backward"])
+            return TorchConv(inp, p["padding"], p["backward"], impl.device)
         return ParconvConv(impl.backend, inp, p["padding"], p["backward"])
 
 
@@ -530,7 +558,7 @@ class LinearWorkload(Workload):
 
     def runner(self, impl, p, inp):
         if impl.kind == "torch":
-            return TorchLinear(inp, p["backward"])
+            return TorchLinear(inp, p["backward"], impl.device)
         return ParconvLinear(impl.backend, inp, p["backward"])
 
 
@@ -563,7 +591,7 @@ class TrainingWorkload(Workload):
 
     def runner(self, impl, p, inp):
         if impl.kind == "torch":
-            return TorchTrainStep(inp, per_layer=self.per_layer)
+            return TorchTrainStep(inp, per_layer=self.per_layer, device=impl.device)
         return ParconvTrainStep(impl.backend, inp, per_layer=self.per_layer)
 
     def _case(self, name, p, chk, amdahl=False, note=""):
