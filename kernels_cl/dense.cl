@@ -43,26 +43,34 @@ inline void stage_tile(__global const float* restrict src, const int rows, const
  * walks the reduction in chunks of GEMM_BK staged in local memory; each work-item runs
  * 8 x 8 register micro-kernels. Partial sums stay in local memory between chunks, so
  * every output is reduced in a fixed order.
- * Launch: local (TILE_WG, 1, 1), global (tiles_n * TILE_WG, tiles_m, 1). */
+ *
+ * Split reduction: the third grid dimension cuts K into chunks of k_split (a multiple
+ * of GEMM_BK); group s reduces k in [s * k_split, (s + 1) * k_split) into the partial
+ * c + s * M * N, and gemm_sum_splits adds the partials in split order. A product with
+ * few output tiles over a long reduction (a classifier head's forward: 100 x 10 outputs
+ * over 43264 inputs) keeps the whole device busy that way instead of two groups.
+ * Launch: local (TILE_WG, 1, 1), global (tiles_n * TILE_WG, tiles_m, splits). */
 __kernel void gemm(__global const float* restrict a,     /* IN  A (M, K) through sa_i, sa_k */
                    __global const float* restrict b,     /* IN  B (K, N) through sb_k, sb_j */
                    __global const float* restrict bias,  /* IN  (N,), read when has_bias */
-                   __global float* restrict c,           /* OUT (M, N) */
+                   __global float* restrict c,           /* OUT (splits, M, N) */
                    const int M, const int N, const int K,
                    const int sa_i, const int sa_k, const int sb_k, const int sb_j,
-                   const int has_bias, const int bm, const int bn)
+                   const int has_bias, const int bm, const int bn, const int k_split)
 {
     __local float As[GEMM_BK * GEMM_BM];
     __local float Bs[GEMM_BK * GEMM_BN];
     __local float Cs[GEMM_BM * GEMM_BN];
     const int lid = get_local_id(0);
-    const int j0 = get_group_id(0) * bn, i0 = get_group_id(1) * bm;
+    const int j0 = get_group_id(0) * bn, i0 = get_group_id(1) * bm, split = get_group_id(2);
     const int rows_valid = IMIN(bm, M - i0), cols_valid = IMIN(bn, N - j0);
     const int nmt = (bm / 8) * (bn / 8);
+    const int k_begin = split * k_split, k_end = IMIN(K, k_begin + k_split);
 
+    c += (size_t)split * M * N;
     for (int e = lid; e < bm * bn; e += TILE_WG) Cs[e] = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += GEMM_BK) {
-        const int kc = IMIN(GEMM_BK, K - k0);
+    for (int k0 = k_begin; k0 < k_end; k0 += GEMM_BK) {
+        const int kc = IMIN(GEMM_BK, k_end - k0);
         barrier(CLK_LOCAL_MEM_FENCE);
         stage_tile(a + (size_t)i0 * sa_i + (size_t)k0 * sa_k, bm, rows_valid, kc, sa_i, sa_k, As, bm);
         stage_tile(b + (size_t)j0 * sb_j + (size_t)k0 * sb_k, bn, cols_valid, kc, sb_j, sb_k, Bs, bn);
@@ -87,6 +95,20 @@ __kernel void gemm(__global const float* restrict a,     /* IN  A (M, K) through
         __global float* dst = c + (size_t)(i0 + i) * N + j0;
         for (int j = 0; j < cols_valid; ++j) dst[j] = Cs[i * bn + j] + (has_bias ? bias[j0 + j] : 0.0f);
     }
+}
+
+/* c[i, j] = sum over s of part[s, i, j] in split order (+ bias[j] when has_bias). */
+__kernel void gemm_sum_splits(__global const float* restrict part,  /* IN  (splits, M, N) */
+                              __global const float* restrict bias,  /* IN  (N,), read when has_bias */
+                              __global float* restrict c,           /* OUT (M, N) overwritten */
+                              const int splits, const int M, const int N, const int has_bias)
+{
+    const int e = get_global_id(0);
+    const size_t len = (size_t)M * N;
+    if (e >= len) return;
+    float s = 0.0f;
+    for (int k = 0; k < splits; ++k) s += part[(size_t)k * len + e];
+    c[e] = s + (has_bias ? bias[e % N] : 0.0f);
 }
 
 /* out[j] = sum over i of m[i, j] in row order (db of a linear layer). */

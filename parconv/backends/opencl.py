@@ -64,6 +64,9 @@ _INSTALL_HINT = 'pip install "parconv[opencl]" (pyopencl + the PoCL CPU driver),
 #: op family -> kernel file; one program per family
 FAMILIES = ("conv", "pool", "dense", "activations", "losses", "optim")
 
+#: staged reduction chunks (GEMM_BK each) every split of a split-K GEMM gets at least
+GEMM_SPLIT_MIN_CHUNKS = 4
+
 
 def _import_pyopencl():
     """pyopencl and pyopencl.array, or an ImportError that says how to install them."""
@@ -325,6 +328,7 @@ class OpenCLBackend(Backend):
         self.queue = cl.CommandQueue(self.context)
         self.pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
         self.config = config or device_config(self.device)
+        self._compute_units = max(1, int(self.device.max_compute_units))
         self.build_options = tuple(self.config.build_options())
         self.transfers = TransferLog()
         self._k = {}
@@ -578,10 +582,24 @@ class OpenCLBackend(Backend):
             return
         bm, bn = min(cfg.gemm_bm, _round8(M)), min(cfg.gemm_bn, _round8(N))
         wg = cfg.tile_wg
-        self._run("gemm", (_cdiv(N, bn) * wg, _cdiv(M, bm), 1), (wg, 1, 1),
-                  a.data, b.data, (bias if bias is not None else self._dummy_f).data, c.data,
+        tiles = _cdiv(N, bn) * _cdiv(M, bm)
+        # Too few output tiles to fill the device over a long reduction: split K (at least
+        # GEMM_SPLIT_MIN_CHUNKS staged chunks per split) and add the partials in order.
+        want = 2 * self._compute_units
+        splits = 1
+        if tiles < want and K >= 2 * GEMM_SPLIT_MIN_CHUNKS * cfg.gemm_bk:
+            splits = min(_cdiv(want, tiles), K // (GEMM_SPLIT_MIN_CHUNKS * cfg.gemm_bk))
+        k_split = _cdiv(_cdiv(K, splits), cfg.gemm_bk) * cfg.gemm_bk
+        splits = _cdiv(K, k_split) if K else 1
+        bias_buf = (bias if bias is not None else self._dummy_f).data
+        out = c if splits == 1 else self.empty((splits, M, N))
+        self._run("gemm", (_cdiv(N, bn) * wg, _cdiv(M, bm), splits), (wg, 1, 1),
+                  a.data, b.data, bias_buf, out.data,
                   _i32(M), _i32(N), _i32(K), _i32(sa_i), _i32(sa_k), _i32(sb_k), _i32(sb_j),
-                  _i32(bias is not None), _i32(bm), _i32(bn))
+                  _i32(bias is not None and splits == 1), _i32(bm), _i32(bn), _i32(k_split))
+        if splits > 1:
+            self._elementwise("gemm_sum_splits", M * N, out.data, bias_buf, c.data, _i32(splits), _i32(M),
+                              _i32(N), _i32(bias is not None))
 
     def linear_forward(self, x, w, b):
         N, F = x.shape
