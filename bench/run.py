@@ -44,11 +44,11 @@ except ImportError:
     sys.path.insert(1, ROOT)
     import parconv as pc
 
-import harness
-from machine import reference_scaling  # noqa: E402
+import harness  # noqa: E402
 import targets as targets_mod  # noqa: E402
 import workloads as W  # noqa: E402
 from harness import Config, compare_answers, thread_scope  # noqa: E402
+from machine import machine_info, reference_scaling, scaling_line, summary_line  # noqa: E402
 
 SCHEMA = 1
 
@@ -372,8 +372,9 @@ def run_case(case, impls, threads, args, progress) -> dict:
             progress.describe(f"{wl.name} {case.name}: waiting for other processes to go idle")
             res["quiet_wait"] = harness.wait_for_quiet(args.wait_quiet)
         progress.describe(f"{wl.name} {case.name}: timing")
-        probe = not args.quick and max(c.threads for c in runners) > 1
-        before = reference_scaling([max(c.threads for c in runners)], rounds=3) if probe else None
+        most = max(c.threads for c in runners)
+        probe = not args.quick and most > 1
+        before = reference_scaling([most], rounds=3) if probe else None
         with harness.BackgroundLoad() as bg:
             timed = harness.interleaved(runners, kinds, args.repeat, args.warmup, args.min_time,
                                         settle=not (args.quick or args.no_settle), gap=args.gap,
@@ -381,7 +382,7 @@ def run_case(case, impls, threads, args, progress) -> dict:
         res["background_cores"] = bg.cores
         if probe:
             # what the cores gave a well-scaling kernel just before and just after this case
-            after = reference_scaling([max(c.threads for c in runners)], rounds=3)
+            after = reference_scaling([most], rounds=3)
             res["reference_speedup"] = {t: min(before["speedup"][t], after["speedup"][t])
                                         for t in before["speedup"]} if before and after else None
     timed.update(singles)
@@ -493,8 +494,6 @@ def main(argv=None) -> int:
     impls, skipped = resolve_impls(args, print)
     results["skipped_impls"] = skipped
     kinds = _kinds(impls)
-    from machine import machine_info, reference_scaling, scaling_line, summary_line
-
     results["machine"] = machine_info({i.name: i.backend for i in impls if i.kind == "parconv"}, "torch" in kinds)
     print(f"parconv benchmarks | {summary_line(results['machine'])}")
     if not args.quick and len(threads) > 1:

@@ -181,7 +181,7 @@ POOL_MIN_BYTES = 8 << 20
 
 def _refcount_when_free() -> int:
     """What ``sys.getrefcount`` reports for a pooled buffer that only the pool holds (calibrated
-    here, through the very code path :meth:`_BufferPool._is_free` uses, so it holds on every
+    here, through the very code path :meth:`_BufferPool.empty` checks with, so it holds on every
     CPython version)."""
     probe = [np.empty(1, np.uint8)]
     return _BufferPool._refs(probe, 0)
@@ -348,12 +348,15 @@ class OpenMPBackend(HostArrays, Backend):
     def conv2d_relu_maxpool2d_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride):
         """Fused: each thread convolves whole images into private scratch and writes only the pooled maxima.
 
-        Falls back to the composed unfused ops where the fused kernel does not apply (stride > 1,
-        or images that do not split evenly over the threads while the busiest thread's extra
-        work would exceed ``FUSED_FWD_UNEVEN_MACS``, see ``_conv.pyx``) and where the
-        convolution runs Winograd F(2x2, 3x3)
-        (``_conv.winograd_applies``): there the composition was 8-20% faster than the fused
-        direct kernel on a 2-core Zen 4 (64x128x32x32 with 64 filters: 50.7 ms against 58.0 ms).
+        Composes convolution, pooling and ReLU instead where the fused kernel does not apply
+        (stride > 1, or images that do not split evenly over the threads while the busiest
+        thread's extra work would exceed ``FUSED_FWD_UNEVEN_MACS``, see ``_conv.pyx``) and where
+        the convolution runs Winograd F(2x2, 3x3) (``_conv.winograd_applies``): there the
+        composition was 8-20% faster than the fused direct kernel on a 2-core Zen 4
+        (64x128x32x32 with 64 filters: 50.7 ms against 58.0 ms). The composed convolution output
+        is a pooled scratch buffer whatever its size: a fresh one every call lets malloc return
+        its pages to the system and fault them in again (one 28x28 image through 256 filters on
+        two threads: 735 us against 137 us).
         """
         x, w = _f32(x), _f32(w)
         b = None if b is None else _f32(b)
@@ -361,21 +364,18 @@ class OpenMPBackend(HostArrays, Backend):
         O, _, K, _ = w.shape
         P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
         PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
-        if stride == 1 and min(N, C, O, PP, QQ) > 0 and not self._winograd(C, O, K, stride, P, Q):
-            y = self._empty((N, O, PP, QQ))
-            argmax = self._empty((N, O, PP, QQ), np.int32)
-            if _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, argmax, stride, padding, pool_kernel,
-                                                   pool_stride, get_num_threads()):
-                return y, argmax
-            # Composed, with the full-size convolution output in a pooled scratch buffer whatever its
-            # size: a fresh one every call lets malloc return its pages to the system and fault them
-            # in again (one 28x28 image through 256 filters on two threads: 735 us against 137 us).
-            z = self._pool.empty((N, O, P, Q), any_size=True)
-            self._conv2d_forward_into(x, w, b, z, stride, padding)
-            _pool.maxpool2d_forward(z, y, argmax, pool_kernel, pool_stride, get_num_threads())
-            del z
-            return self.relu_forward(y), argmax
-        return super().conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
+        if min(N, C, O, PP, QQ) <= 0:
+            return super().conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
+        y = self._empty((N, O, PP, QQ))
+        argmax = self._empty((N, O, PP, QQ), np.int32)
+        if stride == 1 and not self._winograd(C, O, K, stride, P, Q) and _conv.conv2d_relu_maxpool2d_forward(
+                x, w, b, y, argmax, stride, padding, pool_kernel, pool_stride, get_num_threads()):
+            return y, argmax
+        z = self._pool.empty((N, O, P, Q), any_size=True)
+        self._conv2d_forward_into(x, w, b, z, stride, padding)
+        _pool.maxpool2d_forward(z, y, argmax, pool_kernel, pool_stride, get_num_threads())
+        del z  # back to the pool before ReLU asks for its output
+        return self.relu_forward(y), argmax
 
     def conv2d_relu_maxpool2d_backward(self, x, w, y, argmax, dy, stride, padding, need_dx=True, need_db=True):
         """Fused: each (image, filter) plane of the convolution's gradient is built in L1 scratch from
