@@ -164,6 +164,24 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 0.2, window_s: float = 
             return {"waited_s": time.perf_counter() - t0 - window_s, "background_cores": bg.cores}
 
 
+def wait_own_threads_idle(max_wait_s: float = 0.5, threshold: float = 0.1, window_s: float = 0.004) -> float:
+    """Sleep until this process's own threads use fewer than ``threshold`` cores (at most ``max_wait_s``).
+
+    Runtimes keep their idle workers spinning after a parallel call: libgomp
+    for a few milliseconds, OpenBLAS for about 2**28 cycles (~0.1 s measured
+    here). A sample timed while another runtime's worker still spins loses a
+    core to it, so the harness waits for this process to go quiet between
+    configs. Returns the seconds waited.
+    """
+    t0 = time.perf_counter()
+    while True:
+        c0, w0 = BackgroundLoad._self_s(), time.perf_counter()
+        time.sleep(window_s)
+        c1, w1 = BackgroundLoad._self_s(), time.perf_counter()
+        if (c1 - c0) < threshold * (w1 - w0) or w1 - t0 >= max_wait_s:
+            return w1 - t0
+
+
 # ----------------------------------------------------------------------------- stats
 def summarize(times: list[float]) -> dict:
     """Median, min, max, mean and standard deviation (seconds) of a list of samples."""
@@ -242,7 +260,7 @@ def _one_sample(runner, inner: int) -> float:
 
 
 def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: float,
-                settle: bool = True, gap: float = 0.0, on_run=None) -> dict:
+                settle: bool = True, gap: float = 0.0, idle_wait: float = 0.0, on_run=None) -> dict:
     """Time every runner ``repeat`` times, interleaved.
 
     Parameters
@@ -261,6 +279,9 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
         Seconds to sleep between configs (untimed), so the idle threads of the
         previous runtime (OpenMP, BLAS and OpenCL pools spin-wait a while
         after their work) stop competing for cores before the next timing.
+    idle_wait : float
+        After the gap, wait up to this many seconds until this process's own
+        threads are idle (:func:`wait_own_threads_idle`); 0 turns it off.
     on_run : callable, optional
         Called after every run (progress display).
 
@@ -286,6 +307,8 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
             runner = runners[c]
             if gap > 0:
                 time.sleep(gap)
+            if idle_wait > 0:
+                wait_own_threads_idle(idle_wait)
             with thread_scope(kinds[c.impl], c.threads):
                 if settle:
                     runner.prepare()

@@ -102,6 +102,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap", type=float, default=None,
                    help="untimed pause between configs in seconds, so the previous runtime's spinning idle "
                         "threads go to sleep (default 0.01; --quick: 0)")
+    p.add_argument("--idle-wait", type=float, default=None, metavar="SECONDS",
+                   help="before each sample, wait up to this long until this process's own threads are idle "
+                        "(an OpenBLAS worker spins ~0.1 s after a call and would take a core from the next "
+                        "config; default 0.5; --quick: 0)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="before timing each case, wait up to this long until other processes use less than "
                         "0.2 cores (for shared machines; default 0: do not wait)")
@@ -378,7 +382,7 @@ def run_case(case, impls, threads, args, progress) -> dict:
         with harness.BackgroundLoad() as bg:
             timed = harness.interleaved(runners, kinds, args.repeat, args.warmup, args.min_time,
                                         settle=not (args.quick or args.no_settle), gap=args.gap,
-                                        on_run=progress.step)
+                                        idle_wait=args.idle_wait, on_run=progress.step)
         res["background_cores"] = bg.cores
         if probe:
             # what the cores gave a well-scaling kernel just before and just after this case
@@ -461,8 +465,9 @@ def main(argv=None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.min_time = args.min_time if args.min_time is not None else (0.0 if args.quick else 0.05)
     args.gap = args.gap if args.gap is not None else (0.0 if args.quick else 0.01)
-    if args.repeat < 1 or args.warmup < 0 or args.min_time < 0 or args.gap < 0:
-        raise SystemExit("bench/run.py: --repeat must be >= 1; --warmup, --min-time and --gap >= 0")
+    args.idle_wait = args.idle_wait if args.idle_wait is not None else (0.0 if args.quick else 0.5)
+    if args.repeat < 1 or args.warmup < 0 or args.min_time < 0 or args.gap < 0 or args.idle_wait < 0:
+        raise SystemExit("bench/run.py: --repeat must be >= 1; --warmup, --min-time, --gap and --idle-wait >= 0")
     threads = args.threads or default_threads()
     if 1 not in threads:
         print("note: adding 1 thread (speedups are relative to it)")
@@ -479,7 +484,8 @@ def main(argv=None) -> int:
     results = {"schema": SCHEMA, "suite": "parconv bench/run.py", "quick": args.quick,
                "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "settings": {"threads": threads, "repeat": args.repeat, "warmup": args.warmup,
-                            "min_time_s": args.min_time, "gap_s": args.gap, "interleaved": True,
+                            "min_time_s": args.min_time, "gap_s": args.gap, "idle_wait_s": args.idle_wait,
+                            "interleaved": True,
                             "settle": not (args.quick or args.no_settle), "tolerance": harness.DEFAULT_TOL,
                             "target_backend": args.target_backend},
                "workloads": {}, "amdahl": [], "targets": [], "errors": []}

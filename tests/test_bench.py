@@ -155,3 +155,23 @@ def test_never_slower_target_needs_a_measured_slowdown():
     e = verdict(0.9, [0.85, 0.97])  # every pair slower: a real slowdown
     assert e["ok"] is False and "within_noise" not in e
     assert verdict(0.9, None)["ok"] is False  # no interval (too few repetitions): the median decides
+
+
+def test_idle_wait_returns_when_quiet_and_gives_up_on_a_busy_thread():
+    import threading
+
+    harness = _bench_module("harness")
+    assert harness.wait_own_threads_idle(max_wait_s=5.0) < 5.0  # nothing of ours runs: returns at once
+    stop = threading.Event()
+
+    def spin():  # stands in for a runtime's worker that spins after its parallel call
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin, daemon=True)
+    worker.start()
+    try:
+        assert harness.wait_own_threads_idle(max_wait_s=0.1) >= 0.1  # still busy: waits the whole budget
+    finally:
+        stop.set()
+        worker.join()
