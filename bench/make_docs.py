@@ -170,7 +170,11 @@ def render(results: dict, plots: list[str]) -> str:
            "state and not disturbed by the previous configuration's cache and memory state." if s.get("settle")
            else "")
         + (f" Calls shorter than {1e3 * s['min_time_s']:.0f} ms are repeated and averaged within one sample."
-           if s.get("min_time_s") else ""),
+           if s.get("min_time_s") else "")
+        + (f" Before each sample the harness waits (at most {s['idle_wait_s']:g} s) until the process's own "
+           "threads are idle: the previous configuration's runtime keeps its idle workers spinning after a call "
+           "(OpenBLAS for about 0.1 s, libgomp for a few ms) and would otherwise take a core from the sample."
+           if s.get("idle_wait_s") else ""),
         "- `opencl@device` (when present) runs on the OpenCL device, which schedules its own threads; it is "
         "compared with the others at their largest thread count.",
         "- Threads: `parconv.num_threads(n)` for parconv backends, `torch.set_num_threads(n)` for PyTorch, "
