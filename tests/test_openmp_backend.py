@@ -295,6 +295,37 @@ def test_fused_backward_matches_composition_and_is_thread_count_independent(C, p
             assert np.array_equal(runs[0][1], runs[1][1], equal_nan=True)
 
 
+def test_fused_backward_hands_out_filter_ranges_without_changing_bits():
+    """Above the serial threshold the fused backward's dw runs as filter ranges handed out dynamically:
+    any number of ranges, on any thread, gives the bits of one thread."""
+    from parconv._ext import _conv
+
+    rng = np.random.default_rng(12)
+    N, C, O, H = 16, 2, 24, 20  # 2.2 M multiply-adds: parallel
+    x = uniform(rng, (N, C, H, H))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    b = uniform(rng, (O,))
+    y, am = omp.conv2d_relu_maxpool2d_forward(x, w, b, 1, 1, 2, 2)
+    dy = uniform(rng, y.shape)
+    want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1)
+    with num_threads(1):
+        serial = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, True, True)
+    for g, e in zip(serial, want):
+        np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL)
+    old = _conv._set_fused_backward_chunks_per_thread(1)
+    try:
+        for per_thread in (1, 3, 4, 100):  # 2 ranges up to one per filter
+            _conv._set_fused_backward_chunks_per_thread(per_thread)
+            with num_threads(2):
+                got = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, True, True)
+            for g, s in zip(got, serial):
+                assert np.array_equal(g, s)
+        with pytest.raises(ValueError, match=">= 1"):
+            _conv._set_fused_backward_chunks_per_thread(0)
+    finally:
+        _conv._set_fused_backward_chunks_per_thread(old)
+
+
 # --------------------------------------------------------------- maxpool2d
 @st.composite
 def pool_cases(draw):

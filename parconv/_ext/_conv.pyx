@@ -253,7 +253,9 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 failed[0] = 1
             else:
                 memset(buf + img, 0, sizeof(float) * slack)
-            for n in prange(N, schedule="static"):
+            # dynamic: every image is computed alone, so a thread whose core is shared with another
+            # process takes fewer images and the result keeps its bits
+            for n in prange(N, schedule="dynamic"):
                 if failed[0]:
                     continue
                 pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
@@ -294,7 +296,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
             ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
             if ct == NULL:
                 failed[0] = 1
-            for it in prange(N * cpi, schedule="static"):
+            for it in prange(N * cpi, schedule="dynamic"):
                 if failed[0]:
                     continue
                 n = it // cpi
@@ -442,7 +444,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
         if V != NULL:
             M = V + 16 * ldxv
             scr = M + 16 * ldxm
-        for blk in prange(nblocks, schedule="static"):
+        for blk in prange(nblocks, schedule="dynamic"):
             if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
                 n = blk // bpi
                 ty0 = (blk % bpi) * rb
@@ -613,6 +615,8 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
                 failed[0] = 1
             else:
                 memset(buf + img, 0, sizeof(float) * slack)
+            # static, unlike the forward's image loop: each thread's private dw sums a fixed set of
+            # images, so the reduction in thread order gives the same bits on every run
             for n in prange(N, schedule="static"):
                 if failed[0]:
                     continue
@@ -874,6 +878,20 @@ cdef extern from "pc_fused.h":
 cdef enum:
     # multiply-adds of the fused backward below which it runs on one thread
     FUSED_BWD_SERIAL_BELOW = 1 << 18
+    # filter ranges per thread in the fused backward's dw (handed out dynamically)
+    FUSED_BWD_CHUNKS_PER_THREAD = 4
+
+cdef int _fused_bwd_chunks_per_thread = FUSED_BWD_CHUNKS_PER_THREAD
+
+
+def _set_fused_backward_chunks_per_thread(int n):
+    """Set how many filter ranges per thread the fused backward hands out (tuning and tests); returns the old value."""
+    global _fused_bwd_chunks_per_thread
+    if n < 1:
+        raise ValueError(f"chunks per thread must be >= 1, got {n}")
+    old = _fused_bwd_chunks_per_thread
+    _fused_bwd_chunks_per_thread = n
+    return old
 
 
 def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C, H, W)
@@ -887,9 +905,10 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                                    int padding, int num_threads):
     """Gradients of ``relu(maxpool2d(conv2d(x)))`` (stride-1 convolution) without a full-size dz.
 
-    See ``pc_fused.h``. dw and db: filters split over threads, each filter
-    summing its images in order (the same bits at every thread count); dx:
-    images split over threads.
+    See ``pc_fused.h``. dw and db: ranges of filters handed out to threads
+    dynamically, each filter summing its images in order (the same bits at
+    every thread count and whichever thread takes it); dx: images handed out
+    dynamically.
     """
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], K = w.shape[2]
@@ -898,7 +917,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     cdef int nt = num_threads if num_threads > 0 else 1
     cdef double macs = <double>N * O * P * Q * C * K * K
     cdef int failed[1]
-    cdef int t, n, nf, o0, o1
+    cdef int t, n, nf, nchunks, o0, o1
     cdef float *scr
     cdef float *dbp = NULL
     cdef Py_ssize_t dws = 0
@@ -908,26 +927,30 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     if macs < FUSED_BWD_SERIAL_BELOW:
         nt = 1
     nf = _min(nt, O)
+    # a few filter ranges per thread, handed out dynamically: a thread
+    # whose core is shared with another process takes fewer of them
+    nchunks = _min(O, _fused_bwd_chunks_per_thread * nf) if nf > 1 else 1
     dws = pcf_dw_scratch_floats(C, H, W, padding, P, Q)
     with nogil:
-        for t in prange(nf, schedule="static", chunksize=1, num_threads=nf):
-            o0 = <int>((<long>O * t) // nf)
-            o1 = <int>((<long>O * (t + 1)) // nf)
+        with parallel(num_threads=nf):
             scr = <float *>malloc(sizeof(float) * dws)
             if scr == NULL:
                 failed[0] = 1
-            else:
-                if pcf_dw(&x[0, 0, 0, 0], N, C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
-                          &dy[0, 0, 0, 0], O, PQp, o0, o1, &dw[0, 0, 0, 0], dbp, scr):
-                    failed[0] = 1
-                free(scr)
+            for t in prange(nchunks, schedule="dynamic"):
+                if scr != NULL:
+                    o0 = <int>((<long>O * t) // nchunks)
+                    o1 = <int>((<long>O * (t + 1)) // nchunks)
+                    if pcf_dw(&x[0, 0, 0, 0], N, C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
+                              &dy[0, 0, 0, 0], O, PQp, o0, o1, &dw[0, 0, 0, 0], dbp, scr):
+                        failed[0] = 1
+            free(scr)
         if dx is not None and not failed[0]:
             dws = pcf_dx_scratch_floats(C, H, W, padding, P, Q)
             with parallel(num_threads=_min(nt, N)):
                 scr = <float *>malloc(sizeof(float) * dws)
                 if scr == NULL:
                     failed[0] = 1
-                for n in prange(N, schedule="static"):
+                for n in prange(N, schedule="dynamic"):
                     if scr != NULL:
                         pcf_dx(n, C, H, W, padding, K, P, Q, &w[0, 0, 0, 0], &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
                                &dy[0, 0, 0, 0], O, PQp, &dx[0, 0, 0, 0], scr)

@@ -25,6 +25,9 @@ cdef extern from "pc_dense.h":
 cdef enum:
     # multiply-adds below which one thread beats waking a team
     SERIAL_BELOW_MACS = 1 << 20
+    # runs of rows (forward) or of column blocks (backward) per thread in the narrow kernels,
+    # handed out dynamically
+    NARROW_RUNS_PER_THREAD = 4
 
 #: the narrow kernels (pc_dense.h) take layers with at most this many outputs
 NARROW_MAX_G = PCD_NARROW_G
@@ -75,9 +78,8 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
     cdef int N = x.shape[0], F = x.shape[1], G = w.shape[0]
     cdef float *yp = &y[0, 0]
     cdef const float *bp = NULL
-    cdef Py_ssize_t r, j
+    cdef Py_ssize_t r, j, npairs, nrun, t
     cdef int nt = num_threads if num_threads > 0 else 1
-    cdef int t
     if b is not None:
         bp = &b[0]
     if narrow:
@@ -85,13 +87,16 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
             raise ValueError(f"narrow linear_forward takes at most {PCD_NARROW_G} outputs, got {G}")
         if <double>N * F * G < SERIAL_BELOW_MACS:
             nt = 1
-        if nt > (N + 1) // 2:
-            nt = (N + 1) // 2
+        npairs = (N + 1) // 2
+        if nt > npairs:
+            nt = <int>npairs
+        # runs of row pairs (a pair never straddles two runs), a few per thread, handed out
+        # dynamically: every row is computed alone, so any split gives the same bits
+        nrun = 1 if nt == 1 else min(npairs, <Py_ssize_t>NARROW_RUNS_PER_THREAD * nt)
         with nogil:
-            # row pairs split over threads: a pair never straddles two threads
-            for t in prange(nt, schedule="static", num_threads=nt):
-                pcd_linear_fwd_rows(&x[0, 0], &w[0, 0], bp, yp, 2 * ((<Py_ssize_t>((N + 1) // 2) * t) // nt),
-                                    min(N, 2 * ((<Py_ssize_t>((N + 1) // 2) * (t + 1)) // nt)), F, G)
+            for t in prange(nrun, schedule="dynamic", num_threads=nt):
+                pcd_linear_fwd_rows(&x[0, 0], &w[0, 0], bp, yp, 2 * ((npairs * t) // nrun),
+                                    min(N, 2 * ((npairs * (t + 1)) // nrun)), F, G)
         return
     with nogil:
         # y^T (G x N) = w (G x F, stored as F x G: 'T') @ x^T (F x N)
@@ -114,15 +119,16 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
                     bint narrow=False):
     """``dx = dy @ w``, ``dw = dy.T @ x``, ``db = dy.sum(0)`` (db summed in double).
 
-    ``narrow`` (G <= NARROW_MAX_G): dx and dw in one pass over x, columns split over threads.
+    ``narrow`` (G <= NARROW_MAX_G): dx and dw in one pass over x, column blocks handed out to
+    threads dynamically (each column sums its rows in order: the same bits on any thread).
     """
     cdef int N = x.shape[0], F = x.shape[1], G = w.shape[0]
     cdef const float *dyp = &dy[0, 0]
     cdef float *dbp = NULL
     cdef float *dxp = NULL
     cdef int nt = num_threads if num_threads > 0 else 1
-    cdef int g, r, t, fb
-    cdef Py_ssize_t nblk
+    cdef int g, r, fb
+    cdef Py_ssize_t nblk, nrun, t
     cdef double s
     if dx is not None:
         dxp = &dx[0, 0]
@@ -142,9 +148,12 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
             nt = <int>nblk
     with nogil:
         if narrow:
-            for t in prange(nt, schedule="static", num_threads=nt):
+            # runs of column blocks, a few per thread, handed out dynamically (a thread whose core
+            # is shared takes fewer); a run's blocks are adjacent, so each thread streams its dx rows
+            nrun = 1 if nt == 1 else min(nblk, <Py_ssize_t>NARROW_RUNS_PER_THREAD * nt)
+            for t in prange(nrun, schedule="dynamic", num_threads=nt):
                 pcd_linear_bwd_cols(&x[0, 0], &w[0, 0], dyp, dxp, &dw[0, 0], N, F, G,
-                                    min(F, fb * ((nblk * t) // nt)), min(F, fb * ((nblk * (t + 1)) // nt)), fb)
+                                    min(F, fb * ((nblk * t) // nrun)), min(F, fb * ((nblk * (t + 1)) // nrun)), fb)
             nt = num_threads if num_threads > 0 else 1
         elif dxp != NULL:
             # dx^T (F x N) = w^T (F x G, stored so: 'N') @ dy^T (G x N)
