@@ -175,9 +175,10 @@ def wait_own_threads_idle(max_wait_s: float = 0.5, threshold: float = 0.1, windo
     """
     t0 = time.perf_counter()
     while True:
-        c0, w0 = BackgroundLoad._self_s(), time.perf_counter()
+        # process_time: CPU time of all threads at clock resolution (os.times() counts 10 ms ticks)
+        c0, w0 = time.process_time(), time.perf_counter()
         time.sleep(window_s)
-        c1, w1 = BackgroundLoad._self_s(), time.perf_counter()
+        c1, w1 = time.process_time(), time.perf_counter()
         if (c1 - c0) < threshold * (w1 - w0) or w1 - t0 >= max_wait_s:
             return w1 - t0
 
