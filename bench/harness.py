@@ -111,6 +111,11 @@ def compare_answers(got: dict, ref: dict, tol: float = DEFAULT_TOL) -> dict:
 
 
 # ----------------------------------------------------------------------------- noise
+def _own_cpu_s() -> float:
+    """CPU seconds of all this process's threads, at clock resolution (``os.times()`` counts 10 ms ticks)."""
+    return time.process_time()
+
+
 class BackgroundLoad:
     """CPU time other processes used while a block ran, in cores (Linux; None elsewhere).
 
@@ -133,20 +138,15 @@ class BackgroundLoad:
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
         return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
-    @staticmethod
-    def _self_s():
-        t = os.times()
-        return t.user + t.system
-
     def __enter__(self):
-        self._t0, self._busy0, self._self0 = time.perf_counter(), self._machine_busy_s(), self._self_s()
+        self._t0, self._busy0, self._self0 = time.perf_counter(), self._machine_busy_s(), _own_cpu_s()
         return self
 
     def __exit__(self, *exc):
         busy = self._machine_busy_s()
         wall = time.perf_counter() - self._t0
         if busy is not None and self._busy0 is not None and wall > 0:
-            self.cores = max(0.0, ((busy - self._busy0) - (self._self_s() - self._self0)) / wall)
+            self.cores = max(0.0, ((busy - self._busy0) - (_own_cpu_s() - self._self0)) / wall)
         return False
 
 
@@ -175,10 +175,9 @@ def wait_own_threads_idle(max_wait_s: float = 0.5, threshold: float = 0.1, windo
     """
     t0 = time.perf_counter()
     while True:
-        # process_time: CPU time of all threads at clock resolution (os.times() counts 10 ms ticks)
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0, w0 = _own_cpu_s(), time.perf_counter()
         time.sleep(window_s)
-        c1, w1 = time.process_time(), time.perf_counter()
+        c1, w1 = _own_cpu_s(), time.perf_counter()
         if (c1 - c0) < threshold * (w1 - w0) or w1 - t0 >= max_wait_s:
             return w1 - t0
 
