@@ -295,9 +295,10 @@ def test_fused_backward_matches_composition_and_is_thread_count_independent(C, p
             assert np.array_equal(runs[0][1], runs[1][1], equal_nan=True)
 
 
-def test_fused_backward_hands_out_filter_ranges_without_changing_bits():
-    """Above the serial threshold the fused backward's dw runs as filter ranges handed out dynamically:
-    any number of ranges, on any thread, gives the bits of one thread."""
+def test_fused_backward_sums_fixed_image_blocks_at_every_thread_count():
+    """The fused backward's dw is summed in blocks of images fixed by the shape, handed out
+    dynamically and added in block order: every thread count gives the bits of one thread,
+    and any number of blocks agrees with the oracle."""
     from parconv._ext import _conv
 
     rng = np.random.default_rng(12)
@@ -308,22 +309,23 @@ def test_fused_backward_hands_out_filter_ranges_without_changing_bits():
     y, am = omp.conv2d_relu_maxpool2d_forward(x, w, b, 1, 1, 2, 2)
     dy = uniform(rng, y.shape)
     want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1)
-    with num_threads(1):
-        serial = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, True, True)
-    for g, e in zip(serial, want):
-        np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL)
-    old = _conv._set_fused_backward_chunks_per_thread(1)
+    old = _conv._set_fused_backward_image_blocks(16)
     try:
-        for per_thread in (1, 3, 4, 100):  # 2 ranges up to one per filter
-            _conv._set_fused_backward_chunks_per_thread(per_thread)
-            with num_threads(2):
-                got = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, True, True)
-            for g, s in zip(got, serial):
-                assert np.array_equal(g, s)
+        for blocks in (1, 3, 16, 100):  # one block up to one per image (at most N)
+            _conv._set_fused_backward_image_blocks(blocks)
+            with num_threads(1):
+                serial = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, True, True)
+            for g, e in zip(serial, want):
+                np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL)
+            for threads in (2, 3):
+                with num_threads(threads):
+                    got = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, True, True)
+                for g, s in zip(got, serial):
+                    assert np.array_equal(g, s), (blocks, threads)
         with pytest.raises(ValueError, match=">= 1"):
-            _conv._set_fused_backward_chunks_per_thread(0)
+            _conv._set_fused_backward_image_blocks(0)
     finally:
-        _conv._set_fused_backward_chunks_per_thread(old)
+        _conv._set_fused_backward_image_blocks(old)
 
 
 # --------------------------------------------------------------- maxpool2d

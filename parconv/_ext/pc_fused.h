@@ -13,9 +13,11 @@
  *   dw[o, c, kh, kw] += sum_{p,q} dz[p, q] * xpad[c, p + kh, q + kw]
  *   dx[c, p + kh, q + kw] += w[o, c, kh, kw] * dz[p, q]      (padded, per image)
  *
- * The dw taps are contiguous dot products over the plane (see pcf_dw), summed in
- * float lanes per plane and in double across planes; the dx update runs along
- * rows. A filter's dw sums its images in order, whatever the thread count.
+ * The dw taps are contiguous dot products over the plane (see pcf_dw_images),
+ * summed in float lanes per plane and in double across planes; the dx update
+ * runs along rows. dw is summed in fixed blocks of images (their number set by
+ * the shape, not the thread count) and the blocks' partials are added in
+ * order, so every thread count gives the same bits.
  */
 #ifndef PARCONV_PC_FUSED_H
 #define PARCONV_PC_FUSED_H
@@ -134,41 +136,44 @@ static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int P,
     return (pcf_idx)C * (H + 2 * pad) * (W + 2 * pad) + (pcf_idx)P * (W + 2 * pad) + (pcf_idx)P * Q;
 }
 
-/* dw (and db) of filters o0..o1, summed over all N images in order; 1 when out of memory.
+/* Partial dw and db sums of images n0..n1 for every filter, in double: acc[o * (kdim + 1) + k] for
+ * the kdim = C*K*K taps, acc[o * (kdim + 1) + kdim] for the bias (overwritten). The images are
+ * summed in order, so a block's partials do not depend on the thread that computes them.
  *
  * dz is laid out at the padded row stride Wp (zeros in the Wp - Q wrap-around
  * columns), so tap (c, kh, kw) is one contiguous dot product of
  * (P - 1) * Wp + Q terms against the padded image shifted by
- * c * Hp * Wp + kh * Wp + kw. */
-static int pcf_dw(const float *x, int N, int C, int H, int W, int pad, int K, int P, int Q,
-                  const float *y, const int *am, const float *dy, int O, int PQp, int o0, int o1,
-                  float *dw, float *db, float *scratch)
+ * c * Hp * Wp + kh * Wp + kw. A block reads each image's y, argmax and dy
+ * planes as one contiguous run (all O filters). */
+static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, int P, int Q,
+                          const float *y, const int *am, const float *dy, int O, int PQp, int n0, int n1,
+                          double *acc, float *scratch)
 {
     const int Hp = H + 2 * pad, Wp = W + 2 * pad;
-    const pcf_idx kdim = (pcf_idx)C * K * K, PQ = (pcf_idx)P * Q, PW = (pcf_idx)P * Wp;
+    const pcf_idx kdim = (pcf_idx)C * K * K, PW = (pcf_idx)P * Wp;
     const pcf_idx span = (pcf_idx)(P - 1) * Wp + Q;
     float *xpad = scratch;
     float *dzw = xpad + (pcf_idx)C * Hp * Wp;           /* (P, Wp) */
     int *where = (int *)(dzw + PW);                     /* (p, q) of the plane -> p * Wp + q */
-    const pcf_idx nacc = (pcf_idx)(o1 - o0) * (kdim + 1); /* per filter: kdim tap sums, the bias sum */
-    double *acc = (double *)malloc(sizeof(double) * (size_t)(nacc > 0 ? nacc : 1));
-    if (!acc)
-        return 1;
-    memset(acc, 0, sizeof(double) * (size_t)nacc);
+    memset(acc, 0, sizeof(double) * (size_t)O * (size_t)(kdim + 1));
     for (int p = 0; p < P; p++)
         for (int q = 0; q < Q; q++)
             where[(pcf_idx)p * Q + q] = p * Wp + q;
     pcf_idx off9[9];
     for (int t = 0; t < 9; t++)
         off9[t] = (pcf_idx)(t / 3) * Wp + t % 3;
-    for (int n = 0; n < N; n++) {
-        pcc_pad_image(x + (pcf_idx)n * C * H * W, H, W, pad, Hp, Wp, 0, C, xpad);
-        for (int o = o0; o < o1; o++) {
+    for (int n = n0; n < n1; n++) {
+        const float *xn = x + (pcf_idx)n * C * H * W;   /* unpadded images are read in place */
+        if (pad) {
+            pcc_pad_image(xn, H, W, pad, Hp, Wp, 0, C, xpad);
+            xn = xpad;
+        }
+        for (int o = 0; o < O; o++) {
             const pcf_idx plane = ((pcf_idx)n * O + o) * PQp;
-            double *a = acc + (pcf_idx)(o - o0) * (kdim + 1);
+            double *a = acc + (pcf_idx)o * (kdim + 1);
             a[kdim] += pcf_dz_plane(y + plane, am + plane, dy + plane, PQp, where, dzw, PW);
             for (int c = 0; c < C; c++) {
-                const float *xc = xpad + (pcf_idx)c * Hp * Wp;
+                const float *xc = xn + (pcf_idx)c * Hp * Wp;
                 if (K == 3) {
                     pcf_dot9(dzw, xc, off9, span, a + (pcf_idx)c * 9);
                     continue;
@@ -179,15 +184,24 @@ static int pcf_dw(const float *x, int N, int C, int H, int W, int pad, int K, in
             }
         }
     }
-    for (int o = o0; o < o1; o++) {
-        const double *a = acc + (pcf_idx)(o - o0) * (kdim + 1);
-        for (pcf_idx k = 0; k < kdim; k++)
-            dw[(pcf_idx)o * kdim + k] = (float)a[k];
-        if (db)
-            db[o] = (float)a[kdim];
-    }
-    free(acc);
-    return 0;
+}
+
+/* dw (O, kdim) and db (NULL: skipped) of filters o0..o1 from nblocks blocks of partial sums
+ * (pcf_dw_images, per_block = O * (kdim + 1) doubles apart), added in block order. */
+static void pcf_dw_reduce(const double *part, int nblocks, pcf_idx per_block, int o0, int o1, pcf_idx kdim,
+                          float *dw, float *db)
+{
+    for (int o = o0; o < o1; o++)
+        for (pcf_idx k = 0; k <= kdim; k++) {
+            const pcf_idx e = (pcf_idx)o * (kdim + 1) + k;
+            double s = part[e];
+            for (int b = 1; b < nblocks; b++)
+                s += part[(pcf_idx)b * per_block + e];
+            if (k < kdim)
+                dw[(pcf_idx)o * kdim + k] = (float)s;
+            else if (db)
+                db[o] = (float)s;
+        }
 }
 
 /* Scratch floats of pcf_dx for one thread. */
