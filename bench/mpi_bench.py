@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import statistics
 import sys
 import time
@@ -130,10 +131,16 @@ def format_cost_model(rows, bandwidth, latency, batch_per_rank, compute_per_samp
 
 # --------------------------------------------------------------- MPI plumbing
 def _sleeping_barrier(comm) -> None:
-    """A barrier that sleeps instead of spinning, so idle ranks leave their cores to rank 0."""
+    """A barrier that sleeps instead of spinning, so idle ranks leave their cores to rank 0.
+
+    The naps are long (10 ms): a rank waking every 0.5 ms preempted one of rank
+    0's threads that often, and every parallel region then waited for it (one
+    rank x 2 threads at batch 100 read 1.01x to 1.73x one thread across runs).
+    The barrier's own latency is never timed.
+    """
     req = comm.Ibarrier()
     while not req.Test():
-        time.sleep(0.0005)
+        time.sleep(0.01)
 
 
 def _limits(threads: int):
@@ -190,12 +197,13 @@ def _train_steps(model, opt, x, y, batch, steps, dp=None, warmup=3):
 
 
 def _train_steps_detail(model, opt, x, y, batch, steps, dp=None, warmup=3):
-    """:func:`_train_steps` plus each timed step's seconds and (with ``dp``) its seconds in allreduce."""
+    """:func:`_train_steps` plus each timed step's seconds and (with ``dp``) its seconds in allreduce
+    and its ``reduce_window`` (when every gradient was handed to the reduction, when it completed)."""
     loss_fn = pc.SoftmaxCrossEntropy()
     lo, hi = dp.shard(batch) if dp is not None else (0, batch)
     t0 = 0.0
     n = len(x) // batch
-    step_s, allreduce_s = [], []
+    step_s, allreduce_s, windows = [], [], []
     for s in range(steps + warmup):
         if s == warmup:
             if dp is not None:
@@ -214,8 +222,27 @@ def _train_steps_detail(model, opt, x, y, batch, steps, dp=None, warmup=3):
         if s >= warmup:
             step_s.append(time.perf_counter() - ts)
             allreduce_s.append(dp.timings["allreduce"] - ar0 if dp is not None else 0.0)
+            windows.append(dp.reduce_window if dp is not None else None)
     model.backend.synchronize()
-    return time.perf_counter() - t0, step_s, allreduce_s
+    return time.perf_counter() - t0, step_s, allreduce_s, windows
+
+
+def _split_allreduce(comm, allreduce_s, windows) -> tuple[float, float] | None:
+    """This rank's seconds of allreduce split into (the reduction itself, waiting for the slowest rank).
+
+    A step's reduction cannot complete before the last rank has handed over its
+    gradients, so with every rank on one node (one monotonic clock) the time a
+    rank spends between its own ``ready`` and the last rank's ``ready`` is load
+    imbalance, and what follows -- plus the copies and launches inside the
+    backward -- is the reduction. None when the ranks span several nodes.
+    """
+    if len(set(comm.allgather(socket.gethostname()))) != 1:
+        return None
+    ready = np.array(comm.allgather([w[0] for w in windows]))  # (ranks, steps)
+    last = ready.max(axis=0)
+    mine = ready[comm.Get_rank()]
+    wait = np.minimum(last - mine, np.array(allreduce_s))
+    return float(np.sum(np.array(allreduce_s) - wait)), float(np.sum(wait))
 
 
 def _allreduce_alone(comm, nbytes, repeats=30) -> float:
@@ -269,7 +296,7 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
     if size == 1:
         configs = configs[:1]
     times = {i: [] for i in range(len(configs))}
-    ar_share, ar_share_step = [], []
+    ar_share, ar_share_step, ar_reduce_share, ar_wait_share = [], [], [], []
     models = {}
     for i, (_, ranks, threads) in enumerate(configs):
         with _limits(threads):
@@ -286,12 +313,17 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
                 _sleeping_barrier(comm)
             else:
                 with _limits(threads):
-                    seconds, step_s, step_ar = _train_steps_detail(model, opt, x, y, batch, steps, dp)
+                    seconds, step_s, step_ar, windows = _train_steps_detail(model, opt, x, y, batch, steps, dp)
+                split = _split_allreduce(comm, step_ar, windows)
                 # the step of a data-parallel run ends when its slowest rank ends
                 seconds = comm.allreduce(seconds, op=dist.MPI.MAX)
                 times[i].append(seconds)
                 shares = comm.allgather(dp.timings["allreduce"] / seconds)
                 ar_share.append(max(shares))
+                if split is not None:
+                    parts = comm.allgather((split[0] / seconds, split[1] / seconds))
+                    ar_reduce_share.append(max(p[0] for p in parts))
+                    ar_wait_share.append(max(p[1] for p in parts))
                 # the typical step: median over steps of each rank's share, the larger of the ranks
                 step_shares = comm.allgather(statistics.median(a / t for a, t in zip(step_ar, step_s)))
                 ar_share_step.append(max(step_shares))
@@ -314,6 +346,9 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
             row["allreduce_fraction"] = share
             # the same per step: a noise spike on one rank makes the other wait in that step only
             row["allreduce_fraction_median_step"] = statistics.median(ar_share_step)
+            # the same split into the reduction itself and waiting for the slowest rank (one node only)
+            row["allreduce_reduce_fraction"] = statistics.median(ar_reduce_share) if ar_reduce_share else None
+            row["allreduce_wait_fraction"] = statistics.median(ar_wait_share) if ar_wait_share else None
             row["allreduce_s_per_step"] = share * row["step_s"]
             row["compute_s_per_step"] = (1 - share) * row["step_s"]
             row["vs_1rank_same_cores"] = thr / (batch * steps / statistics.median(times[1]))
@@ -484,7 +519,10 @@ def format_results(rows) -> str:
             lines.append(f"data-parallel batch {r['global_batch']}: allreduce of {r['grad_bytes'] / 1e3:.1f} kB: "
                          f"{r['allreduce_s_per_step'] * 1e3:.2f} ms/step exposed in backward "
                          f"({100 * r['allreduce_fraction']:.1f}% of the step, waiting for the slowest rank "
-                         f"included; median step {100 * r['allreduce_fraction_median_step']:.1f}%); "
+                         f"included; median step {100 * r['allreduce_fraction_median_step']:.1f}%"
+                         + (f"; the reduction itself {100 * r['allreduce_reduce_fraction']:.1f}%, waiting for "
+                            f"the slowest rank {100 * r['allreduce_wait_fraction']:.1f}%"
+                            if r.get("allreduce_reduce_fraction") is not None else "") + "); "
                          f"{r['allreduce_alone_s'] * 1e3:.3f} ms alone "
                          f"({100 * r['allreduce_alone_fraction']:.1f}%); compute {r['compute_s_per_step'] * 1e3:.2f} "
                          "ms/step")

@@ -222,12 +222,14 @@ def _host_copy(backend, a) -> np.ndarray:
 class _Bucket:
     """A contiguous host buffer holding the gradients of a run of layers, reduced together."""
 
-    __slots__ = ("layers", "params", "offsets", "buffer", "pending", "request")
+    __slots__ = ("layers", "params", "offsets", "sizes", "shapes", "buffer", "pending", "request")
 
     def __init__(self):
         self.layers: list[int] = []
         self.params: list = []
         self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        self.shapes: list[tuple] = []
         self.buffer = None
         self.pending = 0
         self.request = None
@@ -267,6 +269,13 @@ class DataParallel:
         Seconds spent in ``backward`` (``"backward"``) and the part of it spent
         on gradient reduction -- copies, starting and waiting for the
         allreduces (``"allreduce"``) -- summed over calls (``reset_timings()``).
+    reduce_window : tuple of float or None
+        ``(ready, done)``: the ``time.perf_counter()`` readings at which the
+        last :meth:`backward` had handed every gradient to its reduction and
+        at which the reductions completed. The reduction cannot finish before
+        the slowest rank is ready, so on one node (one clock) comparing
+        ``ready`` across ranks splits ``"allreduce"`` into waiting for the
+        slowest rank and the reduction itself (``bench/mpi_bench.py`` does).
 
     Examples
     --------
@@ -294,13 +303,14 @@ class DataParallel:
         self.abort_on_error = bool(abort_on_error)
         self._buckets: list[_Bucket] = []
         self._layer_bucket: dict[int, int] = {}
-        self._slot: dict[int, int] = {}
+        self._slot: dict[int, tuple] = {}  # id(param) -> (offset in its bucket, size, shape)
         self._plan_key = None
         self._active = False
         self._reported: set = set()
         self._next_launch = 0
         self._weight = 1.0
         self.timings = {"backward": 0.0, "allreduce": 0.0}
+        self.reduce_window = None
         with self._guard("DataParallel()"):
             self.threads = configure_threads(self.comm, threads)
             if self.size > 1:
@@ -360,7 +370,8 @@ class DataParallel:
     def _plan_buckets(self) -> None:
         """Group the layers, last first (the order backward writes them), into contiguous buckets."""
         layers = self.model.layers
-        key = tuple((i, id(p), p.shape) for i, layer in enumerate(layers) for p in layer.parameters())
+        # checked on every backward: the arrays' own shape tuples, no conversions
+        key = tuple((i, id(p), p.data.shape) for i, layer in enumerate(layers) for p in layer.parameters())
         if key == self._plan_key:
             return
         buckets, current, nbytes = [], _Bucket(), 0
@@ -382,9 +393,12 @@ class DataParallel:
         for b, bucket in enumerate(buckets):
             off = 0
             for p in bucket.params:
-                self._slot[id(p)] = off
+                shape, size = p.shape, p.size
+                self._slot[id(p)] = (off, size, shape)
                 bucket.offsets.append(off)
-                off += p.size
+                bucket.sizes.append(size)
+                bucket.shapes.append(shape)
+                off += size
             bucket.buffer = np.empty(off, dtype=np.float32)
             for i in bucket.layers:
                 self._layer_bucket[i] = b
@@ -403,11 +417,12 @@ class DataParallel:
         self._reported.add(layer_index)
         t0 = time.perf_counter()
         bucket = self._buckets[self._layer_bucket[layer_index]]
+        weight = np.float32(self._weight)
         for p in params:
-            off = self._slot[id(p)]
-            view = bucket.buffer[off:off + p.size]
-            grad = p.backend.zeros(p.shape) if p.grad is None else p.grad
-            np.multiply(_host_copy(p.backend, grad).reshape(-1), np.float32(self._weight), out=view)
+            off, size, shape = self._slot[id(p)]
+            view = bucket.buffer[off:off + size]
+            grad = p.backend.zeros(shape) if p.grad is None else p.grad
+            np.multiply(_host_copy(p.backend, grad).reshape(-1), weight, out=view)
             bucket.pending -= 1
         self._launch_ready()
         # MPI makes progress on started reductions only inside MPI calls: poke it while backward runs
@@ -476,15 +491,17 @@ class DataParallel:
                         self._on_grads(i, self.model.layers[i].parameters())
             finally:
                 self._active = False
+            ready = time.perf_counter()
             MPI.Request.Waitall([b.request for b in self._buckets])
             for bucket in self._buckets:
                 bucket.request = None
-                for p, off in zip(bucket.params, bucket.offsets):
+                for p, off, size, shape in zip(bucket.params, bucket.offsets, bucket.sizes, bucket.shapes):
                     # host backends: the grad becomes a view of the bucket (no copy)
-                    p.grad = p.backend.asarray(bucket.buffer[off:off + p.size].reshape(p.shape))
+                    p.grad = p.backend.asarray(bucket.buffer[off:off + size].reshape(shape))
             t2 = time.perf_counter()
             self.timings["allreduce"] += t2 - t1
             self.timings["backward"] += t2 - t0
+            self.reduce_window = (ready, t2)
             return dx
 
     def _zero_grads(self, notify: bool = False) -> None:

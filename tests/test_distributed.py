@@ -167,8 +167,12 @@ def test_mpi_benchmark_runs_and_checks_its_answers(tmp_path):
     assert any(w == "conv-large-mpi" and "allgatherv" in c for w, c in configs)
     dp = [r for r in rows if r["workload"] == "data-parallel" and r["ranks"] == 2][-1]
     assert dp["global_batch"] == 40
-    for key in ("allreduce_fraction", "allreduce_fraction_median_step", "allreduce_alone_s", "vs_1rank_same_cores"):
+    for key in ("allreduce_fraction", "allreduce_fraction_median_step", "allreduce_alone_s", "vs_1rank_same_cores",
+                "allreduce_reduce_fraction", "allreduce_wait_fraction"):
         assert key in dp and dp[key] >= 0
+    # both ranks on this machine: the allreduce splits into the reduction and the wait for the slowest rank
+    for key in ("allreduce_reduce_fraction", "allreduce_wait_fraction"):
+        assert dp[key] <= dp["allreduce_fraction"] + 1e-9
     assert [c["ranks"] for c in dp["cost_model"]["rows"]] == [8, 64]
     assert "cost model" in res.stdout
 
