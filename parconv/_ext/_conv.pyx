@@ -869,8 +869,7 @@ cdef extern from "pc_fused.h":
     void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, int P, int Q,
                        const float *y, const int *am, const float *dy, int O, int PQp, int n0, int n1,
                        double *acc, float *scratch) noexcept nogil
-    void pcf_dw_reduce(const double *part, int nblocks, Py_ssize_t per_block, int o0, int o1, Py_ssize_t kdim,
-                       float *dw, float *db) noexcept nogil
+    void pcf_dw_reduce(const double *part, int nblocks, int O, Py_ssize_t kdim, float *dw, float *db) noexcept nogil
     Py_ssize_t pcf_dx_scratch_floats(int C, int H, int W, int pad, int P, int Q) noexcept nogil
     void pcf_dx(int n, int C, int H, int W, int pad, int K, int P, int Q, const float *w,
                 const float *y, const int *am, const float *dy, int O, int PQp, float *dx,
@@ -883,9 +882,9 @@ cdef enum:
     # blocks of images the fused backward's dw is summed in (fewer when the batch is smaller or
     # their partial sums would pass FUSED_BWD_PARTIAL_BYTES). Fixed by the shape, so every thread
     # count gives the same bits; handed out dynamically, each block reads every image's planes as
-    # one contiguous run. Ranges of filters instead (4 per thread) cost 12% on two threads of a
-    # Zen 4 at 32 filters, batch 1000 (11.9 against 10.4 ms): every range restarts its strided
-    # walk over the planes of every image.
+    # one contiguous run. Ranges of filters instead (4 per thread) took 12.5 against 9.6 ms on
+    # two threads of a Zen 4 at 32 filters, batch 1000: every range restarts its strided walk
+    # over the planes of every image.
     FUSED_BWD_IMAGE_BLOCKS = 16
     FUSED_BWD_PARTIAL_BYTES = 1 << 26
 
@@ -955,7 +954,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                                   <int>((<long>N * (blk + 1)) // nblocks), part + blk * per_block, scr)
             free(scr)
         if not failed[0]:
-            pcf_dw_reduce(part, nblocks, per_block, 0, O, kdim, &dw[0, 0, 0, 0], dbp)
+            pcf_dw_reduce(part, nblocks, O, kdim, &dw[0, 0, 0, 0], dbp)
         free(part)
         if dx is not None and not failed[0]:
             dws = pcf_dx_scratch_floats(C, H, W, padding, P, Q)

@@ -186,12 +186,12 @@ static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, i
     }
 }
 
-/* dw (O, kdim) and db (NULL: skipped) of filters o0..o1 from nblocks blocks of partial sums
- * (pcf_dw_images, per_block = O * (kdim + 1) doubles apart), added in block order. */
-static void pcf_dw_reduce(const double *part, int nblocks, pcf_idx per_block, int o0, int o1, pcf_idx kdim,
-                          float *dw, float *db)
+/* dw (O, kdim) and db (NULL: skipped) from nblocks blocks of partial sums (pcf_dw_images,
+ * per_block = O * (kdim + 1) doubles apart), added in block order. */
+static void pcf_dw_reduce(const double *part, int nblocks, int O, pcf_idx kdim, float *dw, float *db)
 {
-    for (int o = o0; o < o1; o++)
+    const pcf_idx per_block = (pcf_idx)O * (kdim + 1);
+    for (int o = 0; o < O; o++)
         for (pcf_idx k = 0; k <= kdim; k++) {
             const pcf_idx e = (pcf_idx)o * (kdim + 1) + k;
             double s = part[e];
