@@ -33,6 +33,13 @@ typedef ptrdiff_t pc_idx;
 
 #define PC_COMMA ,
 
+/* p rounded up to the next 64-byte boundary (NULL stays NULL): for a buffer malloc'ed
+ * 64 bytes larger than needed; free the original pointer. */
+static inline void *pc_align64(void *p)
+{
+    return p ? (void *)(((size_t)p + 63) & ~(size_t)63) : NULL;
+}
+
 /* ------------------------------------------------------------ activations */
 
 /* y = max(x, 0); NaN passes through like np.maximum. */
