@@ -124,6 +124,62 @@ def test_conv2d_winograd_forward_matches_reference(case):
     np.testing.assert_allclose(y, direct, rtol=1e-5, atol=2e-6)
 
 
+@st.composite
+def winograd_dx_cases(draw):
+    N = draw(st.integers(1, 3))
+    C = draw(st.integers(32, 48))  # dx's output channels
+    O = draw(st.integers(64, 72))  # dx's input channels
+    padding = draw(st.integers(0, 2))
+    H = draw(st.integers(15, 20))
+    W = draw(st.integers(15, 36))
+    return N, C, O, H, W, padding, draw(st.booleans()), draw(st.sampled_from([1, 2])), draw(st.integers(0, 2**31 - 1))
+
+
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
+@given(winograd_dx_cases())
+def test_conv2d_backward_winograd_dx_matches_reference(case):
+    """dx of a stride-1 3x3 layer with >= 64 filters is the Winograd convolution of dy with the
+    flipped, transposed filters; dw and db stay on the direct kernels."""
+    N, C, O, H, W, padding, need_db, threads, seed = case
+    P, Q = H + 2 * padding - 2, W + 2 * padding - 2
+    assert omp._winograd_dx((N, C, H, W), (O, C, 3, 3), 1, padding)
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    with num_threads(threads):
+        got = omp.conv2d_backward(x, w, dy, 1, padding, True, need_db)
+    want = ref.conv2d_backward(x, w, dy, 1, padding, True, need_db)
+    assert (got[2] is None) == (not need_db)
+    for g, e in zip(got, want):
+        if e is not None:
+            close(g, e)
+    try:  # PyTorch as a second oracle where it is installed
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        dx = torch.nn.grad.conv2d_input(x.shape, torch.from_numpy(w), torch.from_numpy(dy), padding=padding)
+        close(got[0], dx.numpy())
+    # the direct kernels give the same dx within float32 rounding
+    omp.winograd = False
+    try:
+        with num_threads(threads):
+            direct = omp.conv2d_backward(x, w, dy, 1, padding, True, need_db)
+    finally:
+        del omp.winograd
+    np.testing.assert_allclose(got[0], direct[0], rtol=1e-5, atol=2e-6)
+    assert np.array_equal(got[1], direct[1])
+
+
+def test_conv2d_backward_winograd_dx_only_where_it_applies():
+    assert omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 1, 1)  # conv-large
+    assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 2, 1)  # strided
+    assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 1, 3)  # padding > K - 1
+    assert not omp._winograd_dx((64, 128, 32, 32), (32, 128, 3, 3), 1, 1)  # 32 filters: dx has 32 in-channels
+    assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 5, 5), 1, 2)  # 5x5
+
+
 def test_conv2d_winograd_only_where_it_pays():
     from parconv._ext import _conv
 
@@ -268,10 +324,50 @@ def test_fused_forward_keeps_whole_images_when_the_split_is_uneven(N, O, fused):
     np.testing.assert_allclose(y2, y1, rtol=1e-6, atol=1e-7)
 
 
+def _fused_backward_kernel(x, w, y, am, dy, padding, need_dx, need_db, threads):
+    """The fused backward kernel itself (the backend runs it only where it pays, see
+    ``test_fused_backward_runs_where_it_pays``)."""
+    from parconv._ext import _conv
+
+    dx = np.empty_like(x) if need_dx else None
+    dw = np.empty_like(w)
+    db = np.empty(w.shape[0], np.float32) if need_db else None
+    _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, dx, dw, db, padding, threads)
+    return dx, dw, db
+
+
+def test_fused_backward_runs_where_it_pays(monkeypatch):
+    """The backend takes the fused backward only without dx and for at most
+    FUSED_BWD_MAX_CHANNELS input channels; elsewhere it composes the unfused ops (the same
+    answer, Winograd dx where that applies)."""
+    from parconv._ext import _conv
+    from parconv.backends import openmp as omp_mod
+
+    calls = []
+    real = _conv.conv2d_relu_maxpool2d_backward
+    monkeypatch.setattr(omp_mod._conv, "conv2d_relu_maxpool2d_backward",
+                        lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    rng = np.random.default_rng(13)
+    limit = omp_mod.FUSED_BWD_MAX_CHANNELS
+    for C in (1, limit, limit + 1):
+        x = uniform(rng, (3, C, 10, 10))
+        w = uniform(rng, (4, C, 3, 3), 1 / np.sqrt(C * 9))
+        y, am = omp.conv2d_relu_maxpool2d_forward(x, w, None, 1, 1, 2, 2)
+        dy = uniform(rng, y.shape)
+        want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1)
+        for need_dx in (False, True):
+            calls.clear()
+            got = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, need_dx, True)
+            assert calls == ([C] if C <= limit and not need_dx else []), (C, need_dx)
+            for g, e in zip(got, want):
+                if g is not None:
+                    np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("C, padding, pool", [(1, 0, (2, 2)), (3, 1, (2, 2)), (2, 2, (3, 2))])
 def test_fused_backward_matches_composition_and_is_thread_count_independent(C, padding, pool):
-    """The fused backward never writes the full-size dz; dw sums each filter's images in order,
-    so 1 and 2 threads give the same bits; every need_dx / need_db combination."""
+    """The fused backward kernel never writes the full-size dz; dw sums each filter's images in
+    order, so 1 and 2 threads give the same bits; every need_dx / need_db combination."""
     rng = np.random.default_rng(11)
     N, O, H = 5, 7, 13
     x = uniform(rng, (N, C, H, H))
@@ -283,10 +379,8 @@ def test_fused_backward_matches_composition_and_is_thread_count_independent(C, p
     want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, padding)
     for need_dx in (True, False):
         for need_db in (True, False):
-            runs = []
-            for threads in (1, 2):
-                with num_threads(threads):
-                    runs.append(omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, padding, need_dx, need_db))
+            runs = [_fused_backward_kernel(x, w, y, am, dy, padding, need_dx, need_db, threads)
+                    for threads in (1, 2)]
             for got in runs:
                 assert (got[0] is None) == (not need_dx) and (got[2] is None) == (not need_db)
                 for g, e in zip(got, want):
@@ -313,13 +407,11 @@ def test_fused_backward_sums_fixed_image_blocks_at_every_thread_count():
     try:
         for blocks in (1, 3, 16, 100):  # one block up to one per image (at most N)
             _conv._set_fused_backward_image_blocks(blocks)
-            with num_threads(1):
-                serial = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, True, True)
+            serial = _fused_backward_kernel(x, w, y, am, dy, 1, True, True, 1)
             for g, e in zip(serial, want):
                 np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL)
             for threads in (2, 3):
-                with num_threads(threads):
-                    got = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, 1, 1, True, True)
+                got = _fused_backward_kernel(x, w, y, am, dy, 1, True, True, threads)
                 for g, s in zip(got, serial):
                     assert np.array_equal(g, s), (blocks, threads)
         with pytest.raises(ValueError, match=">= 1"):

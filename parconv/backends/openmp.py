@@ -41,6 +41,15 @@ CONV_FORWARD_TILE_BYTES = 1 << 20
 #: im2col scratch per thread of the strided conv backward (bytes); big tiles keep the dw GEMM's k long
 CONV_BACKWARD_TILE_BYTES = 1 << 22
 
+#: The fused conv+ReLU+maxpool backward runs only for layers with at most this many input
+#: channels whose dx is not wanted (a network's first layer); the unfused ops compose
+#: otherwise. Fused / composed milliseconds on a 2-core Zen 4, 3x3 pad 1, pool 2, one thread
+#: (two threads alike): 100x1x28x28 through 32 filters, no dx: 2.1 / 2.5, with dx: 10.0 / 7.2;
+#: 100x2x28x28 through 32 filters, no dx: 3.3 / 2.9 (two threads 1.8 / 2.5), through 128:
+#: 12.5 / 13.4; 100x3x32x32 through 32 filters, no dx: 6.2 / 4.9; 100x16x28x28: 17.7 / 10.4;
+#: 64x128x32x32 through 64 filters with dx: 712 / 154 (Winograd dx).
+FUSED_BWD_MAX_CHANNELS = 2
+
 
 def openmp_enabled() -> bool:
     """Whether the kernels were built with OpenMP (else they run on one thread)."""
@@ -164,6 +173,13 @@ NARROW_MIN_FEATURES = 2048
 
 def _blas_limit(macs: int):
     return _blas_one_thread if macs >= BLAS_LIMIT_MIN_MACS else contextlib.nullcontext()
+
+
+def _flipped_transposed(w):
+    """(O, C, K, K) filters as the (C, O, K, K) filters of the transposed convolution, each
+    kernel rotated by 180 degrees: dx = conv2d(dy, _flipped_transposed(w), padding=K - 1 - padding)
+    for a stride-1 layer."""
+    return np.ascontiguousarray(w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
 
 
 def _f32(a):
@@ -338,12 +354,28 @@ class OpenMPBackend(HostArrays, Backend):
         dw = np.empty(w.shape, dtype=np.float32)
         db = np.empty(O, dtype=np.float32) if need_db else None
         K = w.shape[2]
+        if need_dx and self._winograd_dx(x.shape, w.shape, stride, padding):
+            # dx is the stride-1 convolution of dy with the flipped, transposed filters
+            # (C outputs from O inputs, padding K - 1 - padding): Winograd F(2x2, 3x3) where
+            # it pays, the weight gradient on the micro-kernels
+            _conv.conv2d_backward(x, w, dy, None, dw, db, stride, padding, get_num_threads(),
+                                  CONV_BACKWARD_TILE_BYTES)
+            self._conv2d_forward_into(dy, _flipped_transposed(w), None, dx, 1, K - 1 - padding)
+            return dx, dw, db
         # stride 1 runs on micro-kernels only; im2col + sgemm otherwise (see _conv.conv2d_backward)
         uses_blas = stride != 1 or (need_dx and padding > K - 1)
         with _blas_one_thread if uses_blas else contextlib.nullcontext():
             _conv.conv2d_backward(x, w, dy, dx, dw, db, stride, padding, get_num_threads(),
                                   CONV_BACKWARD_TILE_BYTES)
         return dx, dw, db
+
+    def _winograd_dx(self, x_shape, w_shape, stride, padding) -> bool:
+        """Whether the backward computes dx by Winograd: a stride-1 3x3 layer whose transposed
+        convolution (O in-channels, C out-channels, H x W outputs) Winograd takes
+        (``_conv.winograd_applies``)."""
+        N, C, H, W = x_shape
+        O, _, K, _ = w_shape
+        return stride == 1 and K == 3 and padding <= K - 1 and self._winograd(O, C, K, 1, H, W)
 
     def conv2d_relu_maxpool2d_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride):
         """Fused: each thread convolves whole images into private scratch and writes only the pooled maxima.
@@ -378,13 +410,21 @@ class OpenMPBackend(HostArrays, Backend):
         return self.relu_forward(y), argmax
 
     def conv2d_relu_maxpool2d_backward(self, x, w, y, argmax, dy, stride, padding, need_dx=True, need_db=True):
-        """Fused: each (image, filter) plane of the convolution's gradient is built in L1 scratch from
-        the pooled gradient and consumed at once (``pc_fused.h``); stride > 1 composes the unfused ops."""
+        """Fused for a network's first layer: each (image, filter) plane of the convolution's
+        gradient is built in L1 scratch from the pooled gradient and consumed at once (``pc_fused.h``).
+
+        The fused kernel runs where it pays: stride 1, no dx wanted and at most
+        ``FUSED_BWD_MAX_CHANNELS`` input channels. Elsewhere the unfused ops compose (their
+        convolution backward takes Winograd for dx where it applies): the fused kernel
+        has no register blocking across channels or filters, and its dx pass was the slower
+        one at every shape measured (see ``FUSED_BWD_MAX_CHANNELS``).
+        """
         x, w, y, dy = _f32(x), _f32(w), _f32(y), _f32(dy)
         argmax = _i32(argmax)
         N, C, H, W = x.shape
         O, _, K, _ = w.shape
-        if stride != 1 or min(N, C, O, H, W) <= 0 or y.size == 0:
+        if (stride != 1 or min(N, C, O, H, W) <= 0 or y.size == 0 or need_dx
+                or C > FUSED_BWD_MAX_CHANNELS):
             return super().conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, stride, padding, need_dx, need_db)
         dx = self._empty(x.shape) if need_dx else None
         dw = np.empty(w.shape, dtype=np.float32)
