@@ -172,6 +172,73 @@ def test_conv2d_backward_winograd_dx_matches_reference(case):
     assert np.array_equal(got[1], direct[1])
 
 
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
+@given(winograd_cases())
+def test_conv2d_backward_winograd_dw_matches_reference(case):
+    """The Winograd weight gradient (16 GEMMs over the tiles) matches the oracles, with the same
+    bits at 1, 2 and 3 threads; the backend's backward (Winograd dw where
+    winograd_dw_applies) matches too."""
+    from parconv._ext import _conv
+    from parconv.backends.openmp import _blas_one_thread
+
+    N, C, O, H, W, padding, need_dx, threads, seed = case
+    P, Q = H + 2 * padding - 2, W + 2 * padding - 2
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    want = ref.conv2d_backward(x, w, dy, 1, padding, need_dx, True)
+    runs = []
+    for t in (1, 2, 3):
+        dw, db = np.empty_like(w), np.empty(O, np.float32)
+        with _blas_one_thread:
+            _conv.conv2d_backward_weights_winograd(x, dy, dw, db, padding, t)
+        runs.append(dw)
+    close(runs[0], want[1])
+    assert all(np.array_equal(r, runs[0]) for r in runs)  # the same bits at any thread count
+    close(db, want[2])
+    try:  # PyTorch as a second oracle where it is installed
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        dw = torch.nn.grad.conv2d_weight(torch.from_numpy(x), w.shape, torch.from_numpy(dy), padding=padding)
+        close(runs[0], dw.numpy())
+    with num_threads(threads):
+        got = omp.conv2d_backward(x, w, dy, 1, padding, need_dx, True)
+    for g, e in zip(got, want):
+        close(g, e)
+    if _conv.winograd_dw_applies(N, C, O, 3, 1, P, Q):
+        assert np.array_equal(got[1], runs[0])
+
+
+def test_conv2d_backward_winograd_dw_only_where_it_pays():
+    from parconv._ext import _conv
+
+    assert _conv.winograd_dw_applies(64, 128, 64, 3, 1, 32, 32)  # conv-large
+    assert _conv.winograd_dw_applies(16, 128, 128, 3, 1, 28, 28)
+    assert not _conv.winograd_dw_applies(100, 64, 32, 3, 1, 26, 26)  # 32 filters
+    assert not _conv.winograd_dw_applies(100, 64, 64, 3, 1, 13, 13)  # rows of 7 tiles
+    assert not _conv.winograd_dw_applies(8, 256, 256, 3, 1, 16, 16)  # GEMMs 64 tiles deep
+    assert not _conv.winograd_dw_applies(64, 128, 64, 3, 2, 16, 16)  # strided
+    assert not _conv.winograd_dw_applies(64, 32, 64, 3, 1, 32, 32)  # too few channels
+
+
+def test_conv2d_backward_weights_winograd_checks_its_arguments():
+    from parconv._ext import _conv
+
+    x = np.zeros((2, 64, 16, 16), np.float32)
+    dy = np.zeros((2, 32, 16, 16), np.float32)
+    with pytest.raises(ValueError, match="not the 3x3 stride-1 output"):
+        _conv.conv2d_backward_weights_winograd(x, np.zeros((2, 32, 15, 16), np.float32),
+                                               np.zeros((32, 64, 3, 3), np.float32), None, 1, 1)
+    with pytest.raises(ValueError, match="dw must be"):
+        _conv.conv2d_backward_weights_winograd(x, dy, np.zeros((32, 64, 5, 5), np.float32), None, 1, 1)
+    with pytest.raises(ValueError, match="db must be"):
+        _conv.conv2d_backward_weights_winograd(x, dy, np.zeros((32, 64, 3, 3), np.float32),
+                                               np.zeros(31, np.float32), 1, 1)
+
+
 def test_conv2d_backward_winograd_dx_only_where_it_applies():
     assert omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 1, 1)  # conv-large
     assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 2, 1)  # strided

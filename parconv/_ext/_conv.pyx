@@ -371,6 +371,9 @@ cdef extern from "pc_winograd.h":
                    float *V, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
     void pcw_output(const float *M, Py_ssize_t ldx, Py_ssize_t ldt, int o0, int o1, int ty0, int ty1,
                     int tW, int P, int Q, const float *bias, float *y, float *scratch) noexcept nogil
+    void pcw_dy(const float *dy, int O, int P, int Q, int ty0, int ty1, int tW,
+                float *dM, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
+    void pcw_filters_grad(const float *dU, int O, int C, int o0, int o1, float *dw, float *scratch) noexcept nogil
 
 
 cdef enum:
@@ -465,6 +468,172 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
         free(Vraw)
     free(U)
     return failed[0]
+
+
+cdef enum:
+    # the Winograd weight gradient sums its blocks of tiles in at most this many groups, set by
+    # the shape (each group's dU is 64 O C bytes, all of them at most WINOGRAD_DW_PARTIAL_BYTES):
+    # groups are handed to threads as they come free and added in group order, so dw has the
+    # same bits at every thread count
+    WINOGRAD_DW_GROUPS = 16
+    WINOGRAD_DW_PARTIAL_BYTES = 64 << 20
+    # V and dM of one block of the Winograd weight gradient (bytes), and where it pays: on a
+    # 2-core Zen 4 (ms direct / Winograd, one thread; two threads alike) 64x128x32x32 through
+    # 64 filters 103 / 69, 32x64x56x56 through 64 75 / 65, 16x128x28x28 through 128 37 / 31,
+    # 100x64x26x26 through 64 52 / 46; slower for 32 filters (100x64x26x26: 26.5 / 29),
+    # rows of 7 tiles (100x64x13x13 through 64: 14.4 / 15.5) and GEMMs 64 tiles deep
+    # (8x256x16x16 through 256: 28 / 39)
+    WINOGRAD_DW_BLOCK_BYTES = 1 << 21
+    WINOGRAD_DW_MIN_O = 64
+    WINOGRAD_DW_MIN_DEPTH = 96
+
+
+cdef int _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi) noexcept nogil:
+    """Blocks of the Winograd weight gradient: ``ipb`` whole images per block when an image's V
+    and dM fit WINOGRAD_DW_BLOCK_BYTES (``bpi`` = 1, ``rb`` = all tile rows), else ``bpi``
+    blocks of ``rb`` tile rows per image (``ipb`` = 1). Returns the tiles of a full block, the
+    depth of its GEMMs."""
+    cdef int tH = (P + 1) // 2, tW = (Q + 1) // 2
+    cdef Py_ssize_t per_tile = 64 * (<Py_ssize_t>C + O)
+    cdef Py_ssize_t per_image = per_tile * tH * tW
+    if per_image <= WINOGRAD_DW_BLOCK_BYTES:
+        ipb[0] = <int>min(<Py_ssize_t>max(N, 1), WINOGRAD_DW_BLOCK_BYTES // per_image)
+        rb[0] = tH
+        bpi[0] = 1
+        return ipb[0] * tH * tW
+    ipb[0] = 1
+    rb[0] = <int>max(1, min(WINOGRAD_DW_BLOCK_BYTES // (per_tile * tW), tH))
+    bpi[0] = (tH + rb[0] - 1) // rb[0]
+    rb[0] = (tH + bpi[0] - 1) // bpi[0]    # equal blocks
+    bpi[0] = (tH + rb[0] - 1) // rb[0]
+    return rb[0] * tW
+
+
+def winograd_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
+    """Whether :func:`conv2d_backward_weights_winograd` pays for this layer: where the forward
+    runs Winograd, with at least WINOGRAD_DW_MIN_O filters, rows of at least 8 tiles (the
+    transforms' vectors) and GEMMs at least WINOGRAD_DW_MIN_DEPTH tiles deep."""
+    cdef int ipb, rb, bpi
+    if not winograd_applies(C, O, K, stride, P, Q) or O < WINOGRAD_DW_MIN_O or (Q + 1) // 2 < 8:
+        return False
+    return _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi) >= WINOGRAD_DW_MIN_DEPTH
+
+
+cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
+                      const float *dy, int O, int P, int Q, float *dw, int nt) noexcept:
+    """Stride-1 3x3 weight gradient by Winograd F(2x2, 3x3) (``pcw_dy``, ``pcw_filters_grad``).
+
+    A block is a run of whole images whose V and dM fit WINOGRAD_DW_BLOCK_BYTES, or
+    when one image does not, a run of its tile rows: the 16 GEMMs
+    dU[xi] += dM[xi] V[xi]^T take the block's tiles as their depth, so the
+    deeper the better. Blocks accumulate in their group's dU. Returns 1 when
+    scratch could not be allocated.
+    """
+    cdef int tH = (P + 1) // 2, tW = (Q + 1) // 2
+    cdef int ipb, rb, bpi
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, OC = <Py_ssize_t>O * C
+    cdef Py_ssize_t ldt, ldxv, ldxm, img_tiles = <Py_ssize_t>tH * tW
+    cdef int nblocks, groups, g, blk, n, n0, n1, ty0, ty1, nb, xi, ldti, o
+    cdef Py_ssize_t e
+    cdef float *dU
+    cdef float *Vraw
+    cdef float *V
+    cdef float *M
+    cdef float *scr
+    cdef float *acc
+    cdef float beta
+    cdef int failed[1]
+    cdef char tt = b'T', tn = b'N'
+    cdef float one = 1.0
+    failed[0] = 0
+    ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi)
+    nblocks = (N + ipb - 1) // ipb if bpi == 1 else N * bpi
+    groups = <int>max(1, min(<Py_ssize_t>min(nblocks, WINOGRAD_DW_GROUPS),
+                             WINOGRAD_DW_PARTIAL_BYTES // (64 * OC)))
+    ldti = <int>ldt
+    ldxv = ((<Py_ssize_t>C * ldt + 15) & ~15) + 32
+    ldxm = ((<Py_ssize_t>O * ldt + 15) & ~15) + 32
+    dU = <float *>malloc(sizeof(float) * 16 * <size_t>OC * groups)
+    if dU == NULL:
+        return 1
+    with nogil, parallel(num_threads=_min(nt, groups)):
+        Vraw = <float *>malloc(sizeof(float) * (16 * <size_t>(ldxv + ldxm) + pcw_scratch_floats(tW, rb)) + 64)
+        V = <float *>pc_align64(Vraw)
+        if V == NULL:
+            failed[0] = 1
+        else:
+            M = V + 16 * ldxv
+            scr = M + 16 * ldxm
+        for g in prange(groups, schedule="dynamic"):
+            if V != NULL:
+                acc = dU + <Py_ssize_t>g * 16 * OC
+                for blk in range(<int>((<long>nblocks * g) // groups), <int>((<long>nblocks * (g + 1)) // groups)):
+                    if bpi == 1:   # images n0 .. n1, whole, one after the other along the tiles
+                        n0 = blk * ipb
+                        n1 = _min(N, n0 + ipb)
+                        ty0 = 0
+                        ty1 = tH
+                    else:          # tile rows ty0 .. ty1 of one image
+                        n0 = blk // bpi
+                        n1 = n0 + 1
+                        ty0 = (blk % bpi) * rb
+                        ty1 = _min(tH, ty0 + rb)
+                    nb = <int>((n1 - n0) * (ty1 - ty0) * tW)
+                    for n in range(n0, n1):
+                        pcw_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V + (n - n0) * img_tiles,
+                                  ldxv, ldt, scr)
+                        pcw_dy(dy + n * O * PQ, O, P, Q, ty0, ty1, tW, M + (n - n0) * img_tiles, ldxm, ldt, scr)
+                    beta = 0.0 if blk == (<long>nblocks * g) // groups else 1.0
+                    for xi in range(16):
+                        # column-major: dU[xi]^T (C x O) += (V[xi]^T, nb x C)^T @ (dM[xi]^T, nb x O)
+                        sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
+                              &beta, acc + xi * OC, &C)
+        free(Vraw)
+    if failed[0]:
+        free(dU)
+        return 1
+    with nogil:
+        # the groups' sums, added in group order (into group 0), then G^T dU G per filter
+        for e in prange(16 * OC, schedule="static", num_threads=nt):
+            for g in range(1, groups):
+                dU[e] = dU[e] + dU[<Py_ssize_t>g * 16 * OC + e]
+    with nogil, parallel(num_threads=_min(nt, O)):
+        scr = <float *>malloc(sizeof(float) * pcw_filter_scratch_floats(C))
+        if scr == NULL:
+            failed[0] = 1
+        for o in prange(O, schedule="static"):
+            if scr != NULL:
+                pcw_filters_grad(dU, O, C, o, o + 1, dw, scr)
+        free(scr)
+    free(dU)
+    return failed[0]
+
+
+def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
+                                     const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)
+                                     float[:, :, :, ::1] dw,        # OUT (O, C, 3, 3), overwritten
+                                     float[::1] db,                 # OUT (O,) or None, overwritten
+                                     int padding, int num_threads):
+    """dw of a stride-1 3x3 convolution by Winograd F(2x2, 3x3), and ``db = sum dy`` as in
+    :func:`conv2d_backward`; BLAS must be limited to one thread. dw has the same bits at every
+    thread count (see ``WINOGRAD_DW_GROUPS``)."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = dy.shape[1], P = dy.shape[2], Q = dy.shape[3]
+    if dy.shape[0] != N or P != H + 2 * padding - 2 or Q != W + 2 * padding - 2 or padding < 0:
+        raise ValueError(f"conv2d_backward_weights_winograd: dy {(dy.shape[0], O, P, Q)} is not the 3x3 "
+                         f"stride-1 output of x {(N, C, H, W)} with padding {padding}")
+    if dw.shape[0] != O or dw.shape[1] != C or dw.shape[2] != 3 or dw.shape[3] != 3:
+        raise ValueError(f"conv2d_backward_weights_winograd: dw must be {(O, C, 3, 3)}, "
+                         f"got {(dw.shape[0], dw.shape[1], dw.shape[2], dw.shape[3])}")
+    if db is not None and db.shape[0] != O:
+        raise ValueError(f"conv2d_backward_weights_winograd: db must be ({O},), got ({db.shape[0]},)")
+    if N == 0 or C == 0 or O == 0 or P <= 0 or Q <= 0:
+        raise ValueError("conv2d_backward_weights_winograd: every dimension must be >= 1")
+    if _dw_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
+                    num_threads if num_threads > 0 else 1):
+        raise MemoryError("conv2d_backward_weights_winograd: could not allocate scratch")
+    if db is not None:
+        _sum_planes(dy, db, num_threads)
 
 
 def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)

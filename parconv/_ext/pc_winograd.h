@@ -282,4 +282,81 @@ static void pcw_output(const float *M, pcw_idx ldx, pcw_idx ldt, int o0, int o1,
     }
 }
 
+/* ------------------------------------------------------------ weight gradient
+ *
+ * With M = U (.) V per transform point (the forward), the gradients of one tile are
+ *
+ *   dM = A dY A^T        (4x4 from the 2x2 output gradient, A = (A^T)^T)
+ *   dU[xi] += dM[xi] V[xi]^T     summed over tiles: 16 GEMMs whose depth is the tiles
+ *   dg = G^T dU G        (3x3 from 4x4, once per filter and channel at the end)
+ *
+ * 2.25x fewer multiplies than the direct weight gradient, as in the forward. */
+
+/* dM of every filter of one image's dy (O, P, Q), tile rows ty0..ty1, laid out like M:
+ * dM[xi * ldx + o * ldt + t]. Outputs beyond P x Q count as zero. scratch: 4 tW floats. */
+static void pcw_dy(const float *dy, int O, int P, int Q, int ty0, int ty1, int tW,
+                   float *dM, pcw_idx ldx, pcw_idx ldt, float *scratch)
+{
+    float *e0 = scratch, *o0 = scratch + tW, *e1 = scratch + 2 * (pcw_idx)tW, *o1 = scratch + 3 * (pcw_idx)tW;
+    for (int o = 0; o < O; o++) {
+        const float *dyo = dy + (pcw_idx)o * P * Q;
+        for (int ty = ty0; ty < ty1; ty++) {
+            const int r0 = 2 * ty, r1 = 2 * ty + 1;
+            /* the two output rows of the tile row as even | odd columns, zero beyond P x Q */
+            memset(scratch, 0, sizeof(float) * 4 * (size_t)tW);
+            pcw_split(dyo + (pcw_idx)r0 * Q, Q, e0, o0);
+            if (r1 < P)
+                pcw_split(dyo + (pcw_idx)r1 * Q, Q, e1, o1);
+            float *m = dM + (pcw_idx)o * ldt + (pcw_idx)(ty - ty0) * tW;
+            for (int i = 0; i < tW; i++) {
+                const float a0 = e0[i], a1 = o0[i], b0 = e1[i], b1 = o1[i];
+                /* A along each row: h[r] = (d0, d0 + d1, d0 - d1, -d1) */
+                const float h0[4] = {a0, a0 + a1, a0 - a1, -a1};
+                const float h1[4] = {b0, b0 + b1, b0 - b1, -b1};
+                for (int k = 0; k < 4; k++) {   /* A across the rows */
+                    m[(0 * 4 + k) * ldx + i] = h0[k];
+                    m[(1 * 4 + k) * ldx + i] = h0[k] + h1[k];
+                    m[(2 * 4 + k) * ldx + i] = h0[k] - h1[k];
+                    m[(3 * 4 + k) * ldx + i] = -h1[k];
+                }
+            }
+        }
+    }
+}
+
+/* G^T applied to four rows (the weight-gradient back-transform, one axis): three rows out. */
+static inline void pcw_gt(const float *restrict a0, const float *restrict a1, const float *restrict a2,
+                          const float *restrict a3, float *restrict u0, float *restrict u1, float *restrict u2, int n)
+{
+    for (int i = 0; i < n; i++) {
+        u0[i] = a0[i] + 0.5f * (a1[i] + a2[i]);
+        u1[i] = 0.5f * (a1[i] - a2[i]);
+        u2[i] = 0.5f * (a1[i] + a2[i]) + a3[i];
+    }
+}
+
+/* dw (O, C, 3, 3), filters o0..o1, from dU[xi][o][c] (16 O C floats). scratch: 21 C floats
+ * (pcw_filter_scratch_floats). */
+static void pcw_filters_grad(const float *dU, int O, int C, int o0, int o1, float *dw, float *scratch)
+{
+    float *t = scratch;                  /* t[(k' * 3 + j) * C + c] = (dU G)[k'][j] */
+    float *g = scratch + 12 * (pcw_idx)C;  /* g[(i * 3 + j) * C + c] = (G^T dU G)[i][j] */
+    const pcw_idx ux = (pcw_idx)O * C;
+    for (int o = o0; o < o1; o++) {
+        const float *u = dU + (pcw_idx)o * C;
+        for (int k = 0; k < 4; k++)      /* G along each row k' of dU: columns 0..3 -> j = 0..2 */
+            pcw_gt(u + (pcw_idx)(k * 4 + 0) * ux, u + (pcw_idx)(k * 4 + 1) * ux, u + (pcw_idx)(k * 4 + 2) * ux,
+                   u + (pcw_idx)(k * 4 + 3) * ux, t + (k * 3 + 0) * (pcw_idx)C, t + (k * 3 + 1) * (pcw_idx)C,
+                   t + (k * 3 + 2) * (pcw_idx)C, C);
+        for (int j = 0; j < 3; j++)      /* G^T across the rows */
+            pcw_gt(t + (0 * 3 + j) * (pcw_idx)C, t + (1 * 3 + j) * (pcw_idx)C, t + (2 * 3 + j) * (pcw_idx)C,
+                   t + (3 * 3 + j) * (pcw_idx)C, g + (0 * 3 + j) * (pcw_idx)C, g + (1 * 3 + j) * (pcw_idx)C,
+                   g + (2 * 3 + j) * (pcw_idx)C, C);
+        float *wo = dw + (pcw_idx)o * C * 9;
+        for (int c = 0; c < C; c++)
+            for (int k = 0; k < 9; k++)
+                wo[(pcw_idx)c * 9 + k] = g[k * (pcw_idx)C + c];
+    }
+}
+
 #endif

@@ -354,13 +354,21 @@ class OpenMPBackend(HostArrays, Backend):
         dw = np.empty(w.shape, dtype=np.float32)
         db = np.empty(O, dtype=np.float32) if need_db else None
         K = w.shape[2]
-        if need_dx and self._winograd_dx(x.shape, w.shape, stride, padding):
-            # dx is the stride-1 convolution of dy with the flipped, transposed filters
-            # (C outputs from O inputs, padding K - 1 - padding): Winograd F(2x2, 3x3) where
-            # it pays, the weight gradient on the micro-kernels
-            _conv.conv2d_backward(x, w, dy, None, dw, db, stride, padding, get_num_threads(),
-                                  CONV_BACKWARD_TILE_BYTES)
-            self._conv2d_forward_into(dy, _flipped_transposed(w), None, dx, 1, K - 1 - padding)
+        winograd_dw = (bool(self.winograd) and padding <= K - 1
+                       and _conv.winograd_dw_applies(x.shape[0], x.shape[1], O, K, stride, dy.shape[2], dy.shape[3]))
+        if winograd_dw or (need_dx and self._winograd_dx(x.shape, w.shape, stride, padding)):
+            # Winograd F(2x2, 3x3) where the layer (for dw) or its transposed convolution (for dx)
+            # qualifies, the micro-kernels otherwise
+            if winograd_dw:
+                with _blas_one_thread:
+                    _conv.conv2d_backward_weights_winograd(x, dy, dw, db, padding, get_num_threads())
+            else:
+                _conv.conv2d_backward(x, w, dy, None, dw, db, stride, padding, get_num_threads(),
+                                      CONV_BACKWARD_TILE_BYTES)
+            if need_dx:
+                # the stride-1 convolution of dy with the flipped, transposed filters (C outputs
+                # from O inputs, padding K - 1 - padding); Winograd where _winograd_dx says so
+                self._conv2d_forward_into(dy, _flipped_transposed(w), None, dx, 1, K - 1 - padding)
             return dx, dw, db
         # stride 1 runs on micro-kernels only; im2col + sgemm otherwise (see _conv.conv2d_backward)
         uses_blas = stride != 1 or (need_dx and padding > K - 1)
