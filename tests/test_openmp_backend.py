@@ -212,6 +212,49 @@ def test_conv2d_backward_winograd_dw_matches_reference(case):
         assert np.array_equal(got[1], runs[0])
 
 
+@pytest.mark.parametrize("N, C, O, H, padding", [(9, 64, 64, 34, 1),   # blocks of tile rows, 18 of them
+                                                 (80, 64, 64, 16, 1),  # blocks of 4 whole images, 20
+                                                 (4, 64, 64, 7, 2)])   # dx too small for Winograd
+def test_conv2d_backward_winograd_dw_sums_groups_of_blocks(monkeypatch, N, C, O, H, padding):
+    """More blocks than groups: each group accumulates several blocks and the groups are added in
+    order, so 1, 2 and 3 threads give the same bits; the backend takes this kernel for dw (and
+    Winograd for dx only where the transposed convolution qualifies)."""
+    from parconv._ext import _conv
+    from parconv.backends import openmp as omp_mod
+
+    W = H + 6 if H < 10 else H
+    P, Q = H + 2 * padding - 2, W + 2 * padding - 2
+    rng = np.random.default_rng(21)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    assert _conv.winograd_dw_applies(N, C, O, 3, 1, P, Q)
+    runs = []
+    for t in (1, 2, 3):
+        dw = np.empty_like(w)
+        with omp_mod._blas_one_thread:
+            _conv.conv2d_backward_weights_winograd(x, dy, dw, None, padding, t)
+        runs.append(dw)
+    assert all(np.array_equal(r, runs[0]) for r in runs)
+    want = ref.conv2d_backward(x, w, dy, 1, padding, True, True)
+    close(runs[0], want[1])
+    calls = []
+    real_dw, real_fwd = _conv.conv2d_backward_weights_winograd, _conv.conv2d_forward
+    monkeypatch.setattr(omp_mod._conv, "conv2d_backward_weights_winograd",
+                        lambda *a: calls.append("dw") or real_dw(*a))
+    monkeypatch.setattr(omp_mod._conv, "conv2d_forward",
+                        lambda *a, **k: calls.append("dx winograd" if k.get("winograd", True) else "dx direct")
+                        or real_fwd(*a, **k))
+    with num_threads(2):
+        got = omp.conv2d_backward(x, w, dy, 1, padding, True, True)
+    dx_winograd = omp._winograd_dx(x.shape, w.shape, 1, padding)
+    assert calls == ["dw", "dx winograd" if dx_winograd else "dx direct"]
+    assert dx_winograd == (H > 10)
+    assert np.array_equal(got[1], runs[0])
+    for g, e in zip(got, want):
+        close(g, e)
+
+
 def test_conv2d_backward_winograd_dw_only_where_it_pays():
     from parconv._ext import _conv
 
@@ -237,6 +280,13 @@ def test_conv2d_backward_weights_winograd_checks_its_arguments():
     with pytest.raises(ValueError, match="db must be"):
         _conv.conv2d_backward_weights_winograd(x, dy, np.zeros((32, 64, 3, 3), np.float32),
                                                np.zeros(31, np.float32), 1, 1)
+    with pytest.raises(ValueError, match="not the 3x3 stride-1 output"):
+        _conv.conv2d_backward_weights_winograd(np.zeros((2, 64, 20, 20), np.float32), dy,
+                                               np.zeros((32, 64, 3, 3), np.float32), None, -1, 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        _conv.conv2d_backward_weights_winograd(np.zeros((0, 64, 16, 16), np.float32),
+                                               np.zeros((0, 32, 16, 16), np.float32),
+                                               np.zeros((32, 64, 3, 3), np.float32), None, 1, 1)
 
 
 def test_conv2d_backward_winograd_dx_only_where_it_applies():
