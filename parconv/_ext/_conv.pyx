@@ -397,6 +397,14 @@ def winograd_applies(int C, int O, int K, int stride, int P, int Q):
             and tiles >= WINOGRAD_MIN_TILES and tiles * O >= WINOGRAD_MIN_TILES_X_O)
 
 
+cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nogil:
+    """Floats between the 16 transform planes of a block (``rows`` channels or filters of ``ldt``
+    tiles): a multiple of 16, so planes stay on cache lines in a 64-byte aligned buffer, plus 32,
+    because the 16 points are written and read together and at a multiple of 4 KiB they would all
+    share L1 sets (64x128x32x32 input: 16.5 -> 12 ms for the input transform on one thread)."""
+    return ((<Py_ssize_t>rows * ldt + 15) & ~15) + 32
+
+
 cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                         const float *w, int O, const float *bias, float *y, int P, int Q, int nt) noexcept:
     """Stride-1 3x3 forward by Winograd F(2x2, 3x3) (``pc_winograd.h``); BLAS sgemm for the 16 GEMMs.
@@ -433,11 +441,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     nt = _min(nt, nblocks)
     ldt = <Py_ssize_t>rb * tW
     ldti = <int>ldt
-    # the 16 transform points are written and read together, so their planes are
-    # staggered by 32 floats: at a multiple of 4 KiB they would all share L1 sets
-    # (64x128x32x32 input: 16.5 -> 12 ms for the input transform on one thread)
-    ldxv = ((<Py_ssize_t>C * ldt + 15) & ~15) + 32
-    ldxm = ((<Py_ssize_t>O * ldt + 15) & ~15) + 32
+    ldxv = _wino_plane_stride(C, ldt)
+    ldxm = _wino_plane_stride(O, ldt)
     with nogil, parallel(num_threads=nt):
         # V, M and the scratch start on a cache line (ldxv, ldxm are multiples of 16 floats),
         # so no 16-float store of a transform splits across two lines (the output transform
@@ -551,8 +556,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     groups = <int>max(1, min(<Py_ssize_t>min(nblocks, WINOGRAD_DW_GROUPS),
                              WINOGRAD_DW_PARTIAL_BYTES // (64 * OC)))
     ldti = <int>ldt
-    ldxv = ((<Py_ssize_t>C * ldt + 15) & ~15) + 32
-    ldxm = ((<Py_ssize_t>O * ldt + 15) & ~15) + 32
+    ldxv = _wino_plane_stride(C, ldt)
+    ldxm = _wino_plane_stride(O, ldt)
     dU = <float *>malloc(sizeof(float) * 16 * <size_t>OC * groups)
     if dU == NULL:
         return 1

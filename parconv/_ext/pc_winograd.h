@@ -302,11 +302,15 @@ static void pcw_dy(const float *dy, int O, int P, int Q, int ty0, int ty1, int t
         const float *dyo = dy + (pcw_idx)o * P * Q;
         for (int ty = ty0; ty < ty1; ty++) {
             const int r0 = 2 * ty, r1 = 2 * ty + 1;
-            /* the two output rows of the tile row as even | odd columns, zero beyond P x Q */
-            memset(scratch, 0, sizeof(float) * 4 * (size_t)tW);
+            /* the two output rows of the tile row as even | odd columns, zero beyond P x Q:
+             * pcw_split fills all tW even columns and Q / 2 odd ones */
             pcw_split(dyo + (pcw_idx)r0 * Q, Q, e0, o0);
             if (r1 < P)
                 pcw_split(dyo + (pcw_idx)r1 * Q, Q, e1, o1);
+            else
+                memset(e1, 0, sizeof(float) * 2 * (size_t)tW);
+            if (Q & 1)
+                o0[tW - 1] = o1[tW - 1] = 0.0f;
             float *m = dM + (pcw_idx)o * ldt + (pcw_idx)(ty - ty0) * tW;
             for (int i = 0; i < tW; i++) {
                 const float a0 = e0[i], a1 = o0[i], b0 = e1[i], b1 = o1[i];
