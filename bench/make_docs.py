@@ -163,7 +163,12 @@ def render(results: dict, plots: list[str]) -> str:
         "size against NumPy's (or, where NumPy is not timed, PyTorch's) answer; a wrong answer is never timed.",
         f"- Repetitions are **interleaved**: each of the {s.get('repeat')} repetition(s) runs every "
         "(implementation, threads) configuration once, in a rotating order, after "
-        f"{s.get('warmup')} warm-up call(s). Tables show the **median** in milliseconds; ratios (speedup vs "
+        f"{s.get('warmup')} warm-up call(s)."
+        + (f" The suite ran in {s['passes']} passes ({'+'.join(map(str, s.get('repeat_per_pass', [])))} "
+           "repetitions), each checking and warming up again, and every case pools the samples of all "
+           "passes: its repetitions lie minutes apart, so a burst of load from outside the process touches "
+           "a few of them instead of all." if s.get("passes", 1) > 1 else "")
+        + " Tables show the **median** in milliseconds; ratios (speedup vs "
         "1 thread, `vs torch`, `vs numpy`) are medians of per-repetition ratios, so they compare runs taken at "
         "the same moment."
         + (" Each timed call follows an untimed call of the same configuration, so every sample is steady "

@@ -9,6 +9,7 @@ Examples
     python bench/run.py --threads 1,2 --backends openmp --workloads conv-large,cnn-mnist
     python bench/run.py --quick                          # tiny shapes, checks answers only (the test suite)
     python bench/run.py --docs                           # full run, then regenerate docs/benchmarks.md
+    python bench/run.py --passes 3 --repeat 9            # 3 passes over the suite, 3 repetitions each
     mpiexec -n 4 python bench/run.py --workloads data-parallel,conv-large-mpi
 
 For every case the suite checks each implementation against the NumPy oracle
@@ -19,6 +20,13 @@ order rotated by ``r``). It reports median, min and max, GFLOP/s, speedup and
 efficiency vs 1 thread and ratios vs the other implementations at equal
 threads (paired per repetition). A config whose answer is wrong is not timed
 and makes the exit status 1.
+
+With ``--passes P`` the suite runs P times over every case and the ``--repeat``
+repetitions are split between the passes (each pass checks and warms up
+again); a case's samples are then pooled. Its repetitions lie minutes apart
+instead of seconds, so a burst of load from outside the process (a busy
+neighbour on a shared or virtualised machine) touches a few of them instead
+of all.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -92,6 +101,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="time PyTorch CPU alongside (auto: when it is installed), and PyTorch CUDA "
                         "(float32, TF32 off) where a CUDA GPU is visible")
     p.add_argument("--repeat", type=int, default=None, help="timed repetitions per config (default 7; --quick: 1)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="run the whole suite this many times and split --repeat between the passes, pooling "
+                        "each case's samples, so its repetitions are spread over the run (default 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up calls per config (default 2; --quick: 1)")
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds one sample lasts at least; shorter calls are repeated and averaged "
@@ -281,7 +293,9 @@ def _kinds(impls):
     return {i.name: i.kind for i in impls}
 
 
-def run_case(case, impls, threads, args, progress) -> dict:
+def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, dict]:
+    """Check and time one case with ``repeat`` repetitions: its result dict (no rows yet) and the
+    :class:`harness.Timed` of every config (``harness.case_rows`` turns them into rows)."""
     wl = case.workload
     configs = configs_for(wl, impls, threads)
     by_name = {i.name: i for i in impls}
@@ -369,7 +383,7 @@ def run_case(case, impls, threads, args, progress) -> dict:
         if c.impl == "numpy" and not wl.numpy_all_threads and first_call.get(c, 0.0) > args.serial_max_s:
             singles[c] = harness.Timed(c, times=[first_call[c]], single=True)
             del runners[c]
-            progress.step(max(args.warmup, 1) + args.repeat)
+            progress.step(max(args.warmup, 1) + repeat)
     timed = {}
     if runners:
         if args.wait_quiet > 0:
@@ -380,7 +394,7 @@ def run_case(case, impls, threads, args, progress) -> dict:
         probe = not args.quick and most > 1
         before = reference_scaling([most], rounds=3) if probe else None
         with harness.BackgroundLoad() as bg:
-            timed = harness.interleaved(runners, kinds, args.repeat, args.warmup, args.min_time,
+            timed = harness.interleaved(runners, kinds, repeat, args.warmup, args.min_time,
                                         settle=not (args.quick or args.no_settle), gap=args.gap,
                                         idle_wait=args.idle_wait, on_run=progress.step)
         res["background_cores"] = bg.cores
@@ -390,9 +404,33 @@ def run_case(case, impls, threads, args, progress) -> dict:
             res["reference_speedup"] = {t: min(before["speedup"][t], after["speedup"][t])
                                         for t in before["speedup"]} if before and after else None
     timed.update(singles)
-    if timed:
-        res["results"] = harness.case_rows(timed, case.flops, case.items)
-    return res
+    return res, timed
+
+
+def merge_pass(pooled: tuple[dict, dict], res: dict, timed: dict, n_pass: int) -> None:
+    """Add pass ``n_pass`` of a case (``res``, ``timed``) to the pooled ``(res, timed)`` of the earlier passes.
+
+    Samples are appended per config, so repetition ``r`` of every config still comes
+    from the same moment and the ratios stay paired. Checks and skips are kept with
+    their pass; the machine reference is kept per pass and summarised by its median.
+    """
+    pres, ptimed = pooled
+    for c in res["checks"]:
+        c["pass"] = n_pass
+    pres["checks"] += res["checks"]
+    pres["skipped"] += [dict(s, **{"pass": n_pass}) for s in res["skipped"]]
+    for c, t in timed.items():
+        if c in ptimed and not (t.single or ptimed[c].single):
+            ptimed[c].times += t.times
+            ptimed[c].breakdowns += t.breakdowns
+        elif c not in ptimed:
+            ptimed[c] = t
+    if res.get("reference_speedup") is not None:
+        pres.setdefault("reference_speedup_passes", []).append(res["reference_speedup"])
+        per = pres["reference_speedup_passes"]
+        pres["reference_speedup"] = {t: statistics.median(p[t] for p in per if t in p) for t in per[0]}
+    if res.get("background_cores") is not None:
+        pres["background_cores"] = max(pres.get("background_cores") or 0.0, res["background_cores"])
 
 
 def run_amdahl(cases, impls, threads, args, progress) -> list[dict]:
@@ -468,6 +506,10 @@ def main(argv=None) -> int:
     args.idle_wait = args.idle_wait if args.idle_wait is not None else (0.0 if args.quick else 0.5)
     if args.repeat < 1 or args.warmup < 0 or args.min_time < 0 or args.gap < 0 or args.idle_wait < 0:
         raise SystemExit("bench/run.py: --repeat must be >= 1; --warmup, --min-time, --gap and --idle-wait >= 0")
+    if args.passes < 1 or args.passes > args.repeat:
+        raise SystemExit(f"bench/run.py: --passes must be between 1 and --repeat ({args.repeat}), got {args.passes}")
+    # repetitions of each pass: --repeat split as evenly as it goes, the larger shares first
+    per_pass = [args.repeat // args.passes + (k < args.repeat % args.passes) for k in range(args.passes)]
     threads = args.threads or default_threads()
     if 1 not in threads:
         print("note: adding 1 thread (speedups are relative to it)")
@@ -483,7 +525,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     results = {"schema": SCHEMA, "suite": "parconv bench/run.py", "quick": args.quick,
                "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "settings": {"threads": threads, "repeat": args.repeat, "warmup": args.warmup,
+               "settings": {"threads": threads, "repeat": args.repeat, "passes": args.passes,
+                            "repeat_per_pass": per_pass, "warmup": args.warmup,
                             "min_time_s": args.min_time, "gap_s": args.gap, "idle_wait_s": args.idle_wait,
                             "interleaved": True,
                             "settle": not (args.quick or args.no_settle), "tolerance": harness.DEFAULT_TOL,
@@ -506,7 +549,7 @@ def main(argv=None) -> int:
         results["machine"]["reference_scaling_start"] = reference_scaling(threads)
         print(scaling_line(results["machine"]["reference_scaling_start"], "at the start"))
     print(f"implementations: {', '.join(i.name for i in impls)} | threads {threads} | repeat {args.repeat} "
-          f"(interleaved) | warm-up {args.warmup}" + (" | QUICK MODE: tiny shapes, timings mean nothing"
+          f"(interleaved{f', in {args.passes} passes' if args.passes > 1 else ''}) | warm-up {args.warmup}" + (" | QUICK MODE: tiny shapes, timings mean nothing"
                                                        if args.quick else ""))
     if "numpy" not in kinds and "linear" in local_names:
         impls.insert(0, W.Impl("numpy", "parconv", pc.backends.get("numpy")))  # NumPy matmul is linear's baseline
@@ -519,7 +562,7 @@ def main(argv=None) -> int:
     for name, wl, cases in plan:
         wl_impls = [i for i in impls if i.name != "numpy" or name == "linear" or "numpy" in kinds]
         n_cfg = len(configs_for(wl, wl_impls, threads))
-        total += len(cases) * n_cfg * (2 + max(args.warmup, 1) + args.repeat)
+        total += len(cases) * n_cfg * (args.passes * (2 + max(args.warmup, 1)) + args.repeat)
         amdahl_cases += [c for c in cases if c.amdahl]
     # Amdahl: the parallel backends (NumPy is the serial reference; analysed only when it is all there is)
     # (host backends only: a device backend's calls return before its kernels finish)
@@ -529,23 +572,37 @@ def main(argv=None) -> int:
         total += len(amdahl_cases) * len(parconv_impls) * len(threads) * (max(args.warmup, 1) + args.repeat)
     progress = Progress(total, not args.no_progress)
     any_failed = False
+    pooled = {}  # (workload, case index) -> (result dict, {Config: Timed}) over the passes so far
     try:
-        for name, wl, cases in plan:
-            wl_impls = [i for i in impls if i.name != "numpy" or name == "linear" or "numpy" in kinds]
-            entry = {"title": wl.title, "numpy_all_threads": wl.numpy_all_threads, "cases": []}
-            results["workloads"][name] = entry
-            for case in cases:
-                try:
-                    res = run_case(case, wl_impls, threads, args, progress)
-                except Exception as exc:  # noqa: BLE001 - report and go on with the next case
-                    tb = traceback.format_exc()
-                    results["errors"].append({"workload": name, "case": case.name, "error": repr(exc), "traceback": tb})
-                    progress.write(f"ERROR in {name} {case.name}: {exc!r}\n{tb}")
-                    any_failed = True
-                    continue
-                entry["cases"].append(res)
-                any_failed |= not all(c["ok"] for c in res["checks"])
-                progress.write(format_case_table(name, res, [i.name for i in wl_impls]) + "\n")
+        for n_pass, repeat in enumerate(per_pass):
+            if args.passes > 1:
+                progress.write(f"--- pass {n_pass + 1} of {args.passes} ({repeat} repetition(s) per config)")
+            for name, wl, cases in plan:
+                wl_impls = [i for i in impls if i.name != "numpy" or name == "linear" or "numpy" in kinds]
+                entry = results["workloads"].setdefault(
+                    name, {"title": wl.title, "numpy_all_threads": wl.numpy_all_threads, "cases": []})
+                for k, case in enumerate(cases):
+                    try:
+                        res, timed = run_case(case, wl_impls, threads, args, progress, repeat)
+                    except Exception as exc:  # noqa: BLE001 - report and go on with the next case
+                        tb = traceback.format_exc()
+                        results["errors"].append({"workload": name, "case": case.name, "pass": n_pass + 1,
+                                                  "error": repr(exc), "traceback": tb})
+                        progress.write(f"ERROR in {name} {case.name}: {exc!r}\n{tb}")
+                        any_failed = True
+                        continue
+                    any_failed |= not all(c["ok"] for c in res["checks"])
+                    if (name, k) not in pooled:
+                        if res.get("reference_speedup") is not None:
+                            res["reference_speedup_passes"] = [res["reference_speedup"]]
+                        pooled[name, k] = (res, timed)
+                        entry["cases"].append(res)
+                    else:
+                        merge_pass(pooled[name, k], res, timed, n_pass + 1)
+                    pres, ptimed = pooled[name, k]
+                    pres["results"] = harness.case_rows(ptimed, case.flops, case.items) if ptimed else []
+                    if n_pass == args.passes - 1 or not all(c["ok"] for c in res["checks"]):
+                        progress.write(format_case_table(name, pres, [i.name for i in wl_impls]) + "\n")
         if not args.no_amdahl and amdahl_cases:
             results["amdahl"] = run_amdahl(amdahl_cases, parconv_impls, threads, args, progress)
     finally:

@@ -175,3 +175,35 @@ def test_idle_wait_returns_when_quiet_and_gives_up_on_a_busy_thread():
     finally:
         stop.set()
         worker.join()
+
+
+def _run_bench(args, out):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pc.__file__)) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--no-progress", "--no-plots",
+                           "--no-amdahl", "--threads", "1,2", "--backends", "openmp", "--compare", "none",
+                           "--out", str(out), *args], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+
+
+def test_passes_split_the_repetitions_and_pool_them(tmp_path):
+    proc = _run_bench(["--workloads", "conv-small,linear", "--repeat", "5", "--passes", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pass 2 of 2" in proc.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["passes"] == 2 and results["settings"]["repeat_per_pass"] == [3, 2]
+    for name in ("conv-small", "linear"):
+        cases = results["workloads"][name]["cases"]
+        assert cases, name
+        for case in cases:
+            # one pooled entry per case; every config timed 3 + 2 times, checked in both passes
+            assert {c["pass"] for c in case["checks"] if "pass" in c} == {2}
+            assert len(case["checks"]) == 2 * len([c for c in case["checks"] if "pass" not in c])
+            for row in case["results"]:
+                assert row["n"] == 5 and len(row["times_s"]) == 5, (name, case["name"], row["config"])
+    assert len(results["workloads"]["conv-small"]["cases"]) == 2
+
+
+def test_more_passes_than_repetitions_is_refused(tmp_path):
+    proc = _run_bench(["--workloads", "linear", "--repeat", "2", "--passes", "3"], tmp_path)
+    assert proc.returncode != 0
+    assert "--passes must be between 1 and --repeat (2), got 3" in proc.stderr
