@@ -150,6 +150,7 @@ def render(results: dict, plots: list[str]) -> str:
         "",
         "```bash",
         "python bench/run.py --docs            # add e.g. --threads 1,2,4,8 --backends openmp",
+        "python bench/run.py --docs --passes 3 --repeat 9   # on a shared machine: repetitions spread over the run",
         "```",
         "",
     ]
