@@ -407,18 +407,26 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
     return res, timed
 
 
-def merge_pass(pooled: tuple[dict, dict], res: dict, timed: dict, n_pass: int) -> None:
-    """Add pass ``n_pass`` of a case (``res``, ``timed``) to the pooled ``(res, timed)`` of the earlier passes.
+def merge_pass(pooled: tuple[dict, dict] | None, res: dict, timed: dict, n_pass: int) -> tuple[dict, dict]:
+    """Add pass ``n_pass`` (from 1) of a case (``res``, ``timed``) to its pooled ``(res, timed)``.
 
+    ``pooled`` is None for the case's first pass: ``(res, timed)`` then start the pool.
     Samples are appended per config, so repetition ``r`` of every config still comes
     from the same moment and the ratios stay paired. Checks and skips are kept with
     their pass; the machine reference is kept per pass and summarised by its median.
+    Returns the pool.
     """
-    pres, ptimed = pooled
     for c in res["checks"]:
         c["pass"] = n_pass
+    res["skipped"] = [dict(s, **{"pass": n_pass}) for s in res["skipped"]]
+    if pooled is None:
+        pooled = (res, timed)
+        if res.get("reference_speedup") is not None:
+            res["reference_speedup_passes"] = [res["reference_speedup"]]
+        return pooled
+    pres, ptimed = pooled
     pres["checks"] += res["checks"]
-    pres["skipped"] += [dict(s, **{"pass": n_pass}) for s in res["skipped"]]
+    pres["skipped"] += res["skipped"]
     for c, t in timed.items():
         if c in ptimed and not (t.single or ptimed[c].single):
             ptimed[c].times += t.times
@@ -431,6 +439,7 @@ def merge_pass(pooled: tuple[dict, dict], res: dict, timed: dict, n_pass: int) -
         pres["reference_speedup"] = {t: statistics.median(p[t] for p in per if t in p) for t in per[0]}
     if res.get("background_cores") is not None:
         pres["background_cores"] = max(pres.get("background_cores") or 0.0, res["background_cores"])
+    return pooled
 
 
 def run_amdahl(cases, impls, threads, args, progress) -> list[dict]:
@@ -548,9 +557,10 @@ def main(argv=None) -> int:
     if not args.quick and len(threads) > 1:
         results["machine"]["reference_scaling_start"] = reference_scaling(threads)
         print(scaling_line(results["machine"]["reference_scaling_start"], "at the start"))
+    in_passes = f", in {args.passes} passes" if args.passes > 1 else ""
     print(f"implementations: {', '.join(i.name for i in impls)} | threads {threads} | repeat {args.repeat} "
-          f"(interleaved{f', in {args.passes} passes' if args.passes > 1 else ''}) | warm-up {args.warmup}" + (" | QUICK MODE: tiny shapes, timings mean nothing"
-                                                       if args.quick else ""))
+          f"(interleaved{in_passes}) | warm-up {args.warmup}" + (" | QUICK MODE: tiny shapes, timings mean nothing"
+                                                                 if args.quick else ""))
     if "numpy" not in kinds and "linear" in local_names:
         impls.insert(0, W.Impl("numpy", "parconv", pc.backends.get("numpy")))  # NumPy matmul is linear's baseline
     opts = {"filters": args.filters, "batches": args.batches}
@@ -591,17 +601,14 @@ def main(argv=None) -> int:
                         progress.write(f"ERROR in {name} {case.name}: {exc!r}\n{tb}")
                         any_failed = True
                         continue
-                    any_failed |= not all(c["ok"] for c in res["checks"])
-                    if (name, k) not in pooled:
-                        if res.get("reference_speedup") is not None:
-                            res["reference_speedup_passes"] = [res["reference_speedup"]]
-                        pooled[name, k] = (res, timed)
-                        entry["cases"].append(res)
-                    else:
-                        merge_pass(pooled[name, k], res, timed, n_pass + 1)
-                    pres, ptimed = pooled[name, k]
+                    checks_ok = all(c["ok"] for c in res["checks"])
+                    any_failed |= not checks_ok
+                    first = (name, k) not in pooled
+                    pres, ptimed = pooled[name, k] = merge_pass(pooled.get((name, k)), res, timed, n_pass + 1)
+                    if first:
+                        entry["cases"].append(pres)
                     pres["results"] = harness.case_rows(ptimed, case.flops, case.items) if ptimed else []
-                    if n_pass == args.passes - 1 or not all(c["ok"] for c in res["checks"]):
+                    if n_pass == args.passes - 1 or not checks_ok:
                         progress.write(format_case_table(name, pres, [i.name for i in wl_impls]) + "\n")
         if not args.no_amdahl and amdahl_cases:
             results["amdahl"] = run_amdahl(amdahl_cases, parconv_impls, threads, args, progress)
