@@ -28,7 +28,7 @@ from workloads import Impl
 
 #: Backend methods that are data operations (not kernels); they count as serial time
 ARRAY_OPS = frozenset({"asarray", "to_numpy", "is_array", "empty", "zeros", "reshape", "copy", "copy_into",
-                       "fill", "all_finite", "synchronize"})
+                       "fill", "all_finite", "synchronize", "fuses_linear_head"})
 KERNEL_OPS = tuple(
     name for name, value in vars(Backend).items()
     if callable(value) and not name.startswith("_") and name not in ARRAY_OPS

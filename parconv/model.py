@@ -10,7 +10,7 @@ import numpy as np
 from . import backends as _backends
 from ._io import load_npz, save_npz
 from ._validation import check_int, shape_of, state_array, to_backend_array
-from .layers import LAYER_TYPES, Conv2d, Layer, MaxPool2d, ReLU
+from .layers import LAYER_TYPES, Conv2d, Flatten, Layer, Linear, MaxPool2d, ReLU
 from .losses import BCELoss, Loss, SoftmaxCrossEntropy
 
 __all__ = ["Sequential", "History", "load", "TrainingDivergedError"]
@@ -147,19 +147,26 @@ class Sequential:
 
     # ---------------------------------------------------------------- forward
     def _plan(self) -> list:
-        """Steps of the forward pass: ``(start, stop)`` layer ranges; 3-long ranges are fused."""
-        key = (self.fuse, tuple(type(layer) for layer in self.layers))
+        """Steps of the forward pass: ``(start, stop)`` layer ranges.
+
+        3-long ranges are ``Conv2d -> ReLU -> MaxPool2d`` run as one fused op;
+        5-long ones add the ``Flatten -> Linear`` head that follows, where the
+        backend fuses that head too (:meth:`Backend.fuses_linear_head`).
+        """
+        types = tuple(type(layer) for layer in self.layers)
+        fused3 = [self.fuse and types[i:i + 3] == (Conv2d, ReLU, MaxPool2d) for i in range(len(types))]
+        heads = tuple(
+            i for i in range(len(types))
+            if fused3[i] and types[i + 3:i + 5] == (Flatten, Linear)
+            and self.backend.fuses_linear_head(self.layers[i + 4].in_features, self.layers[i + 4].out_features))
+        key = (self.fuse, types, heads)
         plan = self._plan_cache.get(key)
         if plan is None:
             plan, i = [], 0
-            while i < len(self.layers):
-                if (self.fuse and i + 2 < len(self.layers) and type(self.layers[i]) is Conv2d
-                        and type(self.layers[i + 1]) is ReLU and type(self.layers[i + 2]) is MaxPool2d):
-                    plan.append((i, i + 3))
-                    i += 3
-                else:
-                    plan.append((i, i + 1))
-                    i += 1
+            while i < len(types):
+                span = 5 if i in heads else 3 if fused3[i] else 1
+                plan.append((i, i + span))
+                i += span
             self._plan_cache[key] = plan
         return plan
 
@@ -168,7 +175,9 @@ class Sequential:
         x = to_backend_array(x, self.backend, "x", "Sequential")
         self._fused = {}
         for start, stop in self._plan():
-            if stop - start == 3:
+            if stop - start == 5:
+                x = self._fused_head_forward(start, x)
+            elif stop - start == 3:
                 x = self._fused_forward(start, x)
             else:
                 x = self.layers[start].forward(x)
@@ -185,6 +194,23 @@ class Sequential:
             layer._cache = None  # the fused op owns this group's cache
         self._fused[i] = (x, y, argmax)
         return y
+
+    def _fused_head_forward(self, i, x):
+        """Layers i..i+4: ``Conv2d -> ReLU -> MaxPool2d -> Flatten -> Linear`` as one op."""
+        conv, pool, flat, lin = self.layers[i], self.layers[i + 2], self.layers[i + 3], self.layers[i + 4]
+        pooled = pool.output_shape(conv.output_shape(shape_of(x)))
+        lin._check_x((pooled[0], math.prod(pooled[1:])))
+        b = conv.bias.data if conv.bias is not None else None
+        bl = lin.bias.data if lin.bias is not None else None
+        y, argmax, logits = self.backend.conv2d_relu_maxpool2d_linear_forward(
+            x, conv.weight.data, b, conv.stride, conv.padding, pool.kernel_size, pool.stride, lin.weight.data, bl)
+        for layer in self.layers[i:i + 3]:
+            layer._cache = None  # the fused op owns this group's cache
+        # the head's caches are what its own forward would leave, so Linear.backward gives its gradients
+        flat._cache = pooled
+        lin._cache = self.backend.reshape(y, (pooled[0], lin.in_features))
+        self._fused[i] = (x, y, argmax)
+        return logits
 
     # --------------------------------------------------------------- backward
     def register_grad_hook(self, fn) -> None:
@@ -206,33 +232,52 @@ class Sequential:
         """
         plan = self._plan()
         for start, stop in reversed(plan):
-            first = start == 0
-            want_dx = need_dx or not first
-            if stop - start == 3:
+            want_dx = need_dx or start != 0
+            if stop - start == 5:
+                # the head's gradients first (and their hook, so a data-parallel reduction of the
+                # largest gradient starts early), then the convolution's from the head's dy
+                head = self.layers[start + 4]
+                dy = to_backend_array(dy, self.backend, "dy", "Sequential.backward")
+                self._fused_group(start)
+                head.backward(dy, need_dx=False)
+                self._run_grad_hooks(start + 4)
+                dy = self._fused_backward(start, dy, want_dx, head=head)
+            elif stop - start == 3:
                 dy = self._fused_backward(start, dy, want_dx)
-                idx = start
             else:
                 dy = self.layers[start].backward(dy, need_dx=want_dx)
-                idx = start
-            if self._grad_hooks:
-                params = self.layers[idx].parameters()
-                if params:
-                    for hook in self._grad_hooks:
-                        hook(idx, params)
+            self._run_grad_hooks(start)
         return dy if need_dx else None
 
-    def _fused_backward(self, i, dy, need_dx):
-        conv = self.layers[i]
+    def _run_grad_hooks(self, idx):
+        if self._grad_hooks:
+            params = self.layers[idx].parameters()
+            if params:
+                for hook in self._grad_hooks:
+                    hook(idx, params)
+
+    def _fused_group(self, i):
         if i not in self._fused:
-            raise ValueError(f"Sequential.backward: layers {i}..{i + 2} ({conv!r}, ReLU, MaxPool2d) "
+            raise ValueError(f"Sequential.backward: layers {i}..{i + 2} ({self.layers[i]!r}, ReLU, MaxPool2d) "
                              "have no forward pass to differentiate (call the model first)")
-        x, y, argmax = self._fused[i]
+        return self._fused[i]
+
+    def _fused_backward(self, i, dy, need_dx, head=None):
+        """Gradients of the fused layers i..i+2 from dy, their output's gradient, or with ``head``
+        (the Linear at i + 4) from dy, the head's output gradient."""
+        conv = self.layers[i]
+        x, y, argmax = self._fused_group(i)
         dy = to_backend_array(dy, self.backend, "dy", "Sequential.backward")
-        if shape_of(dy) != shape_of(y):
-            raise ValueError(f"Sequential.backward: dy must have the shape of layer {i + 2}'s output "
-                             f"{shape_of(y)}, got {shape_of(dy)}")
-        dx, dw, db = self.backend.conv2d_relu_maxpool2d_backward(
-            x, conv.weight.data, y, argmax, dy, conv.stride, conv.padding, need_dx, conv.bias is not None)
+        if head is not None:
+            dx, dw, db = self.backend.conv2d_relu_maxpool2d_linear_backward(
+                x, conv.weight.data, y, argmax, head.weight.data, dy, conv.stride, conv.padding, need_dx,
+                conv.bias is not None)
+        else:
+            if shape_of(dy) != shape_of(y):
+                raise ValueError(f"Sequential.backward: dy must have the shape of layer {i + 2}'s output "
+                                 f"{shape_of(y)}, got {shape_of(dy)}")
+            dx, dw, db = self.backend.conv2d_relu_maxpool2d_backward(
+                x, conv.weight.data, y, argmax, dy, conv.stride, conv.padding, need_dx, conv.bias is not None)
         conv.weight.grad = dw
         if conv.bias is not None:
             conv.bias.grad = db

@@ -218,6 +218,42 @@ def _check_fused(ck, ref, rng, case):
         ck.close("conv_relu_pool.db", db, db_ref, tag)
 
 
+def _check_fused_head(ck, ref, rng, case):
+    """conv+ReLU+maxpool -> flatten -> linear as one op, against the oracle's composition."""
+    n, c, o, h, w, k, s, p, bias, pk, ps, g = case
+    be = ck.be
+    x = _f32(rng, n, c, h, w)
+    wt = _f32(rng, o, c, k, k, scale=1 / math.sqrt(c * k * k))
+    b = _f32(rng, o) if bias else None
+    tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p} pool{pk}/{ps} head {g}"
+    z_ref = ref.conv2d_forward(_f64(x), _f64(wt), _f64(b), s, p)
+    y_ref = ref.relu_forward(ref.maxpool2d_forward(z_ref, pk, ps)[0])
+    f = y_ref[0].size
+    wl, bl = _f32(rng, g, f, scale=1 / math.sqrt(f)), _f32(rng, g)
+    X, Wd, WL = be.asarray(x), be.asarray(wt), be.asarray(wl)
+    try:
+        y, am, logits = be.conv2d_relu_maxpool2d_linear_forward(X, Wd, be.asarray(b) if bias else None, s, p, pk,
+                                                                ps, WL, be.asarray(bl))
+    except Exception as exc:  # noqa: BLE001
+        ck.fail("conv_relu_pool_linear.logits", tag, exc)
+        return
+    ck.close("conv_relu_pool_linear.y", y, y_ref, tag)
+    ck.close("conv_relu_pool_linear.logits", logits, y_ref.reshape(n, f) @ _f64(wl).T + _f64(bl), tag)
+    dl = _f32(rng, n, g)
+    try:
+        dx, dw, db = be.conv2d_relu_maxpool2d_linear_backward(X, Wd, y, am, WL, be.asarray(dl), s, p, False, bias)
+    except Exception as exc:  # noqa: BLE001
+        ck.fail("conv_relu_pool_linear.dw", tag, exc)
+        return
+    am_h = np.asarray(ck.host(am), dtype=np.int64)  # routed through the backend's own argmax
+    dy = (_f64(dl) @ _f64(wl)).reshape(y_ref.shape)
+    dz = ref.maxpool2d_backward(ref.relu_backward(y_ref, dy), am_h, z_ref.shape)
+    _, dw_ref, db_ref = ref.conv2d_backward(_f64(x), _f64(wt), dz, s, p, False, bias)
+    ck.close("conv_relu_pool_linear.dw", dw, dw_ref, tag)
+    if bias:
+        ck.close("conv_relu_pool_linear.db", db, db_ref, tag)
+
+
 def _check_linear(ck, ref, rng, case):
     n, f, g, bias = case
     be = ck.be
@@ -369,6 +405,9 @@ _FIXED_POOL = [(2, 3, 8, 8, 2, 2), (1, 1, 5, 5, 4, 1), (2, 4, 7, 9, 3, 2), (1, 2
 _FIXED_FUSED = [  # conv case + pool kernel, pool stride
     (2, 1, 8, 28, 28, 3, 1, 0, True, 2, 2), (1, 3, 5, 9, 9, 3, 1, 1, False, 3, 2), (2, 2, 12, 10, 11, 3, 2, 1, True, 2, 1),
 ]
+_FIXED_HEAD = [  # fused case + head outputs; the first is a network's first layer with a wide head
+    (3, 1, 16, 28, 28, 3, 1, 0, True, 2, 2, 10), (2, 2, 5, 9, 9, 3, 1, 1, False, 3, 2, 3),
+]
 _FIXED_LINEAR = [(1, 1, 1, True), (4, 7, 3, True), (10, 169, 10, True), (33, 65, 17, False), (100, 300, 70, True)]
 _FIXED_ACT = [(1,), (7, 3), (2, 3, 4, 5), (1000,)]
 _FIXED_LOSS = [(1, 1), (4, 3), (100, 10), (257, 5)]
@@ -457,6 +496,8 @@ def run_selftest(backend_name, seed: int = 0, n_random: int = 20, file=None) -> 
         guarded(_check_maxpool2d, ref, rng, case)
     for case in _FIXED_FUSED + [_random_conv(rng, fused=True) for _ in range(n_random)]:
         guarded(_check_fused, ref, rng, case)
+    for case in _FIXED_HEAD:
+        guarded(_check_fused_head, ref, rng, case)
     rand_lin = [(int(rng.integers(1, 65)), int(rng.integers(1, 200)), int(rng.integers(1, 40)), bool(rng.integers(0, 2)))
                 for _ in range(n_random)]
     for case in _FIXED_LINEAR + rand_lin:
@@ -474,10 +515,11 @@ def run_selftest(backend_name, seed: int = 0, n_random: int = 20, file=None) -> 
 
     ok = all(r.ok for r in ck.results.values())
     out("")
-    out(f"{'op':24s} {'cases':>5s} {'max abs err':>12s} {'max rel err':>12s}  result")
+    width = max([24] + [len(name) for name in ck.results])
+    out(f"{'op':{width}s} {'cases':>5s} {'max abs err':>12s} {'max rel err':>12s}  result")
     for name in sorted(ck.results):
         r = ck.results[name]
-        out(f"{name:24s} {r.cases:5d} {r.max_abs:12.2e} {r.max_rel:12.2e}  {'pass' if r.ok else 'FAIL'}")
+        out(f"{name:{width}s} {r.cases:5d} {r.max_abs:12.2e} {r.max_rel:12.2e}  {'pass' if r.ok else 'FAIL'}")
         for note in r.notes[:3]:
             out(f"    {note}")
     n_fail = sum(not r.ok for r in ck.results.values())

@@ -1,10 +1,11 @@
 """conv2d: every backend against the NumPy oracle, the oracle against finite differences and PyTorch."""
 
 import numpy as np
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from conftest import assert_close, needs_torch, numeric_grad, rand
+from conftest import assert_close, host, needs_torch, numeric_grad, rand
 
 
 @st.composite
@@ -143,3 +144,49 @@ def test_fused_conv_relu_maxpool_equals_unfused(backend, oracle, case):
     assert_close(dw, dw_ref, atol=1e-4, what="fused dw")
     if bias:
         assert_close(db, db_ref, atol=1e-4, what="fused db")
+
+
+def _head_case_check(backend, oracle, x, wt, b, stride, pad, pk, ps, G, head_bias, rng, need_dx):
+    """The ``conv2d_relu_maxpool2d_linear_*`` pair against the oracle's composition."""
+    y_ref, _ = oracle.conv2d_relu_maxpool2d_forward(x, wt, b, stride, pad, pk, ps)
+    n, F = y_ref.shape[0], y_ref[0].size
+    wl = rand(rng, G, F, scale=1.0 / np.sqrt(F))
+    bl = rand(rng, G) if head_bias else None
+    X, Wd, WL = backend.asarray(x), backend.asarray(wt), backend.asarray(wl)
+    y, argmax, logits = backend.conv2d_relu_maxpool2d_linear_forward(
+        X, Wd, None if b is None else backend.asarray(b), stride, pad, pk, ps, WL,
+        None if bl is None else backend.asarray(bl))
+    assert_close(y, y_ref, what="head y")
+    yh = host(y).reshape(n, F).astype(np.float64)
+    want_logits = yh @ wl.T.astype(np.float64) + (0 if bl is None else bl)
+    assert_close(logits, want_logits.astype(np.float32), what="head logits")
+    dl = rand(rng, n, G)
+    dy = (dl.astype(np.float64) @ wl.astype(np.float64)).astype(np.float32).reshape(y_ref.shape)
+    want = oracle.conv2d_relu_maxpool2d_backward(x, wt, host(y), host(argmax), dy, stride, pad, need_dx, b is not None)
+    got = backend.conv2d_relu_maxpool2d_linear_backward(X, Wd, y, argmax, WL, backend.asarray(dl), stride, pad,
+                                                        need_dx, b is not None)
+    for g, e, what in zip(got, want, ("head dx", "head dw", "head db")):
+        if e is None:
+            assert g is None, what
+        else:
+            assert_close(g, e, atol=1e-4, what=what)
+
+
+@given(fused_case(), st.integers(1, 12), st.booleans(), st.booleans())
+def test_fused_linear_head_pair_equals_composition(backend, oracle, case, G, head_bias, need_dx):
+    """conv+ReLU+maxpool -> flatten -> linear as one op: the pooled output, the head's logits, and
+    the convolution's gradients from the head's output gradient."""
+    n, c, o, h, w, k, stride, pad, pk, ps, bias, seed = case
+    rng = np.random.default_rng(seed)
+    x, wt = rand(rng, n, c, h, w), rand(rng, o, c, k, k, scale=1.0 / np.sqrt(c * k * k))
+    _head_case_check(backend, oracle, x, wt, rand(rng, o) if bias else None, stride, pad, pk, ps, G,
+                     head_bias, rng, need_dx)
+
+
+@pytest.mark.parametrize("n, G", [(1, 10), (5, 10), (4, 16), (3, 1)])
+def test_fused_linear_head_pair_on_a_wide_head(backend, oracle, n, G):
+    """A first layer whose head is wide enough for the OpenMP backend to fuse it (16 filters
+    pooled to 13 x 13: 2704 features), odd and even batches."""
+    rng = np.random.default_rng(100 + n * G)
+    x, wt = rand(rng, n, 1, 28, 28), rand(rng, 16, 1, 3, 3, scale=1.0 / 3)
+    _head_case_check(backend, oracle, x, wt, rand(rng, 16), 1, 0, 2, 2, G, True, rng, False)

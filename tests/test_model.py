@@ -174,3 +174,49 @@ def test_state_dict_moves_to_and_from_torch(backend):
                                                            (net[3], ()), (net[4], (100, 10))]])
     model.load_state_dict(net2.state_dict())
     assert_close(model(x), net2(torch.tensor(x)).detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def wide_head_cnn(backend, fuse=True):
+    """A first layer whose 16 x 13 x 13 = 2704 pooled features feed a 10-class head: wide enough
+    for the OpenMP backend to fuse the head into the convolution layer."""
+    rng = np.random.default_rng(7)
+    return pc.Sequential(pc.Conv2d(1, 16, 3, rng=rng), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(),
+                         pc.Linear(16 * 13 * 13, 10, rng=rng), backend=backend, fuse=fuse)
+
+
+def test_fused_head_trains_like_the_unfused_model(backend):
+    """Where the backend fuses the Flatten -> Linear head into the fused layer the steps run as
+    one op (a 5-layer range of the plan); the weights after a few steps match the unfused model."""
+    rng = np.random.default_rng(3)
+    models = [wide_head_cnn(backend), wide_head_cnn(backend, fuse=False), wide_head_cnn("numpy", fuse=False)]
+    be = models[0].backend
+    assert models[0]._plan() == ([(0, 5)] if be.fuses_linear_head(2704, 10) else [(0, 3), (3, 4), (4, 5)])
+    assert models[1]._plan() == [(i, i + 1) for i in range(5)]
+    order = []
+    models[0].register_grad_hook(lambda idx, params: order.append(idx))
+    loss_fn = pc.SoftmaxCrossEntropy()
+    opts = [pc.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for step in range(3):
+        x = rng.standard_normal((5, 1, 28, 28)).astype(np.float32)
+        y = rng.integers(0, 10, 5)
+        for m, opt in zip(models, opts):
+            loss_fn(m(x), y)
+            dx = m.backward(loss_fn.backward(), need_dx=step == 2)
+            assert dx is None or tuple(dx.shape) == x.shape
+            opt.step()
+            opt.zero_grad()
+    assert order == [4, 0] * 3  # the head's gradients are ready (and reduced) first
+    want = models[2].state_dict()
+    for m in models[:2]:
+        got = m.state_dict()
+        for k in want:
+            assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, what=k)
+
+
+def test_fused_head_backward_before_forward_is_an_error(backend):
+    model = wide_head_cnn(backend)
+    with pytest.raises(ValueError, match="forward"):
+        model.backward(np.zeros((2, 10), np.float32))
+    model(np.zeros((2, 1, 28, 28), np.float32))
+    with pytest.raises(ValueError, match="dy must have"):
+        model.backward(np.zeros((3, 10), np.float32))

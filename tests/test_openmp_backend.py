@@ -904,3 +904,105 @@ def test_backend_outputs_survive_later_ops():
     be.release_memory()
     assert be._pool.nbytes == 0
     assert np.array_equal(y3, keep)  # released buffers stay valid for whoever still holds them
+
+
+@pytest.mark.parametrize("N, O, G", [(1, 16, 10), (7, 16, 10), (16, 32, 3), (4, 13, 16)])
+def test_fused_linear_head_gives_the_bits_of_the_composition(N, O, G):
+    """The fused head computes each image's logits with the narrow forward's row kernel and each
+    image's pooled gradient with the narrow backward's arithmetic: the same bits as composing
+    the fused layer with the narrow linear kernels, at 1 and 2 threads, odd batches included."""
+    from parconv._ext import _conv, _dense
+
+    rng = np.random.default_rng(N * 100 + O)
+    x = uniform(rng, (N, 1, 28, 28))
+    w = uniform(rng, (O, 1, 3, 3), 1 / 3)
+    b = uniform(rng, (O,))
+    F = O * 13 * 13
+    wl = uniform(rng, (G, F), 1 / np.sqrt(F))
+    bl = uniform(rng, (G,))
+    dl = uniform(rng, (N, G))
+    for threads in (1, 2):
+        y, am = np.empty((N, O, 13, 13), np.float32), np.empty((N, O, 13, 13), np.int32)
+        logits = np.empty((N, G), np.float32)
+        assert _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, am, 1, 0, 2, 2, threads, wl, bl, logits)
+        y0, am0 = np.empty_like(y), np.empty_like(am)
+        assert _conv.conv2d_relu_maxpool2d_forward(x, w, b, y0, am0, 1, 0, 2, 2, threads)
+        want_logits = np.empty_like(logits)
+        _dense.linear_forward(y0.reshape(N, F), wl, bl, want_logits, threads, True)
+        assert np.array_equal(y, y0) and np.array_equal(am, am0)
+        assert np.array_equal(logits, want_logits)
+        dy = np.empty((N, F), np.float32)
+        _dense.linear_backward(y.reshape(N, F), wl, dl, dy, np.empty_like(wl), None, threads, True)
+        want = _fused_backward_kernel(x, w, y, am, dy.reshape(y.shape), 0, False, True, threads)
+        dw, db = np.empty_like(w), np.empty(O, np.float32)
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, db, 0, threads, wl, dl)
+        assert np.array_equal(dw, want[1]) and np.array_equal(db, want[2])
+
+
+def test_fused_linear_head_kernel_checks_its_arguments():
+    from parconv._ext import _conv
+
+    rng = np.random.default_rng(5)
+    x = uniform(rng, (2, 1, 8, 8))
+    w = uniform(rng, (3, 1, 3, 3))
+    y, am = omp.conv2d_relu_maxpool2d_forward(x, w, None, 1, 0, 2, 2)  # (2, 3, 3, 3): 27 features
+    wl, dl = uniform(rng, (4, 27)), uniform(rng, (2, 4))
+    dw = np.empty_like(w)
+    with pytest.raises(ValueError, match="head_w must be"):
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, None, 0, 1, uniform(rng, (4, 26)), dl)
+    with pytest.raises(ValueError, match="head_w must be"):
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, None, 0, 1, uniform(rng, (17, 27)),
+                                             uniform(rng, (2, 17)))
+    with pytest.raises(ValueError, match="together"):
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, None, 0, 1, wl, None)
+    with pytest.raises(ValueError, match="together"):
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, y, None, dw, None, 0, 1, wl, dl)
+    with pytest.raises(ValueError, match="no linear head"):
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, None, 0, 1)
+    y2, am2 = np.empty_like(y), np.empty_like(am)
+    with pytest.raises(ValueError, match="head_w must be"):
+        _conv.conv2d_relu_maxpool2d_forward(x, w, None, y2, am2, 1, 0, 2, 2, 1, wl, None, np.empty((2, 3), np.float32))
+    with pytest.raises(ValueError, match="head_w must be"):
+        _conv.conv2d_relu_maxpool2d_forward(x, w, None, y2, am2, 1, 0, 2, 2, 1, wl, None, None)
+
+
+def test_fused_linear_head_runs_where_it_pays(monkeypatch):
+    """The backend fuses narrow heads of at least NARROW_MIN_FEATURES inputs whose weights fit
+    HEAD_MAX_WEIGHT_BYTES, and (backward) only where the fused backward itself runs; it
+    composes elsewhere, with the same answer."""
+    from parconv._ext import _conv
+    from parconv.backends import openmp as omp_mod
+
+    be = OpenMPBackend()
+    assert be.fuses_linear_head(omp_mod.NARROW_MIN_FEATURES, 10)
+    assert not be.fuses_linear_head(omp_mod.NARROW_MIN_FEATURES - 1, 10)
+    assert not be.fuses_linear_head(4096, 17)
+    assert not be.fuses_linear_head(omp_mod.HEAD_MAX_WEIGHT_BYTES // 40 + 1, 10)
+    be.narrow_linear = False
+    assert not be.fuses_linear_head(4096, 10)
+    heads = []
+    real_fwd, real_bwd = _conv.conv2d_relu_maxpool2d_forward, _conv.conv2d_relu_maxpool2d_backward
+    monkeypatch.setattr(omp_mod._conv, "conv2d_relu_maxpool2d_forward",
+                        lambda *a: heads.append(("fwd", len(a) > 10)) or real_fwd(*a))
+    monkeypatch.setattr(omp_mod._conv, "conv2d_relu_maxpool2d_backward",
+                        lambda *a: heads.append(("bwd", len(a) > 10)) or real_bwd(*a))
+    rng = np.random.default_rng(21)
+    x = uniform(rng, (3, 1, 28, 28))
+    w = uniform(rng, (16, 1, 3, 3), 1 / 3)
+    wl, dl = uniform(rng, (10, 2704), 0.02), uniform(rng, (3, 10))
+    y_ref, _ = ref.conv2d_relu_maxpool2d_forward(x, w, None, 1, 0, 2, 2)
+    for narrow, need_dx in ((True, False), (True, True), (False, False)):
+        omp.narrow_linear = narrow
+        heads.clear()
+        try:
+            y, am, logits = omp.conv2d_relu_maxpool2d_linear_forward(x, w, None, 1, 0, 2, 2, wl, None)
+            dx, dw, db = omp.conv2d_relu_maxpool2d_linear_backward(x, w, y, am, wl, dl, 1, 0, need_dx, True)
+        finally:
+            omp.narrow_linear = True
+        assert heads[0] == ("fwd", narrow)
+        assert ("bwd", True) in heads if narrow and not need_dx else ("bwd", True) not in heads
+        close(y, y_ref)
+        close(logits, y_ref.reshape(3, -1) @ wl.T)
+        want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, (dl @ wl).reshape(y.shape), 1, 0, need_dx, True)
+        for g, e in zip((dx, dw, db), want):
+            close(g, e)

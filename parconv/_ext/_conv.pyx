@@ -169,7 +169,8 @@ cdef int _plan_walk(int N, int P, int Q, int Wg, int nt, bint allow_rows, int kd
 cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
                        const float *w, int flip_O, int O, const float *bias,
                        float *y, int P, int Q, int nt,
-                       int pk=0, int ps=0, int *am=NULL, bint whole_images=False) noexcept:
+                       int pk=0, int ps=0, int *am=NULL, bint whole_images=False,
+                       const float *hw=NULL, const float *hb=NULL, float *logits=NULL, int G=0) noexcept:
     """Stride-1 convolution straight from zero-padded images.
 
     w is (O, C, K, K), or with ``flip_O > 0`` the (flip_O, O, K, K) filters of
@@ -184,6 +185,13 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     returns 2 having done nothing, unless ``whole_images``: then each thread
     takes whole images even where the threads get unequal shares. Returns 1
     when scratch could not be allocated, else 0.
+
+    With ``hw`` (pooling only) the pooled output also feeds a linear head of
+    ``G <= PCD_NARROW_G`` outputs, weights hw (G, O * PP * QQ) and bias hb (or
+    NULL): each image's ``logits`` row is computed as soon as the image is
+    pooled, while its pooled planes are still in cache, by the narrow
+    forward's row kernel (the same bits as ``linear_forward``); the images
+    go to threads in pairs, so each pair's rows share the loads of hw.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
     cdef int kdim = C * K * K
@@ -256,7 +264,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 memset(buf + img, 0, sizeof(float) * slack)
             # dynamic: every image is computed alone, so a thread whose core is shared with another
             # process takes fewer images and the result keeps its bits
-            for n in prange(N, schedule="dynamic"):
+            for n in prange(N, schedule="dynamic", chunksize=2 if hw != NULL else 1):
                 if failed[0]:
                     continue
                 pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
@@ -269,6 +277,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                     for o in range(O):
                         pc_pool_plane(z + o * PQ, pool_base, Q, pk, ps, PP, QQ, y + (n * O + o) * PPQQ,
                                       am + (n * O + o) * PPQQ, 1)
+                    # images come in pairs (chunks of 2), and the head's rows in pairs share each load
+                    # of hw: after the second image of a pair, or a last lone one
+                    if hw != NULL and (n % 2 == 1 or n == N - 1):
+                        pcd_linear_fwd_rows(y, hw, hb, logits, n - n % 2, n + 1, O * PPQQ, G)
                 elif by_rows:
                     pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wp, Q, y + n * O * PQ, PQ, bias, ct)
                 else:
@@ -1004,8 +1016,16 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
                                   float[:, :, :, ::1] y,        # OUT (N, O, PP, QQ), overwritten
                                   int[:, :, :, ::1] argmax,     # OUT (N, O, PP, QQ) int32, overwritten
                                   int stride, int padding, int pool_kernel, int pool_stride,
-                                  int num_threads):
+                                  int num_threads,
+                                  const float[:, ::1] head_w=None,  # IN  (G, O * PP * QQ) or None
+                                  const float[::1] head_b=None,     # IN  (G,) or None
+                                  float[:, ::1] logits=None):       # OUT (N, G) with head_w, overwritten
     """``relu(maxpool2d(conv2d(x)))`` without writing the convolution output.
+
+    With ``head_w`` the pooled output also feeds ``flatten -> linear``
+    (``G <= NARROW_MAX_G`` outputs, bias ``head_b`` or None) and ``logits``
+    receives its output, each image's row computed right after the image is
+    pooled.
 
     Each thread convolves whole images into private scratch and pools from
     there; argmax indexes the (P, Q) convolution plane. Where the images do
@@ -1024,13 +1044,27 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
     cdef double per_image = <double>O * C * K * K * P * Q
     # the busiest thread's images beyond an even share, in multiply-adds
     cdef double uneven = (((N + nt - 1) // nt) - <double>N / nt) * per_image
+    cdef const float *hwp = NULL
+    cdef const float *hbp = NULL
+    cdef float *lp = NULL
+    cdef int G = 0
+    if head_w is not None:
+        G = head_w.shape[0]
+        if (logits is None or G < 1 or G > PCD_NARROW_G or head_w.shape[1] != <Py_ssize_t>O * y.shape[2] * y.shape[3]
+                or logits.shape[0] != N or logits.shape[1] != G or (head_b is not None and head_b.shape[0] != G)):
+            raise ValueError(f"conv2d_relu_maxpool2d_forward: head_w must be (G, {O * y.shape[2] * y.shape[3]}) "
+                             f"with 1 <= G <= {PCD_NARROW_G}, head_b (G,) or None and logits ({N}, G)")
+        hwp = &head_w[0, 0]
+        lp = &logits[0, 0]
+        if head_b is not None:
+            hbp = &head_b[0]
     if stride != 1:
         return False
     if b is not None:
         bp = &b[0]
     failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
                            &y[0, 0, 0, 0], P, Q, nt, pool_kernel, pool_stride, &argmax[0, 0, 0, 0],
-                           uneven <= FUSED_FWD_UNEVEN_MACS)
+                           uneven <= FUSED_FWD_UNEVEN_MACS, hwp, hbp, lp, G)
     if failed == 1:
         raise MemoryError("conv2d_relu_maxpool2d_forward: could not allocate scratch")
     return failed == 0
@@ -1044,11 +1078,17 @@ cdef enum:
     FUSED_FWD_UNEVEN_MACS = 1 << 20
 
 
+cdef extern from "pc_dense.h":
+    int PCD_NARROW_G
+    void pcd_linear_fwd_rows(const float *x, const float *w, const float *b, float *y,
+                             Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t F, int G) noexcept nogil
+
+
 cdef extern from "pc_fused.h":
-    Py_ssize_t pcf_dw_scratch_floats(int C, int H, int W, int pad, int P, int Q) noexcept nogil
+    Py_ssize_t pcf_dw_scratch_floats(int C, int H, int W, int pad, int P, int Q, Py_ssize_t head_F) noexcept nogil
     void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, int P, int Q,
                        const float *y, const int *am, const float *dy, int O, int PQp, int n0, int n1,
-                       double *acc, float *scratch) noexcept nogil
+                       const float *dyl, const float *wl, int G, double *acc, float *scratch) noexcept nogil
     void pcf_dw_reduce(const double *part, int nblocks, int O, Py_ssize_t kdim, float *dw, float *db) noexcept nogil
     Py_ssize_t pcf_dx_scratch_floats(int C, int H, int W, int pad, int P, int Q) noexcept nogil
     void pcf_dx(int n, int C, int H, int W, int pad, int K, int P, int Q, const float *w,
@@ -1085,17 +1125,24 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                                    const float[:, :, :, ::1] w,     # IN  (O, C, K, K)
                                    const float[:, :, :, ::1] y,     # IN  (N, O, PP, QQ) fused forward output
                                    const int[:, :, :, ::1] argmax,  # IN  (N, O, PP, QQ) index in the (P, Q) plane
-                                   const float[:, :, :, ::1] dy,    # IN  (N, O, PP, QQ)
+                                   const float[:, :, :, ::1] dy,    # IN  (N, O, PP, QQ), or None with a head
                                    float[:, :, :, ::1] dx,          # OUT (N, C, H, W) or None, overwritten
                                    float[:, :, :, ::1] dw,          # OUT (O, C, K, K), overwritten
                                    float[::1] db,                   # OUT (O,) or None, overwritten
-                                   int padding, int num_threads):
+                                   int padding, int num_threads,
+                                   const float[:, ::1] head_w=None,   # IN  (G, O * PP * QQ) or None
+                                   const float[:, ::1] head_dy=None):  # IN  (N, G) or None
     """Gradients of ``relu(maxpool2d(conv2d(x)))`` (stride-1 convolution) without a full-size dz.
 
     See ``pc_fused.h``. dw and db: blocks of images (their number set by the
     shape) handed out to threads dynamically, each block's partial sums in
     double, then added in block order (the same bits at every thread count
     and whichever thread takes a block); dx: images handed out dynamically.
+
+    With ``head_w`` and ``head_dy`` (and ``dy`` None) the pooled output feeds
+    ``flatten -> linear`` with ``G <= NARROW_MAX_G`` outputs: the pooled
+    gradient ``head_dy @ head_w`` is computed image by image where it is
+    used, never stored whole (dw and db only: ``dx`` must be None).
     """
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], K = w.shape[2]
@@ -1111,9 +1158,30 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     cdef float *dbp = NULL
     cdef double *part
     cdef Py_ssize_t dws = 0
+    cdef const float *dyp = NULL
+    cdef const float *hwp = NULL
+    cdef const float *hdyp = NULL
+    cdef int G = 0
+    cdef Py_ssize_t head_F = 0
     failed[0] = 0
     if db is not None:
         dbp = &db[0]
+    if head_w is not None or head_dy is not None:
+        if head_w is None or head_dy is None or dy is not None or dx is not None:
+            raise ValueError("conv2d_relu_maxpool2d_backward: a linear head takes head_w and head_dy "
+                             "together, with dy and dx None")
+        G = head_w.shape[0]
+        head_F = <Py_ssize_t>O * PQp
+        if G < 1 or G > PCD_NARROW_G or head_w.shape[1] != head_F or head_dy.shape[0] != N or head_dy.shape[1] != G:
+            raise ValueError(f"conv2d_relu_maxpool2d_backward: head_w must be (G, {head_F}) with 1 <= G <= "
+                             f"{PCD_NARROW_G} and head_dy ({N}, G), got ({head_w.shape[0]}, {head_w.shape[1]}) and "
+                             f"({head_dy.shape[0]}, {head_dy.shape[1]})")
+        hwp = &head_w[0, 0]
+        hdyp = &head_dy[0, 0]
+    elif dy is None:
+        raise ValueError("conv2d_relu_maxpool2d_backward: dy is None and no linear head is given")
+    else:
+        dyp = &dy[0, 0, 0, 0]
     if macs < FUSED_BWD_SERIAL_BELOW:
         nt = 1
     nblocks = _min(N, _fused_bwd_image_blocks)
@@ -1121,7 +1189,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     part = <double *>malloc(sizeof(double) * <size_t>nblocks * per_block)
     if part == NULL:
         raise MemoryError("conv2d_relu_maxpool2d_backward: could not allocate the partial sums")
-    dws = pcf_dw_scratch_floats(C, H, W, padding, P, Q)
+    dws = pcf_dw_scratch_floats(C, H, W, padding, P, Q, head_F)
     with nogil:
         with parallel(num_threads=_min(nt, nblocks)):
             scr = <float *>malloc(sizeof(float) * dws)
@@ -1130,8 +1198,8 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
             for blk in prange(nblocks, schedule="dynamic"):
                 if scr != NULL:
                     pcf_dw_images(&x[0, 0, 0, 0], C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
-                                  &dy[0, 0, 0, 0], O, PQp, <int>((<long>N * blk) // nblocks),
-                                  <int>((<long>N * (blk + 1)) // nblocks), part + blk * per_block, scr)
+                                  dyp, O, PQp, <int>((<long>N * blk) // nblocks),
+                                  <int>((<long>N * (blk + 1)) // nblocks), hdyp, hwp, G, part + blk * per_block, scr)
             free(scr)
         if not failed[0]:
             pcf_dw_reduce(part, nblocks, O, kdim, &dw[0, 0, 0, 0], dbp)
@@ -1145,7 +1213,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                 for n in prange(N, schedule="dynamic"):
                     if scr != NULL:
                         pcf_dx(n, C, H, W, padding, K, P, Q, &w[0, 0, 0, 0], &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
-                               &dy[0, 0, 0, 0], O, PQp, &dx[0, 0, 0, 0], scr)
+                               dyp, O, PQp, &dx[0, 0, 0, 0], scr)
                 free(scr)
     if failed[0]:
         raise MemoryError("conv2d_relu_maxpool2d_backward: could not allocate scratch")

@@ -30,6 +30,7 @@
 
 #include "pc_common.h"   /* pc_sum_f32 */
 #include "pc_conv.h"     /* pcc_pad_image */
+#include "pc_dense.h"    /* pcd_linear_dx_rows: the pooled gradient from a linear head */
 
 typedef ptrdiff_t pcf_idx;
 
@@ -130,15 +131,23 @@ static inline void pcf_dot9(const float *restrict dz, const float *restrict src,
     }
 }
 
-/* Scratch floats of pcf_dw for one thread (the position map counted as floats). */
-static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int P, int Q)
+/* Scratch floats of pcf_dw_images for one thread (the position map counted as floats); head_F > 0:
+ * room for two images' pooled gradients of head_F floats each (see pcf_dw_images). */
+static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int P, int Q, pcf_idx head_F)
 {
-    return (pcf_idx)C * (H + 2 * pad) * (W + 2 * pad) + (pcf_idx)P * (W + 2 * pad) + (pcf_idx)P * Q;
+    return (pcf_idx)C * (H + 2 * pad) * (W + 2 * pad) + (pcf_idx)P * (W + 2 * pad) + (pcf_idx)P * Q
+           + 2 * head_F;
 }
 
 /* Partial dw and db sums of images n0..n1 for every filter, in double: acc[o * (kdim + 1) + k] for
  * the kdim = C*K*K taps, acc[o * (kdim + 1) + kdim] for the bias (overwritten). The images are
  * summed in order, so a block's partials do not depend on the thread that computes them.
+ *
+ * The pooled gradient dy is (N, O, PQp), or, when dyl is not NULL, it is not stored at all: the
+ * pooled output feeds a linear head (flatten, then G <= PCD_NARROW_G outputs with weights wl of
+ * (G, O * PQp)) whose output gradient is dyl (N, G), and each image's row of dyl @ wl is computed
+ * into scratch as the image comes up (two images at a time, sharing each load of wl). That
+ * spares writing the head's full-size dx and reading it back here.
  *
  * dz is laid out at the padded row stride Wp (zeros in the Wp - Q wrap-around
  * columns), so tap (c, kh, kw) is one contiguous dot product of
@@ -147,7 +156,7 @@ static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int P,
  * planes as one contiguous run (all O filters). */
 static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, int P, int Q,
                           const float *y, const int *am, const float *dy, int O, int PQp, int n0, int n1,
-                          double *acc, float *scratch)
+                          const float *dyl, const float *wl, int G, double *acc, float *scratch)
 {
     const int Hp = H + 2 * pad, Wp = W + 2 * pad;
     const pcf_idx kdim = (pcf_idx)C * K * K, PW = (pcf_idx)P * Wp;
@@ -155,6 +164,8 @@ static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, i
     float *xpad = scratch;
     float *dzw = xpad + (pcf_idx)C * Hp * Wp;           /* (P, Wp) */
     int *where = (int *)(dzw + PW);                     /* (p, q) of the plane -> p * Wp + q */
+    float *head = (float *)(where + (pcf_idx)P * Q);    /* (2, O * PQp): two images' pooled gradients */
+    const pcf_idx F = (pcf_idx)O * PQp;
     memset(acc, 0, sizeof(double) * (size_t)O * (size_t)(kdim + 1));
     for (int p = 0; p < P; p++)
         for (int q = 0; q < Q; q++)
@@ -168,10 +179,18 @@ static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, i
             pcc_pad_image(xn, H, W, pad, Hp, Wp, 0, C, xpad);
             xn = xpad;
         }
+        const float *dyn;
+        if (dyl) {
+            if ((n - n0) % 2 == 0)
+                pcd_linear_dx_rows(dyl, wl, head, n, n + 2 < n1 ? n + 2 : n1, F, G);
+            dyn = head + ((n - n0) % 2) * F;
+        } else {
+            dyn = dy + (pcf_idx)n * F;
+        }
         for (int o = 0; o < O; o++) {
             const pcf_idx plane = ((pcf_idx)n * O + o) * PQp;
             double *a = acc + (pcf_idx)o * (kdim + 1);
-            a[kdim] += pcf_dz_plane(y + plane, am + plane, dy + plane, PQp, where, dzw, PW);
+            a[kdim] += pcf_dz_plane(y + plane, am + plane, dyn + (pcf_idx)o * PQp, PQp, where, dzw, PW);
             for (int c = 0; c < C; c++) {
                 const float *xc = xn + (pcf_idx)c * Hp * Wp;
                 if (K == 3) {

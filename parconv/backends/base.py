@@ -17,7 +17,10 @@ accumulate). Optimizer updates work in place.
 A backend implements every method below. A method it lacks raises
 ``NotImplementedError`` naming the backend and the op. The fused
 ``conv2d_relu_maxpool2d_*`` pair has a default built from the unfused ops;
-backends override it to avoid writing the full-size convolution output.
+backends override it to avoid writing the full-size convolution output. So
+has the ``conv2d_relu_maxpool2d_linear_*`` pair, which also takes the
+``flatten -> linear`` classifier head that follows; a backend overrides it
+and says where through :meth:`Backend.fuses_linear_head`.
 """
 
 from __future__ import annotations
@@ -213,3 +216,37 @@ class Backend:
         Q = (x.shape[3] + 2 * padding - K) // stride + 1
         dz = self.maxpool2d_backward(self.relu_backward(y, dy), argmax, (N, O, P, Q))
         return self.conv2d_backward(x, w, dz, stride, padding, need_dx, need_db)
+
+    # ------------------------------- fused conv+relu+maxpool -> flatten -> linear
+    def fuses_linear_head(self, in_features: int, out_features: int) -> bool:
+        """Whether the ``conv2d_relu_maxpool2d_linear_*`` pair beats the composition here.
+
+        ``Sequential`` runs ``Conv2d -> ReLU -> MaxPool2d -> Flatten -> Linear``
+        through that pair only where this returns True. The default pair
+        composes the unfused ops (correct everywhere, never faster), so the
+        base class says False.
+        """
+        return False
+
+    def conv2d_relu_maxpool2d_linear_forward(self, x, w, b, stride: int, padding: int, pool_kernel: int,
+                                             pool_stride: int, wl, bl):
+        """The fused op followed by ``flatten -> linear``: returns ``(y, argmax, logits)``.
+
+        y and argmax as :meth:`conv2d_relu_maxpool2d_forward`; logits (N, G) is
+        ``reshape(y, (N, F)) @ wl.T + bl`` with wl (G, F) and bl (G,) or None.
+        """
+        y, argmax = self.conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
+        logits = self.linear_forward(self.reshape(y, (y.shape[0], wl.shape[1])), wl, bl)
+        return y, argmax, logits
+
+    def conv2d_relu_maxpool2d_linear_backward(self, x, w, y, argmax, wl, dlogits, stride: int, padding: int,
+                                              need_dx: bool = True, need_db: bool = True):
+        """The convolution's ``(dx, dw, db)`` when the pooled output y fed ``flatten -> linear(wl)``.
+
+        The pooled gradient is ``reshape(dlogits @ wl, y.shape)``; a backend
+        that fuses never stores it whole. The head's own gradients come from
+        :meth:`linear_backward` with ``need_dx=False``.
+        """
+        dyf, _, _ = self.linear_backward(self.reshape(y, (y.shape[0], wl.shape[1])), wl, dlogits, True, False)
+        return self.conv2d_relu_maxpool2d_backward(x, w, y, argmax, self.reshape(dyf, y.shape), stride, padding,
+                                                   need_dx, need_db)

@@ -50,6 +50,13 @@ CONV_BACKWARD_TILE_BYTES = 1 << 22
 #: 64x128x32x32 through 64 filters with dx: 712 / 154 (Winograd dx).
 FUSED_BWD_MAX_CHANNELS = 2
 
+#: ``Conv2d -> ReLU -> MaxPool2d -> Flatten -> Linear`` runs as one op (the fused layer computes
+#: each image's logits right after pooling it, and the backward computes each image's pooled
+#: gradient from the logits' gradient where it is used) when the head is narrow (at most
+#: ``_dense.NARROW_MAX_G`` outputs over at least ``NARROW_MIN_FEATURES`` inputs) and its weights
+#: fit this many bytes: every image reads all of them, so they have to stay in a core's L2.
+HEAD_MAX_WEIGHT_BYTES = 1 << 22
+
 
 def openmp_enabled() -> bool:
     """Whether the kernels were built with OpenMP (else they run on one thread)."""
@@ -439,6 +446,57 @@ class OpenMPBackend(HostArrays, Backend):
         db = np.empty(O, dtype=np.float32) if need_db else None
         _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, dx, dw, db, padding, get_num_threads())
         return dx, dw, db
+
+    def fuses_linear_head(self, in_features, out_features):
+        """Narrow heads (see ``NARROW_MIN_FEATURES``) whose weights fit ``HEAD_MAX_WEIGHT_BYTES``."""
+        return (self.narrow_linear and 1 <= out_features <= _dense.NARROW_MAX_G
+                and in_features >= NARROW_MIN_FEATURES and 4 * in_features * out_features <= HEAD_MAX_WEIGHT_BYTES)
+
+    def conv2d_relu_maxpool2d_linear_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride, wl, bl):
+        """Fused through the head: each thread computes an image's logits as soon as it has pooled
+        the image, while its pooled planes are still in cache (the same bits as the composition).
+
+        Composes where the fused forward does not apply (see :meth:`conv2d_relu_maxpool2d_forward`)
+        or the head is not one :meth:`fuses_linear_head` takes.
+        """
+        x, w, wl = _f32(x), _f32(w), _f32(wl)
+        b = None if b is None else _f32(b)
+        bl = None if bl is None else _f32(bl)
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        G, F = wl.shape
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
+        PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
+        if (min(N, C, O, PP, QQ) > 0 and stride == 1 and O * PP * QQ == F and self.fuses_linear_head(F, G)
+                and not self._winograd(C, O, K, stride, P, Q)):
+            y = self._empty((N, O, PP, QQ))
+            argmax = self._empty((N, O, PP, QQ), np.int32)
+            logits = self._empty((N, G))
+            if _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, argmax, stride, padding, pool_kernel, pool_stride,
+                                                   get_num_threads(), wl, bl, logits):
+                return y, argmax, logits
+        return super().conv2d_relu_maxpool2d_linear_forward(x, w, b, stride, padding, pool_kernel, pool_stride,
+                                                            wl, bl)
+
+    def conv2d_relu_maxpool2d_linear_backward(self, x, w, y, argmax, wl, dlogits, stride, padding,
+                                              need_dx=True, need_db=True):
+        """Fused where :meth:`conv2d_relu_maxpool2d_backward` is: each image's pooled gradient
+        (its row of ``dlogits @ wl``, two images at a time) is computed into scratch as the image
+        comes up, so the head's full-size dx is neither written nor read back."""
+        x, w, y, wl, dlogits = _f32(x), _f32(w), _f32(y), _f32(wl), _f32(dlogits)
+        argmax = _i32(argmax)
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        G, F = wl.shape
+        if (stride != 1 or min(N, C, O, H, W) <= 0 or y.size == 0 or need_dx or C > FUSED_BWD_MAX_CHANNELS
+                or y.size != N * F or not self.fuses_linear_head(F, G)):
+            return super().conv2d_relu_maxpool2d_linear_backward(x, w, y, argmax, wl, dlogits, stride, padding,
+                                                                 need_dx, need_db)
+        dw = np.empty(w.shape, dtype=np.float32)
+        db = np.empty(O, dtype=np.float32) if need_db else None
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, None, None, dw, db, padding, get_num_threads(),
+                                             wl, dlogits)
+        return None, dw, db
 
     # --------------------------------------------------------------- maxpool2d
     def maxpool2d_forward(self, x, kernel_size, stride):
