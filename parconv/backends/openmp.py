@@ -417,16 +417,43 @@ class OpenMPBackend(HostArrays, Backend):
         PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
         if min(N, C, O, PP, QQ) <= 0:
             return super().conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
+        fused = self._fused_forward_kernel(x, w, b, stride, padding, pool_kernel, pool_stride)
+        if fused is not None:
+            return fused[:2]
         y = self._empty((N, O, PP, QQ))
         argmax = self._empty((N, O, PP, QQ), np.int32)
-        if stride == 1 and not self._winograd(C, O, K, stride, P, Q) and _conv.conv2d_relu_maxpool2d_forward(
-                x, w, b, y, argmax, stride, padding, pool_kernel, pool_stride, get_num_threads()):
-            return y, argmax
         z = self._pool.empty((N, O, P, Q), any_size=True)
         self._conv2d_forward_into(x, w, b, z, stride, padding)
         _pool.maxpool2d_forward(z, y, argmax, pool_kernel, pool_stride, get_num_threads())
         del z  # back to the pool before ReLU asks for its output
         return self.relu_forward(y), argmax
+
+    def _fused_forward_kernel(self, x, w, b, stride, padding, pool_kernel, pool_stride, wl=None, bl=None):
+        """``(y, argmax, logits)`` from the fused forward kernel (logits None without a head ``wl``),
+        or None where that kernel does not run: stride > 1, a Winograd convolution, an empty
+        output, or images that do not split evenly enough (see ``conv2d_relu_maxpool2d_forward``)."""
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
+        PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
+        if min(N, C, O, PP, QQ) <= 0 or stride != 1 or self._winograd(C, O, K, stride, P, Q):
+            return None
+        y = self._empty((N, O, PP, QQ))
+        argmax = self._empty((N, O, PP, QQ), np.int32)
+        args = (x, w, b, y, argmax, stride, padding, pool_kernel, pool_stride, get_num_threads())
+        logits = None
+        if wl is not None:
+            logits = self._empty((N, wl.shape[0]))
+            args += (wl, bl, logits)
+        if not _conv.conv2d_relu_maxpool2d_forward(*args):
+            return None
+        return y, argmax, logits
+
+    def _fused_backward_runs(self, x, w, y, stride, need_dx) -> bool:
+        """Whether the fused backward kernel takes these gradients (see ``FUSED_BWD_MAX_CHANNELS``)."""
+        N, C, H, W = x.shape
+        return (stride == 1 and min(N, C, w.shape[0], H, W) > 0 and y.size > 0 and not need_dx
+                and C <= FUSED_BWD_MAX_CHANNELS)
 
     def conv2d_relu_maxpool2d_backward(self, x, w, y, argmax, dy, stride, padding, need_dx=True, need_db=True):
         """Fused for a network's first layer: each (image, filter) plane of the convolution's
@@ -440,16 +467,12 @@ class OpenMPBackend(HostArrays, Backend):
         """
         x, w, y, dy = _f32(x), _f32(w), _f32(y), _f32(dy)
         argmax = _i32(argmax)
-        N, C, H, W = x.shape
-        O, _, K, _ = w.shape
-        if (stride != 1 or min(N, C, O, H, W) <= 0 or y.size == 0 or need_dx
-                or C > FUSED_BWD_MAX_CHANNELS):
+        if not self._fused_backward_runs(x, w, y, stride, need_dx):
             return super().conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, stride, padding, need_dx, need_db)
-        dx = self._empty(x.shape) if need_dx else None
         dw = np.empty(w.shape, dtype=np.float32)
-        db = np.empty(O, dtype=np.float32) if need_db else None
-        _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, dx, dw, db, padding, get_num_threads())
-        return dx, dw, db
+        db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, None, dw, db, padding, get_num_threads())
+        return None, dw, db
 
     def fuses_linear_head(self, in_features, out_features):
         """Narrow heads (see ``NARROW_MIN_FEATURES``) whose weights fit ``HEAD_MAX_WEIGHT_BYTES``."""
@@ -466,19 +489,10 @@ class OpenMPBackend(HostArrays, Backend):
         x, w, wl = _f32(x), _f32(w), _f32(wl)
         b = None if b is None else _f32(b)
         bl = None if bl is None else _f32(bl)
-        N, C, H, W = x.shape
-        O, _, K, _ = w.shape
-        G, F = wl.shape
-        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
-        PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
-        if (min(N, C, O, PP, QQ) > 0 and stride == 1 and O * PP * QQ == F and self.fuses_linear_head(F, G)
-                and not self._winograd(C, O, K, stride, P, Q)):
-            y = self._empty((N, O, PP, QQ))
-            argmax = self._empty((N, O, PP, QQ), np.int32)
-            logits = self._empty((N, G))
-            if _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, argmax, stride, padding, pool_kernel, pool_stride,
-                                                   get_num_threads(), wl, bl, logits):
-                return y, argmax, logits
+        if self.fuses_linear_head(wl.shape[1], wl.shape[0]):
+            fused = self._fused_forward_kernel(x, w, b, stride, padding, pool_kernel, pool_stride, wl, bl)
+            if fused is not None:
+                return fused
         return super().conv2d_relu_maxpool2d_linear_forward(x, w, b, stride, padding, pool_kernel, pool_stride,
                                                             wl, bl)
 
@@ -489,15 +503,12 @@ class OpenMPBackend(HostArrays, Backend):
         comes up, so the head's full-size dx is neither written nor read back."""
         x, w, y, wl, dlogits = _f32(x), _f32(w), _f32(y), _f32(wl), _f32(dlogits)
         argmax = _i32(argmax)
-        N, C, H, W = x.shape
-        O, _, K, _ = w.shape
         G, F = wl.shape
-        if (stride != 1 or min(N, C, O, H, W) <= 0 or y.size == 0 or need_dx or C > FUSED_BWD_MAX_CHANNELS
-                or y.size != N * F or not self.fuses_linear_head(F, G)):
+        if not (self._fused_backward_runs(x, w, y, stride, need_dx) and self.fuses_linear_head(F, G)):
             return super().conv2d_relu_maxpool2d_linear_backward(x, w, y, argmax, wl, dlogits, stride, padding,
                                                                  need_dx, need_db)
         dw = np.empty(w.shape, dtype=np.float32)
-        db = np.empty(O, dtype=np.float32) if need_db else None
+        db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
         _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, None, None, dw, db, padding, get_num_threads(),
                                              wl, dlogits)
         return None, dw, db
