@@ -906,7 +906,7 @@ def test_backend_outputs_survive_later_ops():
     assert np.array_equal(y3, keep)  # released buffers stay valid for whoever still holds them
 
 
-@pytest.mark.parametrize("N, O, G", [(1, 16, 10), (7, 16, 10), (16, 32, 3), (4, 13, 16)])
+@pytest.mark.parametrize("N, O, G", [(1, 16, 10), (7, 16, 10), (16, 32, 3), (4, 13, 16), (9, 13, 7)])
 def test_fused_linear_head_gives_the_bits_of_the_composition(N, O, G):
     """The fused head computes each image's logits with the narrow forward's row kernel and each
     image's pooled gradient with the narrow backward's arithmetic: the same bits as composing

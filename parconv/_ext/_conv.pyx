@@ -190,8 +190,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     ``G <= PCD_NARROW_G`` outputs, weights hw (G, O * PP * QQ) and bias hb (or
     NULL): each image's ``logits`` row is computed as soon as the image is
     pooled, while its pooled planes are still in cache, by the narrow
-    forward's row kernel (the same bits as ``linear_forward``); the images
-    go to threads in pairs, so each pair's rows share the loads of hw.
+    forward's row kernel (the same bits as ``linear_forward``). Each thread
+    holds back its pooled images until it has four, whichever they are, and
+    their rows share one pass over hw: G x F floats that no longer stay in a
+    core's L2 next to the scratch once F reaches about 20,000.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
     cdef int kdim = C * K * K
@@ -220,6 +222,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     cdef Py_ssize_t PPQQ = <Py_ssize_t>PP * QQ
     cdef float *z = NULL
     cdef int *pool_base = NULL
+    cdef Py_ssize_t *pend = NULL  # with a head, per thread: up to 4 pooled images, then their count
     failed[0] = 0
     if pk > 0 and cpi != 1:
         if not whole_images:
@@ -256,15 +259,20 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
             buf = <float *>malloc(sizeof(float) * (img + slack))
             ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
             z = NULL
+            pend = NULL
             if pk > 0:
                 z = <float *>malloc(sizeof(float) * O * PQ)
-            if buf == NULL or ct == NULL or (pk > 0 and z == NULL):
+            if hw != NULL:
+                pend = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * 5)
+            if buf == NULL or ct == NULL or (pk > 0 and z == NULL) or (hw != NULL and pend == NULL):
                 failed[0] = 1
             else:
                 memset(buf + img, 0, sizeof(float) * slack)
+                if pend != NULL:
+                    pend[4] = 0
             # dynamic: every image is computed alone, so a thread whose core is shared with another
             # process takes fewer images and the result keeps its bits
-            for n in prange(N, schedule="dynamic", chunksize=2 if hw != NULL else 1):
+            for n in prange(N, schedule="dynamic"):
                 if failed[0]:
                     continue
                 pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
@@ -277,17 +285,22 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                     for o in range(O):
                         pc_pool_plane(z + o * PQ, pool_base, Q, pk, ps, PP, QQ, y + (n * O + o) * PPQQ,
                                       am + (n * O + o) * PPQQ, 1)
-                    # images come in pairs (chunks of 2), and the head's rows in pairs share each load
-                    # of hw: after the second image of a pair, or a last lone one
-                    if hw != NULL and (n % 2 == 1 or n == N - 1):
-                        pcd_linear_fwd_rows(y, hw, hb, logits, n - n % 2, n + 1, O * PPQQ, G)
+                    if hw != NULL:
+                        pend[pend[4]] = n
+                        pend[4] = pend[4] + 1
+                        if pend[4] == 4:
+                            pcd_linear_fwd_rows4(y, hw, hb, logits, pend, 4, O * PPQQ, G)
+                            pend[4] = 0
                 elif by_rows:
                     pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wp, Q, y + n * O * PQ, PQ, bias, ct)
                 else:
                     pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wp, Q, y + n * O * PQ, PQ, bias, ct)
+            if pend != NULL and not failed[0] and pend[4] > 0:
+                pcd_linear_fwd_rows4(y, hw, hb, logits, pend, <int>pend[4], O * PPQQ, G)
             free(buf)
             free(ct)
             free(z)
+            free(pend)
     else:
         # few images: pad them all once (in parallel), then split each image's rows or panels
         shared = <float *>malloc(sizeof(float) * (N * img + slack))
@@ -1080,8 +1093,8 @@ cdef enum:
 
 cdef extern from "pc_dense.h":
     int PCD_NARROW_G
-    void pcd_linear_fwd_rows(const float *x, const float *w, const float *b, float *y,
-                             Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t F, int G) noexcept nogil
+    void pcd_linear_fwd_rows4(const float *x, const float *w, const float *b, float *y,
+                              const Py_ssize_t *rows, int nr, Py_ssize_t F, int G) noexcept nogil
 
 
 cdef extern from "pc_fused.h":

@@ -83,6 +83,86 @@ PCD_INLINE void pcd_fwd_rows_g(const float *restrict x, const float *restrict w,
     }
 }
 
+/* Up to four arbitrary rows of the narrow forward, reading w once for all of them (a fused
+ * first layer's head: each thread's last four pooled images, where pcd_fwd_rows_g would read w's
+ * G x F floats once per pair). Rows go through in column blocks of PCD_FWD4_SB: for each block of
+ * PCD_FWD4_GB outputs, 4 x GB accumulators stay in registers while the block's slice of the rows
+ * stays in L1 for the next block of outputs. Each (row, output) sums its lanes in the order of
+ * pcd_fwd_rows_g and finishes the same way, so the bits are the same. */
+#define PCD_FWD4_SB 256
+#if PCC_VEC == 16
+#define PCD_FWD4_GB 5   /* 20 accumulators + 4 rows + 1 weight of 32 registers */
+#else
+#define PCD_FWD4_GB 2   /* 8 + 4 + 1 of 16 */
+#endif
+
+PCD_INLINE void pcd_fwd4_block(const float *restrict x0, const float *restrict x1, const float *restrict x2,
+                               const float *restrict x3, const float *restrict w, pcc_v *restrict acc,
+                               pc_idx s0, pc_idx s1, pc_idx F, int gb)
+{
+    pcc_v a0[PCD_FWD4_GB], a1[PCD_FWD4_GB], a2[PCD_FWD4_GB], a3[PCD_FWD4_GB];
+    for (int g = 0; g < gb; g++) {
+        a0[g] = acc[g];
+        a1[g] = acc[gb + g];
+        a2[g] = acc[2 * gb + g];
+        a3[g] = acc[3 * gb + g];
+    }
+    for (pc_idx s = s0; s < s1; s += PCC_VEC) {
+        const pcc_v v0 = PCC_LOADU(x0 + s), v1 = PCC_LOADU(x1 + s);
+        const pcc_v v2 = PCC_LOADU(x2 + s), v3 = PCC_LOADU(x3 + s);
+        for (int g = 0; g < gb; g++) {
+            pcc_v wv = PCC_LOADU(w + (pc_idx)g * F + s);
+            PCC_KEEP(wv);  /* one load for four rows */
+            a0[g] = PCC_FMA(v0, wv, a0[g]);
+            a1[g] = PCC_FMA(v1, wv, a1[g]);
+            a2[g] = PCC_FMA(v2, wv, a2[g]);
+            a3[g] = PCC_FMA(v3, wv, a3[g]);
+        }
+    }
+    for (int g = 0; g < gb; g++) {
+        acc[g] = a0[g];
+        acc[gb + g] = a1[g];
+        acc[2 * gb + g] = a2[g];
+        acc[3 * gb + g] = a3[g];
+    }
+}
+
+/* Rows rows[0..nr) (1 <= nr <= 4, any order, no repeats) of y = x @ w.T + b. */
+PCD_INLINE void pcd_fwd_rows4_g(const float *restrict x, const float *restrict w, const float *restrict b,
+                                float *restrict y, const pc_idx *rows, int nr, pc_idx F, int G)
+{
+    pc_idx r[4];
+    for (int i = 0; i < 4; i++)
+        r[i] = rows[i < nr ? i : nr - 1];  /* a short group repeats its last row and discards it */
+    const float *xr[4];
+    for (int i = 0; i < 4; i++)
+        xr[i] = x + r[i] * F;
+    /* output block g0 (size gb) keeps row i's accumulator for output g0 + g at acc[4 * g0 + i * gb + g] */
+    pcc_v acc[4 * PCD_NARROW_G];
+    for (int k = 0; k < 4 * G; k++)
+        acc[k] = PCC_ZERO();
+    const pc_idx Fv = F - F % PCC_VEC;
+    const int full = G - G % PCD_FWD4_GB;
+    for (pc_idx s0 = 0; s0 < Fv; s0 += PCD_FWD4_SB) {
+        const pc_idx s1 = s0 + PCD_FWD4_SB < Fv ? s0 + PCD_FWD4_SB : Fv;
+        for (int g0 = 0; g0 < full; g0 += PCD_FWD4_GB)
+            pcd_fwd4_block(xr[0], xr[1], xr[2], xr[3], w + (pc_idx)g0 * F, acc + 4 * g0, s0, s1, F,
+                           PCD_FWD4_GB);
+        if (full < G)
+            pcd_fwd4_block(xr[0], xr[1], xr[2], xr[3], w + (pc_idx)full * F, acc + 4 * full, s0, s1, F,
+                           G - full);
+    }
+    for (int i = 0; i < nr; i++)
+        for (int g = 0; g < G; g++) {
+            const int g0 = g < full ? g - g % PCD_FWD4_GB : full;
+            const int gb = g < full ? PCD_FWD4_GB : G - full;
+            double s = (double)PCC_HSUM(acc[4 * g0 + i * gb + (g - g0)]);
+            for (pc_idx t = Fv; t < F; t++)
+                s += (double)xr[i][t] * w[(pc_idx)g * F + t];
+            y[r[i] * G + g] = (float)s + (b ? b[g] : 0.0f);
+        }
+}
+
 /* ----------------------------------------------------------------- backward */
 
 /* Columns c0..c0+nb (nb <= PCD_BWD_FB) of dw (and of dx unless NULL), over all N rows: rows go in
@@ -205,43 +285,45 @@ PCD_INLINE void pcd_bwd_cols_g(const float *restrict x, const float *restrict w,
     }
 }
 
-/* Rows r0..r1 of dx = dy @ w alone (no dw), written to out + (r - r0) * F: rows in pairs sharing
+/* Rows r0..r1 of dx = dy @ w alone (no dw), written to out + (r - r0) * F: rows in fours sharing
  * each load of w. Every element sums its G products in the order and with the rounding of
  * pcd_bwd_block_g's dx, so both give the same bits. */
 PCD_INLINE void pcd_dx_rows_g(const float *restrict dy, const float *restrict w, float *restrict out,
                               pc_idx r0, pc_idx r1, pc_idx F, int G)
 {
-    for (pc_idx r = r0; r < r1; r += 2) {
-        const int two = r + 1 < r1;
-        float *restrict oa = out + (r - r0) * F;
-        float da[PCD_NARROW_G], db[PCD_NARROW_G];
-        for (int g = 0; g < G; g++) {
-            da[g] = dy[r * G + g];
-            db[g] = two ? dy[(r + 1) * G + g] : 0.0f;
-        }
+    for (pc_idx r = r0; r < r1; r += 4) {
+        const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
+        float *restrict o = out + (r - r0) * F;
+        float d[4][PCD_NARROW_G];
+        for (int i = 0; i < 4; i++)
+            for (int g = 0; g < G; g++)
+                d[i][g] = i < nr ? dy[(r + i) * G + g] : 0.0f;
         pc_idx j = 0;
         for (; j + PCC_VEC <= F; j += PCC_VEC) {
-            pcc_v sa = PCC_ZERO(), sb = PCC_ZERO();
+            pcc_v s0 = PCC_ZERO(), s1 = PCC_ZERO(), s2 = PCC_ZERO(), s3 = PCC_ZERO();
             for (int g = 0; g < G; g++) {
                 pcc_v wv = PCC_LOADU(w + (pc_idx)g * F + j);
                 PCC_KEEP(wv);
-                sa = PCC_FMA(PCC_SET1(da[g]), wv, sa);
-                sb = PCC_FMA(PCC_SET1(db[g]), wv, sb);
+                s0 = PCC_FMA(PCC_SET1(d[0][g]), wv, s0);
+                s1 = PCC_FMA(PCC_SET1(d[1][g]), wv, s1);
+                s2 = PCC_FMA(PCC_SET1(d[2][g]), wv, s2);
+                s3 = PCC_FMA(PCC_SET1(d[3][g]), wv, s3);
             }
-            PCC_STOREU(oa + j, sa);
-            if (two)
-                PCC_STOREU(oa + F + j, sb);
+            PCC_STOREU(o + j, s0);
+            if (nr > 1)
+                PCC_STOREU(o + F + j, s1);
+            if (nr > 2)
+                PCC_STOREU(o + 2 * F + j, s2);
+            if (nr > 3)
+                PCC_STOREU(o + 3 * F + j, s3);
         }
-        for (; j < F; j++) {
-            float sa = 0.0f, sb = 0.0f;
-            for (int g = 0; g < G; g++) {
-                sa = fmaf(da[g], w[(pc_idx)g * F + j], sa);
-                sb = fmaf(db[g], w[(pc_idx)g * F + j], sb);
+        for (; j < F; j++)
+            for (int i = 0; i < nr; i++) {
+                float sum = 0.0f;
+                for (int g = 0; g < G; g++)
+                    sum = fmaf(d[i][g], w[(pc_idx)g * F + j], sum);
+                o[i * F + j] = sum;
             }
-            oa[j] = sa;
-            if (two)
-                oa[F + j] = sb;
-        }
     }
 }
 
@@ -258,6 +340,21 @@ static void pcd_linear_fwd_rows(const float *x, const float *w, const float *b, 
 #define PCD_FWD_CASE(K) case K: pcd_fwd_rows_g(x, w, b, y, r0, r1, F, K); break;
         PCD_CASES(PCD_FWD_CASE)
 #undef PCD_FWD_CASE
+    default: break;
+    }
+}
+
+/* Rows rows[0..nr) (1 <= nr <= 4, no repeats) of the narrow forward, w read once; G must be
+ * 1..PCD_NARROW_G. The same bits as pcd_linear_fwd_rows. */
+static void pcd_linear_fwd_rows4(const float *x, const float *w, const float *b, float *y,
+                                 const pc_idx *rows, int nr, pc_idx F, int G)
+{
+    if (nr < 1 || nr > 4)
+        return;
+    switch (G) {
+#define PCD_FWD4_CASE(K) case K: pcd_fwd_rows4_g(x, w, b, y, rows, nr, F, K); break;
+        PCD_CASES(PCD_FWD4_CASE)
+#undef PCD_FWD4_CASE
     default: break;
     }
 }

@@ -132,11 +132,11 @@ static inline void pcf_dot9(const float *restrict dz, const float *restrict src,
 }
 
 /* Scratch floats of pcf_dw_images for one thread (the position map counted as floats); head_F > 0:
- * room for two images' pooled gradients of head_F floats each (see pcf_dw_images). */
+ * room for four images' pooled gradients of head_F floats each (see pcf_dw_images). */
 static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int P, int Q, pcf_idx head_F)
 {
     return (pcf_idx)C * (H + 2 * pad) * (W + 2 * pad) + (pcf_idx)P * (W + 2 * pad) + (pcf_idx)P * Q
-           + 2 * head_F;
+           + 4 * head_F;
 }
 
 /* Partial dw and db sums of images n0..n1 for every filter, in double: acc[o * (kdim + 1) + k] for
@@ -146,7 +146,7 @@ static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int P,
  * The pooled gradient dy is (N, O, PQp), or, when dyl is not NULL, it is not stored at all: the
  * pooled output feeds a linear head (flatten, then G <= PCD_NARROW_G outputs with weights wl of
  * (G, O * PQp)) whose output gradient is dyl (N, G), and each image's row of dyl @ wl is computed
- * into scratch as the image comes up (two images at a time, sharing each load of wl). That
+ * into scratch as the image comes up (four images at a time, sharing each load of wl). That
  * spares writing the head's full-size dx and reading it back here.
  *
  * dz is laid out at the padded row stride Wp (zeros in the Wp - Q wrap-around
@@ -164,7 +164,7 @@ static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, i
     float *xpad = scratch;
     float *dzw = xpad + (pcf_idx)C * Hp * Wp;           /* (P, Wp) */
     int *where = (int *)(dzw + PW);                     /* (p, q) of the plane -> p * Wp + q */
-    float *head = (float *)(where + (pcf_idx)P * Q);    /* (2, O * PQp): two images' pooled gradients */
+    float *head = (float *)(where + (pcf_idx)P * Q);    /* (4, O * PQp): four images' pooled gradients */
     const pcf_idx F = (pcf_idx)O * PQp;
     memset(acc, 0, sizeof(double) * (size_t)O * (size_t)(kdim + 1));
     for (int p = 0; p < P; p++)
@@ -181,9 +181,9 @@ static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, i
         }
         const float *dyn;
         if (dyl) {
-            if ((n - n0) % 2 == 0)
-                pcd_linear_dx_rows(dyl, wl, head, n, n + 2 < n1 ? n + 2 : n1, F, G);
-            dyn = head + ((n - n0) % 2) * F;
+            if ((n - n0) % 4 == 0)
+                pcd_linear_dx_rows(dyl, wl, head, n, n + 4 < n1 ? n + 4 : n1, F, G);
+            dyn = head + ((n - n0) % 4) * F;
         } else {
             dyn = dy + (pcf_idx)n * F;
         }

@@ -54,11 +54,12 @@ FUSED_BWD_MAX_CHANNELS = 2
 #: each image's logits right after pooling it, and the backward computes each image's pooled
 #: gradient from the logits' gradient where it is used) when the head is narrow (at most
 #: ``_dense.NARROW_MAX_G`` outputs over at least ``NARROW_MIN_FEATURES`` inputs) and its weights
-#: fit this many bytes: every pair of images reads all of them, from a core's L2 where they fit.
+#: fit this many bytes: every four images a thread pools read all of them (from a core's L2 where
+#: they fit next to the convolution's scratch; from d = 128, 865 KB, they stream from L3).
 #: Whole training steps on a 2-core Zen 4 (10 classes over 169 * d features, d = 32 to 256, weights
 #: 216 KB to 1.7 MB) took 0.78-0.93x the time of the unfused head on two threads, 0.85-0.99x on one.
-#: Where the weights no longer fit next to the convolution's scratch (d = 128: 865 KB) the fused
-#: forward gains on one thread (7.8 against 8.9 ms, batch 100) but barely on two (4.3 against 4.4).
+#: The fused forward alone at batch 100, d = 128 and 256: 0.91-0.93x the unfused on two threads,
+#: 0.94-0.97x on one (paired medians of 25-41 rounds; images in pairs instead of fours: 0.98x).
 HEAD_MAX_WEIGHT_BYTES = 1 << 22
 
 
@@ -499,7 +500,7 @@ class OpenMPBackend(HostArrays, Backend):
     def conv2d_relu_maxpool2d_linear_backward(self, x, w, y, argmax, wl, dlogits, stride, padding,
                                               need_dx=True, need_db=True):
         """Fused where :meth:`conv2d_relu_maxpool2d_backward` is: each image's pooled gradient
-        (its row of ``dlogits @ wl``, two images at a time) is computed into scratch as the image
+        (its row of ``dlogits @ wl``, four images at a time) is computed into scratch as the image
         comes up, so the head's full-size dx is neither written nor read back."""
         x, w, y, wl, dlogits = _f32(x), _f32(w), _f32(y), _f32(wl), _f32(dlogits)
         argmax = _i32(argmax)
