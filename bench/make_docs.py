@@ -17,13 +17,14 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+from parconv._io import atomic_open  # noqa: E402
 
 STATIC = os.path.join("_static", "bench")
 
@@ -260,18 +261,19 @@ def write_docs(results: dict, out_dir: str, docs_dir: str = os.path.join(ROOT, "
     """Write ``docs_dir/benchmarks.md`` and copy the run's PNGs to ``docs_dir/_static/bench``."""
     static = os.path.join(docs_dir, STATIC)
     os.makedirs(static, exist_ok=True)
-    for old in os.listdir(static):
-        if old.endswith(".png"):
-            os.remove(os.path.join(static, old))
     plots = []
     for name in results.get("plots", []):
         src = os.path.join(out_dir, name)
         if os.path.exists(src):
-            shutil.copy2(src, os.path.join(static, name))
+            with open(src, "rb") as f_in, atomic_open(os.path.join(static, name), "wb") as f_out:
+                f_out.write(f_in.read())
             plots.append(name)
     page = os.path.join(docs_dir, "benchmarks.md")
-    with open(page, "w", encoding="utf-8") as f:
-        f.write(render(results, plots))
+    with atomic_open(page, "wb") as f:
+        f.write(render(results, plots).encode("utf-8"))
+    for old in os.listdir(static):  # plots of an earlier run that this one did not draw
+        if old.endswith(".png") and old not in plots:
+            os.remove(os.path.join(static, old))
     return page
 
 

@@ -54,6 +54,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import parconv as pc  # noqa: E402
+from parconv._io import atomic_open  # noqa: E402
 
 WORKLOADS = ("data-parallel", "conv-large-mpi")
 DEFAULTS = dict(repeats=7, threads_per_rank=1, backend=None, dp_batch="100,1000", dp_filters=32, dp_steps=20,
@@ -589,7 +590,7 @@ def main(argv=None) -> int:
               f"{pc._config._cpu_count()} cores | {args.repeats} interleaved repetitions")
         print(format_results(rows))
         if args.json:
-            with open(args.json, "w") as f:
+            with atomic_open(args.json, "w") as f:
                 json.dump({"results": rows}, f, indent=1)
     return 0
 

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import os
+
+from parconv._io import atomic_open
+
+
+def _save(fig, path: str) -> None:
+    """Render ``fig`` to PNG and write it atomically (a kill mid-write keeps the old plot)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    with atomic_open(path, "wb") as f:
+        f.write(buf.getvalue())
 
 
 def _plt():
@@ -61,7 +72,7 @@ def plot_speedup(results: dict, name: str, wl: dict, out_dir: str) -> str | None
     ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, f"speedup_{name}.png")
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -113,7 +124,7 @@ def plot_cnn_sweep(results: dict, wl: dict, out_dir: str) -> list[str]:
         fig.suptitle(_title(results, "cnn-mnist training throughput"), fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=110)
+        _save(fig, path)
         plt.close(fig)
         paths.append(path)
     return paths
@@ -147,7 +158,7 @@ def plot_layers(results: dict, name: str, wl: dict, out_dir: str) -> str | None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, f"layers_{name}.png")
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -180,7 +191,7 @@ def plot_amdahl(results: dict, out_dir: str) -> str | None:
     fig.suptitle(_title(results, "Amdahl analysis of training steps"), fontsize=10)
     fig.tight_layout()
     path = os.path.join(out_dir, "amdahl.png")
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 

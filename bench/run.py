@@ -54,6 +54,7 @@ except ImportError:
     import parconv as pc
 
 import harness  # noqa: E402
+from parconv._io import atomic_open  # noqa: E402
 import targets as targets_mod  # noqa: E402
 import workloads as W  # noqa: E402
 from harness import Config, compare_answers, thread_scope  # noqa: E402
@@ -636,7 +637,7 @@ def main(argv=None) -> int:
         pngs = make_plots(results, args.out)
     results["plots"] = [os.path.basename(p) for p in pngs]
     path = os.path.join(args.out, "results.json")
-    with open(path, "w") as f:
+    with atomic_open(path, "w") as f:  # an 18-minute run is not lost to a kill mid-write
         json.dump(results, f, indent=1, default=_json_default)
     print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else "") + f" ({results['elapsed_s']:.0f} s)")
     if args.docs:
