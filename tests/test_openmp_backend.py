@@ -906,11 +906,14 @@ def test_backend_outputs_survive_later_ops():
     assert np.array_equal(y3, keep)  # released buffers stay valid for whoever still holds them
 
 
-@pytest.mark.parametrize("N, O, G", [(1, 16, 10), (7, 16, 10), (16, 32, 3), (4, 13, 16), (9, 13, 7)])
-def test_fused_linear_head_gives_the_bits_of_the_composition(N, O, G):
+@pytest.mark.parametrize("N, O, G", [(1, 16, 10), (6, 16, 10), (7, 16, 10), (16, 32, 3), (4, 13, 16), (9, 13, 7)])
+@pytest.mark.parametrize("blocks", [None, 1])
+def test_fused_linear_head_gives_the_bits_of_the_composition(N, O, G, blocks):
     """The fused head computes each image's logits with the narrow forward's row kernel and each
     image's pooled gradient with the narrow backward's arithmetic: the same bits as composing
-    the fused layer with the narrow linear kernels, at 1 and 2 threads, odd batches included."""
+    the fused layer with the narrow linear kernels, at 1 and 2 threads, odd batches included.
+    With one image block the backward's pooled gradients go four images per pass, the last
+    group short."""
     from parconv._ext import _conv, _dense
 
     rng = np.random.default_rng(N * 100 + O)
@@ -921,22 +924,27 @@ def test_fused_linear_head_gives_the_bits_of_the_composition(N, O, G):
     wl = uniform(rng, (G, F), 1 / np.sqrt(F))
     bl = uniform(rng, (G,))
     dl = uniform(rng, (N, G))
-    for threads in (1, 2):
-        y, am = np.empty((N, O, 13, 13), np.float32), np.empty((N, O, 13, 13), np.int32)
-        logits = np.empty((N, G), np.float32)
-        assert _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, am, 1, 0, 2, 2, threads, wl, bl, logits)
-        y0, am0 = np.empty_like(y), np.empty_like(am)
-        assert _conv.conv2d_relu_maxpool2d_forward(x, w, b, y0, am0, 1, 0, 2, 2, threads)
-        want_logits = np.empty_like(logits)
-        _dense.linear_forward(y0.reshape(N, F), wl, bl, want_logits, threads, True)
-        assert np.array_equal(y, y0) and np.array_equal(am, am0)
-        assert np.array_equal(logits, want_logits)
-        dy = np.empty((N, F), np.float32)
-        _dense.linear_backward(y.reshape(N, F), wl, dl, dy, np.empty_like(wl), None, threads, True)
-        want = _fused_backward_kernel(x, w, y, am, dy.reshape(y.shape), 0, False, True, threads)
-        dw, db = np.empty_like(w), np.empty(O, np.float32)
-        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, db, 0, threads, wl, dl)
-        assert np.array_equal(dw, want[1]) and np.array_equal(db, want[2])
+    old = _conv._set_fused_backward_image_blocks(1)
+    _conv._set_fused_backward_image_blocks(blocks or old)  # None: the default blocks
+    try:
+        for threads in (1, 2):
+            y, am = np.empty((N, O, 13, 13), np.float32), np.empty((N, O, 13, 13), np.int32)
+            logits = np.empty((N, G), np.float32)
+            assert _conv.conv2d_relu_maxpool2d_forward(x, w, b, y, am, 1, 0, 2, 2, threads, wl, bl, logits)
+            y0, am0 = np.empty_like(y), np.empty_like(am)
+            assert _conv.conv2d_relu_maxpool2d_forward(x, w, b, y0, am0, 1, 0, 2, 2, threads)
+            want_logits = np.empty_like(logits)
+            _dense.linear_forward(y0.reshape(N, F), wl, bl, want_logits, threads, True)
+            assert np.array_equal(y, y0) and np.array_equal(am, am0)
+            assert np.array_equal(logits, want_logits)
+            dy = np.empty((N, F), np.float32)
+            _dense.linear_backward(y.reshape(N, F), wl, dl, dy, np.empty_like(wl), None, threads, True)
+            want = _fused_backward_kernel(x, w, y, am, dy.reshape(y.shape), 0, False, True, threads)
+            dw, db = np.empty_like(w), np.empty(O, np.float32)
+            _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, db, 0, threads, wl, dl)
+            assert np.array_equal(dw, want[1]) and np.array_equal(db, want[2])
+    finally:
+        _conv._set_fused_backward_image_blocks(old)
 
 
 def test_fused_linear_head_kernel_checks_its_arguments():

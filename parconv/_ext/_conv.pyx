@@ -188,12 +188,12 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
 
     With ``hw`` (pooling only) the pooled output also feeds a linear head of
     ``G <= PCD_NARROW_G`` outputs, weights hw (G, O * PP * QQ) and bias hb (or
-    NULL): each image's ``logits`` row is computed as soon as the image is
-    pooled, while its pooled planes are still in cache, by the narrow
-    forward's row kernel (the same bits as ``linear_forward``). Each thread
-    holds back its pooled images until it has four, whichever they are, and
-    their rows share one pass over hw: G x F floats that no longer stay in a
-    core's L2 next to the scratch once F reaches about 20,000.
+    NULL): each thread holds back the images it pools until it has four,
+    whichever they are (and the rest at the end of its loop), then computes
+    their ``logits`` rows while their pooled planes are still in cache, in
+    one pass over hw (``pcd_linear_fwd_rows4``: the same bits as
+    ``linear_forward``). hw is G x F floats, which no longer stay in a core's
+    L2 next to the scratch once F reaches about 20,000.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
     cdef int kdim = C * K * K
@@ -1037,8 +1037,8 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
 
     With ``head_w`` the pooled output also feeds ``flatten -> linear``
     (``G <= NARROW_MAX_G`` outputs, bias ``head_b`` or None) and ``logits``
-    receives its output, each image's row computed right after the image is
-    pooled.
+    receives its output, each thread's pooled images passing through the head
+    four at a time while they are still in its cache.
 
     Each thread convolves whole images into private scratch and pools from
     there; argmax indexes the (P, Q) convolution plane. Where the images do

@@ -42,7 +42,7 @@
 
 #define PCD_NARROW_G 16   /* largest G these kernels take */
 #define PCD_LANES 16
-#define PCD_DW_PF 8                 /* dw alone: rows ahead to prefetch ... */
+#define PCD_DW_PF 8                 /* backward: rows ahead to prefetch ... */
 #define PCD_DW_PF_FLOATS (1 << 20)  /* ... where x has more floats than this */
 #define PCD_BWD_FB 256    /* backward: w's slice and the dw accumulators, 2 x G x FB floats, in L1 */
 
@@ -367,7 +367,8 @@ static void pcd_linear_fwd_rows(const float *x, const float *w, const float *b, 
 }
 
 /* Rows rows[0..nr) (1 <= nr <= 4, no repeats) of the narrow forward, w read once; G must be
- * 1..PCD_NARROW_G. The same bits as pcd_linear_fwd_rows. */
+ * 1..PCD_NARROW_G (the caller checks both: out of range, y is left untouched). The same bits as
+ * pcd_linear_fwd_rows. */
 static void pcd_linear_fwd_rows4(const float *x, const float *w, const float *b, float *y,
                                  const pc_idx *rows, int nr, pc_idx F, int G)
 {

@@ -51,7 +51,7 @@ CONV_BACKWARD_TILE_BYTES = 1 << 22
 FUSED_BWD_MAX_CHANNELS = 2
 
 #: ``Conv2d -> ReLU -> MaxPool2d -> Flatten -> Linear`` runs as one op (the fused layer computes
-#: each image's logits right after pooling it, and the backward computes each image's pooled
+#: the logits of each thread's pooled images four at a time, and the backward computes each image's pooled
 #: gradient from the logits' gradient where it is used) when the head is narrow (at most
 #: ``_dense.NARROW_MAX_G`` outputs over at least ``NARROW_MIN_FEATURES`` inputs) and its weights
 #: fit this many bytes: every four images a thread pools read all of them (from a core's L2 where
@@ -481,8 +481,8 @@ class OpenMPBackend(HostArrays, Backend):
                 and in_features >= NARROW_MIN_FEATURES and 4 * in_features * out_features <= HEAD_MAX_WEIGHT_BYTES)
 
     def conv2d_relu_maxpool2d_linear_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride, wl, bl):
-        """Fused through the head: each thread computes an image's logits as soon as it has pooled
-        the image, while its pooled planes are still in cache (the same bits as the composition).
+        """Fused through the head: each thread computes the logits of the images it pools, four at
+        a time, while their pooled planes are still in cache (the same bits as the composition).
 
         Composes where the fused forward does not apply (see :meth:`conv2d_relu_maxpool2d_forward`)
         or the head is not one :meth:`fuses_linear_head` takes.
