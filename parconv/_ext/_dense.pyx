@@ -90,8 +90,8 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
         npairs = (N + 1) // 2
         if nt > npairs:
             nt = <int>npairs
-        # runs of row pairs (a pair never straddles two runs), a few per thread, handed out
-        # dynamically: every row is computed alone, so any split gives the same bits
+        # runs of row pairs, a few per thread, handed out dynamically; a run's rows pass over w
+        # four at a time, but every row is summed alone, so any split gives the same bits
         nrun = 1 if nt == 1 else min(npairs, <Py_ssize_t>NARROW_RUNS_PER_THREAD * nt)
         with nogil:
             for t in prange(nrun, schedule="dynamic", num_threads=nt):

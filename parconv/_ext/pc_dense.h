@@ -54,49 +54,13 @@
 
 /* ------------------------------------------------------------------ forward */
 
-/* Rows r0..r1 of y = x @ w.T + b (b may be NULL). Rows go in pairs sharing each load of w (an odd
- * last row is paired with itself and its duplicate discarded), so a row's sums never depend on
- * the split. Each (row, output) sums in PCC_VEC float lanes, then the lanes (PCC_HSUM) and the
- * tail in double. */
-PCD_INLINE void pcd_fwd_rows_g(const float *restrict x, const float *restrict w, const float *restrict b,
-                               float *restrict y, pc_idx r0, pc_idx r1, pc_idx F, int G)
-{
-    for (pc_idx r = r0; r < r1; r += 2) {
-        const pc_idx rb = r + 1 < r1 ? r + 1 : r;
-        const float *restrict xa = x + r * F, *restrict xb = x + rb * F;
-        pcc_v a0[PCD_NARROW_G], a1[PCD_NARROW_G];
-        for (int g = 0; g < G; g++)
-            a0[g] = a1[g] = PCC_ZERO();
-        pc_idx s = 0;
-        for (; s + PCC_VEC <= F; s += PCC_VEC) {
-            const pcc_v va = PCC_LOADU(xa + s), vb = PCC_LOADU(xb + s);
-            for (int g = 0; g < G; g++) {
-                pcc_v wv = PCC_LOADU(w + (pc_idx)g * F + s);
-                PCC_KEEP(wv);  /* one load for both rows */
-                a0[g] = PCC_FMA(va, wv, a0[g]);
-                a1[g] = PCC_FMA(vb, wv, a1[g]);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            double sa = (double)PCC_HSUM(a0[g]), sb = (double)PCC_HSUM(a1[g]);
-            for (pc_idx t = s; t < F; t++) {
-                sa += (double)xa[t] * w[(pc_idx)g * F + t];
-                sb += (double)xb[t] * w[(pc_idx)g * F + t];
-            }
-            const float bg = b ? b[g] : 0.0f;
-            y[r * G + g] = (float)sa + bg;
-            if (rb != r)
-                y[rb * G + g] = (float)sb + bg;
-        }
-    }
-}
-
-/* Up to four arbitrary rows of the narrow forward, reading w once for all of them (a fused
- * first layer's head: each thread's last four pooled images, where pcd_fwd_rows_g would read w's
- * G x F floats once per pair). Rows go through in column blocks of PCD_FWD4_SB: for each block of
- * PCD_FWD4_GB outputs, 4 x GB accumulators stay in registers while the block's slice of the rows
- * stays in L1 for the next block of outputs. Each (row, output) sums its lanes in the order of
- * pcd_fwd_rows_g and finishes the same way, so the bits are the same. */
+/* Up to four arbitrary rows of y = x @ w.T + b (b may be NULL), reading w once for all of them:
+ * contiguous rows of a linear forward, or a fused first layer's head (each thread's last four
+ * pooled images). Rows go through in column blocks of PCD_FWD4_SB: for each block of PCD_FWD4_GB
+ * outputs, 4 x GB accumulators stay in registers while the block's slice of the rows stays in L1
+ * for the next block of outputs. Each (row, output) sums in PCC_VEC float lanes, in column order,
+ * then the lanes (PCC_HSUM) and the tail in double, whatever the other rows of its group, so a
+ * row's bits never depend on the split. */
 #define PCD_FWD4_SB 256
 #if PCC_VEC == 16
 #define PCD_FWD4_GB 5   /* 20 accumulators + 4 rows + 1 weight of 32 registers */
@@ -354,21 +318,8 @@ PCD_INLINE void pcd_dx_rows_g(const float *restrict dy, const float *restrict w,
     CALL(1) CALL(2) CALL(3) CALL(4) CALL(5) CALL(6) CALL(7) CALL(8) \
     CALL(9) CALL(10) CALL(11) CALL(12) CALL(13) CALL(14) CALL(15) CALL(16)
 
-/* Rows r0..r1 of the narrow forward; G must be 1..PCD_NARROW_G. */
-static void pcd_linear_fwd_rows(const float *x, const float *w, const float *b, float *y,
-                                pc_idx r0, pc_idx r1, pc_idx F, int G)
-{
-    switch (G) {
-#define PCD_FWD_CASE(K) case K: pcd_fwd_rows_g(x, w, b, y, r0, r1, F, K); break;
-        PCD_CASES(PCD_FWD_CASE)
-#undef PCD_FWD_CASE
-    default: break;
-    }
-}
-
 /* Rows rows[0..nr) (1 <= nr <= 4, no repeats) of the narrow forward, w read once; G must be
- * 1..PCD_NARROW_G (the caller checks both: out of range, y is left untouched). The same bits as
- * pcd_linear_fwd_rows. */
+ * 1..PCD_NARROW_G (the caller checks both: out of range, y is left untouched). */
 static void pcd_linear_fwd_rows4(const float *x, const float *w, const float *b, float *y,
                                  const pc_idx *rows, int nr, pc_idx F, int G)
 {
@@ -379,6 +330,16 @@ static void pcd_linear_fwd_rows4(const float *x, const float *w, const float *b,
         PCD_CASES(PCD_FWD4_CASE)
 #undef PCD_FWD4_CASE
     default: break;
+    }
+}
+
+/* Rows r0..r1 of the narrow forward, four per pass over w; G must be 1..PCD_NARROW_G. */
+static void pcd_linear_fwd_rows(const float *x, const float *w, const float *b, float *y,
+                                pc_idx r0, pc_idx r1, pc_idx F, int G)
+{
+    for (pc_idx r = r0; r < r1; r += 4) {
+        const pc_idx rows[4] = {r, r + 1, r + 2, r + 3};
+        pcd_linear_fwd_rows4(x, w, b, y, rows, r1 - r < 4 ? (int)(r1 - r) : 4, F, G);
     }
 }
 
