@@ -69,7 +69,9 @@ def test_backward_returns_dx_and_grads_overwrite(backend):
     loss_fn(model(x), y)
     model.backward(loss_fn.backward())
     for a, p in zip(g1, model.parameters()):
-        np.testing.assert_allclose(pc.to_numpy(p.grad), a, rtol=1e-6)  # overwritten, not doubled
+        # overwritten, not doubled; the two backwards may take different kernels for the first
+        # layer's dw (with need_dx the fused one does not run), so they agree to rounding, not bits
+        np.testing.assert_allclose(pc.to_numpy(p.grad), a, rtol=1e-5, atol=1e-7)
 
 
 def test_fit_learns_quadrants_mlp(backend):
