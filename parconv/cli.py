@@ -151,9 +151,10 @@ def cmd_info(args) -> int:
     print(f"cpu cores available: {pc._config._cpu_count()} | threads: {pc.get_num_threads()}"
           f" (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
     try:
-        from parconv._ext import _threads
+        from parconv._ext import _conv, _threads
 
-        print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'}")
+        print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'} | "
+              f"kernels: {_conv.kernel_isa()}")
     except ImportError as exc:
         print(f"openmp build: compiled kernels missing ({exc})")
     print(f"default backend: {pc._config.get_default_backend_name()}")

@@ -1,5 +1,6 @@
 """The command line: train, info, selftest."""
 
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,7 @@ def test_info_lists_backends(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "parconv" in out and "openmp build:" in out and "numpy    available" in out
+    assert re.search(r"kernels: (avx512|avx2|generic)\b", out), out
 
 
 def test_console_script_runs():
