@@ -186,9 +186,9 @@ PCD_INLINE void pcd_bwd_block_g(const float *restrict x, const float *restrict w
             float sa = 0.0f, sb = 0.0f;
             for (int g = 0; g < G; g++) {
                 const float wv = wb[(pc_idx)g * F + j];
-                sa = fmaf(da[g], wv, sa);
-                sb = fmaf(db[g], wv, sb);
-                acc[g][j] = fmaf(db[g], xb[j], fmaf(da[g], xa[j], acc[g][j]));
+                sa = PC_FMAF(da[g], wv, sa);
+                sb = PC_FMAF(db[g], wv, sb);
+                acc[g][j] = PC_FMAF(db[g], xb[j], PC_FMAF(da[g], xa[j], acc[g][j]));
             }
             if (dx) {
                 oa[j] = sa;
@@ -238,7 +238,7 @@ PCD_INLINE void pcd_dw_block_g(const float *restrict x, const float *restrict dy
             for (int g = 0; g < G; g++) {
                 float a = acc[g][j];
                 for (int k = 0; k < 4; k++)
-                    a = fmaf(d0[k * G + g], x0[k * F + j], a);
+                    a = PC_FMAF(d0[k * G + g], x0[k * F + j], a);
                 acc[g][j] = a;
             }
     }
@@ -251,7 +251,7 @@ PCD_INLINE void pcd_dw_block_g(const float *restrict x, const float *restrict dy
         }
         for (int j = nv; j < nb; j++)
             for (int g = 0; g < G; g++)
-                acc[g][j] = fmaf(dy[r * G + g], x0[j], acc[g][j]);
+                acc[g][j] = PC_FMAF(dy[r * G + g], x0[j], acc[g][j]);
     }
     for (int g = 0; g < G; g++)
         memcpy(dw + (pc_idx)g * F + c0, acc[g], sizeof(float) * (size_t)nb);
@@ -307,7 +307,7 @@ PCD_INLINE void pcd_dx_rows_g(const float *restrict dy, const float *restrict w,
             for (int i = 0; i < nr; i++) {
                 float sum = 0.0f;
                 for (int g = 0; g < G; g++)
-                    sum = fmaf(d[i][g], w[(pc_idx)g * F + j], sum);
+                    sum = PC_FMAF(d[i][g], w[(pc_idx)g * F + j], sum);
                 o[i * F + j] = sum;
             }
     }

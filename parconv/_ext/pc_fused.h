@@ -96,7 +96,8 @@ static inline double pcf_dot(const float *restrict a, const float *restrict b, p
 }
 
 /* The nine taps of a 3x3 filter in one pass over dz: acc[t] += sum_s dz[s] * src[off[t] + s].
- * dz is loaded once for all nine products (nine 16-float accumulators), fused multiply-adds. */
+ * dz is loaded once for all nine products (nine 16-float accumulators), fused multiply-adds
+ * where the hardware has them (PC_FMAF). */
 static inline void pcf_dot9(const float *restrict dz, const float *restrict src, const pcf_idx *off, pcf_idx n,
                             double *restrict acc)
 {
@@ -111,15 +112,15 @@ static inline void pcf_dot9(const float *restrict dz, const float *restrict src,
     for (; s + 16 <= n; s += 16)
         for (int j = 0; j < 16; j++) {
             const float d = dz[s + j];
-            l[0][j] = fmaf(d, r0[s + j], l[0][j]);
-            l[1][j] = fmaf(d, r1[s + j], l[1][j]);
-            l[2][j] = fmaf(d, r2[s + j], l[2][j]);
-            l[3][j] = fmaf(d, r3[s + j], l[3][j]);
-            l[4][j] = fmaf(d, r4[s + j], l[4][j]);
-            l[5][j] = fmaf(d, r5[s + j], l[5][j]);
-            l[6][j] = fmaf(d, r6[s + j], l[6][j]);
-            l[7][j] = fmaf(d, r7[s + j], l[7][j]);
-            l[8][j] = fmaf(d, r8[s + j], l[8][j]);
+            l[0][j] = PC_FMAF(d, r0[s + j], l[0][j]);
+            l[1][j] = PC_FMAF(d, r1[s + j], l[1][j]);
+            l[2][j] = PC_FMAF(d, r2[s + j], l[2][j]);
+            l[3][j] = PC_FMAF(d, r3[s + j], l[3][j]);
+            l[4][j] = PC_FMAF(d, r4[s + j], l[4][j]);
+            l[5][j] = PC_FMAF(d, r5[s + j], l[5][j]);
+            l[6][j] = PC_FMAF(d, r6[s + j], l[6][j]);
+            l[7][j] = PC_FMAF(d, r7[s + j], l[7][j]);
+            l[8][j] = PC_FMAF(d, r8[s + j], l[8][j]);
         }
     for (int t = 0; t < 9; t++) {
         double r = 0.0;
