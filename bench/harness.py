@@ -251,6 +251,24 @@ class Timed:
 
 
 def _one_sample(runner, inner: int) -> float:
+    """Seconds per call of ``runner.run`` averaged over ``inner`` calls.
+
+    A restartable runner (a training step) is prepared before every call, off
+    the clock: its second call in a row would otherwise time a different step
+    (other weights, other activations; after a loss spike, softmax
+    probabilities so small that they are denormal numbers and a step is half
+    as fast on some CPUs), and the same config would be measured on different
+    work depending on how many calls fill ``min_time``.
+    """
+    if getattr(runner, "restartable", False):
+        total = 0.0
+        for _ in range(inner):
+            runner.prepare()
+            t0 = time.perf_counter()
+            runner.run()
+            runner.sync()
+            total += time.perf_counter() - t0
+        return total / inner
     runner.prepare()
     t0 = time.perf_counter()
     for _ in range(inner):

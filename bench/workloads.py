@@ -74,7 +74,15 @@ def _np(a):
 
 
 class _Runner:
-    """Defaults of the runner protocol."""
+    """Defaults of the runner protocol.
+
+    ``restartable``: ``run`` changes state that ``prepare`` restores (a training
+    step updates the weights), so a timing that calls ``run`` several times in a
+    row calls ``prepare`` (untimed) before each call and every call times the
+    same step (see ``harness._one_sample``).
+    """
+
+    restartable = False
 
     def prepare(self):
         pass
@@ -316,6 +324,8 @@ class ParconvTrainStep(_Runner):
     seconds.
     """
 
+    restartable = True
+
     def __init__(self, be, inp, per_layer=False):
         self.be, self.per_layer = be, per_layer
         self.model = build_parconv(inp["spec"], be, fuse=not per_layer)
@@ -388,6 +398,8 @@ class ParconvTrainStep(_Runner):
 
 class TorchTrainStep(_TorchRunner):
     """PyTorch twin of :class:`ParconvTrainStep` (same network, weights, data, loss and SGD)."""
+
+    restartable = True
 
     def __init__(self, inp, per_layer=False, device="cpu"):
         self._setup(device)
