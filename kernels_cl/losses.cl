@@ -13,7 +13,8 @@
 #pragma OPENCL FP_CONTRACT OFF
 
 /* Row-wise stable softmax: m = max, z = x - m, lse = log(sum exp z), logp = z - lse;
- * probs = exp(logp) and row_loss[i] = -logp[label]. One work-item per row. */
+ * probs = exp(logp), below FLT_MIN flushed to zero, and row_loss[i] = -logp[label].
+ * One work-item per row. */
 __kernel void softmax_xent_rows(__global const float* restrict logits,  /* IN  (N, G) */
                                 __global const int* restrict labels,    /* IN  (N,) */
                                 __global float* restrict probs,         /* OUT (N, G) */
@@ -29,11 +30,15 @@ __kernel void softmax_xent_rows(__global const float* restrict logits,  /* IN  (
     float s = 0.0f;
     for (int j = 0; j < G; ++j) s += exp(x[j] - m);
     const float lse = log(s);
-    for (int j = 0; j < G; ++j) pr[j] = exp((x[j] - m) - lse);
+    for (int j = 0; j < G; ++j) {
+        const float p = exp((x[j] - m) - lse);
+        pr[j] = p < FLT_MIN ? 0.0f : p;  /* no denormals (see _losses.pyx); NaN stays NaN */
+    }
     row_loss[i] = -((x[labels[i]] - m) - lse);
 }
 
-/* dlogits = (probs - onehot(labels)) / N, overwritten. One work-item per element. */
+/* dlogits = (probs - onehot(labels)) / N, overwritten, entries in [0, FLT_MIN) flushed to zero.
+ * One work-item per element. */
 __kernel void softmax_xent_backward(__global const float* restrict probs,   /* IN  (N, G) */
                                     __global const int* restrict labels,    /* IN  (N,) */
                                     __global float* restrict dlogits,       /* OUT (N, G) */
@@ -42,8 +47,8 @@ __kernel void softmax_xent_backward(__global const float* restrict probs,   /* I
     const int e = get_global_id(0);
     if (e >= N * G) return;
     const int i = e / G, j = e - i * G;
-    const float v = probs[e] - (j == labels[i] ? 1.0f : 0.0f);
-    dlogits[e] = v / (float)N;
+    const float v = (probs[e] - (j == labels[i] ? 1.0f : 0.0f)) / (float)N;
+    dlogits[e] = (v >= 0.0f && v < FLT_MIN) ? 0.0f : v;
 }
 
 /* Partial sums of the BCE terms -(t log pc + (1 - t) log(1 - pc)), pc = clip(p, lo, hi). */

@@ -32,6 +32,37 @@ def test_softmax_cross_entropy_matches_oracle(backend, oracle, case):
                                   oracle.argmax_rows(logits))
 
 
+@given(st.integers(1, 40), st.floats(100.0, 200.0), st.integers(0, 2**31 - 1))
+def test_softmax_cross_entropy_flushes_denormals(backend, rows, gap, seed):
+    """Probabilities below FLT_MIN (a confident row: exp(-gap) with gap > 87.3) come out as
+    exact zeros, in the softmax and in its gradient, so no denormal reaches the layers below."""
+    rng = np.random.default_rng(seed)
+    logits = rng.uniform(-3.0, 3.0, (rows, 10)).astype(np.float32)
+    logits[:, 0] += gap  # class 0 wins by exp(-gap): a denormal probability for the others
+    labels = rng.integers(0, 10, rows).astype(np.int32)
+    L = backend.asarray(labels, np.int32)
+    loss, probs = backend.softmax_cross_entropy_forward(backend.asarray(logits), L)
+    d = np.asarray(backend.to_numpy(backend.softmax_cross_entropy_backward(probs, L)))
+    p = np.asarray(backend.to_numpy(probs))
+    tiny = np.finfo(np.float32).tiny
+    for what, a in (("probs", p), ("dlogits", d)):
+        assert not ((a != 0) & (np.abs(a) < tiny)).any(), f"{what} holds denormal numbers"
+    np.testing.assert_array_equal(p[:, 1:], 0.0)
+    np.testing.assert_allclose(p[:, 0], 1.0)
+    assert np.isfinite(loss)
+    wrong = labels != 0  # -log p[label] = gap - ... for those rows
+    np.testing.assert_allclose(loss, (logits[wrong, 0] - logits[wrong, labels[wrong]]).sum() / rows, rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_softmax_cross_entropy_keeps_nan(backend):
+    logits = np.array([[0.0, np.nan, 1.0], [1.0, 2.0, 3.0]], np.float32)
+    L = backend.asarray(np.array([0, 2], np.int32), np.int32)
+    _, probs = backend.softmax_cross_entropy_forward(backend.asarray(logits), L)
+    d = np.asarray(backend.to_numpy(backend.softmax_cross_entropy_backward(probs, L)))
+    assert np.isnan(d[0]).any() and np.isfinite(d[1]).all()
+
+
 bce_case = st.tuples(st.lists(st.integers(1, 16), min_size=1, max_size=3).map(tuple), st.integers(0, 2**31 - 1))
 
 

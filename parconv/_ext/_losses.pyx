@@ -4,12 +4,20 @@
 """Loss kernels: softmax cross-entropy, binary cross-entropy, argmax helpers.
 
 Losses are summed in double, one partial sum per chunk, and the partials are
-added in chunk order, so a thread count always gives the same bits. Row
+added in chunk order, so a thread count always gives the same bits.
+
+Softmax probabilities and their gradients below ``FLT_MIN`` (1.2e-38, the
+smallest normal float32) are flushed to zero. A confident or diverging network
+puts such denormal numbers in its loss gradient, and every multiply-add that
+takes one in the layers below is slow on many CPUs: a cnn-mnist step (256
+filters, batch 250, one thread of an Intel Xeon) took 84-104 ms instead of
+64 ms for the four steps after a loss spike. Row
 argmax follows ``np.argmax``: the first maximum, and the first NaN if a row
 has one.
 """
 
 from cython.parallel cimport prange
+from libc.float cimport FLT_MIN
 from libc.math cimport expf, logf, log
 from libc.stdlib cimport malloc, free
 
@@ -43,7 +51,7 @@ cdef double _xent_rows(const float *x, const int *lab, float *probs, Py_ssize_t 
     cdef Py_ssize_t r, j
     cdef const float *row
     cdef float *pr
-    cdef float m, lse, lp
+    cdef float m, lse, e, inv
     cdef double s, loss = 0.0
     for r in range(r0, r1):
         row = x + r * G
@@ -54,13 +62,15 @@ cdef double _xent_rows(const float *x, const int *lab, float *probs, Py_ssize_t 
                 m = row[j]
         s = 0.0
         for j in range(G):
-            s += expf(row[j] - m)
+            e = expf(row[j] - m)
+            pr[j] = e
+            s += e
         lse = <float>log(s)
+        inv = <float>(1.0 / s)
         for j in range(G):
-            lp = (row[j] - m) - lse
-            pr[j] = expf(lp)
-            if j == lab[r]:
-                loss -= lp
+            e = pr[j] * inv
+            pr[j] = <float>0.0 if e < FLT_MIN else e  # (a NaN stays NaN)
+        loss -= (row[lab[r]] - m) - lse
     return loss
 
 
@@ -89,14 +99,16 @@ def softmax_cross_entropy_backward(const float[:, ::1] probs,  # IN  (N, G)
                                    const int[::1] labels,       # IN  (N,)
                                    float[:, ::1] dlogits,       # OUT (N, G), overwritten
                                    int num_threads):
-    """``dlogits = (probs - onehot(labels)) / N``."""
+    """``dlogits = (probs - onehot(labels)) / N``, entries below ``FLT_MIN`` flushed to zero."""
     cdef Py_ssize_t N = probs.shape[0], G = probs.shape[1], r, j
     cdef int nt = _chunks(N, N * G, num_threads)
     cdef float fn = <float>N
+    cdef float v
     with nogil:
         for r in prange(N, schedule="static", num_threads=nt):
             for j in range(G):
-                dlogits[r, j] = probs[r, j] / fn
+                v = probs[r, j] / fn
+                dlogits[r, j] = <float>0.0 if v < FLT_MIN else v
             dlogits[r, labels[r]] = (probs[r, labels[r]] - <float>1.0) / fn
 
 

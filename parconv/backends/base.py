@@ -154,12 +154,15 @@ class Backend:
 
         logits (N, G) float32, labels (N,) int32 in ``[0, G)`` -> ``(loss, probs)``:
         loss a Python float (the only value that comes back to the host),
-        probs (N, G) the softmax, kept for the backward.
+        probs (N, G) the softmax, kept for the backward. Probabilities below
+        the smallest normal float (``FLT_MIN``, 1.2e-38 in float32) are
+        flushed to zero: denormal numbers in a gradient slow every kernel
+        below it on many CPUs.
         """
         raise self._missing("softmax_cross_entropy_forward")
 
     def softmax_cross_entropy_backward(self, probs, labels):
-        """``dlogits = (probs - onehot(labels)) / N`` (overwritten)."""
+        """``dlogits = (probs - onehot(labels)) / N`` (overwritten), denormal entries flushed to zero."""
         raise self._missing("softmax_cross_entropy_backward")
 
     def bce_forward(self, p, t, eps: float):
