@@ -55,7 +55,7 @@ class Parameter:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
     def numpy(self) -> np.ndarray:
         """A host copy of the data."""
@@ -309,11 +309,11 @@ class Flatten(Layer):
         if len(shape) < 2:
             raise ValueError(f"{self!r}: x must have a batch dimension and at least one more, got shape {shape}")
         self._cache = shape
-        return self.backend.reshape(x, (shape[0], int(np.prod(shape[1:]))))
+        return self.backend.reshape(x, (shape[0], math.prod(shape[1:])))
 
     def backward(self, dy, need_dx: bool = True):
         shape = self._cached()
-        dy = self._check_dy(dy, (shape[0], int(np.prod(shape[1:]))))
+        dy = self._check_dy(dy, (shape[0], math.prod(shape[1:])))
         return self.backend.reshape(dy, shape)
 
 

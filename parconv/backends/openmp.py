@@ -23,6 +23,7 @@ F in-features, G out-features.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -242,8 +243,8 @@ class _BufferPool:
     def empty(self, shape, dtype=np.float32, any_size: bool = False) -> np.ndarray:
         """An uninitialised array, from the pool when it has ``min_bytes`` or more (or ``any_size``)."""
         dtype = np.dtype(dtype)
-        shape = tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        shape = tuple(map(int, shape))
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow, ~40x faster than np.prod
         if (nbytes < self.min_bytes and not any_size) or nbytes > self.max_bytes:
             return np.empty(shape, dtype=dtype)
         with self._lock:
