@@ -680,6 +680,27 @@ def test_linear_narrow_kernels_edge_shapes(N, F, G, threads):
                               np.empty((2, 17), np.float32), threads, True)
 
 
+@pytest.mark.parametrize("runs", [1, 2, 4, 1000])
+def test_linear_narrow_dw_runs_keep_bits(runs):
+    """How the columns of the dw-only narrow backward are split over threads changes no bit."""
+    from parconv._ext import _dense
+
+    rng = np.random.default_rng(runs)
+    x, w, dy = uniform(rng, (37, 5408)), uniform(rng, (10, 5408), 0.01), uniform(rng, (37, 10))
+    want = np.empty((10, 5408), np.float32)
+    _dense.linear_backward(x, w, dy, None, want, None, 1, True)
+    old = _dense._set_narrow_dw_runs_per_thread(runs)
+    try:
+        got = np.full((10, 5408), np.nan, np.float32)
+        _dense.linear_backward(x, w, dy, None, got, None, 2, True)
+    finally:
+        assert _dense._set_narrow_dw_runs_per_thread(old) == runs
+    assert np.array_equal(got, want)
+    close(got, ref.linear_backward(x, w, dy, False, False)[1])
+    with pytest.raises(ValueError, match="runs per thread must be >= 1"):
+        _dense._set_narrow_dw_runs_per_thread(0)
+
+
 def test_linear_narrow_kernels_propagate_nan():
     x = np.zeros((4, 4096), np.float32)
     x[2, 100] = np.nan
