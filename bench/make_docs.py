@@ -176,8 +176,9 @@ def render(results: dict, plots: list[str]) -> str:
         + (" Each timed call follows an untimed call of the same configuration, so every sample is steady "
            "state and not disturbed by the previous configuration's cache and memory state." if s.get("settle")
            else "")
-        + (f" Calls shorter than {1e3 * s['min_time_s']:.0f} ms are repeated and averaged within one sample."
-           if s.get("min_time_s") else "")
+        + (f" Calls shorter than {1e3 * s['min_time_s']:.0f} ms are repeated and averaged within one sample "
+           "(a training step gets its starting weights back, off the clock, before each call, so every call "
+           "times the same step)." if s.get("min_time_s") else "")
         + (f" Before each sample the harness waits (at most {s['idle_wait_s']:g} s) until the process's own "
            "threads are idle: the previous configuration's runtime keeps its idle workers spinning after a call "
            "(OpenBLAS for about 0.1 s, libgomp for a few ms) and would otherwise take a core from the sample."
