@@ -927,6 +927,28 @@ def test_backend_outputs_survive_later_ops():
     assert np.array_equal(y3, keep)  # released buffers stay valid for whoever still holds them
 
 
+def test_mid_size_outputs_and_gradients_come_from_the_pool():
+    """Outputs from glibc's mmap threshold (128 KiB) up are pooled: a training step's fused outputs
+    and head gradient get the same memory back every step instead of fresh pages."""
+    from parconv.backends.openmp import POOL_MIN_BYTES
+
+    assert POOL_MIN_BYTES <= 128 << 10
+    be = OpenMPBackend()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((20, 1, 28, 28), dtype=np.float32)
+    w = rng.standard_normal((32, 1, 3, 3), dtype=np.float32)
+    wl = rng.standard_normal((10, 32 * 169), dtype=np.float32) * 0.01
+    dl = rng.standard_normal((20, 10), dtype=np.float32)
+    ptrs = []
+    for _ in range(2):
+        y, am = be.conv2d_relu_maxpool2d_forward(x, w, None, 1, 0, 2, 2)  # 433 KB each
+        _, dw, _ = be.linear_backward(y.reshape(20, -1), wl, dl, False, False)  # 216 KB
+        ptrs.append({a.__array_interface__["data"][0] for a in (y, am, dw)})
+        close(dw, ref.linear_backward(y.reshape(20, -1), wl, dl, False, False)[1])
+        del y, am, dw
+    assert len(ptrs[0]) == 3 and ptrs[0] == ptrs[1]
+
+
 @pytest.mark.parametrize("N, O, G", [(1, 16, 10), (6, 16, 10), (7, 16, 10), (16, 32, 3), (4, 13, 16), (9, 13, 7)])
 @pytest.mark.parametrize("blocks", [None, 1])
 def test_fused_linear_head_gives_the_bits_of_the_composition(N, O, G, blocks):

@@ -204,8 +204,9 @@ def _i32(a):
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
-#: Outputs of at least this many bytes come from the backend's buffer pool (:class:`_BufferPool`)
-POOL_MIN_BYTES = 8 << 20
+#: Outputs of at least this many bytes come from the backend's buffer pool (:class:`_BufferPool`):
+#: glibc's default ``mmap`` threshold, above which every allocation is a fresh mapping
+POOL_MIN_BYTES = 128 << 10
 
 
 def _refcount_when_free() -> int:
@@ -221,7 +222,12 @@ class _BufferPool:
 
     A fresh large NumPy array is a fresh ``mmap``: the kernel zeroes and maps every page on
     first touch, about 11 ms for the 86 MB that a 1000-image batch through 128 filters writes
-    per op (measured on a 2-core Zen 4), and a training step makes several of them. The pool
+    per op (measured on a 2-core Zen 4), and a training step makes several of them. Arrays of a
+    few hundred KB to a few MB pay it too wherever malloc has not raised its ``mmap`` threshold
+    past their size (glibc maps anything at or above the threshold, and raises it only when
+    a larger mapping is freed): the fused forward of 100 images through 32 filters writes two
+    2.1 MB outputs and took 2.2 / 1.6 ms on one / two threads of an Intel Xeon with fresh
+    arrays against 1.1 / 0.59 ms from the pool. The pool
     hands out views of byte buffers it owns. A buffer is free again when its reference count
     is back to the pool's own reference: every view of it (and every view of a view) holds a
     reference to it, so a buffer that anyone can still read is never handed out twice.
@@ -364,7 +370,7 @@ class OpenMPBackend(HostArrays, Backend):
         if min(x.shape + w.shape + dy.shape) <= 0:
             return self._reference().conv2d_backward(x, w, dy, stride, padding, need_dx, need_db)
         dx = self._empty(x.shape) if need_dx else None
-        dw = np.empty(w.shape, dtype=np.float32)
+        dw = self._empty(w.shape)
         db = np.empty(O, dtype=np.float32) if need_db else None
         K = w.shape[2]
         winograd_dw = (bool(self.winograd) and padding <= K - 1
@@ -471,7 +477,7 @@ class OpenMPBackend(HostArrays, Backend):
         argmax = _i32(argmax)
         if not self._fused_backward_runs(x, w, y, stride, need_dx):
             return super().conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, stride, padding, need_dx, need_db)
-        dw = np.empty(w.shape, dtype=np.float32)
+        dw = self._empty(w.shape)
         db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
         _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, None, dw, db, padding, get_num_threads())
         return None, dw, db
@@ -509,7 +515,7 @@ class OpenMPBackend(HostArrays, Backend):
         if not (self._fused_backward_runs(x, w, y, stride, need_dx) and self.fuses_linear_head(F, G)):
             return super().conv2d_relu_maxpool2d_linear_backward(x, w, y, argmax, wl, dlogits, stride, padding,
                                                                  need_dx, need_db)
-        dw = np.empty(w.shape, dtype=np.float32)
+        dw = self._empty(w.shape)
         db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
         _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, None, None, dw, db, padding, get_num_threads(),
                                              wl, dlogits)
@@ -542,7 +548,7 @@ class OpenMPBackend(HostArrays, Backend):
         b = None if b is None else _f32(b)
         if min(x.shape + w.shape) <= 0:
             return self._reference().linear_forward(x, w, b)
-        y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+        y = self._empty((x.shape[0], w.shape[0]))
         if self._narrow(x, w):
             _dense.linear_forward(x, w, b, y, get_num_threads(), True)
             return y
@@ -555,7 +561,7 @@ class OpenMPBackend(HostArrays, Backend):
         if min(x.shape + w.shape) <= 0:
             return self._reference().linear_backward(x, w, dy, need_dx, need_db)
         dx = self._empty(x.shape) if need_dx else None
-        dw = np.empty(w.shape, dtype=np.float32)
+        dw = self._empty(w.shape)
         db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
         if self._narrow(x, w):
             _dense.linear_backward(x, w, dy, dx, dw, db, get_num_threads(), True)
