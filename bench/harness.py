@@ -256,8 +256,8 @@ def _one_sample(runner, inner: int) -> float:
     A restartable runner (a training step) is prepared before every call, off
     the clock: its second call in a row would otherwise time a different step
     (other weights, other activations; after a loss spike, softmax
-    probabilities so small that they are denormal numbers and a step is half
-    as fast on some CPUs), and the same config would be measured on different
+    probabilities so small that they are denormal numbers and a step up to
+    1.6x slower on some CPUs), and the same config would be measured on different
     work depending on how many calls fill ``min_time``.
     """
     if getattr(runner, "restartable", False):
