@@ -234,14 +234,9 @@ class Sequential:
         for start, stop in reversed(plan):
             want_dx = need_dx or start != 0
             if stop - start == 5:
-                # the head's gradients first (and their hook, so a data-parallel reduction of the
-                # largest gradient starts early), then the convolution's from the head's dy
-                head = self.layers[start + 4]
-                dy = to_backend_array(dy, self.backend, "dy", "Sequential.backward")
-                self._fused_group(start)
-                head.backward(dy, need_dx=False)
+                # the head's gradients and the convolution's from the head's dy, in one op
+                dy = self._fused_backward(start, dy, want_dx, head=self.layers[start + 4])
                 self._run_grad_hooks(start + 4)
-                dy = self._fused_backward(start, dy, want_dx, head=head)
             elif stop - start == 3:
                 dy = self._fused_backward(start, dy, want_dx)
             else:
@@ -269,9 +264,15 @@ class Sequential:
         x, y, argmax = self._fused_group(i)
         dy = to_backend_array(dy, self.backend, "dy", "Sequential.backward")
         if head is not None:
-            dx, dw, db = self.backend.conv2d_relu_maxpool2d_linear_backward(
+            if shape_of(dy) != (shape_of(y)[0], head.out_features):
+                raise ValueError(f"Sequential.backward: dy must have the shape of layer {i + 4}'s output "
+                                 f"{(shape_of(y)[0], head.out_features)}, got {shape_of(dy)}")
+            dx, dw, db, dwl, dbl = self.backend.conv2d_relu_maxpool2d_linear_backward(
                 x, conv.weight.data, y, argmax, head.weight.data, dy, conv.stride, conv.padding, need_dx,
-                conv.bias is not None)
+                conv.bias is not None, head.bias is not None)
+            head.weight.grad = dwl
+            if head.bias is not None:
+                head.bias.grad = dbl
         else:
             if shape_of(dy) != shape_of(y):
                 raise ValueError(f"Sequential.backward: dy must have the shape of layer {i + 2}'s output "

@@ -241,7 +241,8 @@ def _check_fused_head(ck, ref, rng, case):
     ck.close("conv_relu_pool_linear.logits", logits, y_ref.reshape(n, f) @ _f64(wl).T + _f64(bl), tag)
     dl = _f32(rng, n, g)
     try:
-        dx, dw, db = be.conv2d_relu_maxpool2d_linear_backward(X, Wd, y, am, WL, be.asarray(dl), s, p, False, bias)
+        dx, dw, db, dwl, dbl = be.conv2d_relu_maxpool2d_linear_backward(X, Wd, y, am, WL, be.asarray(dl), s, p,
+                                                                        False, bias, True)
     except Exception as exc:  # noqa: BLE001
         ck.fail("conv_relu_pool_linear.dw", tag, exc)
         return
@@ -252,6 +253,8 @@ def _check_fused_head(ck, ref, rng, case):
     ck.close("conv_relu_pool_linear.dw", dw, dw_ref, tag)
     if bias:
         ck.close("conv_relu_pool_linear.db", db, db_ref, tag)
+    ck.close("conv_relu_pool_linear.head_dw", dwl, _f64(dl).T @ y_ref.reshape(n, f), tag)
+    ck.close("conv_relu_pool_linear.head_db", dbl, _f64(dl).sum(0), tag)
 
 
 def _check_linear(ck, ref, rng, case):

@@ -165,9 +165,11 @@ def _head_case_check(backend, oracle, x, wt, b, stride, pad, pk, ps, G, head_bia
     dl = rand(rng, n, G)
     dy = (dl.astype(np.float64) @ wl.astype(np.float64)).astype(np.float32).reshape(y_ref.shape)
     want = oracle.conv2d_relu_maxpool2d_backward(x, wt, host(y), host(argmax), dy, stride, pad, need_dx, b is not None)
+    _, dwl, dbl = oracle.linear_backward(host(y).reshape(n, F), wl, dl, False, head_bias)
     got = backend.conv2d_relu_maxpool2d_linear_backward(X, Wd, y, argmax, WL, backend.asarray(dl), stride, pad,
-                                                        need_dx, b is not None)
-    for g, e, what in zip(got, want, ("head dx", "head dw", "head db")):
+                                                        need_dx, b is not None, head_bias)
+    assert len(got) == 5
+    for g, e, what in zip(got, want + (dwl, dbl), ("head dx", "head dw", "head db", "head's dw", "head's db")):
         if e is None:
             assert g is None, what
         else:

@@ -537,6 +537,41 @@ def test_fused_backward_sums_fixed_image_blocks_at_every_thread_count():
         _conv._set_fused_backward_image_blocks(old)
 
 
+
+@pytest.mark.parametrize("N", [5, 24])
+def test_fused_backward_with_head_gives_the_heads_gradients_bit_for_bit(N):
+    """With head_dw / head_db the fused backward also writes the head's gradients, with the bits of
+    the narrow linear_backward (which the composition runs) at every thread count; the
+    convolution's gradients keep theirs."""
+    from parconv._ext import _conv, _dense
+
+    rng = np.random.default_rng(N)
+    O, G = 16, 10
+    x = uniform(rng, (N, 1, 28, 28))
+    w = uniform(rng, (O, 1, 3, 3), 1 / 3)
+    wl, bl = uniform(rng, (G, O * 169), 0.02), uniform(rng, (G,))
+    y, am, _ = omp.conv2d_relu_maxpool2d_linear_forward(x, w, None, 1, 0, 2, 2, wl, bl)
+    dl = uniform(rng, (N, G))
+    want_dwl, want_dbl = np.empty_like(wl), np.empty(G, np.float32)
+    _dense.linear_backward(y.reshape(N, -1), wl, dl, None, want_dwl, want_dbl, 1, True)
+    want_dw, want_db = np.empty_like(w), np.empty(O, np.float32)
+    _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, want_dw, want_db, 0, 1, wl, dl)
+    for threads in (1, 2, 3):
+        dw, db = np.empty_like(w), np.empty(O, np.float32)
+        dwl, dbl = np.full_like(wl, np.nan), np.full(G, np.nan, np.float32)
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, db, 0, threads, wl, dl, dwl, dbl)
+        for got, want in ((dw, want_dw), (db, want_db), (dwl, want_dwl), (dbl, want_dbl)):
+            assert np.array_equal(got, want), threads
+    close(want_dwl, dl.T @ y.reshape(N, -1))
+    close(want_dbl, dl.sum(0))
+    with pytest.raises(ValueError, match="head_dw must be"):
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, db, 0, 1, wl, dl, np.empty((G, O * 169 - 1), np.float32), dbl)
+    with pytest.raises(ValueError, match="head_db must be"):
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, None, None, dw, db, 0, 1, wl, dl, dwl, dbl[1:])
+    with pytest.raises(ValueError, match="need head_w"):
+        _conv.conv2d_relu_maxpool2d_backward(x, w, y, am, y, None, dw, db, 0, 1, None, None, dwl, dbl)
+
+
 # --------------------------------------------------------------- maxpool2d
 @st.composite
 def pool_cases(draw):
@@ -1047,7 +1082,8 @@ def test_fused_linear_head_runs_where_it_pays(monkeypatch):
         heads.clear()
         try:
             y, am, logits = omp.conv2d_relu_maxpool2d_linear_forward(x, w, None, 1, 0, 2, 2, wl, None)
-            dx, dw, db = omp.conv2d_relu_maxpool2d_linear_backward(x, w, y, am, wl, dl, 1, 0, need_dx, True)
+            dx, dw, db, dwl, dbl = omp.conv2d_relu_maxpool2d_linear_backward(x, w, y, am, wl, dl, 1, 0, need_dx,
+                                                                             True, True)
         finally:
             omp.narrow_linear = True
         assert heads[0] == ("fwd", narrow)
@@ -1055,5 +1091,5 @@ def test_fused_linear_head_runs_where_it_pays(monkeypatch):
         close(y, y_ref)
         close(logits, y_ref.reshape(3, -1) @ wl.T)
         want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, (dl @ wl).reshape(y.shape), 1, 0, need_dx, True)
-        for g, e in zip((dx, dw, db), want):
+        for g, e in zip((dx, dw, db, dwl, dbl), want + (dl.T @ y.reshape(3, -1), dl.sum(0))):
             close(g, e)

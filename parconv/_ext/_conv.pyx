@@ -1092,9 +1092,11 @@ cdef enum:
 
 
 cdef extern from "pc_dense.h":
-    int PCD_NARROW_G
+    int PCD_NARROW_G, PCD_BWD_FB
     void pcd_linear_fwd_rows4(const float *x, const float *w, const float *b, float *y,
                               const Py_ssize_t *rows, int nr, Py_ssize_t F, int G) noexcept nogil
+    void pcd_linear_bwd_cols(const float *x, const float *w, const float *dy, float *dx, float *dw,
+                             Py_ssize_t N, Py_ssize_t F, int G, Py_ssize_t f0, Py_ssize_t f1, int fb) noexcept nogil
 
 
 cdef extern from "pc_fused.h":
@@ -1150,7 +1152,9 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                                    float[::1] db,                   # OUT (O,) or None, overwritten
                                    int padding, int num_threads,
                                    const float[:, ::1] head_w=None,   # IN  (G, O * PP * QQ) or None
-                                   const float[:, ::1] head_dy=None):  # IN  (N, G) or None
+                                   const float[:, ::1] head_dy=None,  # IN  (N, G) or None
+                                   float[:, ::1] head_dw=None,        # OUT (G, O * PP * QQ) or None, overwritten
+                                   float[::1] head_db=None):          # OUT (G,) or None, overwritten
     """Gradients of ``relu(maxpool2d(conv2d(x)))`` (stride-1 convolution) without a full-size dz.
 
     See ``pc_fused.h``. dw and db: blocks of images (their number set by the
@@ -1161,7 +1165,12 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     With ``head_w`` and ``head_dy`` (and ``dy`` None) the pooled output feeds
     ``flatten -> linear`` with ``G <= NARROW_MAX_G`` outputs: the pooled
     gradient ``head_dy @ head_w`` is computed image by image where it is
-    used, never stored whole (dw and db only: ``dx`` must be None).
+    used, never stored whole (dw and db only: ``dx`` must be None). With
+    ``head_dw`` too, the head's weight gradient ``head_dy.T @ y`` (ranges of
+    columns, each summing its rows in order: the bits of the narrow
+    ``_dense.linear_backward``) runs in the same parallel loop, handed out
+    before the blocks, and ``head_db`` (``head_dy`` summed over the batch in
+    double) after it.
     """
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], K = w.shape[2]
@@ -1172,10 +1181,12 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     cdef Py_ssize_t kdim = <Py_ssize_t>C * K * K
     cdef Py_ssize_t per_block = <Py_ssize_t>O * (kdim + 1)
     cdef int failed[1]
-    cdef int n, blk, nblocks
+    cdef int n, it, blk, nblocks, nhead = 0, nitems, g, r
     cdef float *scr
     cdef float *dbp = NULL
+    cdef float *hdwp = NULL
     cdef double *part
+    cdef double s
     cdef Py_ssize_t dws = 0
     cdef const float *dyp = NULL
     cdef const float *hwp = NULL
@@ -1197,32 +1208,59 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                              f"({head_dy.shape[0]}, {head_dy.shape[1]})")
         hwp = &head_w[0, 0]
         hdyp = &head_dy[0, 0]
+        if head_dw is not None:
+            if head_dw.shape[0] != G or head_dw.shape[1] != head_F:
+                raise ValueError(f"conv2d_relu_maxpool2d_backward: head_dw must be ({G}, {head_F}), got "
+                                 f"({head_dw.shape[0]}, {head_dw.shape[1]})")
+            hdwp = &head_dw[0, 0]
+        if head_db is not None and head_db.shape[0] != G:
+            raise ValueError(f"conv2d_relu_maxpool2d_backward: head_db must be ({G},), got ({head_db.shape[0]},)")
     elif dy is None:
         raise ValueError("conv2d_relu_maxpool2d_backward: dy is None and no linear head is given")
+    elif head_dw is not None or head_db is not None:
+        raise ValueError("conv2d_relu_maxpool2d_backward: head_dw and head_db need head_w and head_dy")
     else:
         dyp = &dy[0, 0, 0, 0]
     if macs < FUSED_BWD_SERIAL_BELOW:
         nt = 1
     nblocks = _min(N, _min(_fused_bwd_image_blocks, max(FUSED_BWD_MIN_BLOCKS, N // FUSED_BWD_BLOCK_IMAGES)))
     nblocks = <int>max(1, min(<Py_ssize_t>nblocks, FUSED_BWD_PARTIAL_BYTES // (8 * per_block)))
+    if hdwp != NULL:
+        # the head's dw: one range of columns (blocks of PCD_BWD_FB) per thread, ahead of the blocks
+        nhead = <int>min(<Py_ssize_t>nt, (head_F + PCD_BWD_FB - 1) // PCD_BWD_FB)
+    nitems = nhead + nblocks
     part = <double *>malloc(sizeof(double) * <size_t>nblocks * per_block)
     if part == NULL:
         raise MemoryError("conv2d_relu_maxpool2d_backward: could not allocate the partial sums")
     dws = pcf_dw_scratch_floats(C, H, W, padding, P, Q, head_F)
     with nogil:
-        with parallel(num_threads=_min(nt, nblocks)):
+        with parallel(num_threads=_min(nt, nitems)):
             scr = <float *>malloc(sizeof(float) * dws)
             if scr == NULL:
                 failed[0] = 1
-            for blk in prange(nblocks, schedule="dynamic"):
-                if scr != NULL:
-                    pcf_dw_images(&x[0, 0, 0, 0], C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
-                                  dyp, O, PQp, <int>((<long>N * blk) // nblocks),
-                                  <int>((<long>N * (blk + 1)) // nblocks), hdyp, hwp, G, part + blk * per_block, scr)
+            for it in prange(nitems, schedule="dynamic"):
+                if scr == NULL:
+                    continue
+                if it < nhead:
+                    pcd_linear_bwd_cols(&y[0, 0, 0, 0], hwp, hdyp, NULL, hdwp, N, head_F, G,
+                                        min(head_F, PCD_BWD_FB * ((((head_F + PCD_BWD_FB - 1) // PCD_BWD_FB) * it) // nhead)),
+                                        min(head_F, PCD_BWD_FB * ((((head_F + PCD_BWD_FB - 1) // PCD_BWD_FB) * (it + 1)) // nhead)),
+                                        PCD_BWD_FB)
+                    continue
+                blk = it - nhead
+                pcf_dw_images(&x[0, 0, 0, 0], C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
+                              dyp, O, PQp, <int>((<long>N * blk) // nblocks), <int>((<long>N * (blk + 1)) // nblocks),
+                              hdyp, hwp, G, part + blk * per_block, scr)
             free(scr)
         if not failed[0]:
             pcf_dw_reduce(part, nblocks, O, kdim, &dw[0, 0, 0, 0], dbp)
         free(part)
+        if head_db is not None:
+            for g in range(G):
+                s = 0.0
+                for r in range(N):
+                    s = s + hdyp[<Py_ssize_t>r * G + g]
+                head_db[g] = <float>s
         if dx is not None and not failed[0]:
             dws = pcf_dx_scratch_floats(C, H, W, padding, P, Q)
             with parallel(num_threads=_min(nt, N)):

@@ -243,13 +243,17 @@ class Backend:
         return y, argmax, logits
 
     def conv2d_relu_maxpool2d_linear_backward(self, x, w, y, argmax, wl, dlogits, stride: int, padding: int,
-                                              need_dx: bool = True, need_db: bool = True):
-        """The convolution's ``(dx, dw, db)`` when the pooled output y fed ``flatten -> linear(wl)``.
+                                              need_dx: bool = True, need_db: bool = True,
+                                              need_head_db: bool = True):
+        """Gradients when the pooled output y fed ``flatten -> linear(wl)``: returns
+        ``(dx, dw, db, dwl, dbl)``, the convolution's and then the head's (``dbl`` None unless
+        ``need_head_db``).
 
         The pooled gradient is ``reshape(dlogits @ wl, y.shape)``; a backend
-        that fuses never stores it whole. The head's own gradients come from
-        :meth:`linear_backward` with ``need_dx=False``.
+        that fuses never stores it whole.
         """
-        dyf, _, _ = self.linear_backward(self.reshape(y, (y.shape[0], wl.shape[1])), wl, dlogits, True, False)
-        return self.conv2d_relu_maxpool2d_backward(x, w, y, argmax, self.reshape(dyf, y.shape), stride, padding,
-                                                   need_dx, need_db)
+        yf = self.reshape(y, (y.shape[0], wl.shape[1]))
+        dyf, dwl, dbl = self.linear_backward(yf, wl, dlogits, True, need_head_db)
+        dx, dw, db = self.conv2d_relu_maxpool2d_backward(x, w, y, argmax, self.reshape(dyf, y.shape), stride,
+                                                         padding, need_dx, need_db)
+        return dx, dw, db, dwl, dbl

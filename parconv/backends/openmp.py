@@ -505,21 +505,24 @@ class OpenMPBackend(HostArrays, Backend):
                                                             wl, bl)
 
     def conv2d_relu_maxpool2d_linear_backward(self, x, w, y, argmax, wl, dlogits, stride, padding,
-                                              need_dx=True, need_db=True):
+                                              need_dx=True, need_db=True, need_head_db=True):
         """Fused where :meth:`conv2d_relu_maxpool2d_backward` is: each image's pooled gradient
         (its row of ``dlogits @ wl``, four images at a time) is computed into scratch as the image
-        comes up, so the head's full-size dx is neither written nor read back."""
+        comes up, so the head's full-size dx is neither written nor read back, and the head's
+        weight gradient runs in the same parallel loop (the bits of :meth:`linear_backward`)."""
         x, w, y, wl, dlogits = _f32(x), _f32(w), _f32(y), _f32(wl), _f32(dlogits)
         argmax = _i32(argmax)
         G, F = wl.shape
         if not (self._fused_backward_runs(x, w, y, stride, need_dx) and self.fuses_linear_head(F, G)):
             return super().conv2d_relu_maxpool2d_linear_backward(x, w, y, argmax, wl, dlogits, stride, padding,
-                                                                 need_dx, need_db)
+                                                                 need_dx, need_db, need_head_db)
         dw = self._empty(w.shape)
         db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
+        dwl = self._empty(wl.shape)
+        dbl = np.empty(G, dtype=np.float32) if need_head_db else None
         _conv.conv2d_relu_maxpool2d_backward(x, w, y, argmax, None, None, dw, db, padding, get_num_threads(),
-                                             wl, dlogits)
-        return None, dw, db
+                                             wl, dlogits, dwl, dbl)
+        return None, dw, db, dwl, dbl
 
     # --------------------------------------------------------------- maxpool2d
     def maxpool2d_forward(self, x, kernel_size, stride):
