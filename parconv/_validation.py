@@ -12,8 +12,22 @@ import numbers
 import numpy as np
 
 
+class Where:
+    """Names the caller in an error message: ``f"{Where(layer, '.backward')}"`` is
+    ``repr(layer) + ".backward"``, formatted only when a message is built, so the
+    checks on every call do not pay for the repr."""
+
+    __slots__ = ("obj", "suffix")
+
+    def __init__(self, obj, suffix: str = ""):
+        self.obj, self.suffix = obj, suffix
+
+    def __str__(self) -> str:
+        return f"{self.obj!r}{self.suffix}"
+
+
 def shape_of(a) -> tuple:
-    return tuple(int(s) for s in a.shape)
+    return tuple(map(int, a.shape))
 
 
 def to_backend_array(x, backend, name: str, where: str):

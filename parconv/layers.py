@@ -14,7 +14,7 @@ import numpy as np
 
 from . import backends as _backends
 from . import functional as F
-from ._validation import check_int, shape_of, to_backend_array
+from ._validation import Where, check_int, shape_of, to_backend_array
 
 __all__ = ["Parameter", "Layer", "Conv2d", "MaxPool2d", "Linear", "ReLU", "Sigmoid", "Flatten"]
 
@@ -113,7 +113,7 @@ class Layer:
         return {}
 
     def _input(self, x):
-        return to_backend_array(x, self.backend, "x", repr(self))
+        return to_backend_array(x, self.backend, "x", Where(self))
 
     def _cached(self):
         if self._cache is None:
@@ -121,7 +121,7 @@ class Layer:
         return self._cache
 
     def _check_dy(self, dy, expected: tuple):
-        dy = to_backend_array(dy, self.backend, "dy", f"{self!r}.backward")
+        dy = to_backend_array(dy, self.backend, "dy", Where(self, ".backward"))
         if shape_of(dy) != tuple(expected):
             raise ValueError(f"{self!r}.backward: dy must have the output's shape {tuple(expected)}, got {shape_of(dy)}")
         return dy
@@ -175,7 +175,7 @@ class Conv2d(Layer):
                     stride=self.stride, padding=self.padding, bias=self.bias is not None)
 
     def output_shape(self, x_shape) -> tuple:
-        return F.conv2d_output_shape(x_shape, self.weight.shape, self.stride, self.padding, repr(self))
+        return F.conv2d_output_shape(x_shape, self.weight.shape, self.stride, self.padding, Where(self))
 
     def forward(self, x):
         x = self._input(x)
@@ -209,7 +209,7 @@ class MaxPool2d(Layer):
         return dict(kernel_size=self.kernel_size, stride=self.stride)
 
     def output_shape(self, x_shape) -> tuple:
-        return F.maxpool2d_output_shape(x_shape, self.kernel_size, self.stride, repr(self))
+        return F.maxpool2d_output_shape(x_shape, self.kernel_size, self.stride, Where(self))
 
     def forward(self, x):
         x = self._input(x)

@@ -107,6 +107,7 @@ class Sequential:
                 raise ValueError(f"Sequential: layers live on different backends {sorted(names)}; pass backend=...")
             self.backend = self.layers[0].backend
         self._plan_cache: dict = {}
+        self._fwd_plan: list | None = None
         self._fused: dict[int, tuple] = {}
         self._grad_hooks: list = []
 
@@ -132,7 +133,7 @@ class Sequential:
         self.backend = _backends.get(backend)
         for layer in self.layers:
             layer.to(self.backend)
-        self._fused = {}
+        self._fused, self._fwd_plan = {}, None
         return self
 
     def parameters(self) -> list:
@@ -174,7 +175,8 @@ class Sequential:
         """Run every layer; returns the output as a backend array."""
         x = to_backend_array(x, self.backend, "x", "Sequential")
         self._fused = {}
-        for start, stop in self._plan():
+        self._fwd_plan = plan = self._plan()
+        for start, stop in plan:
             if stop - start == 5:
                 x = self._fused_head_forward(start, x)
             elif stop - start == 3:
@@ -230,7 +232,8 @@ class Sequential:
         returns dx w.r.t. the input when ``need_dx`` (else None; the first
         layer then skips its dx computation).
         """
-        plan = self._plan()
+        # the steps the forward pass ran (what the caches hold), else today's
+        plan = self._fwd_plan if self._fwd_plan is not None else self._plan()
         for start, stop in reversed(plan):
             want_dx = need_dx or start != 0
             if stop - start == 5:

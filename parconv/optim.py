@@ -46,14 +46,24 @@ class Optimizer:
         return buf
 
     def step(self) -> None:
-        """Apply one update to every parameter that has a gradient."""
-        self.step_count += 1
+        """Apply one update to every parameter that has a gradient.
+
+        Every gradient's shape is checked before any parameter changes.
+        """
+        todo = []
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
             if tuple(p.grad.shape) != p.shape:
                 raise ValueError(f"{type(self).__name__}.step: gradient of shape {tuple(p.grad.shape)} for a parameter of shape {p.shape}")
-            self._update(i, p)
+            todo.append(i)
+        self.step_count += 1
+        self._apply(todo)
+
+    def _apply(self, todo: list) -> None:
+        """Update the parameters at indices ``todo`` (their gradients checked)."""
+        for i in todo:
+            self._update(i, self.params[i])
 
     def _update(self, i, p):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -122,9 +132,19 @@ class SGD(Optimizer):
     def hyperparameters(self):
         return dict(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, nesterov=self.nesterov)
 
-    def _update(self, i, p):
-        v = self._buffer(i, "momentum") if self.momentum else None
-        p.backend.sgd_update(p.data, p.grad, v, self.lr, self.momentum, self.weight_decay, self.nesterov)
+    def _apply(self, todo):
+        # the parameters of each backend in one call (one parallel loop on openmp)
+        groups: dict = {}
+        for i in todo:
+            p = self.params[i]
+            ps, gs, vs = groups.setdefault(p.backend, ([], [], []))
+            ps.append(p.data)
+            gs.append(p.grad)
+            if self.momentum:
+                vs.append(self._buffer(i, "momentum"))
+        for be, (ps, gs, vs) in groups.items():
+            be.sgd_update_many(ps, gs, vs if self.momentum else None, self.lr, self.momentum, self.weight_decay,
+                               self.nesterov)
 
 
 class Adam(Optimizer):

@@ -83,3 +83,50 @@ def test_optimizer_state_dict_round_trip(backend):
     for k, v in opt2.state_dict().items():
         if k.startswith("state."):
             np.testing.assert_array_equal(v, state[k])
+
+
+@given(st.lists(st.integers(0, 70000), min_size=1, max_size=5), st.sampled_from([0.0, 0.9]),
+       st.sampled_from([0.0, 1e-3]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_sgd_update_many_matches_one_by_one(backend, oracle, sizes, momentum, wd, nesterov, seed):
+    """Several parameters in one call (one parallel loop on openmp, split across the parameters'
+    ends) give what updating them one by one gives."""
+    nesterov = nesterov and momentum > 0
+    rng = np.random.default_rng(seed)
+    ps, gs, vs = [rand(rng, n) for n in sizes], [rand(rng, n) for n in sizes], [rand(rng, n) for n in sizes]
+    P, G = [backend.asarray(p.copy()) for p in ps], [backend.asarray(g) for g in gs]
+    V = [backend.asarray(v.copy()) for v in vs] if momentum else None
+    for threads in (1, 2):
+        with pc.num_threads(threads):
+            backend.sgd_update_many(P, G, V, 0.1, momentum, wd, nesterov)
+        for i in range(len(sizes)):
+            oracle.sgd_update(ps[i], gs[i], vs[i] if momentum else None, 0.1, momentum, wd, nesterov)
+            assert_close(P[i], ps[i], what=f"sgd p[{i}]")
+            if momentum:
+                assert_close(V[i], vs[i], what=f"sgd v[{i}]")
+
+
+def test_sgd_update_many_rejects_mismatched_lists():
+    from parconv._ext import _optim
+
+    p, g = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="2 parameters, 1 gradients"):
+        _optim.sgd_update_many([p, p], [g], None, 0.1, 0.0, 0.0, False, 1)
+    with pytest.raises(ValueError, match="gradient 0 has 3 elements"):
+        _optim.sgd_update_many([p], [g[:3]], None, 0.1, 0.0, 0.0, False, 1)
+    with pytest.raises(ValueError, match="momentum buffer 0 has 2 elements"):
+        _optim.sgd_update_many([p], [g], [g[:2].copy()], 0.1, 0.9, 0.0, False, 1)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_optimizer_step_checks_every_gradient_before_updating(backend, kind):
+    """A gradient of the wrong shape raises before any parameter (or the step count) changes."""
+    layer = pc.Linear(3, 2, backend=backend)
+    opt = pc.optim.SGD(layer.parameters(), lr=0.1) if kind == "sgd" else pc.optim.Adam(layer.parameters(), lr=0.1)
+    before = [p.numpy().copy() for p in layer.parameters()]
+    layer.weight.grad = backend.asarray(np.ones((2, 3), np.float32))
+    layer.bias.grad = backend.asarray(np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="gradient of shape"):
+        opt.step()
+    assert opt.step_count == 0
+    for p, b in zip(layer.parameters(), before):
+        np.testing.assert_array_equal(p.numpy(), b)

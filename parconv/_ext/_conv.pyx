@@ -1128,6 +1128,8 @@ cdef enum:
     FUSED_BWD_MIN_BLOCKS = 16
     FUSED_BWD_BLOCK_IMAGES = 4
     FUSED_BWD_PARTIAL_BYTES = 1 << 26
+    # ranges of the head's dw columns per thread (see conv2d_relu_maxpool2d_backward)
+    FUSED_BWD_HEAD_RUNS_PER_THREAD = 4
 
 cdef int _fused_bwd_image_blocks = FUSED_BWD_IMAGE_BLOCKS
 
@@ -1169,7 +1171,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     ``head_dw`` too, the head's weight gradient ``head_dy.T @ y`` (ranges of
     columns, each summing its rows in order: the bits of the narrow
     ``_dense.linear_backward``) runs in the same parallel loop, handed out
-    before the blocks, and ``head_db`` (``head_dy`` summed over the batch in
+    after the blocks, and ``head_db`` (``head_dy`` summed over the batch in
     double) after it.
     """
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
@@ -1181,7 +1183,8 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     cdef Py_ssize_t kdim = <Py_ssize_t>C * K * K
     cdef Py_ssize_t per_block = <Py_ssize_t>O * (kdim + 1)
     cdef int failed[1]
-    cdef int n, it, blk, nblocks, nhead = 0, nitems, g, r
+    cdef int n, it, blk, hi, nblocks, nhead = 0, nitems, g, r
+    cdef Py_ssize_t hcb = (<Py_ssize_t>w.shape[0] * y.shape[2] * y.shape[3] + PCD_BWD_FB - 1) // PCD_BWD_FB
     cdef float *scr
     cdef float *dbp = NULL
     cdef float *hdwp = NULL
@@ -1226,8 +1229,11 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     nblocks = _min(N, _min(_fused_bwd_image_blocks, max(FUSED_BWD_MIN_BLOCKS, N // FUSED_BWD_BLOCK_IMAGES)))
     nblocks = <int>max(1, min(<Py_ssize_t>nblocks, FUSED_BWD_PARTIAL_BYTES // (8 * per_block)))
     if hdwp != NULL:
-        # the head's dw: one range of columns (blocks of PCD_BWD_FB) per thread, ahead of the blocks
-        nhead = <int>min(<Py_ssize_t>nt, (head_F + PCD_BWD_FB - 1) // PCD_BWD_FB)
+        # the head's dw: ranges of columns (blocks of PCD_BWD_FB), after the image blocks, a few per
+        # thread: short items at the end even out the threads' finishing times, and the head's dw
+        # is still in cache for the optimizer step that follows
+        nhead = <int>min(<Py_ssize_t>(1 if nt == 1 else FUSED_BWD_HEAD_RUNS_PER_THREAD * nt),
+                         (head_F + PCD_BWD_FB - 1) // PCD_BWD_FB)
     nitems = nhead + nblocks
     part = <double *>malloc(sizeof(double) * <size_t>nblocks * per_block)
     if part == NULL:
@@ -1241,13 +1247,13 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
             for it in prange(nitems, schedule="dynamic"):
                 if scr == NULL:
                     continue
-                if it < nhead:
+                if it >= nblocks:
+                    hi = it - nblocks
                     pcd_linear_bwd_cols(&y[0, 0, 0, 0], hwp, hdyp, NULL, hdwp, N, head_F, G,
-                                        min(head_F, PCD_BWD_FB * ((((head_F + PCD_BWD_FB - 1) // PCD_BWD_FB) * it) // nhead)),
-                                        min(head_F, PCD_BWD_FB * ((((head_F + PCD_BWD_FB - 1) // PCD_BWD_FB) * (it + 1)) // nhead)),
-                                        PCD_BWD_FB)
+                                        min(head_F, PCD_BWD_FB * ((hcb * hi) // nhead)),
+                                        min(head_F, PCD_BWD_FB * ((hcb * (hi + 1)) // nhead)), PCD_BWD_FB)
                     continue
-                blk = it - nhead
+                blk = it
                 pcf_dw_images(&x[0, 0, 0, 0], C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
                               dyp, O, PQp, <int>((<long>N * blk) // nblocks), <int>((<long>N * (blk + 1)) // nblocks),
                               hdyp, hwp, G, part + blk * per_block, scr)

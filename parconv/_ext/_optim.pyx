@@ -11,6 +11,7 @@ matches it bit for bit.
 import math
 
 from cython.parallel cimport prange
+from libc.stdlib cimport malloc, free
 
 cdef extern from "pc_common.h":
     void pc_sgd(float *p, const float *g, float *v, Py_ssize_t n, float lr, float momentum,
@@ -48,6 +49,66 @@ def sgd_update(float[::1] p,        # IN/OUT (n,) parameter
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_sgd(&p[a], &g[a], vp + a if vp != NULL else NULL, b - a, lr32, mom32, wd32, use_wd, nesterov)
+
+
+def sgd_update_many(list ps,   # IN/OUT parameters, each (n_i,) float32
+                    list gs,   # IN     their gradients, (n_i,) each
+                    list vs,   # IN/OUT momentum buffers, (n_i,) each, or None when momentum == 0
+                    double lr, double momentum, double weight_decay, bint nesterov, int num_threads):
+    """:func:`sgd_update` on every parameter of the lists in one parallel loop: the elements of all
+    of them, taken end to end, split evenly over the threads (elementwise, so the same bits)."""
+    cdef Py_ssize_t k = len(ps), i, j, total = 0, a, b, lo, hi
+    cdef float lr32 = <float>lr, mom32 = <float>momentum, wd32 = <float>weight_decay
+    cdef int use_wd = weight_decay != 0.0
+    cdef int nc
+    cdef float[::1] mp
+    cdef const float[::1] mg
+    if len(gs) != k or (vs is not None and len(vs) != k):
+        raise ValueError(f"sgd_update_many: got {k} parameters, {len(gs)} gradients and "
+                         f"{'no' if vs is None else len(vs)} momentum buffers")
+    if k == 0:
+        return
+    cdef float **pp = <float **>malloc(sizeof(float *) * k)
+    cdef const float **gp = <const float **>malloc(sizeof(float *) * k)
+    cdef float **vp = <float **>malloc(sizeof(float *) * k)
+    cdef Py_ssize_t *start = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * (k + 1))
+    try:
+        if pp == NULL or gp == NULL or vp == NULL or start == NULL:
+            raise MemoryError()
+        for i in range(k):
+            mp = ps[i]
+            mg = gs[i]
+            if mg.shape[0] != mp.shape[0]:
+                raise ValueError(f"sgd_update_many: gradient {i} has {mg.shape[0]} elements, its parameter {mp.shape[0]}")
+            start[i] = total
+            total += mp.shape[0]
+            pp[i] = &mp[0] if mp.shape[0] else NULL
+            gp[i] = &mg[0] if mg.shape[0] else NULL
+            vp[i] = NULL
+            if vs is not None:
+                mp = vs[i]
+                if mp.shape[0] != mg.shape[0]:
+                    raise ValueError(f"sgd_update_many: momentum buffer {i} has {mp.shape[0]} elements, "
+                                     f"its parameter {mg.shape[0]}")
+                vp[i] = &mp[0] if mp.shape[0] else NULL
+        start[k] = total
+        nc = _chunks(total, num_threads)
+        with nogil:
+            for i in prange(nc, schedule="static", num_threads=nc):
+                a = total * i // nc
+                b = total * (i + 1) // nc
+                for j in range(k):
+                    lo = max(a, start[j])
+                    hi = min(b, start[j + 1])
+                    if lo < hi:
+                        pc_sgd(pp[j] + (lo - start[j]), gp[j] + (lo - start[j]),
+                               vp[j] + (lo - start[j]) if vp[j] != NULL else NULL, hi - lo, lr32, mom32, wd32,
+                               use_wd, nesterov)
+    finally:
+        free(pp)
+        free(gp)
+        free(vp)
+        free(start)
 
 
 def adam_update(float[::1] p,        # IN/OUT (n,) parameter

@@ -194,6 +194,14 @@ class Backend:
         """
         raise self._missing("sgd_update")
 
+    def sgd_update_many(self, ps, gs, vs, lr: float, momentum: float, weight_decay: float, nesterov: bool) -> None:
+        """:meth:`sgd_update` of every ``(ps[i], gs[i], vs[i])`` (``vs`` None when momentum == 0).
+
+        A backend may run them as one operation; the default updates them one by one.
+        """
+        for i, (p, g) in enumerate(zip(ps, gs)):
+            self.sgd_update(p, g, None if vs is None else vs[i], lr, momentum, weight_decay, nesterov)
+
     def adam_update(self, p, g, m, v, lr: float, beta1: float, beta2: float, eps: float,
                     weight_decay: float, step: int) -> None:
         """In-place Adam step (PyTorch's formulation, ``step`` counts from 1)."""

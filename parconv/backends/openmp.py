@@ -653,6 +653,13 @@ class OpenMPBackend(HostArrays, Backend):
         _optim.sgd_update(p.reshape(-1), _f32(g).reshape(-1), None if v is None else v.reshape(-1),
                           float(lr), float(momentum), float(weight_decay), bool(nesterov), get_num_threads())
 
+    def sgd_update_many(self, ps, gs, vs, lr, momentum, weight_decay, nesterov):
+        """One parallel loop over the elements of every parameter: one call, and small parameters
+        share threads with large ones."""
+        _optim.sgd_update_many([p.reshape(-1) for p in ps], [_f32(g).reshape(-1) for g in gs],
+                               None if vs is None else [v.reshape(-1) for v in vs], float(lr), float(momentum),
+                               float(weight_decay), bool(nesterov), get_num_threads())
+
     def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
         if p.size == 0:
             return
