@@ -1097,6 +1097,7 @@ cdef extern from "pc_dense.h":
                               const Py_ssize_t *rows, int nr, Py_ssize_t F, int G) noexcept nogil
     void pcd_linear_bwd_cols(const float *x, const float *w, const float *dy, float *dx, float *dw,
                              Py_ssize_t N, Py_ssize_t F, int G, Py_ssize_t f0, Py_ssize_t f1, int fb) noexcept nogil
+    float pcd_bias_grad(const float *dy, Py_ssize_t N, int G, int g) noexcept nogil
 
 
 cdef extern from "pc_fused.h":
@@ -1183,13 +1184,12 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     cdef Py_ssize_t kdim = <Py_ssize_t>C * K * K
     cdef Py_ssize_t per_block = <Py_ssize_t>O * (kdim + 1)
     cdef int failed[1]
-    cdef int n, it, blk, hi, nblocks, nhead = 0, nitems, g, r
-    cdef Py_ssize_t hcb = (<Py_ssize_t>w.shape[0] * y.shape[2] * y.shape[3] + PCD_BWD_FB - 1) // PCD_BWD_FB
+    cdef int n, it, blk, hi, nblocks, nhead = 0, nitems, g
+    cdef Py_ssize_t hcb = 0
     cdef float *scr
     cdef float *dbp = NULL
     cdef float *hdwp = NULL
     cdef double *part
-    cdef double s
     cdef Py_ssize_t dws = 0
     cdef const float *dyp = NULL
     cdef const float *hwp = NULL
@@ -1229,11 +1229,10 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     nblocks = _min(N, _min(_fused_bwd_image_blocks, max(FUSED_BWD_MIN_BLOCKS, N // FUSED_BWD_BLOCK_IMAGES)))
     nblocks = <int>max(1, min(<Py_ssize_t>nblocks, FUSED_BWD_PARTIAL_BYTES // (8 * per_block)))
     if hdwp != NULL:
-        # the head's dw: ranges of columns (blocks of PCD_BWD_FB), after the image blocks, a few per
-        # thread: short items at the end even out the threads' finishing times, and the head's dw
-        # is still in cache for the optimizer step that follows
-        nhead = <int>min(<Py_ssize_t>(1 if nt == 1 else FUSED_BWD_HEAD_RUNS_PER_THREAD * nt),
-                         (head_F + PCD_BWD_FB - 1) // PCD_BWD_FB)
+        # the head's dw: ranges of its hcb column blocks (PCD_BWD_FB columns each), after the image
+        # blocks, a few per thread: short items at the end even out the threads' finishing times
+        hcb = (head_F + PCD_BWD_FB - 1) // PCD_BWD_FB
+        nhead = <int>min(<Py_ssize_t>(1 if nt == 1 else FUSED_BWD_HEAD_RUNS_PER_THREAD * nt), hcb)
     nitems = nhead + nblocks
     part = <double *>malloc(sizeof(double) * <size_t>nblocks * per_block)
     if part == NULL:
@@ -1263,10 +1262,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
         free(part)
         if head_db is not None:
             for g in range(G):
-                s = 0.0
-                for r in range(N):
-                    s = s + hdyp[<Py_ssize_t>r * G + g]
-                head_db[g] = <float>s
+                head_db[g] = pcd_bias_grad(hdyp, N, G, g)
         if dx is not None and not failed[0]:
             dws = pcf_dx_scratch_floats(C, H, W, padding, P, Q)
             with parallel(num_threads=_min(nt, N)):

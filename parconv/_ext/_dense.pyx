@@ -21,6 +21,7 @@ cdef extern from "pc_dense.h":
     void pcd_linear_bwd_cols(const float *x, const float *w, const float *dy, float *dx, float *dw,
                              Py_ssize_t N, Py_ssize_t F, int G, Py_ssize_t f0, Py_ssize_t f1,
                              int fb) noexcept nogil
+    float pcd_bias_grad(const float *dy, Py_ssize_t N, int G, int g) noexcept nogil
 
 cdef enum:
     # multiply-adds below which one thread beats waking a team
@@ -147,9 +148,8 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
     cdef float *dbp = NULL
     cdef float *dxp = NULL
     cdef int nt = num_threads if num_threads > 0 else 1
-    cdef int g, r, fb
+    cdef int g, fb
     cdef Py_ssize_t nblk, nrun, t
-    cdef double s
     if dx is not None:
         dxp = &dx[0, 0]
     if db is not None:
@@ -187,7 +187,4 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
             if nt > G:
                 nt = G
             for g in prange(G, schedule="static", num_threads=nt):
-                s = 0.0
-                for r in range(N):
-                    s = s + dyp[<Py_ssize_t>r * G + g]
-                dbp[g] = <float>s
+                dbp[g] = pcd_bias_grad(dyp, N, G, g)

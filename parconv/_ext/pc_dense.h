@@ -372,4 +372,14 @@ static void pcd_linear_dx_rows(const float *dy, const float *w, float *out, pc_i
     }
 }
 
+/* db[g] of a linear layer: column g of dy (N, G) summed in double, rows in order (the same bits
+ * wherever it is called from: the linear backward and a fused first layer's head). */
+static inline float pcd_bias_grad(const float *dy, pc_idx N, int G, int g)
+{
+    double s = 0.0;
+    for (pc_idx r = 0; r < N; r++)
+        s += dy[r * G + g];
+    return (float)s;
+}
+
 #endif /* PARCONV_PC_DENSE_H */
