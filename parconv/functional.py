@@ -156,7 +156,9 @@ def maxpool2d(x, kernel_size: int, stride: int | None = None, *, return_indices:
     """Max pooling over ``kernel_size`` windows (no padding, floor mode).
 
     Returns ``y`` (N, C, P, Q), or ``(y, argmax)`` with ``return_indices``:
-    argmax is int32, the flat index ``h * W + w`` inside each (H, W) plane.
+    argmax is the flat index ``h * W + w`` inside each (H, W) plane: int32, or
+    uint16 where the backend stores indices of planes of at most 65,536
+    positions compactly (openmp does: half the bytes to write and read back).
     """
     be = _backends.get(backend)
     x = to_backend_array(x, be, "x", "maxpool2d")
@@ -167,13 +169,14 @@ def maxpool2d(x, kernel_size: int, stride: int | None = None, *, return_indices:
 
 
 def _check_argmax(argmax, shape, plane: int, be, where: str, made_by: str) -> None:
-    """argmax: the int32 backend array of ``shape`` from ``made_by``, every index inside a plane.
+    """argmax: the int32 or uint16 backend array of ``shape`` from ``made_by``, every index inside a plane.
 
     The kernels scatter through these indices with bounds checks off, so an
     index outside ``[0, plane)`` is refused here.
     """
-    if not be.is_array(argmax) or argmax.dtype != np.int32:
-        raise TypeError(f"{where}: argmax must be the int32 backend array returned by {made_by}")
+    if not be.is_array(argmax) or argmax.dtype not in (np.int32, np.uint16):
+        raise TypeError(f"{where}: argmax must be the integer (int32 or uint16) backend array returned by "
+                        f"{made_by}, got {getattr(argmax, 'dtype', type(argmax).__name__)}")
     if shape_of(argmax) != tuple(shape):
         raise ValueError(f"{where}: argmax shape {shape_of(argmax)} must equal {tuple(shape)}")
     host = be.to_numpy(argmax)

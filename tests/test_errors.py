@@ -83,12 +83,12 @@ def test_pool_backward_argmax_is_checked_before_any_kernel_scatters_through_it(b
     x = be.asarray(rng.standard_normal((2, 3, 6, 6)).astype(np.float32))
     y, am = F.maxpool2d(x, 2, return_indices=True, backend=backend)
     dy = be.asarray(np.ones((2, 3, 3, 3), np.float32))
-    bad = pc.to_numpy(am).copy()
-    for value in (36, -1):
+    bad = pc.to_numpy(am).astype(np.int64)
+    for value, dtype in ((36, np.int32), (-1, np.int32), (36, np.uint16), (65535, np.uint16)):
         bad[1, 2, 2, 2] = value
         with pytest.raises(ValueError, match=r"argmax holds indices outside \[0, 36\)"):
-            F.maxpool2d_backward(dy, be.asarray(bad, np.int32), (2, 3, 6, 6), backend=backend)
-    with pytest.raises(TypeError, match="argmax must be the int32 backend array"):
+            F.maxpool2d_backward(dy, be.asarray(bad.astype(dtype), dtype), (2, 3, 6, 6), backend=backend)
+    with pytest.raises(TypeError, match=r"argmax must be the integer \(int32 or uint16\) backend array"):
         F.maxpool2d_backward(dy, be.asarray(pc.to_numpy(am).astype(np.float32)), (2, 3, 6, 6), backend=backend)
     with pytest.raises(ValueError, match="argmax shape"):
         F.maxpool2d_backward(dy, be.asarray(pc.to_numpy(am)[:1].copy(), np.int32), (2, 3, 6, 6), backend=backend)

@@ -385,7 +385,7 @@ def test_fused_conv_relu_maxpool_matches_composition(case, pool_kernel, pool_str
         y, am = omp.conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
         y_ref, am_ref = ref.conv2d_relu_maxpool2d_forward(x, w, b, stride, padding, pool_kernel, pool_stride)
         close(y, y_ref)
-        assert am.dtype == np.int32
+        assert am.dtype == (np.uint16 if P * Q <= 65536 else np.int32)
         # the argmax may differ only where two window values tie within float32 rounding
         z = ref.conv2d_forward(x, w, b, stride, padding).reshape(N, O, -1)
         picked = np.take_along_axis(z, am.reshape(N, O, -1), axis=2)
@@ -394,8 +394,11 @@ def test_fused_conv_relu_maxpool_matches_composition(case, pool_kernel, pool_str
         dy = uniform(rng, y.shape)
         got = omp.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, stride, padding)
         want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, dy, stride, padding)
-    for g, e in zip(got, want):
+        # an int32 argmax (another backend's, or a composed forward's) takes the same path
+        got32 = omp.conv2d_relu_maxpool2d_backward(x, w, y, am.astype(np.int32), dy, stride, padding)
+    for g, g32, e in zip(got, got32, want):
         close(g, e)
+        assert np.array_equal(g, g32)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -594,12 +597,37 @@ def test_maxpool2d_matches_reference_with_ties(case):
     with num_threads(threads):
         y, am = omp.maxpool2d_forward(x, K, stride)
         y_ref, am_ref = ref.maxpool2d_forward(x, K, stride)
-        assert am.dtype == np.int32
+        assert am.dtype == np.uint16  # planes of at most 65,536 positions
         assert np.array_equal(y, y_ref)
         assert np.array_equal(am, am_ref)
         dy = uniform(rng, y.shape)
         dx = omp.maxpool2d_backward(dy, am, x.shape)
+        assert np.array_equal(omp.maxpool2d_backward(dy, am.astype(np.int32), x.shape), dx)
     close(dx, ref.maxpool2d_backward(dy, am_ref, x.shape))
+
+
+@pytest.mark.parametrize("H, W, dtype", [(256, 256, np.uint16), (257, 256, np.int32)])
+def test_argmax_is_uint16_exactly_where_every_index_fits(H, W, dtype):
+    """maxpool2d indexes its input plane, the fused op its convolution plane: uint16 up to
+    65,536 positions, int32 beyond, and the gradients are right on both sides of the line."""
+    rng = np.random.default_rng(H)
+    x = uniform(rng, (1, 1, H, W))
+    y, am = omp.maxpool2d_forward(x, 2, 2)
+    y_ref, am_ref = ref.maxpool2d_forward(x, 2, 2)
+    assert am.dtype == dtype and np.array_equal(am, am_ref) and np.array_equal(y, y_ref)
+    dy = uniform(rng, y.shape)
+    close(omp.maxpool2d_backward(dy, am, x.shape), ref.maxpool2d_backward(dy, am_ref, x.shape))
+    w = uniform(rng, (2, 1, 3, 3), 1 / 3)
+    xp = uniform(rng, (1, 1, H + 2, W + 2))  # a 3x3 kernel, no padding: an (H, W) convolution plane
+    y, am = omp.conv2d_relu_maxpool2d_forward(xp, w, None, 1, 0, 2, 2)
+    y_ref, am_ref = ref.conv2d_relu_maxpool2d_forward(xp, w, None, 1, 0, 2, 2)
+    assert am.dtype == dtype
+    close(y, y_ref)
+    dy = uniform(rng, y.shape)
+    got = omp.conv2d_relu_maxpool2d_backward(xp, w, y, am, dy, 1, 0, need_dx=False)
+    want = ref.conv2d_relu_maxpool2d_backward(xp, w, y, am, dy, 1, 0, need_dx=False)
+    for g, e in zip(got[1:], want[1:]):
+        close(g, e)
 
 
 def test_maxpool2d_large_parallel_and_nan():

@@ -34,10 +34,17 @@ same bits. Inputs are trusted: shapes, dtypes and contiguity are validated in
 Python.
 """
 
+cimport cython
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
 from scipy.linalg.cython_blas cimport sgemm
+
+# the argmax of a pooled plane: uint16 for planes of at most PC_POOL_U16_MAX positions (half the
+# bytes of int32 for the forward to write and the backward to read back), else int32
+ctypedef fused pool_index_t:
+    int
+    unsigned short
 
 cdef extern from "pc_common.h":
     void pc_im2col(const float *x, int H, int W, int K, int S, int pad, int Q,
@@ -47,8 +54,11 @@ cdef extern from "pc_common.h":
     double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
     void *pc_align64(void *p) noexcept nogil
     void pc_pool_bases(int W, int S, int P, int Q, int *base) noexcept nogil
+    int PC_POOL_U16_MAX
     void pc_pool_plane(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y, int *am,
                        int relu) noexcept nogil
+    void pc_pool_plane_u16(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y,
+                           unsigned short *am, int relu) noexcept nogil
 
 cdef extern from "pc_conv.h":
     int PCC_NR, PCC_VEC, PCC_NVMAX, PCC_MR_MAX, PCC_KR_MAX
@@ -169,7 +179,7 @@ cdef int _plan_walk(int N, int P, int Q, int Wg, int nt, bint allow_rows, int kd
 cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
                        const float *w, int flip_O, int O, const float *bias,
                        float *y, int P, int Q, int nt,
-                       int pk=0, int ps=0, int *am=NULL, bint whole_images=False,
+                       int pk=0, int ps=0, void *am=NULL, bint am16=False, bint whole_images=False,
                        const float *hw=NULL, const float *hb=NULL, float *logits=NULL, int G=0) noexcept:
     """Stride-1 convolution straight from zero-padded images.
 
@@ -180,7 +190,8 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
 
     With ``pk > 0`` the convolution of each image goes to thread-private
     scratch and only ``relu(maxpool(., pk, ps))`` is written: y is then the
-    (N, O, PP, QQ) pooled output and am its argmax in the (P, Q) plane. This
+    (N, O, PP, QQ) pooled output and am its argmax in the (P, Q) plane (uint16
+    when ``am16``, else int). This
     needs whole images per chunk; when the best split would cut images it
     returns 2 having done nothing, unless ``whole_images``: then each thread
     takes whole images even where the threads get unequal shares. Returns 1
@@ -283,8 +294,12 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                     else:
                         pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wp, Q, z, PQ, bias, ct)
                     for o in range(O):
-                        pc_pool_plane(z + o * PQ, pool_base, Q, pk, ps, PP, QQ, y + (n * O + o) * PPQQ,
-                                      am + (n * O + o) * PPQQ, 1)
+                        if am16:
+                            pc_pool_plane_u16(z + o * PQ, pool_base, Q, pk, ps, PP, QQ, y + (n * O + o) * PPQQ,
+                                              <unsigned short *>am + (n * O + o) * PPQQ, 1)
+                        else:
+                            pc_pool_plane(z + o * PQ, pool_base, Q, pk, ps, PP, QQ, y + (n * O + o) * PPQQ,
+                                          <int *>am + (n * O + o) * PPQQ, 1)
                     if hw != NULL:
                         pend[pend[4]] = n
                         pend[4] = pend[4] + 1
@@ -1027,7 +1042,7 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
                                   const float[:, :, :, ::1] w,  # IN  (O, C, K, K)
                                   const float[::1] b,           # IN  (O,) or None
                                   float[:, :, :, ::1] y,        # OUT (N, O, PP, QQ), overwritten
-                                  int[:, :, :, ::1] argmax,     # OUT (N, O, PP, QQ) int32, overwritten
+                                  pool_index_t[:, :, :, ::1] argmax,  # OUT (N, O, PP, QQ), overwritten
                                   int stride, int padding, int pool_kernel, int pool_stride,
                                   int num_threads,
                                   const float[:, ::1] head_w=None,  # IN  (G, O * PP * QQ) or None
@@ -1041,7 +1056,8 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
     four at a time while they are still in its cache.
 
     Each thread convolves whole images into private scratch and pools from
-    there; argmax indexes the (P, Q) convolution plane. Where the images do
+    there; argmax indexes the (P, Q) convolution plane (uint16 only where
+    ``P * Q <= PC_POOL_U16_MAX``, else int32). Where the images do
     not split evenly over the threads (fewer images than threads, or a
     remainder), whole images per thread are still taken while the busiest
     thread's extra work stays under ``FUSED_FWD_UNEVEN_MACS``; beyond that it
@@ -1071,13 +1087,15 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
         lp = &logits[0, 0]
         if head_b is not None:
             hbp = &head_b[0]
+    if pool_index_t is cython.ushort and <Py_ssize_t>P * Q > PC_POOL_U16_MAX:
+        raise ValueError(f"conv2d_relu_maxpool2d_forward: a {P}x{Q} convolution plane needs an int32 argmax")
     if stride != 1:
         return False
     if b is not None:
         bp = &b[0]
     failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
-                           &y[0, 0, 0, 0], P, Q, nt, pool_kernel, pool_stride, &argmax[0, 0, 0, 0],
-                           uneven <= FUSED_FWD_UNEVEN_MACS, hwp, hbp, lp, G)
+                           &y[0, 0, 0, 0], P, Q, nt, pool_kernel, pool_stride, <void *>&argmax[0, 0, 0, 0],
+                           pool_index_t is cython.ushort, uneven <= FUSED_FWD_UNEVEN_MACS, hwp, hbp, lp, G)
     if failed == 1:
         raise MemoryError("conv2d_relu_maxpool2d_forward: could not allocate scratch")
     return failed == 0
@@ -1103,12 +1121,12 @@ cdef extern from "pc_dense.h":
 cdef extern from "pc_fused.h":
     Py_ssize_t pcf_dw_scratch_floats(int C, int H, int W, int pad, int P, int Q, Py_ssize_t head_F) noexcept nogil
     void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, int P, int Q,
-                       const float *y, const int *am, const float *dy, int O, int PQp, int n0, int n1,
+                       const float *y, const void *am, int am16, const float *dy, int O, int PQp, int n0, int n1,
                        const float *dyl, const float *wl, int G, double *acc, float *scratch) noexcept nogil
     void pcf_dw_reduce(const double *part, int nblocks, int O, Py_ssize_t kdim, float *dw, float *db) noexcept nogil
     Py_ssize_t pcf_dx_scratch_floats(int C, int H, int W, int pad, int P, int Q) noexcept nogil
     void pcf_dx(int n, int C, int H, int W, int pad, int K, int P, int Q, const float *w,
-                const float *y, const int *am, const float *dy, int O, int PQp, float *dx,
+                const float *y, const void *am, int am16, const float *dy, int O, int PQp, float *dx,
                 float *scratch) noexcept nogil
 
 
@@ -1148,7 +1166,7 @@ def _set_fused_backward_image_blocks(int n):
 def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C, H, W)
                                    const float[:, :, :, ::1] w,     # IN  (O, C, K, K)
                                    const float[:, :, :, ::1] y,     # IN  (N, O, PP, QQ) fused forward output
-                                   const int[:, :, :, ::1] argmax,  # IN  (N, O, PP, QQ) index in the (P, Q) plane
+                                   const pool_index_t[:, :, :, ::1] argmax,  # IN  (N, O, PP, QQ) (P, Q)-plane index
                                    const float[:, :, :, ::1] dy,    # IN  (N, O, PP, QQ), or None with a head
                                    float[:, :, :, ::1] dx,          # OUT (N, C, H, W) or None, overwritten
                                    float[:, :, :, ::1] dw,          # OUT (O, C, K, K), overwritten
@@ -1196,6 +1214,8 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     cdef const float *hdyp = NULL
     cdef int G = 0
     cdef Py_ssize_t head_F = 0
+    cdef const void *amp = <const void *>&argmax[0, 0, 0, 0]
+    cdef int am16 = pool_index_t is cython.ushort
     failed[0] = 0
     if db is not None:
         dbp = &db[0]
@@ -1253,7 +1273,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                                         min(head_F, PCD_BWD_FB * ((hcb * (hi + 1)) // nhead)), PCD_BWD_FB)
                     continue
                 blk = it
-                pcf_dw_images(&x[0, 0, 0, 0], C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
+                pcf_dw_images(&x[0, 0, 0, 0], C, H, W, padding, K, P, Q, &y[0, 0, 0, 0], amp, am16,
                               dyp, O, PQp, <int>((<long>N * blk) // nblocks), <int>((<long>N * (blk + 1)) // nblocks),
                               hdyp, hwp, G, part + blk * per_block, scr)
             free(scr)
@@ -1271,7 +1291,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                     failed[0] = 1
                 for n in prange(N, schedule="dynamic"):
                     if scr != NULL:
-                        pcf_dx(n, C, H, W, padding, K, P, Q, &w[0, 0, 0, 0], &y[0, 0, 0, 0], &argmax[0, 0, 0, 0],
+                        pcf_dx(n, C, H, W, padding, K, P, Q, &w[0, 0, 0, 0], &y[0, 0, 0, 0], amp, am16,
                                dyp, O, PQp, &dx[0, 0, 0, 0], scr)
                 free(scr)
     if failed[0]:

@@ -5,9 +5,13 @@
 
 argmax holds the flat index ``h * W + w`` of each window's maximum inside its
 (H, W) plane, the first one on ties and the first NaN when there is one
-(exactly ``np.argmax``). Planes never share inputs, so the backward scatter
-is race-free without atomics.
+(exactly ``np.argmax``), as uint16 where the plane has at most
+``POOL_U16_MAX`` positions (the caller's choice; half the bytes of int32),
+else int32. Planes never share inputs, so the backward scatter is race-free
+without atomics.
 """
+
+cimport cython
 
 from cython.parallel cimport prange
 from libc.stdlib cimport malloc, free
@@ -15,8 +19,18 @@ from libc.string cimport memset
 
 cdef extern from "pc_common.h":
     void pc_pool_bases(int W, int S, int P, int Q, int *base) noexcept nogil
+    int PC_POOL_U16_MAX
     void pc_pool_plane(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y, int *am,
                        int relu) noexcept nogil
+    void pc_pool_plane_u16(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y,
+                           unsigned short *am, int relu) noexcept nogil
+
+#: the largest plane (H * W) whose argmax may be uint16
+POOL_U16_MAX = PC_POOL_U16_MAX
+
+ctypedef fused pool_index_t:
+    int
+    unsigned short
 
 cdef enum:
     # below this much work one thread is faster than waking a team
@@ -34,7 +48,7 @@ cdef inline int _threads_for(Py_ssize_t work, Py_ssize_t chunks, int num_threads
 
 def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                       float[:, :, :, ::1] y,        # OUT (N, C, P, Q), overwritten
-                      int[:, :, :, ::1] argmax,     # OUT (N, C, P, Q) int32, overwritten
+                      pool_index_t[:, :, :, ::1] argmax,  # OUT (N, C, P, Q), overwritten
                       int kernel_size, int stride, int num_threads):
     """Max pooling forward; one plane per chunk."""
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
@@ -43,20 +57,26 @@ def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int nt = _threads_for(planes * PQ * kernel_size * kernel_size, planes, num_threads)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
-    cdef int *ap = &argmax[0, 0, 0, 0]
-    cdef int *base = <int *>malloc(sizeof(int) * PQ)
+    cdef pool_index_t *ap = &argmax[0, 0, 0, 0]
+    cdef int *base
     cdef Py_ssize_t i
+    if pool_index_t is cython.ushort and HW > PC_POOL_U16_MAX:
+        raise ValueError(f"maxpool2d_forward: a {H}x{W} plane needs an int32 argmax")
+    base = <int *>malloc(sizeof(int) * PQ)
     if base == NULL:
         raise MemoryError("maxpool2d_forward: could not allocate window table")
     with nogil:
         pc_pool_bases(W, stride, P, Q, base)
         for i in prange(planes, schedule="static", num_threads=nt):
-            pc_pool_plane(xp + i * HW, base, W, kernel_size, stride, P, Q, yp + i * PQ, ap + i * PQ, 0)
+            if pool_index_t is cython.ushort:
+                pc_pool_plane_u16(xp + i * HW, base, W, kernel_size, stride, P, Q, yp + i * PQ, ap + i * PQ, 0)
+            else:
+                pc_pool_plane(xp + i * HW, base, W, kernel_size, stride, P, Q, yp + i * PQ, ap + i * PQ, 0)
     free(base)
 
 
 def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
-                       const int[:, :, :, ::1] argmax,  # IN  (N, C, P, Q) int32
+                       const pool_index_t[:, :, :, ::1] argmax,  # IN  (N, C, P, Q)
                        float[:, :, :, ::1] dx,        # OUT (N, C, H, W), overwritten
                        int num_threads):
     """Max pooling backward: ``dx = 0`` then ``dx[plane][argmax] += dy`` (overlapping windows add up)."""
@@ -65,11 +85,11 @@ def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     cdef Py_ssize_t PQ = <Py_ssize_t>dy.shape[2] * dy.shape[3]
     cdef int nt = _threads_for(planes * (HW + PQ), planes, num_threads)
     cdef const float *dyp = &dy[0, 0, 0, 0]
-    cdef const int *ap = &argmax[0, 0, 0, 0]
+    cdef const pool_index_t *ap = &argmax[0, 0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef float *dxi
     cdef const float *dyi
-    cdef const int *ai
+    cdef const pool_index_t *ai
     cdef Py_ssize_t i, j
     with nogil:
         for i in prange(planes, schedule="static", num_threads=nt):

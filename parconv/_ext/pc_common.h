@@ -14,6 +14,7 @@
 
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #ifndef PARCONV_OPENMP
@@ -178,9 +179,10 @@ static inline void pc_adam(float *restrict p, const float *restrict g, float *re
         (av) = take_ ? (idx) : (av);                                \
     } while (0)
 
-/* One tap over the n outputs of a row: input x[base + j*S]. */
-#define PC_DEFINE_POOL_TAP(NAME, SDECL, SEXPR)                                               \
-    static inline void NAME(const float *restrict x, float *restrict y, int *restrict am,    \
+/* One tap over the n outputs of a row: input x[base + j*S]. SUF names the argmax type AM_T
+ * (int, or uint16_t for planes of at most PC_POOL_U16_MAX positions). */
+#define PC_DEFINE_POOL_TAP(NAME, AM_T, SDECL, SEXPR)                                         \
+    static inline void NAME(const float *restrict x, float *restrict y, AM_T *restrict am,   \
                             int n, int base SDECL)                                           \
     {                                                                                        \
         for (int j = 0; j < n; j++) {                                                        \
@@ -189,9 +191,12 @@ static inline void pc_adam(float *restrict p, const float *restrict g, float *re
             PC_POOL_SELECT(v, idx, y[j], am[j]);                                             \
         }                                                                                    \
     }
-PC_DEFINE_POOL_TAP(pc_pool_tap_s1, , 1)
-PC_DEFINE_POOL_TAP(pc_pool_tap_s2, , 2)
-PC_DEFINE_POOL_TAP(pc_pool_tap_sn, PC_COMMA int S, S)
+#define PC_DEFINE_POOL_TAPS(SUF, AM_T)                                \
+    PC_DEFINE_POOL_TAP(pc_pool_tap_s1##SUF, AM_T, , 1)                \
+    PC_DEFINE_POOL_TAP(pc_pool_tap_s2##SUF, AM_T, , 2)                \
+    PC_DEFINE_POOL_TAP(pc_pool_tap_sn##SUF, AM_T, PC_COMMA int S, S)
+PC_DEFINE_POOL_TAPS(, int)
+PC_DEFINE_POOL_TAPS(_u16, uint16_t)
 
 /* Flat input index of the first element of each output window: base[p*Q + q] = p*S*W + q*S. */
 static inline void pc_pool_bases(int W, int S, int P, int Q, int *restrict base)
@@ -201,51 +206,58 @@ static inline void pc_pool_bases(int W, int S, int P, int Q, int *restrict base)
 }
 
 /* Max pooling of one (H, W) plane: K x K windows, stride S, P x Q outputs, window origins in
- * base (pc_pool_bases). am gets the flat index h*W + w of each window's first maximum;
- * relu: y = max(window max, 0) (the argmax still of the window itself). Rows of 16 or more
- * outputs go tap by tap along each row (plain or permuted loads); shorter rows tap by tap over
- * the whole plane through base (gathers). */
-static inline void pc_pool_plane(const float *restrict x, const int *restrict base, int W, int K, int S,
-                                 int P, int Q, float *restrict y, int *restrict am, int relu)
-{
-    pc_idx PQ = (pc_idx)P * Q;
-    if (Q >= 16) {
-        for (int p = 0; p < P; p++) {
-            float *yr = y + (pc_idx)p * Q;
-            int *ar = am + (pc_idx)p * Q;
-            for (int q = 0; q < Q; q++) {
-                ar[q] = p * S * W + q * S;
-                yr[q] = x[ar[q]];
-            }
-            for (int kh = 0; kh < K; kh++) {
-                for (int kw = kh == 0 ? 1 : 0; kw < K; kw++) {
-                    int b0 = (p * S + kh) * W + kw;
-                    if (S == 1) pc_pool_tap_s1(x, yr, ar, Q, b0);
-                    else if (S == 2) pc_pool_tap_s2(x, yr, ar, Q, b0);
-                    else pc_pool_tap_sn(x, yr, ar, Q, b0, S);
-                }
-            }
-        }
-    } else {
-        for (pc_idx t = 0; t < PQ; t++) {
-            am[t] = base[t];
-            y[t] = x[base[t]];
-        }
-        for (int kh = 0; kh < K; kh++) {
-            for (int kw = kh == 0 ? 1 : 0; kw < K; kw++) {
-                int off = kh * W + kw;
-                for (pc_idx t = 0; t < PQ; t++) {
-                    int idx = base[t] + off;
-                    float v = x[idx];
-                    PC_POOL_SELECT(v, idx, y[t], am[t]);
-                }
-            }
-        }
+ * base (pc_pool_bases). am gets the flat index h*W + w of each window's first maximum, as int
+ * (pc_pool_plane) or, for planes of at most PC_POOL_U16_MAX positions, as uint16_t
+ * (pc_pool_plane_u16: half the bytes to write and read back); relu: y = max(window max, 0)
+ * (the argmax still of the window itself). Rows of 16 or more outputs go tap by tap along each
+ * row (plain or permuted loads); shorter rows tap by tap over the whole plane through base
+ * (gathers). */
+#define PC_POOL_U16_MAX 65536
+#define PC_DEFINE_POOL_PLANE(SUF, AM_T)                                                              \
+    static inline void pc_pool_plane##SUF(const float *restrict x, const int *restrict base, int W, \
+                                          int K, int S, int P, int Q, float *restrict y,            \
+                                          AM_T *restrict am, int relu)                              \
+    {                                                                                               \
+        pc_idx PQ = (pc_idx)P * Q;                                                                  \
+        if (Q >= 16) {                                                                              \
+            for (int p = 0; p < P; p++) {                                                           \
+                float *yr = y + (pc_idx)p * Q;                                                      \
+                AM_T *ar = am + (pc_idx)p * Q;                                                      \
+                for (int q = 0; q < Q; q++) {                                                       \
+                    ar[q] = (AM_T)(p * S * W + q * S);                                              \
+                    yr[q] = x[p * S * W + q * S];                                                   \
+                }                                                                                   \
+                for (int kh = 0; kh < K; kh++) {                                                    \
+                    for (int kw = kh == 0 ? 1 : 0; kw < K; kw++) {                                  \
+                        int b0 = (p * S + kh) * W + kw;                                             \
+                        if (S == 1) pc_pool_tap_s1##SUF(x, yr, ar, Q, b0);                          \
+                        else if (S == 2) pc_pool_tap_s2##SUF(x, yr, ar, Q, b0);                     \
+                        else pc_pool_tap_sn##SUF(x, yr, ar, Q, b0, S);                              \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+        } else {                                                                                    \
+            for (pc_idx t = 0; t < PQ; t++) {                                                       \
+                am[t] = (AM_T)base[t];                                                              \
+                y[t] = x[base[t]];                                                                  \
+            }                                                                                       \
+            for (int kh = 0; kh < K; kh++) {                                                        \
+                for (int kw = kh == 0 ? 1 : 0; kw < K; kw++) {                                      \
+                    int off = kh * W + kw;                                                          \
+                    for (pc_idx t = 0; t < PQ; t++) {                                               \
+                        int idx = base[t] + off;                                                    \
+                        float v = x[idx];                                                           \
+                        PC_POOL_SELECT(v, idx, y[t], am[t]);                                        \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        if (relu) {                                                                                 \
+            for (pc_idx t = 0; t < PQ; t++) y[t] = y[t] < 0.0f ? 0.0f : y[t];                      \
+        }                                                                                           \
     }
-    if (relu) {
-        for (pc_idx t = 0; t < PQ; t++) y[t] = y[t] < 0.0f ? 0.0f : y[t];
-    }
-}
+PC_DEFINE_POOL_PLANE(, int)
+PC_DEFINE_POOL_PLANE(_u16, uint16_t)
 
 /* ----------------------------------------------------------------- conv */
 

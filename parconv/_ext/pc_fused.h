@@ -46,15 +46,35 @@ static inline float pcf_relu_grad(float y, float dy)
     return g;
 }
 
+/* The scatter of pcf_dz_plane for one argmax type and map: a loop of its own, so that the
+ * pointers stay in registers and the map's NULL test is made once. */
+#define PCF_DZ_SCATTER(AM_T, INDEX)                                 \
+    do {                                                            \
+        const AM_T *restrict a_ = (const AM_T *)am + at;            \
+        for (int j = 0; j < PQp; j++) {                             \
+            const pcf_idx i_ = (pcf_idx)a_[j];                      \
+            dz[INDEX] += pcf_relu_grad(y[j], dy[j]);                \
+        }                                                           \
+    } while (0)
+
 /* One plane of dz (n elements, overwritten): the pooled gradient at each argmax, through the map
- * ``where`` from (P, Q) positions to dz's layout (NULL: the identity). Returns the plane's sum of
- * gradients (its db share), summed from dz afterwards so the scatter loop carries no sum. */
-static inline double pcf_dz_plane(const float *restrict y, const int *restrict am, const float *restrict dy,
-                                  int PQp, const int *restrict where, float *restrict dz, pcf_idx n)
+ * ``where`` from (P, Q) positions to dz's layout (NULL: the identity). The plane's argmax starts at
+ * element ``at`` of am, uint16_t when am16 (planes of at most PC_POOL_U16_MAX positions), else int.
+ * Returns the plane's sum of gradients (its db share), summed from dz afterwards so the scatter
+ * loop carries no sum. */
+static inline double pcf_dz_plane(const float *restrict y, const void *am, int am16, pcf_idx at,
+                                  const float *restrict dy, int PQp, const int *restrict where,
+                                  float *restrict dz, pcf_idx n)
 {
     memset(dz, 0, sizeof(float) * (size_t)n);
-    for (int j = 0; j < PQp; j++)
-        dz[where ? where[am[j]] : am[j]] += pcf_relu_grad(y[j], dy[j]);
+    if (am16 && where)
+        PCF_DZ_SCATTER(uint16_t, where[i_]);
+    else if (am16)
+        PCF_DZ_SCATTER(uint16_t, i_);
+    else if (where)
+        PCF_DZ_SCATTER(int, where[i_]);
+    else
+        PCF_DZ_SCATTER(int, i_);
     return pc_sum_f32(dz, n);
 }
 
@@ -156,7 +176,7 @@ static inline pcf_idx pcf_dw_scratch_floats(int C, int H, int W, int pad, int P,
  * c * Hp * Wp + kh * Wp + kw. A block reads each image's y, argmax and dy
  * planes as one contiguous run (all O filters). */
 static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, int P, int Q,
-                          const float *y, const int *am, const float *dy, int O, int PQp, int n0, int n1,
+                          const float *y, const void *am, int am16, const float *dy, int O, int PQp, int n0, int n1,
                           const float *dyl, const float *wl, int G, double *acc, float *scratch)
 {
     const int Hp = H + 2 * pad, Wp = W + 2 * pad;
@@ -191,7 +211,7 @@ static void pcf_dw_images(const float *x, int C, int H, int W, int pad, int K, i
         for (int o = 0; o < O; o++) {
             const pcf_idx plane = ((pcf_idx)n * O + o) * PQp;
             double *a = acc + (pcf_idx)o * (kdim + 1);
-            a[kdim] += pcf_dz_plane(y + plane, am + plane, dyn + (pcf_idx)o * PQp, PQp, where, dzw, PW);
+            a[kdim] += pcf_dz_plane(y + plane, am, am16, plane, dyn + (pcf_idx)o * PQp, PQp, where, dzw, PW);
             for (int c = 0; c < C; c++) {
                 const float *xc = xn + (pcf_idx)c * Hp * Wp;
                 if (K == 3) {
@@ -232,7 +252,8 @@ static inline pcf_idx pcf_dx_scratch_floats(int C, int H, int W, int pad, int P,
 
 /* dx of image n (C, H, W), overwritten: every filter's plane in order. */
 static void pcf_dx(int n, int C, int H, int W, int pad, int K, int P, int Q, const float *w,
-                   const float *y, const int *am, const float *dy, int O, int PQp, float *dx, float *scratch)
+                   const float *y, const void *am, int am16, const float *dy, int O, int PQp, float *dx,
+                   float *scratch)
 {
     const int Hp = H + 2 * pad, Wp = W + 2 * pad;
     const pcf_idx PQ = (pcf_idx)P * Q;
@@ -241,7 +262,7 @@ static void pcf_dx(int n, int C, int H, int W, int pad, int K, int P, int Q, con
     memset(dxpad, 0, sizeof(float) * (size_t)C * Hp * Wp);
     for (int o = 0; o < O; o++) {
         const pcf_idx plane = ((pcf_idx)n * O + o) * PQp;
-        pcf_dz_plane(y + plane, am + plane, dy + plane, PQp, NULL, dz, PQ);
+        pcf_dz_plane(y + plane, am, am16, plane, dy + plane, PQp, NULL, dz, PQ);
         for (int c = 0; c < C; c++)
             for (int kh = 0; kh < K; kh++)
                 for (int kw = 0; kw < K; kw++)

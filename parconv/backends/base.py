@@ -112,14 +112,17 @@ class Backend:
     def maxpool2d_forward(self, x, kernel_size: int, stride: int):
         """Max pooling over K x K windows, no padding, floor mode.
 
-        x (N, C, H, W) -> ``(y, argmax)``: y (N, C, P, Q) and argmax (N, C, P, Q)
-        int32, the flat index ``h * W + w`` of the maximum inside its (H, W)
-        plane (the first one on ties), cached for the backward.
+        x (N, C, H, W) -> ``(y, argmax)``: y (N, C, P, Q) and argmax (N, C, P, Q),
+        the flat index ``h * W + w`` of the maximum inside its (H, W) plane
+        (the first one on ties), cached for the backward. argmax is int32, or
+        uint16 where the plane has at most 65,536 positions and the backend
+        stores it compactly; every backend's backward takes either.
         """
         raise self._missing("maxpool2d_forward")
 
     def maxpool2d_backward(self, dy, argmax, x_shape):
-        """Route dy (N, C, P, Q) to the argmax positions; returns dx of ``x_shape`` (overwritten)."""
+        """Route dy (N, C, P, Q) to the argmax (int32 or uint16) positions; returns dx of ``x_shape``
+        (overwritten)."""
         raise self._missing("maxpool2d_backward")
 
     # ------------------------------------------------------------------ linear
@@ -209,7 +212,8 @@ class Backend:
 
     # ------------------------------------------------- fused conv+relu+maxpool
     def conv2d_relu_maxpool2d_forward(self, x, w, b, stride: int, padding: int, pool_kernel: int, pool_stride: int):
-        """``maxpool2d(relu(conv2d(x)))`` -> ``(y, argmax)`` with argmax indexing the (P, Q) conv plane.
+        """``maxpool2d(relu(conv2d(x)))`` -> ``(y, argmax)`` with argmax indexing the (P, Q) conv plane
+        (int32 or uint16, as :meth:`maxpool2d_forward`).
 
         The default composes the unfused ops; backends override it so the
         full-size convolution output is never written.

@@ -566,6 +566,8 @@ class OpenCLBackend(Backend):
 
     def _pool_backward(self, dy, argmax, x_shape, relu_y):
         N, C, H, W = x_shape
+        if argmax.dtype != np.int32:  # a compact (uint16) argmax: the kernels read int
+            argmax = argmax.astype(np.int32)
         dx = self.empty((N, C, H, W))
         self._elementwise("maxpool2d_backward", N * C, dy.data, argmax.data,
                           (relu_y if relu_y is not None else self._dummy_f).data, dx.data,

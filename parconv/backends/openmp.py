@@ -204,6 +204,18 @@ def _i32(a):
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
+def _index_dtype(positions: int):
+    """The argmax dtype of a pooled plane of ``positions`` inputs: uint16 where every index fits
+    (half the bytes of int32 to write in the forward and read back in the backward), else int32."""
+    return np.uint16 if positions <= _pool.POOL_U16_MAX else np.int32
+
+
+def _index(a):
+    """An argmax as the kernels take it: C-contiguous uint16 or int32 (other dtypes become int32)."""
+    a = np.asarray(a)
+    return np.ascontiguousarray(a) if a.dtype in (np.uint16, np.int32) else _i32(a)
+
+
 #: Outputs of at least this many bytes come from the backend's buffer pool (:class:`_BufferPool`):
 #: glibc's default ``mmap`` threshold, above which every allocation is a fresh mapping
 POOL_MIN_BYTES = 128 << 10
@@ -429,7 +441,7 @@ class OpenMPBackend(HostArrays, Backend):
         if fused is not None:
             return fused[:2]
         y = self._empty((N, O, PP, QQ))
-        argmax = self._empty((N, O, PP, QQ), np.int32)
+        argmax = self._empty((N, O, PP, QQ), _index_dtype(P * Q))
         z = self._pool.empty((N, O, P, Q), any_size=True)
         self._conv2d_forward_into(x, w, b, z, stride, padding)
         _pool.maxpool2d_forward(z, y, argmax, pool_kernel, pool_stride, get_num_threads())
@@ -447,7 +459,7 @@ class OpenMPBackend(HostArrays, Backend):
         if min(N, C, O, PP, QQ) <= 0 or stride != 1 or self._winograd(C, O, K, stride, P, Q):
             return None
         y = self._empty((N, O, PP, QQ))
-        argmax = self._empty((N, O, PP, QQ), np.int32)
+        argmax = self._empty((N, O, PP, QQ), _index_dtype(P * Q))
         args = (x, w, b, y, argmax, stride, padding, pool_kernel, pool_stride, get_num_threads())
         logits = None
         if wl is not None:
@@ -474,7 +486,7 @@ class OpenMPBackend(HostArrays, Backend):
         one at every shape measured (see ``FUSED_BWD_MAX_CHANNELS``).
         """
         x, w, y, dy = _f32(x), _f32(w), _f32(y), _f32(dy)
-        argmax = _i32(argmax)
+        argmax = _index(argmax)
         if not self._fused_backward_runs(x, w, y, stride, need_dx):
             return super().conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, stride, padding, need_dx, need_db)
         dw = self._empty(w.shape)
@@ -511,7 +523,7 @@ class OpenMPBackend(HostArrays, Backend):
         comes up, so the head's full-size dx is neither written nor read back, and the head's
         weight gradient runs in the same parallel loop (the bits of :meth:`linear_backward`)."""
         x, w, y, wl, dlogits = _f32(x), _f32(w), _f32(y), _f32(wl), _f32(dlogits)
-        argmax = _i32(argmax)
+        argmax = _index(argmax)
         G, F = wl.shape
         if not (self._fused_backward_runs(x, w, y, stride, need_dx) and self.fuses_linear_head(F, G)):
             return super().conv2d_relu_maxpool2d_linear_backward(x, w, y, argmax, wl, dlogits, stride, padding,
@@ -532,12 +544,12 @@ class OpenMPBackend(HostArrays, Backend):
         if min(N, C, P, Q) <= 0:
             return self._reference().maxpool2d_forward(x, kernel_size, stride)
         y = self._empty((N, C, P, Q))
-        argmax = self._empty((N, C, P, Q), np.int32)
+        argmax = self._empty((N, C, P, Q), _index_dtype(H * W))
         _pool.maxpool2d_forward(x, y, argmax, kernel_size, stride, get_num_threads())
         return y, argmax
 
     def maxpool2d_backward(self, dy, argmax, x_shape):
-        dy, argmax = _f32(dy), _i32(argmax)
+        dy, argmax = _f32(dy), _index(argmax)
         x_shape = tuple(int(s) for s in x_shape)
         if min(x_shape) <= 0 or dy.size == 0:
             return np.zeros(x_shape, dtype=np.float32)
