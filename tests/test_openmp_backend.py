@@ -36,7 +36,11 @@ def close(actual, expected, rtol=RTOL, atol=ATOL):
         return
     assert actual.shape == expected.shape
     assert actual.dtype == np.float32
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+    # atol scales with the array's largest magnitude: an entry that cancels to near zero keeps the
+    # rounding of the terms it came from (float32 sums in another order)
+    finite = np.abs(expected[np.isfinite(expected)])
+    scale = max(1.0, float(finite.max())) if finite.size else 1.0
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol * scale)
 
 
 def uniform(rng, shape, scale=1.0):
