@@ -651,6 +651,29 @@ def test_maxpool2d_large_parallel_and_nan():
         close(omp.maxpool2d_backward(dy, am, (8, 32, 25, 25)), ref.maxpool2d_backward(dy, am, (8, 32, 25, 25)))
 
 
+@pytest.mark.parametrize("W", [2, 3, 15, 16, 17, 31, 32, 33, 34, 35, 64, 65])
+def test_maxpool2x2_vector_path_keeps_the_generic_bits(W):
+    """2x2 windows at stride 2 run 16 (AVX-512) or 8 (AVX2) windows at a time with masked loads:
+    every width around those chunk sizes gives the reference's values and first-maximum indices,
+    with ties, NaN and -0.0 in the data, unfused and fused (a 1x1 filter of weight 1 passes x
+    through the convolution exactly, so the fused op's ReLU and pooling see x itself)."""
+    rng = np.random.default_rng(W)
+    x = rng.integers(-2, 3, size=(3, 2, 7, W)).astype(np.float32)
+    x[rng.random(x.shape) < 0.05] = np.nan
+    x[rng.random(x.shape) < 0.05] = -0.0
+    y, am = omp.maxpool2d_forward(x, 2, 2)
+    y_ref, am_ref = ref.maxpool2d_forward(x, 2, 2)
+    assert am.dtype == np.uint16 and np.array_equal(am, am_ref)
+    assert np.array_equal(y.view(np.uint32), y_ref.view(np.uint32))  # NaN and -0.0 bit for bit
+    w = np.ones((1, 1, 1, 1), np.float32)
+    for threads in (1, 2):
+        with num_threads(threads):
+            yf, amf = omp.conv2d_relu_maxpool2d_forward(x[:, :1], w, None, 1, 0, 2, 2)
+        assert np.array_equal(amf, am_ref[:, :1])
+        want = ref.relu_forward(y_ref[:, :1])
+        assert np.array_equal(yf.view(np.uint32), want.view(np.uint32))
+
+
 # ------------------------------------------------------------------ linear
 @SETTINGS
 @given(
