@@ -78,11 +78,13 @@ def check_ndim(shape: tuple, ndim: int, name: str, where: str, layout: str) -> N
 
 
 def check_nonempty(shape: tuple, name: str, where: str) -> None:
-    if any(s == 0 for s in shape):
+    if 0 in shape:
         raise ValueError(f"{where}: {name} must not have a zero-sized dimension, got shape {shape}")
 
 
 def check_int(value, name: str, where: str, minimum: int) -> int:
+    if type(value) is int and value >= minimum:  # the common case, without the ABC checks below
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
