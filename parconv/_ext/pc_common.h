@@ -179,8 +179,9 @@ static inline void pc_adam(float *restrict p, const float *restrict g, float *re
         (av) = take_ ? (idx) : (av);                                \
     } while (0)
 
-/* One tap over the n outputs of a row: input x[base + j*S]. SUF names the argmax type AM_T
- * (int, or uint16_t for planes of at most PC_POOL_U16_MAX positions). */
+/* One tap over the n outputs of a row: input x[base + j*S]. PC_DEFINE_POOL_TAPS(SUF, AM_T) defines
+ * the three for an argmax of type AM_T (int, or uint16_t for planes of at most PC_POOL_U16_MAX
+ * positions), named with the suffix SUF. */
 #define PC_DEFINE_POOL_TAP(NAME, AM_T, SDECL, SEXPR)                                         \
     static inline void NAME(const float *restrict x, float *restrict y, AM_T *restrict am,   \
                             int n, int base SDECL)                                           \
@@ -208,10 +209,11 @@ static inline void pc_pool_bases(int W, int S, int P, int Q, int *restrict base)
 /* 2x2 windows at stride 2, 16 windows of a pooled row at a time (AVX-512): the two input rows'
  * 32 floats in masked loads, split into the windows' four taps by two permutes each, then the
  * selects of PC_POOL_SELECT in the same order, so y and am are the generic loop's bits. am is
- * uint16_t when am16, else int. The generic loops below gather (short rows) or walk strided
- * taps the compiler leaves scalar (long rows): on a Xeon core 0.148 / 1.136 / 3.62 us per
- * 26x26 / 32x32 / 64x64 plane there, 0.081 / 0.096 / 0.401 us here. AVX2 (without AVX-512)
- * takes the same steps 8 windows at a time. */
+ * uint16_t when am16, else int. AVX2 (without AVX-512) takes the same steps 8 windows at a time.
+ * Per 26x26 / 32x32 / 64x64 plane on one Xeon core, against the generic loops below (which gather
+ * for rows of fewer than 16 outputs and go tap by tap along longer rows) in the same build:
+ * AVX-512 0.083 / 0.099 / 0.456 us against 0.153 / 1.253 / 3.69 us, AVX2 0.193 / 0.253 / 0.930 us
+ * against 0.290 / 1.377 / 4.04 us. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PC_POOL22_SIMD 1
@@ -323,8 +325,9 @@ static inline void pc_pool22_avx2(const float *restrict x, int W, int P, int Q, 
  * base (pc_pool_bases). am gets the flat index h*W + w of each window's first maximum, as int
  * (pc_pool_plane) or, for planes of at most PC_POOL_U16_MAX positions, as uint16_t
  * (pc_pool_plane_u16: half the bytes to write and read back); relu: y = max(window max, 0)
- * (the argmax still of the window itself). Rows of 16 or more outputs go tap by tap along each
- * row (plain or permuted loads); shorter rows tap by tap over the whole plane through base
+ * (the argmax still of the window itself). 2x2 windows at stride 2 go to the vector form above
+ * where the build has one; otherwise rows of 16 or more outputs go tap by tap along each row
+ * (plain or permuted loads), shorter rows tap by tap over the whole plane through base
  * (gathers). */
 #define PC_POOL_U16_MAX 65536
 #define PC_DEFINE_POOL_PLANE(SUF, AM_T)                                                              \
