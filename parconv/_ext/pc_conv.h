@@ -76,7 +76,18 @@ static inline void pcc_storeu_(float *p, pcc_v v) { memcpy(p, &v, sizeof v); }
 #define PCC_ISA "generic"
 #endif
 
-#if !defined(__AVX512F__)
+/* The first n lanes of v to p. AVX2: a masked store, not a copy through the address of v:
+ * once inlined, that address is the address of a micro-kernel's accumulator array, which
+ * GCC 12 then keeps in memory (every FMA a load and a store). The generic build's 4-float
+ * kernels keep theirs in registers either way. */
+#if defined(__AVX512F__)
+#elif PCC_VEC == 8
+static inline void pcc_store_first_(float *p, pcc_v v, int n)
+{
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), v);
+}
+#else
 static inline void pcc_store_first_(float *p, pcc_v v, int n)
 {
     float t[PCC_VEC];
