@@ -275,12 +275,21 @@ static inline void pc_pool22_avx2(const float *restrict x, int W, int P, int Q, 
     for (int p = 0; p < P; p++) {
         const float *r0 = x + (pc_idx)(2 * p) * W, *r1 = r0 + W;
         for (int q0 = 0; q0 < Q; q0 += 8) {
+            /* a whole chunk reads 16 floats of each row, all inside the 2Q <= W the windows cover,
+             * so only the last, partial chunk of a row needs masks (slow stores on Zen 4) */
             const int n = Q - q0 < 8 ? Q - q0 : 8, w2 = 2 * n;
-            const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32(w2), lane);
-            const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32(w2 - 8), lane);
-            const __m256i mn = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
-            const __m256 a0 = _mm256_maskload_ps(r0 + 2 * q0, mlo), a1 = _mm256_maskload_ps(r0 + 2 * q0 + 8, mhi);
-            const __m256 b0 = _mm256_maskload_ps(r1 + 2 * q0, mlo), b1 = _mm256_maskload_ps(r1 + 2 * q0 + 8, mhi);
+            __m256 a0, a1, b0, b1;
+            __m256i mn = _mm256_setzero_si256();
+            if (n == 8) {
+                a0 = _mm256_loadu_ps(r0 + 2 * q0), a1 = _mm256_loadu_ps(r0 + 2 * q0 + 8);
+                b0 = _mm256_loadu_ps(r1 + 2 * q0), b1 = _mm256_loadu_ps(r1 + 2 * q0 + 8);
+            } else {
+                const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32(w2), lane);
+                const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32(w2 - 8), lane);
+                mn = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+                a0 = _mm256_maskload_ps(r0 + 2 * q0, mlo), a1 = _mm256_maskload_ps(r0 + 2 * q0 + 8, mhi);
+                b0 = _mm256_maskload_ps(r1 + 2 * q0, mlo), b1 = _mm256_maskload_ps(r1 + 2 * q0 + 8, mhi);
+            }
             /* within each 128-bit lane, then the 64-bit quarters back in order */
 #define PC_POOL22_SPLIT(lo, hi, sel) \
             _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps((lo), (hi), (sel))), 0xD8))
@@ -302,14 +311,25 @@ static inline void pc_pool22_avx2(const float *restrict x, int W, int P, int Q, 
 #undef PC_POOL22_SELECT
             if (relu)
                 m = _mm256_blendv_ps(m, zero, _mm256_cmp_ps(m, zero, _CMP_LT_OQ));
-            _mm256_maskstore_ps(y + (pc_idx)p * Q + q0, mn, m);
+            float *yo = y + (pc_idx)p * Q + q0;
             if (am16) {
                 /* indices < 65536: the unsigned saturating pack keeps them; 8 of them in order */
-                const __m256i pk = _mm256_permute4x64_epi64(_mm256_packus_epi32(k, k), 0x08);
-                uint16_t tmp[8];
-                _mm_storeu_si128((__m128i *)tmp, _mm256_castsi256_si128(pk));
-                memcpy((uint16_t *)am + (pc_idx)p * Q + q0, tmp, sizeof(uint16_t) * (size_t)n);
+                const __m128i pk = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(k, k), 0x08));
+                uint16_t *ao = (uint16_t *)am + (pc_idx)p * Q + q0;
+                if (n == 8) {
+                    _mm256_storeu_ps(yo, m);
+                    _mm_storeu_si128((__m128i *)ao, pk);
+                } else {
+                    uint16_t tmp[8];
+                    _mm256_maskstore_ps(yo, mn, m);
+                    _mm_storeu_si128((__m128i *)tmp, pk);
+                    memcpy(ao, tmp, sizeof(uint16_t) * (size_t)n);
+                }
+            } else if (n == 8) {
+                _mm256_storeu_ps(yo, m);
+                _mm256_storeu_si256((__m256i *)((int *)am + (pc_idx)p * Q + q0), k);
             } else {
+                _mm256_maskstore_ps(yo, mn, m);
                 _mm256_maskstore_epi32((int *)am + (pc_idx)p * Q + q0, mn, k);
             }
         }
