@@ -11,15 +11,41 @@ _default_backend: str | None = None
 _num_threads: int | None = None
 
 
+_cores: int | None = None  # the cores this process may run on, read once (see _cpu_count)
+
+
 def _cpu_count() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    """Cores this process may run on (its affinity mask on Linux).
+
+    Read once and kept: the default thread count is asked for on every op,
+    and the affinity system call cost more than a small op's Python. A fork's
+    child and ``set_num_threads(None)`` read it again.
+    """
+    global _cores
+    n = _cores
+    if n is None:
+        try:
+            n = max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not Linux
+            n = max(1, os.cpu_count() or 1)
+        _cores = n
+    return n
+
+
+def _forget_cores() -> None:
+    global _cores
+    _cores = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_cores)
 
 
 def _threads_from_env() -> int | None:
-    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    value = os.environ.get("OMP_NUM_THREADS")
+    if not value:
+        return None
+    value = value.split(",")[0].strip()
     if not value:
         return None
     try:
@@ -46,7 +72,7 @@ def set_num_threads(n: int | None) -> None:
     n : int or None
         A positive thread count, or ``None`` to go back to the default:
         ``OMP_NUM_THREADS`` when it is set, else every core this process may
-        run on.
+        run on (read again by this call, e.g. after ``os.sched_setaffinity``).
 
     Raises
     ------
@@ -55,6 +81,8 @@ def set_num_threads(n: int | None) -> None:
     """
     global _num_threads
     value = None if n is None else _check_threads(n)
+    if value is None:
+        _forget_cores()
     with _lock:
         _num_threads = value
 
