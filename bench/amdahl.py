@@ -23,7 +23,7 @@ from collections import defaultdict
 
 from parconv.backends.base import Backend
 
-from harness import paired_ratio, thread_scope
+from harness import gc_paused, paired_ratio, thread_scope
 from workloads import Impl
 
 #: Backend methods that are data operations (not kernels); they count as serial time
@@ -120,7 +120,7 @@ def analyse(case, impl: Impl, threads: list[int], repeat: int, warmup: int, sett
     for r in range(repeat):
         k = r % len(threads)
         for n in threads[k:] + threads[:k]:
-            with thread_scope("parconv", n):
+            with thread_scope("parconv", n), gc_paused():
                 if settle:
                     runner.prepare()
                     runner.run()

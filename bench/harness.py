@@ -25,6 +25,7 @@ Timing follows three rules:
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import statistics
@@ -250,6 +251,26 @@ class Timed:
     single: bool = False  # one untimed-loop call only (a slow serial baseline)
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Run the block with Python's cyclic garbage collector off, as ``timeit`` does.
+
+    A full collection walks every object of the process (PyTorch's modules
+    and the suite's runners included): 70 to 120 ms measured here during a
+    cnn-mnist run, longer than a whole 50 ms sample, so whichever sample it
+    lands in is ruined, and it lands more often in the faster configs (more
+    calls, so more allocations, per sample). Collections still run, between
+    samples, where the next allocation after the block triggers them.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _one_sample(runner, inner: int) -> float:
     """Seconds per call of ``runner.run`` averaged over ``inner`` calls.
 
@@ -311,7 +332,7 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
     out = {c: Timed(c) for c in configs}
     per_call = {}
     for c in configs:
-        with thread_scope(kinds[c.impl], c.threads):
+        with thread_scope(kinds[c.impl], c.threads), gc_paused():
             t = float("inf")
             for _ in range(max(warmup, 1)):
                 t = min(t, _one_sample(runners[c], 1))
@@ -327,7 +348,7 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
                 time.sleep(gap)
             if idle_wait > 0:
                 wait_own_threads_idle(idle_wait)
-            with thread_scope(kinds[c.impl], c.threads):
+            with thread_scope(kinds[c.impl], c.threads), gc_paused():
                 if settle:
                     runner.prepare()
                     runner.run()

@@ -539,7 +539,8 @@ def main(argv=None) -> int:
                             "repeat_per_pass": per_pass, "warmup": args.warmup,
                             "min_time_s": args.min_time, "gap_s": args.gap, "idle_wait_s": args.idle_wait,
                             "interleaved": True,
-                            "settle": not (args.quick or args.no_settle), "tolerance": harness.DEFAULT_TOL,
+                            "settle": not (args.quick or args.no_settle), "gc_paused": True,
+                            "tolerance": harness.DEFAULT_TOL,
                             "target_backend": args.target_backend},
                "workloads": {}, "amdahl": [], "targets": [], "errors": []}
 

@@ -207,3 +207,37 @@ def test_more_passes_than_repetitions_is_refused(tmp_path):
     proc = _run_bench(["--workloads", "linear", "--repeat", "2", "--passes", "3"], tmp_path)
     assert proc.returncode != 0
     assert "--passes must be between 1 and --repeat (2), got 3" in proc.stderr
+
+
+def test_samples_run_with_the_garbage_collector_paused():
+    import gc
+
+    harness = _bench_module("harness")
+    seen = []
+
+    class Runner:  # records whether the collector was on while it ran
+        restartable = True
+
+        def prepare(self):
+            pass
+
+        def run(self):
+            seen.append(gc.isenabled())
+
+        def sync(self):
+            pass
+
+    assert gc.isenabled()
+    config = harness.Config("openmp", 1)
+    timed = harness.interleaved({config: Runner()}, {"openmp": "parconv"}, repeat=2, warmup=1, min_time=0.0,
+                                settle=True)
+    assert len(timed[config].times) == 2
+    assert seen and not any(seen)
+    assert gc.isenabled()  # restored
+    gc.disable()
+    try:
+        with harness.gc_paused():
+            pass
+        assert not gc.isenabled()  # a collector that was off stays off
+    finally:
+        gc.enable()
