@@ -256,8 +256,8 @@ def gc_paused():
     """Run the block with Python's cyclic garbage collector off, as ``timeit`` does.
 
     A full collection walks every object of the process (PyTorch's modules
-    and the suite's runners included): 70 to 120 ms measured here during a
-    cnn-mnist run, longer than a whole 50 ms sample, so whichever sample it
+    and the suite's runners included): 70 to 160 ms measured here in cnn-mnist
+    and full runs, longer than a whole 50 ms sample, so whichever sample it
     lands in is ruined, and it lands more often in the faster configs (more
     calls, so more allocations, per sample). Collections still run, between
     samples, where the next allocation after the block triggers them.

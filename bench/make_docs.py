@@ -184,7 +184,7 @@ def render(results: dict, plots: list[str]) -> str:
            "(OpenBLAS for about 0.1 s, libgomp for a few ms) and would otherwise take a core from the sample."
            if s.get("idle_wait_s") else "")
         + (" Python's cyclic garbage collector is off while a sample runs, as in `timeit`: a full collection "
-           "of the suite's process took 70 to 120 ms, more than a whole sample, and now runs between samples."
+           "of the suite's process took 70 to 160 ms, more than a whole sample, and now runs between samples."
            if s.get("gc_paused") else ""),
         "- `opencl@device` (when present) runs on the OpenCL device, which schedules its own threads; it is "
         "compared with the others at their largest thread count.",

@@ -311,25 +311,24 @@ static inline void pc_pool22_avx2(const float *restrict x, int W, int P, int Q, 
 #undef PC_POOL22_SELECT
             if (relu)
                 m = _mm256_blendv_ps(m, zero, _mm256_cmp_ps(m, zero, _CMP_LT_OQ));
-            float *yo = y + (pc_idx)p * Q + q0;
+            if (n == 8)
+                _mm256_storeu_ps(y + (pc_idx)p * Q + q0, m);
+            else
+                _mm256_maskstore_ps(y + (pc_idx)p * Q + q0, mn, m);
             if (am16) {
                 /* indices < 65536: the unsigned saturating pack keeps them; 8 of them in order */
                 const __m128i pk = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(k, k), 0x08));
                 uint16_t *ao = (uint16_t *)am + (pc_idx)p * Q + q0;
                 if (n == 8) {
-                    _mm256_storeu_ps(yo, m);
                     _mm_storeu_si128((__m128i *)ao, pk);
                 } else {
                     uint16_t tmp[8];
-                    _mm256_maskstore_ps(yo, mn, m);
                     _mm_storeu_si128((__m128i *)tmp, pk);
                     memcpy(ao, tmp, sizeof(uint16_t) * (size_t)n);
                 }
             } else if (n == 8) {
-                _mm256_storeu_ps(yo, m);
                 _mm256_storeu_si256((__m256i *)((int *)am + (pc_idx)p * Q + q0), k);
             } else {
-                _mm256_maskstore_ps(yo, mn, m);
                 _mm256_maskstore_epi32((int *)am + (pc_idx)p * Q + q0, mn, k);
             }
         }
