@@ -183,6 +183,84 @@ def wait_own_threads_idle(max_wait_s: float = 0.5, threshold: float = 0.1, windo
             return w1 - t0
 
 
+_blas_controller = None
+
+
+def _blas_limited(n: int):
+    """A context limiting the BLAS libraries threadpoolctl finds to ``n`` threads (None: it finds none).
+
+    One controller is made and kept: building one scans every loaded library,
+    which costs milliseconds per call.
+    """
+    global _blas_controller
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - threadpoolctl comes with parconv's dependencies
+        return None
+    if _blas_controller is None:
+        _blas_controller = ThreadpoolController()
+    if not _blas_controller.select(user_api="blas").lib_controllers:
+        return None
+    return _blas_controller.limit(limits=n, user_api="blas")
+
+
+_probe_operands: dict = {}
+
+
+def core_probe(n: int, size: int = 384, calls: int = 2) -> float | None:
+    """How many cores' worth of speed ``n`` threads get at this moment.
+
+    The BLAS's float32 matmul of two ``size`` x ``size`` matrices (cache
+    resident, compute bound: it scales almost perfectly on idle cores) is timed
+    on 1 and on ``n`` threads, fastest of ``calls`` calls each after an untimed
+    one; returns ``t(1) / t(n)``. About 5 ms at the default size on one Zen 4
+    core. None for ``n < 2`` or where threadpoolctl finds no BLAS to limit.
+
+    On a virtual machine the host may at times run two of the guest's vCPUs
+    on the two hyperthreads of one physical core: measured on a 2-vCPU KVM
+    guest, each of two threads of fused multiply-adds then ran 1.65x slower
+    than alone, for stretches of 0.4 to 2 s, and this probe read 1.4x instead
+    of 1.9x. A multi-threaded sample timed then measures the host's placement,
+    not the code.
+    """
+    if n < 2 or _blas_limited(1) is None:
+        return None
+    ops = _probe_operands.get(size)
+    if ops is None:
+        rng = np.random.default_rng(0)
+        ops = _probe_operands[size] = (rng.random((size, size), dtype=np.float32),
+                                       rng.random((size, size), dtype=np.float32))
+    a, b = ops
+    best = {}
+    for t in (1, n):
+        with _blas_limited(t):
+            a @ b
+            best[t] = math.inf
+            for _ in range(max(1, calls)):
+                t0 = time.perf_counter()
+                a @ b
+                best[t] = min(best[t], time.perf_counter() - t0)
+    return best[1] / best[n] if best[n] > 0 else None
+
+
+def wait_for_cores(n: int, max_wait_s: float, share: float = 0.8, pause_s: float = 0.05,
+                   probe=None) -> tuple[float, float | None]:
+    """Sleep until ``n`` threads get at least ``share * n`` cores' worth of speed (at most ``max_wait_s``).
+
+    Polls :func:`core_probe` (or ``probe(n)``), pausing ``pause_s`` between
+    probes. Returns ``(seconds waited, the last probe's speedup)``; the speedup
+    is None where it cannot be measured, and then nothing is waited for.
+    """
+    probe = probe or core_probe
+    t0 = time.perf_counter()
+    while True:
+        sp = probe(n)
+        waited = time.perf_counter() - t0
+        if sp is None or sp >= share * n or waited >= max_wait_s:
+            return waited, sp
+        time.sleep(min(pause_s, max(0.0, max_wait_s - waited)))
+
+
 # ----------------------------------------------------------------------------- stats
 def summarize(times: list[float]) -> dict:
     """Median, min, max, mean and standard deviation (seconds) of a list of samples."""
@@ -249,6 +327,8 @@ class Timed:
     breakdowns: list = field(default_factory=list)  # per-layer dicts, one per repetition
     inner: int = 1  # calls averaged into one sample
     single: bool = False  # one untimed-loop call only (a slow serial baseline)
+    probes: list = field(default_factory=list)  # core_probe before each sample (None: not probed)
+    core_waits: list = field(default_factory=list)  # seconds waited for the cores before each sample
 
 
 @contextlib.contextmanager
@@ -299,7 +379,8 @@ def _one_sample(runner, inner: int) -> float:
 
 
 def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: float,
-                settle: bool = True, gap: float = 0.0, idle_wait: float = 0.0, on_run=None) -> dict:
+                settle: bool = True, gap: float = 0.0, idle_wait: float = 0.0, on_run=None,
+                wait_cores: float = 0.0, cores: int | None = None, probe=None) -> dict:
     """Time every runner ``repeat`` times, interleaved.
 
     Parameters
@@ -323,6 +404,16 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
         threads are idle (:func:`wait_own_threads_idle`); 0 turns it off.
     on_run : callable, optional
         Called after every run (progress display).
+    wait_cores : float
+        Before each sample of a config on ``n > 1`` threads, wait up to this
+        many seconds until ``min(n, cores)`` threads get at least 0.8 cores'
+        worth of speed each (:func:`wait_for_cores`); 0 turns it off. The
+        probe and the wait are recorded per sample (``Timed.probes``,
+        ``Timed.core_waits``).
+    cores : int, optional
+        Physical cores the machine has (None: as many as threads asked for).
+    probe : callable, optional
+        Replaces :func:`core_probe` (tests).
 
     Returns
     -------
@@ -346,7 +437,13 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
             runner = runners[c]
             if gap > 0:
                 time.sleep(gap)
+            if wait_cores > 0 and c.threads > 1:
+                n = min(c.threads, cores) if cores else c.threads
+                waited, sp = wait_for_cores(n, wait_cores, probe=probe) if n > 1 else (0.0, None)
+                out[c].probes.append(sp)
+                out[c].core_waits.append(waited)
             if idle_wait > 0:
+                # after the probe too: the BLAS's workers spin on after its last call
                 wait_own_threads_idle(idle_wait)
             with thread_scope(kinds[c.impl], c.threads), gc_paused():
                 if settle:
@@ -404,6 +501,9 @@ def case_rows(timed: dict, flops: float | None, items: int | None) -> list[dict]
             else:
                 ref = None
             row[f"vs_{other}"] = paired_ratio(ref.times, t.times) if ref is not None and t.times else None
+        if any(p is not None for p in t.probes):
+            row["core_probe"] = t.probes  # core_probe before each sample, in the order of times_s
+            row["core_wait_s"] = sum(t.core_waits)
         if t.breakdowns:
             keys = list(t.breakdowns[0])
             row["breakdown_s"] = {k: statistics.median(b[k] for b in t.breakdowns if k in b) for k in keys}

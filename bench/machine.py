@@ -28,7 +28,8 @@ def _cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def _physical_cores() -> int | None:
+def physical_cores() -> int | None:
+    """Distinct (socket, core) pairs in /proc/cpuinfo (None where it cannot be read)."""
     try:
         seen = set()
         phys = core = None
@@ -91,7 +92,7 @@ def machine_info(backends: dict, have_torch: bool) -> dict:
         "cpu": _cpu_model(),
         "cpu_flags": _flags(),
         "logical_cpus": os.cpu_count(),
-        "physical_cores": _physical_cores(),
+        "physical_cores": physical_cores(),
         "affinity_cpus": affinity,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),

@@ -33,6 +33,13 @@ def _f(v, spec, none="–"):
     return none if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 
 
+def _core_wait_total(results: dict) -> str:
+    """'N s in all' over every case and config of a run with --wait-cores."""
+    total = sum(r.get("core_wait_s") or 0.0 for wl in results.get("workloads", {}).values()
+                for c in (wl.get("cases", []) if isinstance(wl, dict) else []) for r in c.get("results", []))
+    return f"{total:.0f} s in all"
+
+
 def _md_table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
     """A pipe table; the first ``left`` columns are left-aligned, the rest (numbers) right-aligned."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " if i < left else " ---: " for i in
@@ -152,6 +159,7 @@ def render(results: dict, plots: list[str]) -> str:
         "```bash",
         "python bench/run.py --docs            # add e.g. --threads 1,2,4,8 --backends openmp",
         "python bench/run.py --docs --passes 3 --repeat 9   # on a shared machine: repetitions spread over the run",
+        "python bench/run.py --docs --passes 3 --repeat 9 --wait-cores 5   # a VM whose host moves its vCPUs",
         "```",
         "",
     ]
@@ -185,7 +193,14 @@ def render(results: dict, plots: list[str]) -> str:
            if s.get("idle_wait_s") else "")
         + (" Python's cyclic garbage collector is off while a sample runs, as in `timeit`: a full collection "
            "of the suite's process took 70 to 160 ms, more than a whole sample, and now runs between samples."
-           if s.get("gc_paused") else ""),
+           if s.get("gc_paused") else "")
+        + (f" Before each sample on n > 1 threads the harness waited (at most {s['wait_cores_s']:g} s per "
+           f"sample, {_core_wait_total(results)}) until a probe, the BLAS's float32 384x384 matmul, ran at least "
+           "0.8n times faster on n threads than on 1: the host of a virtual machine may run two of its vCPUs "
+           "on the two hyperthreads of one physical core for a second or two at a time (two threads of "
+           "multiply-adds then ran 1.65x slower each than one alone, measured on this kind of guest), and a "
+           "sample taken then measures the host, not the code. Every sample's probe is kept in the JSON "
+           "(`core_probe`)." if s.get("wait_cores_s") else ""),
         "- `opencl@device` (when present) runs on the OpenCL device, which schedules its own threads; it is "
         "compared with the others at their largest thread count.",
         "- Threads: `parconv.num_threads(n)` for parconv backends, `torch.set_num_threads(n)` for PyTorch, "

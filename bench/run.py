@@ -10,6 +10,7 @@ Examples
     python bench/run.py --quick                          # tiny shapes, checks answers only (the test suite)
     python bench/run.py --docs                           # full run, then regenerate docs/benchmarks.md
     python bench/run.py --passes 3 --repeat 9            # 3 passes over the suite, 3 repetitions each
+    python bench/run.py --wait-cores 5                   # a VM: time n threads only when they get n cores
     mpiexec -n 4 python bench/run.py --workloads data-parallel,conv-large-mpi
 
 For every case the suite checks each implementation against the NumPy oracle
@@ -58,7 +59,7 @@ from parconv._io import atomic_open  # noqa: E402
 import targets as targets_mod  # noqa: E402
 import workloads as W  # noqa: E402
 from harness import Config, compare_answers, thread_scope  # noqa: E402
-from machine import machine_info, reference_scaling, scaling_line, summary_line  # noqa: E402
+from machine import machine_info, physical_cores, reference_scaling, scaling_line, summary_line  # noqa: E402
 
 SCHEMA = 1
 
@@ -85,6 +86,13 @@ def default_threads() -> list[int]:
         out.append(n)
         n *= 2
     return sorted(set(out + [cores]))
+
+
+def _cores() -> int:
+    """Physical cores this process may use: what the core probe can expect threads to get."""
+    n = pc._config._cpu_count()
+    phys = physical_cores()
+    return min(n, phys) if phys else n
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -122,6 +130,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="before timing each case, wait up to this long until other processes use less than "
                         "0.2 cores (for shared machines; default 0: do not wait)")
+    p.add_argument("--wait-cores", type=float, default=0.0, metavar="SECONDS",
+                   help="before each sample on n > 1 threads, wait up to this long until a probe (the BLAS's "
+                        "matmul on n threads against 1) runs at least 0.8n times faster: for virtual machines "
+                        "whose host at times runs two vCPUs on one physical core (default 0: do not wait)")
     p.add_argument("--serial-max-s", type=float, default=1.0,
                    help="the serial NumPy baseline is timed with one call only where that call takes longer "
                         "than this many seconds (default 1.0)")
@@ -186,6 +198,11 @@ def format_case_table(workload: str, case: dict, impls: list[str]) -> str:
         head += f" | other processes used {case['background_cores']:.2f} cores"
     if case.get("reference_speedup"):
         head += " | machine reference " + ", ".join(f"{v:.2f}x@{t}" for t, v in case["reference_speedup"].items())
+    probed = [r for r in case.get("results", []) if r.get("core_probe")]
+    if probed:
+        probes = [p for r in probed for p in r["core_probe"] if p is not None]
+        head += (f" | core probe {statistics.median(probes):.2f}x (median), waited "
+                 f"{sum(r.get('core_wait_s') or 0.0 for r in probed):.1f} s" if probes else "")
     lines = [head]
     others = [i for i in impls if any(f"vs_{i}" in r for r in case["results"])]
     cols = ["config", "median ms", "min ms", "max ms", "GFLOP/s", f"{case.get('item_unit', 'items')}/s",
@@ -244,6 +261,8 @@ def format_targets(entries: list[dict]) -> str:
         extra = f" equal within noise, 95% interval {noise[0]:.2f}-{noise[1]:.2f}" if noise else ""
         if e.get("reference") is not None:
             extra += f" (machine reference {e['reference']:.2f}x)"
+        if e.get("core_probe") is not None:
+            extra += f" (core probe {e['core_probe']:.2f}x, waited {e.get('core_wait_s') or 0.0:.1f} s)"
         lines.append(f"  {state} {e['workload']:13s} {e['case']:22s} {e['target']:45s} "
                      f"{_fmt(e['value'], '.2f'):>6s} (need >= {e['threshold']}) [{e['config']}]{extra}")
     s = targets_mod.summary(entries)
@@ -397,7 +416,8 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
         with harness.BackgroundLoad() as bg:
             timed = harness.interleaved(runners, kinds, repeat, args.warmup, args.min_time,
                                         settle=not (args.quick or args.no_settle), gap=args.gap,
-                                        idle_wait=args.idle_wait, on_run=progress.step)
+                                        idle_wait=args.idle_wait, on_run=progress.step,
+                                        wait_cores=args.wait_cores, cores=_cores())
         res["background_cores"] = bg.cores
         if probe:
             # what the cores gave a well-scaling kernel just before and just after this case
@@ -432,6 +452,8 @@ def merge_pass(pooled: tuple[dict, dict] | None, res: dict, timed: dict, n_pass:
         if c in ptimed and not (t.single or ptimed[c].single):
             ptimed[c].times += t.times
             ptimed[c].breakdowns += t.breakdowns
+            ptimed[c].probes += t.probes
+            ptimed[c].core_waits += t.core_waits
         elif c not in ptimed:
             ptimed[c] = t
     if res.get("reference_speedup") is not None:
@@ -514,8 +536,10 @@ def main(argv=None) -> int:
     args.min_time = args.min_time if args.min_time is not None else (0.0 if args.quick else 0.05)
     args.gap = args.gap if args.gap is not None else (0.0 if args.quick else 0.01)
     args.idle_wait = args.idle_wait if args.idle_wait is not None else (0.0 if args.quick else 0.5)
-    if args.repeat < 1 or args.warmup < 0 or args.min_time < 0 or args.gap < 0 or args.idle_wait < 0:
-        raise SystemExit("bench/run.py: --repeat must be >= 1; --warmup, --min-time, --gap and --idle-wait >= 0")
+    if (args.repeat < 1 or args.warmup < 0 or args.min_time < 0 or args.gap < 0 or args.idle_wait < 0
+            or args.wait_cores < 0):
+        raise SystemExit("bench/run.py: --repeat must be >= 1; --warmup, --min-time, --gap, --idle-wait and "
+                         "--wait-cores >= 0")
     if args.passes < 1 or args.passes > args.repeat:
         raise SystemExit(f"bench/run.py: --passes must be between 1 and --repeat ({args.repeat}), got {args.passes}")
     # repetitions of each pass: --repeat split as evenly as it goes, the larger shares first
@@ -538,6 +562,7 @@ def main(argv=None) -> int:
                "settings": {"threads": threads, "repeat": args.repeat, "passes": args.passes,
                             "repeat_per_pass": per_pass, "warmup": args.warmup,
                             "min_time_s": args.min_time, "gap_s": args.gap, "idle_wait_s": args.idle_wait,
+                            "wait_cores_s": args.wait_cores,
                             "interleaved": True,
                             "settle": not (args.quick or args.no_settle), "gc_paused": True,
                             "tolerance": harness.DEFAULT_TOL,

@@ -12,6 +12,8 @@ such entries are kept with ``within_noise`` set to the interval.
 
 from __future__ import annotations
 
+import statistics
+
 THREADS = 2
 
 
@@ -54,6 +56,10 @@ def evaluate(results: dict, backend: str = "openmp", threads: int = THREADS) -> 
             ref = (case.get("reference_speedup") or {}).get(str(threads))
             if ref is not None:
                 e["reference"] = ref  # the BLAS's own speedup measured around this case
+            probes = [p for p in ((r or {}).get("core_probe") or []) if p is not None]
+            if probes:  # the core probe before each of the config's samples (run.py --wait-cores)
+                e["core_probe"] = statistics.median(probes)
+                e["core_wait_s"] = r.get("core_wait_s")
             out.append(e)
     for wl, wl_res in results.get("workloads", {}).items():
         for case in (wl_res.get("cases", []) if isinstance(wl_res, dict) else []):

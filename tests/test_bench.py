@@ -241,3 +241,70 @@ def test_samples_run_with_the_garbage_collector_paused():
         assert not gc.isenabled()  # a collector that was off stays off
     finally:
         gc.enable()
+
+
+def test_wait_for_cores_polls_the_probe_until_the_threads_get_their_cores():
+    harness = _bench_module("harness")
+    readings = iter([1.1, 1.3, 1.9])  # two vCPUs on one core's hyperthreads, then on two cores
+    calls = []
+
+    def probe(n):
+        calls.append(n)
+        return next(readings)
+
+    waited, sp = harness.wait_for_cores(2, max_wait_s=5.0, pause_s=0.001, probe=probe)
+    assert calls == [2, 2, 2] and sp == 1.9 and 0.0 < waited < 5.0
+    # the budget spent: the last reading is returned, whatever it says
+    waited, sp = harness.wait_for_cores(2, max_wait_s=0.0, probe=lambda n: 1.1)
+    assert sp == 1.1
+    # nothing to measure (no BLAS to limit): no wait
+    assert harness.wait_for_cores(2, max_wait_s=5.0, probe=lambda n: None)[1] is None
+
+
+def test_core_probe_measures_a_speedup_or_says_it_cannot():
+    harness = _bench_module("harness")
+    assert harness.core_probe(1) is None  # one thread has nothing to compare
+    sp = harness.core_probe(2, size=64, calls=1)
+    assert sp is None or (isinstance(sp, float) and sp > 0.0)
+
+
+def test_interleaved_probes_the_cores_before_multi_threaded_samples_only():
+    harness = _bench_module("harness")
+
+    class Runner:
+        restartable = True
+
+        def prepare(self):
+            pass
+
+        def run(self):
+            pass
+
+        def sync(self):
+            pass
+
+    one, two = harness.Config("openmp", 1), harness.Config("openmp", 2)
+    probed = []
+
+    def probe(n):
+        probed.append(n)
+        return 1.95
+
+    timed = harness.interleaved({one: Runner(), two: Runner()}, {"openmp": "parconv"}, repeat=3, warmup=1,
+                                min_time=0.0, wait_cores=1.0, cores=2, probe=probe)
+    assert probed == [2, 2, 2]
+    assert timed[two].probes == [1.95] * 3 and len(timed[two].core_waits) == 3
+    assert timed[one].probes == [] and timed[one].core_waits == []
+    row = {r["config"]: r for r in harness.case_rows(timed, None, None)}
+    assert row["openmp@2"]["core_probe"] == [1.95] * 3 and "core_probe" not in row["openmp@1"]
+    # a machine of one core: two threads cannot get two cores, so there is nothing to wait for
+    probed.clear()
+    timed = harness.interleaved({two: Runner()}, {"openmp": "parconv"}, repeat=2, warmup=1, min_time=0.0,
+                                wait_cores=1.0, cores=1, probe=probe)
+    assert probed == [] and timed[two].probes == [None, None]
+
+
+def test_negative_wait_cores_is_refused(tmp_path):
+    proc = _run_bench(["--workloads", "linear", "--wait-cores", "-1"], tmp_path)
+    assert proc.returncode != 0
+    assert "--wait-cores >= 0" in proc.stderr
