@@ -135,6 +135,8 @@ def target_table(entries: list) -> list[str]:
                                         if noise else "")
         if e.get("reference") is not None:
             out += f" (machine reference {e['reference']:.2f}x)"
+        if e.get("core_probe") is not None:
+            out += f" (core probe {e['core_probe']:.2f}x)"
         return out
 
     rows = [[{True: "✅ met", False: "❌ missed", None: "n/a"}[e["ok"]], e["workload"], e["case"], e["target"],
