@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from machine import matmul_seconds
+
 #: normalised max error (max |got - ref| / max |ref|) an answer may have
 DEFAULT_TOL = 1e-3
 
@@ -183,27 +185,6 @@ def wait_own_threads_idle(max_wait_s: float = 0.5, threshold: float = 0.1, windo
             return w1 - t0
 
 
-_blas_controller = None
-
-
-def _blas_limited(n: int):
-    """A context limiting the BLAS libraries threadpoolctl finds to ``n`` threads (None: it finds none).
-
-    One controller is made and kept: building one scans every loaded library,
-    which costs milliseconds per call.
-    """
-    global _blas_controller
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:  # pragma: no cover - threadpoolctl comes with parconv's dependencies
-        return None
-    if _blas_controller is None:
-        _blas_controller = ThreadpoolController()
-    if not _blas_controller.select(user_api="blas").lib_controllers:
-        return None
-    return _blas_controller.limit(limits=n, user_api="blas")
-
-
 _probe_operands: dict = {}
 
 
@@ -213,8 +194,9 @@ def core_probe(n: int, size: int = 384, calls: int = 2) -> float | None:
     The BLAS's float32 matmul of two ``size`` x ``size`` matrices (cache
     resident, compute bound: it scales almost perfectly on idle cores) is timed
     on 1 and on ``n`` threads, fastest of ``calls`` calls each after an untimed
-    one; returns ``t(1) / t(n)``. About 5 ms at the default size on one Zen 4
-    core. None for ``n < 2`` or where threadpoolctl finds no BLAS to limit.
+    one (:func:`machine.matmul_seconds`); returns ``t(1) / t(n)``. About 5 ms
+    at the default size on one Zen 4 core. None for ``n < 2`` or where
+    threadpoolctl finds no BLAS to limit.
 
     On a virtual machine the host may at times run two of the guest's vCPUs
     on the two hyperthreads of one physical core: measured on a 2-vCPU KVM
@@ -223,24 +205,18 @@ def core_probe(n: int, size: int = 384, calls: int = 2) -> float | None:
     of 1.9x. A multi-threaded sample timed then measures the host's placement,
     not the code.
     """
-    if n < 2 or _blas_limited(1) is None:
+    if n < 2:
         return None
     ops = _probe_operands.get(size)
     if ops is None:
         rng = np.random.default_rng(0)
         ops = _probe_operands[size] = (rng.random((size, size), dtype=np.float32),
                                        rng.random((size, size), dtype=np.float32))
-    a, b = ops
-    best = {}
-    for t in (1, n):
-        with _blas_limited(t):
-            a @ b
-            best[t] = math.inf
-            for _ in range(max(1, calls)):
-                t0 = time.perf_counter()
-                a @ b
-                best[t] = min(best[t], time.perf_counter() - t0)
-    return best[1] / best[n] if best[n] > 0 else None
+    one = matmul_seconds(*ops, 1, calls)
+    many = matmul_seconds(*ops, n, calls)
+    if one is None or many is None or min(many) <= 0:
+        return None
+    return min(one) / min(many)
 
 
 def wait_for_cores(n: int, max_wait_s: float, share: float = 0.8, pause_s: float = 0.05,

@@ -144,20 +144,58 @@ def summary_line(info: dict) -> str:
     return " | ".join(parts)
 
 
+_blas_controller = None
+
+
+def _blas_limited(n: int):
+    """A context limiting the BLAS libraries threadpoolctl finds to ``n`` threads (None: it finds none).
+
+    One controller is made and kept: building one scans every loaded library,
+    which costs milliseconds per call. The limit takes effect when the
+    limiter is made and is undone when its ``with`` block ends, so it is only
+    made for a ``with``.
+    """
+    global _blas_controller
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - threadpoolctl comes with parconv's dependencies
+        return None
+    if _blas_controller is None:
+        _blas_controller = ThreadpoolController()
+    if not _blas_controller.select(user_api="blas").lib_controllers:
+        return None
+    return _blas_controller.limit(limits=n, user_api="blas")
+
+
+def matmul_seconds(a, b, threads: int, calls: int) -> list[float] | None:
+    """Seconds of each of ``calls`` timed ``a @ b`` on ``threads`` BLAS threads, after one untimed call.
+
+    None where threadpoolctl finds no BLAS to limit (a thread count would mean nothing).
+    """
+    import time
+
+    limited = _blas_limited(threads)
+    if limited is None:
+        return None
+    out = []
+    with limited:
+        a @ b
+        for _ in range(max(1, calls)):
+            t0 = time.perf_counter()
+            a @ b
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 def reference_scaling(threads: list[int], rounds: int = 7, size: tuple = (512, 2048, 1024)) -> dict | None:
     """Speedup of NumPy's float32 matmul (the BLAS) at each thread count over 1 thread, measured now.
 
     A compute-bound kernel that scales almost perfectly on idle cores: on a shared
     or virtualised machine it shows how much parallel speed the cores give at
     this moment, a reference for the speedups of the run. Interleaved rounds,
-    median of the per-round ratios. None without threadpoolctl.
+    median of the per-round ratios. None where threadpoolctl finds no BLAS.
     """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - threadpoolctl comes with parconv's dependencies
-        return None
     import statistics
-    import time
 
     import numpy as np
 
@@ -169,12 +207,10 @@ def reference_scaling(threads: list[int], rounds: int = 7, size: tuple = (512, 2
     for _ in range(rounds):
         seconds = {}
         for t in counts:
-            with threadpool_limits(t):
-                a @ b
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    a @ b
-                seconds[t] = (time.perf_counter() - t0) / 3
+            calls = matmul_seconds(a, b, t, 3)
+            if calls is None:
+                return None
+            seconds[t] = sum(calls) / len(calls)
         for t in ratios:
             ratios[t].append(seconds[1] / seconds[t])
     return {"kernel": f"numpy float32 matmul {m}x{k} @ {k}x{n}", "rounds": rounds,

@@ -264,8 +264,13 @@ def test_wait_for_cores_polls_the_probe_until_the_threads_get_their_cores():
 def test_core_probe_measures_a_speedup_or_says_it_cannot():
     harness = _bench_module("harness")
     assert harness.core_probe(1) is None  # one thread has nothing to compare
+    from threadpoolctl import threadpool_info
+
+    before = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
     sp = harness.core_probe(2, size=64, calls=1)
     assert sp is None or (isinstance(sp, float) and sp > 0.0)
+    # the probe's thread limits are undone: the BLAS keeps the threads it had
+    assert [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"] == before
 
 
 def test_interleaved_probes_the_cores_before_multi_threaded_samples_only():
