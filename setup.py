@@ -153,6 +153,7 @@ setup(
     packages=[
         "parconv",
         "parconv.backends",
+        "parconv.optim",
         "parconv._ext",
         "parconv.datasets",
         "parconv.kernels_cl",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validation import check_float
+from .._validation import check_float
 
 __all__ = ["Optimizer", "SGD", "Adam"]
 
@@ -18,7 +18,7 @@ class Optimizer:
 
     def __init__(self, params, where: str):
         params = list(params)
-        from .layers import Parameter
+        from ..layers import Parameter
 
         if not params:
             raise ValueError(f"{where}: params is empty (pass model.parameters())")
