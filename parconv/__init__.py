@@ -13,6 +13,7 @@ import numpy as _np
 __version__ = "0.1.0"
 
 from . import backends, datasets, functional, optim  # noqa: E402
+from . import callbacks  # noqa: E402
 from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
 from .backends import available as available_backends  # noqa: E402
 from .layers import Conv2d, Flatten, Layer, Linear, MaxPool2d, Parameter, ReLU, Sigmoid, manual_seed  # noqa: E402
@@ -80,4 +81,5 @@ __all__ = [
     "datasets",
     "backends",
     "distributed",
+    "callbacks",
 ]
