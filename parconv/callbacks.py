@@ -101,7 +101,8 @@ class CallbackList:
     def __init__(self, callbacks=None):
         if callbacks is None:
             callbacks = []
-        elif isinstance(callbacks, (Callback, str, bytes)) or callable(callbacks) and not hasattr(callbacks, "__iter__"):
+        single = isinstance(callbacks, (Callback, str, bytes)) or not hasattr(callbacks, "__iter__")
+        if single:
             raise TypeError(f"callbacks must be a list of callbacks, got a single {type(callbacks).__name__}; "
                             f"wrap it in a list")
         self.callbacks = list(callbacks)
