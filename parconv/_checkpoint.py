@@ -17,6 +17,7 @@ One ``.npz`` written atomically through :mod:`parconv._io` (no pickle):
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,9 +25,12 @@ import numpy as np
 from ._io import load_npz, save_npz
 
 KIND = "training-checkpoint"
+#: version of the file layout (model files and training checkpoints); readers refuse newer ones
+FORMAT_VERSION = 1
 OPTIM_PREFIX = "extra.optim."
 
-__all__ = ["TrainingState", "save_training_checkpoint", "load_training_checkpoint", "apply_training_state"]
+__all__ = ["TrainingState", "save_training_checkpoint", "load_training_checkpoint", "apply_training_state",
+           "read_model_file", "load_model"]
 
 
 @dataclass
@@ -51,7 +55,6 @@ def save_training_checkpoint(path, model, optimizer, *, epoch: int, step: int, g
                              loss_sum: float = 0.0, correct: int = 0, history=None, fit: dict | None = None) -> None:
     """Write a training checkpoint to ``path`` atomically (a kill mid-write keeps the previous file)."""
     from . import __version__
-    from .model import FORMAT_VERSION
 
     arrays = model.state_dict()
     opt = optimizer.state_dict()
@@ -92,41 +95,164 @@ def _jsonable(value):
     return value
 
 
+def _fail(path, what: str) -> ValueError:
+    return ValueError(f"{path!r}: corrupt checkpoint metadata: {what}")
+
+
+def _is_int(value) -> bool:
+    return type(value) is int  # JSON true/false must not pass as 1/0
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float)
+
+
+def _check_format(path, meta: dict) -> None:
+    fmt = meta.get("format")
+    if not _is_int(fmt) or fmt < 1:
+        raise _fail(path, f"'format' must be a positive integer, got {fmt!r}")
+    if fmt > FORMAT_VERSION:
+        raise ValueError(f"{path!r}: checkpoint format {fmt} is newer than this parconv understands "
+                         f"(it reads up to {FORMAT_VERSION})")
+    if not isinstance(meta.get("model"), dict):
+        raise _fail(path, f"'model' must be a JSON object describing the network, got {meta.get('model')!r:.80}")
+
+
+def read_model_file(path) -> tuple[dict, dict, dict]:
+    """Read and check a model file or training checkpoint: ``(model_config, state_arrays, meta)``.
+
+    ``state_arrays`` holds the model's parameters (``"0.weight"``, ...);
+    ``extra.*`` arrays are left out. Raises ``FileNotFoundError`` when
+    ``path`` does not exist and one ``ValueError`` naming the file for any
+    corruption or alteration of it.
+    """
+    path = os.fspath(path)
+    arrays, meta = load_npz(path)
+    _check_format(path, meta)
+    state = {k: v for k, v in arrays.items() if not k.startswith("extra.")}
+    for key, value in state.items():
+        if value.dtype.kind != "f":
+            raise ValueError(f"{path!r}: parameter {key!r} holds {value.dtype} data, expected floating point")
+    return meta["model"], state, meta
+
+
+def load_model(path, backend=None):
+    """Build the :class:`~parconv.Sequential` stored in ``path`` (a model file or training checkpoint).
+
+    Every failure caused by the file's content -- a config the layers reject,
+    weights of the wrong shape -- is one ``ValueError`` naming the file.
+    """
+    from .model import Sequential
+
+    path = os.fspath(path)
+    config, state, _ = read_model_file(path)
+    try:
+        model = Sequential.from_config(config, backend=backend)
+    except Exception as exc:  # layer constructors reject hostile configs with assorted exception types
+        raise ValueError(f"{path!r}: invalid model description: {type(exc).__name__}: {exc}") from None
+    try:
+        model.load_state_dict(state)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{path!r}: {exc}") from None
+    return model
+
+
+_OPTIM_KEY = re.compile(r"state\.(0|[1-9][0-9]{0,8})\.[A-Za-z_][A-Za-z0-9_]*")
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937")
+
+
+def _check_rng_state(path, rng_state) -> None:
+    """The generator state must be one numpy accepts for its bit generator, tried on a scratch generator."""
+    if not isinstance(rng_state, dict):
+        raise _fail(path, f"'rng_state' must be an object, got {rng_state!r:.80}")
+    name = rng_state.get("bit_generator")
+    if name not in _BIT_GENERATORS:
+        raise _fail(path, f"'rng_state' names bit generator {name!r:.80}, expected one of {_BIT_GENERATORS}")
+    scratch = getattr(np.random, name)(0)
+    try:
+        scratch.state = rng_state
+    except (ValueError, TypeError, KeyError, OverflowError, IndexError) as exc:
+        raise _fail(path, f"'rng_state' is not a valid {name} state: {type(exc).__name__}: {exc}") from None
+
+
+def _check_history(path, hist) -> None:
+    if not isinstance(hist, dict):
+        raise _fail(path, f"'history' must be an object, got {hist!r:.80}")
+    epochs, series = hist.get("epochs", []), hist.get("history", {})
+    if not isinstance(epochs, list) or not all(_is_int(e) for e in epochs):
+        raise _fail(path, f"'history.epochs' must be a list of integers, got {epochs!r:.80}")
+    if not isinstance(series, dict) or not all(
+            isinstance(v, list) and all(_is_number(x) for x in v) for v in series.values()):
+        raise _fail(path, f"'history.history' must map metric names to lists of numbers, got {series!r:.80}")
+
+
+def _check_training(path, t) -> None:
+    if not isinstance(t, dict):
+        raise _fail(path, f"'training' must be an object, got {t!r:.80}")
+    opt = t.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("type"), str):
+        raise _fail(path, f"'training.optimizer' must be an object with a 'type' name, got {opt!r:.80}")
+    if not isinstance(opt.get("hyper", {}), dict):
+        raise _fail(path, f"'training.optimizer.hyper' must be an object, got {opt.get('hyper')!r:.80}")
+    for key, where in (("step", opt), ("epoch", t), ("step", t), ("global_step", t), ("correct", t)):
+        value = where.get(key, 0) if key == "correct" else where.get(key)
+        lowest = 1 if key == "epoch" else 0
+        if not _is_int(value) or value < lowest:
+            name = f"training.optimizer.{key}" if where is opt else f"training.{key}"
+            raise _fail(path, f"'{name}' must be an integer >= {lowest}, got {value!r:.80}")
+    if not _is_number(t.get("loss_sum", 0.0)):
+        raise _fail(path, f"'training.loss_sum' must be a number, got {t.get('loss_sum')!r:.80}")
+    _check_rng_state(path, t.get("rng_state"))
+    _check_history(path, t.get("history", {}))
+    if not isinstance(t.get("fit", {}), dict):
+        raise _fail(path, f"'training.fit' must be an object, got {t.get('fit')!r:.80}")
+
+
 def load_training_checkpoint(path) -> TrainingState:
     """Read a checkpoint written by :func:`save_training_checkpoint`.
 
     Raises ``FileNotFoundError`` when ``path`` does not exist and
-    ``ValueError`` naming the file when it is corrupt or not a training
-    checkpoint (a plain ``model.save`` file has no training position).
+    ``ValueError`` naming the file when it is corrupt, altered or not a
+    training checkpoint (a plain ``model.save`` file has no training
+    position). Everything :func:`apply_training_state` uses is checked here.
     """
     path = os.fspath(path)
     arrays, meta = load_npz(path)
-    if not isinstance(meta, dict) or meta.get("kind") != KIND or "training" not in meta:
+    if meta.get("kind") != KIND or "training" not in meta:
         raise ValueError(f"{path!r} is not a parconv training checkpoint (written by fit(checkpoint=...)); "
                          "a model saved with Sequential.save has no optimizer state or training position")
+    _check_format(path, meta)
     t = meta["training"]
-    try:
-        opt_meta = t["optimizer"]
-        optimizer_state = {"step": int(opt_meta["step"]), "hyper": opt_meta.get("hyper", {})}
-        for key, value in arrays.items():
-            if key.startswith(OPTIM_PREFIX):
-                optimizer_state[key[len(OPTIM_PREFIX):]] = value
-        return TrainingState(
-            path=path,
-            model_state={k: v for k, v in arrays.items() if not k.startswith("extra.")},
-            optimizer_type=str(opt_meta["type"]),
-            optimizer_state=optimizer_state,
-            epoch=int(t["epoch"]),
-            step=int(t["step"]),
-            global_step=int(t["global_step"]),
-            rng_state=dict(t["rng_state"]),
-            loss_sum=float(t.get("loss_sum", 0.0)),
-            correct=int(t.get("correct", 0)),
-            history=dict(t.get("history", {})),
-            fit=dict(t.get("fit", {})),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path!r}: corrupt training checkpoint metadata: {type(exc).__name__}: {exc}") from None
+    _check_training(path, t)
+    opt_meta = t["optimizer"]
+    optimizer_state = {"step": opt_meta["step"], "hyper": dict(opt_meta.get("hyper", {}))}
+    model_state = {}
+    for key, value in arrays.items():
+        if key.startswith(OPTIM_PREFIX):
+            name = key[len(OPTIM_PREFIX):]
+            if not _OPTIM_KEY.fullmatch(name) or value.dtype.kind != "f":
+                raise ValueError(f"{path!r}: unexpected optimizer array {key!r} ({value.dtype})")
+            optimizer_state[name] = value
+        elif not key.startswith("extra."):
+            if value.dtype.kind != "f":
+                raise ValueError(f"{path!r}: parameter {key!r} holds {value.dtype} data, expected floating point")
+            model_state[key] = value
+    hist = t.get("history", {})
+    return TrainingState(
+        path=path,
+        model_state=model_state,
+        optimizer_type=opt_meta["type"],
+        optimizer_state=optimizer_state,
+        epoch=t["epoch"],
+        step=t["step"],
+        global_step=t["global_step"],
+        rng_state=dict(t["rng_state"]),
+        loss_sum=float(t.get("loss_sum", 0.0)),
+        correct=t.get("correct", 0),
+        history={"epochs": list(hist.get("epochs", [])),
+                 "history": {str(k): list(v) for k, v in hist.get("history", {}).items()}},
+        fit=dict(t.get("fit", {})),
+    )
 
 
 def apply_training_state(state: TrainingState, model, optimizer, rng: np.random.Generator, history) -> None:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from . import backends as _backends
-from ._io import load_npz, save_npz
+from ._io import save_npz
 from ._validation import check_int, shape_of, state_array, to_backend_array
 from .layers import LAYER_TYPES, Conv2d, Flatten, Layer, Linear, MaxPool2d, ReLU
 from .losses import BCELoss, Loss, SoftmaxCrossEntropy
@@ -670,18 +670,10 @@ def _progress_bar_class():
 def load(path, backend=None) -> Sequential:
     """Load a model written by :meth:`Sequential.save` (architecture and weights).
 
-    Raises ``ValueError`` naming the file when it is corrupt, truncated or
+    Raises ``FileNotFoundError`` when ``path`` does not exist and one
+    ``ValueError`` naming the file when it is corrupt, truncated, altered or
     inconsistent; nothing is unpickled.
     """
-    arrays, meta = load_npz(path)
-    if not isinstance(meta, dict) or "model" not in meta:
-        raise ValueError(f"{path!r}: checkpoint metadata has no model description")
-    if meta.get("format", 0) > FORMAT_VERSION:
-        raise ValueError(f"{path!r}: checkpoint format {meta['format']} is newer than this parconv understands")
-    model = Sequential.from_config(meta["model"], backend=backend)
-    state = {k: v for k, v in arrays.items() if not k.startswith("extra.")}
-    try:
-        model.load_state_dict(state)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path!r}: {exc}") from None
-    return model
+    from . import _checkpoint
+
+    return _checkpoint.load_model(path, backend=backend)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._shapes import out_size
+
 
 class Backend:
     """Base class of every backend. Subclasses set :attr:`name`."""
@@ -227,8 +229,7 @@ class Backend:
         """Gradients of the fused op from its output y and argmax; returns ``(dx, dw, db)``."""
         N, O = x.shape[0], w.shape[0]
         K = w.shape[2]
-        P = (x.shape[2] + 2 * padding - K) // stride + 1
-        Q = (x.shape[3] + 2 * padding - K) // stride + 1
+        P, Q = out_size(x.shape[2], K, stride, padding), out_size(x.shape[3], K, stride, padding)
         dz = self.maxpool2d_backward(self.relu_backward(y, dy), argmax, (N, O, P, Q))
         return self.conv2d_backward(x, w, dz, stride, padding, need_dx, need_db)
 
@@ -269,3 +270,60 @@ class Backend:
         dx, dw, db = self.conv2d_relu_maxpool2d_backward(x, w, y, argmax, self.reshape(dyf, y.shape), stride,
                                                          padding, need_dx, need_db)
         return dx, dw, db, dwl, dbl
+
+    # ------------------------------------ general convolution and pooling ops
+    # functional sends the square-kernel, int-argument cases to the methods above
+    # (their outputs stay bit for bit), everything else here. Pads are
+    # (top, bottom, left, right) for convolutions and symmetric (ph, pw) for pooling.
+    def conv2d_general_forward(self, x, w, b, stride: tuple, pads: tuple, dilation: tuple, groups: int):
+        """Grouped, dilated, strided cross-correlation with a rectangular kernel and asymmetric padding.
+
+        x (N, C, H, W), w (O, C/groups, kH, kW), b (O,) or None -> y (N, O, P, Q) with
+        ``P = (H + top + bottom - dh (kH - 1) - 1) // sh + 1`` (Q likewise,
+        :func:`parconv._shapes.out_size`). Filter ``o`` reads the channels of its group
+        ``o // (O / groups)``. ``stride=(sh, sw)``, ``pads=(top, bottom, left, right)``,
+        ``dilation=(dh, dw)``.
+        """
+        raise self._missing("conv2d_general_forward")
+
+    def conv2d_general_backward(self, x, w, dy, stride: tuple, pads: tuple, dilation: tuple, groups: int,
+                                need_dx: bool = True, need_db: bool = True):
+        """Gradients of :meth:`conv2d_general_forward`: ``(dx, dw, db)``, all overwritten.
+
+        dx (N, C, H, W) or None when not ``need_dx``, dw (O, C/groups, kH, kW), db (O,)
+        or None when not ``need_db``.
+        """
+        raise self._missing("conv2d_general_backward")
+
+    def maxpool2d_general_forward(self, x, kernel: tuple, stride: tuple, pads: tuple):
+        """Max pooling with ``kernel=(kh, kw)``, ``stride=(sh, sw)`` and symmetric ``pads=(ph, pw)``.
+
+        Padded positions count as -inf (never selected; ``ph <= kh // 2`` so every window
+        holds an input). Returns ``(y, argmax)`` as :meth:`maxpool2d_forward` (argmax the
+        flat index ``h * W + w`` in the unpadded plane, first maximum on ties);
+        :meth:`maxpool2d_backward` takes it.
+        """
+        raise self._missing("maxpool2d_general_forward")
+
+    def avgpool2d_forward(self, x, kernel: tuple, stride: tuple, pads: tuple):
+        """Average pooling, zero padding counted (each window divided by ``kh * kw``), floor mode.
+
+        x (N, C, H, W) -> y (N, C, P, Q); arguments as :meth:`maxpool2d_general_forward`.
+        """
+        raise self._missing("avgpool2d_forward")
+
+    def avgpool2d_backward(self, dy, x_shape, kernel: tuple, stride: tuple, pads: tuple):
+        """Gradient of :meth:`avgpool2d_forward`: dx of ``x_shape`` (overwritten)."""
+        raise self._missing("avgpool2d_backward")
+
+    def adaptive_avgpool2d_forward(self, x, output_size: tuple):
+        """Adaptive average pooling to ``output_size=(P, Q)``.
+
+        Output ``(i, j)`` averages rows ``floor(i H / P)`` to ``ceil((i + 1) H / P)``
+        (exclusive) and the columns likewise, as PyTorch. x (N, C, H, W) -> y (N, C, P, Q).
+        """
+        raise self._missing("adaptive_avgpool2d_forward")
+
+    def adaptive_avgpool2d_backward(self, dy, x_shape, output_size: tuple):
+        """Gradient of :meth:`adaptive_avgpool2d_forward`: dx of ``x_shape`` (overwritten)."""
+        raise self._missing("adaptive_avgpool2d_backward")

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from .._shapes import out_size as _out_size
 from .base import Backend
 
 
@@ -23,10 +24,6 @@ def _flush_denormals(a: np.ndarray) -> np.ndarray:
     backend: denormal gradients make every layer below them slow on many CPUs."""
     a[np.abs(a) < np.finfo(a.dtype).tiny] = 0
     return a
-
-
-def _out_size(size: int, k: int, stride: int, padding: int = 0) -> int:
-    return (size + 2 * padding - k) // stride + 1
 
 
 class HostArrays:
@@ -211,3 +208,110 @@ class NumpyBackend(HostArrays, Backend):
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
         p -= (lr / bc1) * m / (np.sqrt(v) / math.sqrt(bc2) + eps)
+
+    # ------------------------------------ general convolution and pooling ops
+    def conv2d_general_forward(self, x, w, b, stride, pads, dilation, groups):
+        N, C, H, W = x.shape
+        O, Cg, KH, KW = w.shape
+        (sh, sw), (dh, dw_), G = stride, dilation, groups
+        P = _out_size(H, KH, sh, pads[0], pads[1], dh)
+        Q = _out_size(W, KW, sw, pads[2], pads[3], dw_)
+        xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[1]), (pads[2], pads[3])))
+        xg = xp.reshape(N, G, Cg, xp.shape[2], xp.shape[3])
+        wg = w.reshape(G, O // G, Cg, KH, KW)
+        y = np.zeros((N, G, O // G, P, Q), dtype=x.dtype)
+        # one tap at a time: y[n,g,o,p,q] += sum_c x[n,g,c,p*sh+kh*dh,q*sw+kw*dw] w[g,o,c,kh,kw]
+        for kh in range(KH):
+            for kw in range(KW):
+                h0, w0 = kh * dh, kw * dw_
+                patch = xg[:, :, :, h0 : h0 + sh * (P - 1) + 1 : sh, w0 : w0 + sw * (Q - 1) + 1 : sw]
+                y += np.einsum("ngcpq,goc->ngopq", patch, wg[:, :, :, kh, kw])
+        y = y.reshape(N, O, P, Q)
+        if b is not None:
+            y += b[None, :, None, None]
+        return y
+
+    def conv2d_general_backward(self, x, w, dy, stride, pads, dilation, groups, need_dx=True, need_db=True):
+        N, C, H, W = x.shape
+        O, Cg, KH, KW = w.shape
+        (sh, sw), (dh, dw_), G = stride, dilation, groups
+        P, Q = dy.shape[2], dy.shape[3]
+        xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[1]), (pads[2], pads[3])))
+        Hp, Wp = xp.shape[2], xp.shape[3]
+        xg = xp.reshape(N, G, Cg, Hp, Wp)
+        wg = w.reshape(G, O // G, Cg, KH, KW)
+        dyg = dy.reshape(N, G, O // G, P, Q)
+        dxg = np.zeros_like(xg) if need_dx else None
+        dw = np.zeros_like(wg)
+        for kh in range(KH):
+            for kw in range(KW):
+                hs = slice(kh * dh, kh * dh + sh * (P - 1) + 1, sh)
+                ws = slice(kw * dw_, kw * dw_ + sw * (Q - 1) + 1, sw)
+                dw[:, :, :, kh, kw] = np.einsum("ngopq,ngcpq->goc", dyg, xg[:, :, :, hs, ws])
+                if need_dx:
+                    dxg[:, :, :, hs, ws] += np.einsum("ngopq,goc->ngcpq", dyg, wg[:, :, :, kh, kw])
+        dx = None
+        if need_dx:
+            dx = np.ascontiguousarray(dxg.reshape(N, C, Hp, Wp)[:, :, pads[0] : pads[0] + H, pads[2] : pads[2] + W])
+        db = dy.sum(axis=(0, 2, 3)) if need_db else None
+        return dx, dw.reshape(w.shape), db
+
+    def maxpool2d_general_forward(self, x, kernel, stride, pads):
+        N, C, H, W = x.shape
+        (KH, KW), (sh, sw), (ph, pw) = kernel, stride, pads
+        P, Q = _out_size(H, KH, sh, ph), _out_size(W, KW, sw, pw)
+        xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf)
+        y = np.empty((N, C, P, Q), dtype=x.dtype)
+        argmax = np.empty((N, C, P, Q), dtype=np.int32)
+        for p in range(P):
+            for q in range(Q):
+                win = xp[:, :, p * sh : p * sh + KH, q * sw : q * sw + KW].reshape(N, C, KH * KW)
+                j = win.argmax(axis=2)  # first maximum on ties; padding (-inf) loses to any input
+                y[:, :, p, q] = np.take_along_axis(win, j[..., None], axis=2)[..., 0]
+                argmax[:, :, p, q] = (p * sh + j // KW - ph) * W + (q * sw + j % KW - pw)
+        return y, argmax
+
+    def avgpool2d_forward(self, x, kernel, stride, pads):
+        N, C, H, W = x.shape
+        (KH, KW), (sh, sw), (ph, pw) = kernel, stride, pads
+        P, Q = _out_size(H, KH, sh, ph), _out_size(W, KW, sw, pw)
+        xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+        y = np.zeros((N, C, P, Q), dtype=x.dtype)
+        for kh in range(KH):
+            for kw in range(KW):
+                y += xp[:, :, kh : kh + sh * (P - 1) + 1 : sh, kw : kw + sw * (Q - 1) + 1 : sw]
+        return y / np.asarray(KH * KW, dtype=x.dtype)
+
+    def avgpool2d_backward(self, dy, x_shape, kernel, stride, pads):
+        N, C, H, W = x_shape
+        (KH, KW), (sh, sw), (ph, pw) = kernel, stride, pads
+        P, Q = dy.shape[2], dy.shape[3]
+        g = dy / np.asarray(KH * KW, dtype=dy.dtype)
+        dxp = np.zeros((N, C, H + 2 * ph, W + 2 * pw), dtype=dy.dtype)
+        for kh in range(KH):
+            for kw in range(KW):
+                dxp[:, :, kh : kh + sh * (P - 1) + 1 : sh, kw : kw + sw * (Q - 1) + 1 : sw] += g
+        return np.ascontiguousarray(dxp[:, :, ph : ph + H, pw : pw + W])
+
+    @staticmethod
+    def _adaptive_windows(size, out):
+        """PyTorch's adaptive windows: [floor(i size / out), ceil((i + 1) size / out)) for each i."""
+        return [(i * size // out, -(-(i + 1) * size // out)) for i in range(out)]
+
+    def adaptive_avgpool2d_forward(self, x, output_size):
+        N, C, H, W = x.shape
+        P, Q = output_size
+        y = np.empty((N, C, P, Q), dtype=x.dtype)
+        for p, (h0, h1) in enumerate(self._adaptive_windows(H, P)):
+            for q, (w0, w1) in enumerate(self._adaptive_windows(W, Q)):
+                y[:, :, p, q] = x[:, :, h0:h1, w0:w1].mean(axis=(2, 3))
+        return y
+
+    def adaptive_avgpool2d_backward(self, dy, x_shape, output_size):
+        P, Q = output_size
+        dx = np.zeros(x_shape, dtype=dy.dtype)
+        for p, (h0, h1) in enumerate(self._adaptive_windows(x_shape[2], P)):
+            for q, (w0, w1) in enumerate(self._adaptive_windows(x_shape[3], Q)):
+                area = np.asarray((h1 - h0) * (w1 - w0), dtype=dy.dtype)
+                dx[:, :, h0:h1, w0:w1] += (dy[:, :, p, q] / area)[:, :, None, None]
+        return dx
