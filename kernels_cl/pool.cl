@@ -65,7 +65,7 @@ __kernel void maxpool2d_forward(__global const float* restrict x,   /* IN  (N, C
  * order, each dy first multiplied by (y > 0) when use_relu (the fused ReLU + maxpool
  * backward, y being the pooled ReLU output). One work-item per (n, c) plane: the adds
  * happen in NumPy's np.add.at order, overlapping windows need no atomics, and the op
- * needs no kernel size or stride. Overwrites dx. */
+ * needs no kernel size or stride. An index outside [0, HW) is skipped. Overwrites dx. */
 __kernel void maxpool2d_backward(__global const float* restrict dy,     /* IN  (N, C, P, Q) */
                                  __global const int* restrict argmax,   /* IN  (N, C, P, Q) */
                                  __global const float* restrict relu_y, /* IN  (N, C, P, Q), read when use_relu */
@@ -80,6 +80,8 @@ __kernel void maxpool2d_backward(__global const float* restrict dy,     /* IN  (
     for (int j = 0; j < PQ; ++j) {
         const float g = dy[base + j];
         if (use_relu && !(relu_y[base + j] > 0.0f)) continue;
-        d[argmax[base + j]] += g;
+        /* argmax is not validated on the host (that would copy it back): skip what lies outside */
+        const int a = argmax[base + j];
+        if ((uint)a < (uint)HW) d[a] += g;
     }
 }

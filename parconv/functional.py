@@ -26,7 +26,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends as _backends
+from ._shapes import conv_pads, out_size, pair
 from ._validation import (
+    Where,
     check_float,
     check_grad_shape,
     check_int,
@@ -42,6 +44,10 @@ __all__ = [
     "conv2d_backward",
     "maxpool2d",
     "maxpool2d_backward",
+    "avgpool2d",
+    "avgpool2d_backward",
+    "adaptive_avgpool2d",
+    "adaptive_avgpool2d_backward",
     "conv2d_relu_maxpool2d",
     "conv2d_relu_maxpool2d_backward",
     "linear",
@@ -56,50 +62,111 @@ __all__ = [
     "binary_cross_entropy_backward",
     "conv2d_output_shape",
     "maxpool2d_output_shape",
+    "pool2d_output_shape",
 ]
 
 BCE_EPS = 1e-7
 
 
 # ----------------------------------------------------------------------- shapes
-def conv2d_output_shape(x_shape, w_shape, stride: int = 1, padding: int = 0, where: str = "conv2d") -> tuple:
-    """Output shape ``(N, O, P, Q)`` of a convolution, validating every size.
+def _legacy_where(where, dilation, groups, default):
+    """Callers written before ``dilation``/``groups`` existed pass ``where`` fifth, positionally."""
+    if isinstance(dilation, (str, Where)) and groups == 1 and where == default:
+        return 1, dilation
+    return dilation, where
 
-    Raises ``ValueError`` for a wrong ndim, a channel mismatch, zero sizes, a
-    kernel larger than the padded input, ``stride <= 0`` or ``padding < 0``.
-    """
+
+def _conv_args(x_shape, w_shape, stride, padding, dilation, groups, where):
+    """Validate a convolution; returns ``(out_shape, (sh, sw), (top, bottom, left, right), (dh, dw), groups)``."""
     x_shape, w_shape = tuple(x_shape), tuple(w_shape)
-    stride = check_int(stride, "stride", where, 1)
-    padding = check_int(padding, "padding", where, 0)
+    stride = pair(stride, "stride", where, 1)
+    dilation = pair(dilation, "dilation", where, 1)
+    groups = check_int(groups, "groups", where, 1)
     check_ndim(x_shape, 4, "x", where, "(N, C, H, W)")
-    check_ndim(w_shape, 4, "weight", where, "(O, C, K, K)")
+    check_ndim(w_shape, 4, "weight", where, "(O, C/groups, kH, kW)")
     check_nonempty(x_shape, "x", where)
     check_nonempty(w_shape, "weight", where)
     N, C, H, W = x_shape
-    O, Cw, KH, KW = w_shape
-    if KH != KW:
-        raise ValueError(f"{where}: kernel must be square, got weight shape {w_shape}")
-    if C != Cw:
-        raise ValueError(f"{where}: x has {C} channels but weight expects {Cw} (x shape {x_shape}, weight shape {w_shape})")
-    if KH > H + 2 * padding or KW > W + 2 * padding:
-        raise ValueError(
-            f"{where}: kernel {KH}x{KW} is larger than the padded input {H + 2 * padding}x{W + 2 * padding} "
-            f"(input {H}x{W}, padding {padding})"
-        )
-    return (N, O, (H + 2 * padding - KH) // stride + 1, (W + 2 * padding - KW) // stride + 1)
+    O, Cg, KH, KW = w_shape
+    pads = conv_pads(padding, (KH, KW), dilation, stride, where)
+    if C % groups or O % groups:
+        raise ValueError(f"{where}: groups={groups} must divide both the {C} input channels and the {O} "
+                         f"output channels (x shape {x_shape}, weight shape {w_shape})")
+    if C // groups != Cg:
+        if groups == 1:
+            raise ValueError(f"{where}: x has {C} channels but weight expects {Cg} (x shape {x_shape}, "
+                             f"weight shape {w_shape})")
+        raise ValueError(f"{where}: x has {C} channels, so weight must have C/groups = {C // groups} "
+                         f"input channels per filter, got weight shape {w_shape}")
+    eh, ew = dilation[0] * (KH - 1) + 1, dilation[1] * (KW - 1) + 1
+    Hp, Wp = H + pads[0] + pads[1], W + pads[2] + pads[3]
+    if eh > Hp or ew > Wp:
+        if dilation == (1, 1) and pads[0] == pads[1] == pads[2] == pads[3]:
+            raise ValueError(f"{where}: kernel {KH}x{KW} is larger than the padded input {Hp}x{Wp} "
+                             f"(input {H}x{W}, padding {pads[0]})")
+        raise ValueError(f"{where}: kernel {KH}x{KW} (dilated {eh}x{ew}) is larger than the padded input "
+                         f"{Hp}x{Wp} (input {H}x{W}, padding (top, bottom, left, right) {pads})")
+    P = out_size(H, KH, stride[0], pads[0], pads[1], dilation[0])
+    Q = out_size(W, KW, stride[1], pads[2], pads[3], dilation[1])
+    return (N, O, P, Q), stride, pads, dilation, groups
 
 
-def maxpool2d_output_shape(x_shape, kernel_size: int, stride: int | None = None, where: str = "maxpool2d") -> tuple:
-    """Output shape ``(N, C, P, Q)`` of max pooling, validating every size."""
+def _conv_is_legacy(w_shape, stride, pads, dilation, groups) -> bool:
+    """Whether the existing square-kernel, int stride/padding backend path takes this convolution."""
+    return (w_shape[2] == w_shape[3] and stride[0] == stride[1] and pads[0] == pads[1] == pads[2] == pads[3]
+            and dilation == (1, 1) and groups == 1)
+
+
+def conv2d_output_shape(x_shape, w_shape, stride=1, padding=0, dilation=1, groups: int = 1,
+                        where: str = "conv2d") -> tuple:
+    """Output shape ``(N, O, P, Q)`` of a convolution, validating every size.
+
+    ``stride``, ``dilation``: int or ``(h, w)``, each >= 1; ``padding``: int, ``(h, w)``,
+    ``"same"`` (stride 1) or ``"valid"``; ``groups`` divides C and O, weight is
+    ``(O, C/groups, kH, kW)``. Raises ``ValueError`` for a wrong ndim, a channel
+    mismatch, zero sizes or a (dilated) kernel larger than the padded input,
+    ``TypeError`` for a non-int argument.
+    """
+    dilation, where = _legacy_where(where, dilation, groups, "conv2d")
+    return _conv_args(x_shape, w_shape, stride, padding, dilation, groups, where)[0]
+
+
+def _pool_args(x_shape, kernel_size, stride, padding, dilation, where):
+    """Validate a pooling; returns ``(out_shape, (kh, kw), (sh, sw), (ph, pw), (dh, dw))``."""
     x_shape = tuple(x_shape)
-    kernel_size = check_int(kernel_size, "kernel_size", where, 1)
-    stride = kernel_size if stride is None else check_int(stride, "stride", where, 1)
+    kernel = pair(kernel_size, "kernel_size", where, 1)
+    stride = kernel if stride is None else pair(stride, "stride", where, 1)
+    pads = pair(padding, "padding", where, 0)
+    dilation = pair(dilation, "dilation", where, 1)
     check_ndim(x_shape, 4, "x", where, "(N, C, H, W)")
     check_nonempty(x_shape, "x", where)
+    if pads[0] > kernel[0] // 2 or pads[1] > kernel[1] // 2:
+        raise ValueError(f"{where}: padding must be at most half the kernel_size, got padding {padding!r} "
+                         f"for kernel_size {kernel_size!r}")
     N, C, H, W = x_shape
-    if kernel_size > H or kernel_size > W:
-        raise ValueError(f"{where}: kernel_size {kernel_size} is larger than the input {H}x{W}")
-    return (N, C, (H - kernel_size) // stride + 1, (W - kernel_size) // stride + 1)
+    eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+    if eh > H + 2 * pads[0] or ew > W + 2 * pads[1]:
+        if pads == (0, 0) and dilation == (1, 1) and kernel[0] == kernel[1]:
+            raise ValueError(f"{where}: kernel_size {kernel[0]} is larger than the input {H}x{W}")
+        raise ValueError(f"{where}: kernel_size {kernel_size!r} (dilated {eh}x{ew}) is larger than the padded "
+                         f"input {H + 2 * pads[0]}x{W + 2 * pads[1]} (input {H}x{W}, padding {padding!r})")
+    P = out_size(H, kernel[0], stride[0], pads[0], pads[0], dilation[0])
+    Q = out_size(W, kernel[1], stride[1], pads[1], pads[1], dilation[1])
+    return (N, C, P, Q), kernel, stride, pads, dilation
+
+
+def pool2d_output_shape(x_shape, kernel_size, stride=None, padding=0, dilation=1, where: str = "pool2d") -> tuple:
+    """Output shape ``(N, C, P, Q)`` of max or average pooling, validating every size.
+
+    ``kernel_size``, ``stride`` (None: ``kernel_size``), ``padding`` and ``dilation`` are
+    ints or ``(h, w)``; padding is at most half the kernel, as PyTorch requires. Floor mode.
+    """
+    return _pool_args(x_shape, kernel_size, stride, padding, dilation, where)[0]
+
+
+def maxpool2d_output_shape(x_shape, kernel_size, stride=None, where: str = "maxpool2d", *, padding=0) -> tuple:
+    """Output shape ``(N, C, P, Q)`` of max pooling, validating every size (see :func:`pool2d_output_shape`)."""
+    return _pool_args(x_shape, kernel_size, stride, padding, 1, where)[0]
 
 
 def _bias(b, n_out: int, be, where: str):
@@ -112,16 +179,22 @@ def _bias(b, n_out: int, be, where: str):
 
 
 # ----------------------------------------------------------------------- conv2d
-def conv2d(x, weight, bias=None, stride: int = 1, padding: int = 0, *, backend=None):
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 1, *, backend=None):
     """2-D cross-correlation (PyTorch's ``conv2d``).
 
     Parameters
     ----------
     x : array-like, (N, C, H, W)
-    weight : array-like, (O, C, K, K)
+    weight : array-like, (O, C/groups, kH, kW)
     bias : array-like (O,) or None
-    stride, padding : int
-        ``stride >= 1``, ``padding >= 0`` (zeros on every side).
+    stride, dilation : int or (h, w)
+        Each >= 1.
+    padding : int, (h, w), "same" or "valid"
+        Zeros on both sides of each axis; ``"same"`` (stride 1 only) keeps H x W,
+        the odd element of an even total on the bottom/right as PyTorch.
+    groups : int
+        Splits channels and filters into ``groups`` independent convolutions
+        (``groups == C`` is depthwise).
     backend : str or Backend, optional
 
     Returns
@@ -131,73 +204,171 @@ def conv2d(x, weight, bias=None, stride: int = 1, padding: int = 0, *, backend=N
     be = _backends.get(backend)
     x = to_backend_array(x, be, "x", "conv2d")
     w = to_backend_array(weight, be, "weight", "conv2d")
-    conv2d_output_shape(shape_of(x), shape_of(w), stride, padding)
+    _, stride, pads, dilation, groups = _conv_args(shape_of(x), shape_of(w), stride, padding, dilation, groups,
+                                                   "conv2d")
     b = _bias(bias, w.shape[0], be, "conv2d")
-    return be.conv2d_forward(x, w, b, int(stride), int(padding))
+    if _conv_is_legacy(w.shape, stride, pads, dilation, groups):
+        return be.conv2d_forward(x, w, b, stride[0], pads[0])
+    return be.conv2d_general_forward(x, w, b, stride, pads, dilation, groups)
 
 
-def conv2d_backward(x, weight, dy, stride: int = 1, padding: int = 0, *, need_dx: bool = True,
+def conv2d_backward(x, weight, dy, stride=1, padding=0, dilation=1, groups: int = 1, *, need_dx: bool = True,
                     need_db: bool = True, backend=None):
     """Gradients of :func:`conv2d`; returns ``(dx, dw, db)`` (overwritten, not accumulated).
 
-    ``dx`` is None unless ``need_dx``; ``db`` is None unless ``need_db``.
+    ``dx`` (N, C, H, W) is None unless ``need_dx``; ``dw`` (O, C/groups, kH, kW);
+    ``db`` (O,) is None unless ``need_db``. Arguments as :func:`conv2d`.
     """
     be = _backends.get(backend)
-    x = to_backend_array(x, be, "x", "conv2d_backward")
-    w = to_backend_array(weight, be, "weight", "conv2d_backward")
-    dy = to_backend_array(dy, be, "dy", "conv2d_backward")
-    out = conv2d_output_shape(shape_of(x), shape_of(w), stride, padding, "conv2d_backward")
-    check_grad_shape(shape_of(dy), out, "conv2d_backward")
-    return be.conv2d_backward(x, w, dy, int(stride), int(padding), bool(need_dx), bool(need_db))
+    where = "conv2d_backward"
+    x = to_backend_array(x, be, "x", where)
+    w = to_backend_array(weight, be, "weight", where)
+    dy = to_backend_array(dy, be, "dy", where)
+    out, stride, pads, dilation, groups = _conv_args(shape_of(x), shape_of(w), stride, padding, dilation, groups,
+                                                     where)
+    check_grad_shape(shape_of(dy), out, where)
+    if _conv_is_legacy(w.shape, stride, pads, dilation, groups):
+        return be.conv2d_backward(x, w, dy, stride[0], pads[0], bool(need_dx), bool(need_db))
+    return be.conv2d_general_backward(x, w, dy, stride, pads, dilation, groups, bool(need_dx), bool(need_db))
 
 
 # -------------------------------------------------------------------- maxpool2d
-def maxpool2d(x, kernel_size: int, stride: int | None = None, *, return_indices: bool = False, backend=None):
-    """Max pooling over ``kernel_size`` windows (no padding, floor mode).
+def maxpool2d(x, kernel_size, stride=None, padding=0, *, return_indices: bool = False, backend=None):
+    """Max pooling over ``kernel_size`` windows (floor mode; padded positions are never selected).
 
-    Returns ``y`` (N, C, P, Q), or ``(y, argmax)`` with ``return_indices``:
-    argmax is the flat index ``h * W + w`` inside each (H, W) plane: int32, or
-    uint16 where the backend stores indices of planes of at most 65,536
-    positions compactly (openmp does: half the bytes to write and read back).
+    ``kernel_size``, ``stride`` (None: ``kernel_size``) and ``padding`` (at most half the
+    kernel) are ints or ``(h, w)``. Returns ``y`` (N, C, P, Q), or ``(y, argmax)`` with
+    ``return_indices``: argmax is the flat index ``h * W + w`` inside each (H, W)
+    input plane: int32, or uint16 where the backend stores indices of planes of at
+    most 65,536 positions compactly (openmp does: half the bytes to write and read
+    back).
     """
     be = _backends.get(backend)
     x = to_backend_array(x, be, "x", "maxpool2d")
-    maxpool2d_output_shape(shape_of(x), kernel_size, stride)
-    stride = kernel_size if stride is None else stride
-    y, argmax = be.maxpool2d_forward(x, int(kernel_size), int(stride))
+    _, kernel, stride, pads, _ = _pool_args(shape_of(x), kernel_size, stride, padding, 1, "maxpool2d")
+    if kernel[0] == kernel[1] and stride[0] == stride[1] and pads == (0, 0):
+        y, argmax = be.maxpool2d_forward(x, kernel[0], stride[0])
+    else:
+        y, argmax = be.maxpool2d_general_forward(x, kernel, stride, pads)
     return (y, argmax) if return_indices else y
 
 
 def _check_argmax(argmax, shape, plane: int, be, where: str, made_by: str) -> None:
-    """argmax: the int32 or uint16 backend array of ``shape`` from ``made_by``, every index inside a plane.
+    """argmax: the int32 or uint16 backend array of ``shape`` from ``made_by``.
 
-    The kernels scatter through these indices with bounds checks off, so an
-    index outside ``[0, plane)`` is refused here.
+    The kernels scatter through these indices with bounds checks off. Host
+    backends' indices are checked to lie in ``[0, plane)`` here (no copy); a
+    device backend's are not read back to the host: its kernels skip an index
+    outside the plane instead.
     """
     if not be.is_array(argmax) or argmax.dtype not in (np.int32, np.uint16):
         raise TypeError(f"{where}: argmax must be the integer (int32 or uint16) backend array returned by "
                         f"{made_by}, got {getattr(argmax, 'dtype', type(argmax).__name__)}")
     if shape_of(argmax) != tuple(shape):
         raise ValueError(f"{where}: argmax shape {shape_of(argmax)} must equal {tuple(shape)}")
-    host = be.to_numpy(argmax)
-    if host.size and (int(host.min()) < 0 or int(host.max()) >= plane):
-        raise ValueError(f"{where}: argmax holds indices outside [0, {plane}) (min {int(host.min())}, "
-                         f"max {int(host.max())}); pass the argmax {made_by} returned")
+    if getattr(be, "host_arrays", False) and isinstance(argmax, np.ndarray) and argmax.size:
+        lo, hi = int(argmax.min()), int(argmax.max())
+        if lo < 0 or hi >= plane:
+            raise ValueError(f"{where}: argmax holds indices outside [0, {plane}) (min {lo}, max {hi}); "
+                             f"pass the argmax {made_by} returned")
 
 
 def maxpool2d_backward(dy, argmax, x_shape, *, backend=None):
-    """Gradient of :func:`maxpool2d` from the cached ``argmax``; returns dx of ``x_shape``."""
+    """Gradient of :func:`maxpool2d` from the cached ``argmax``; returns dx of ``x_shape`` (overwritten).
+
+    Works for every kernel, stride and padding: argmax already names each
+    window's input position.
+    """
     be = _backends.get(backend)
     dy = to_backend_array(dy, be, "dy", "maxpool2d_backward")
-    x_shape = tuple(int(s) for s in x_shape)
-    check_ndim(x_shape, 4, "x_shape", "maxpool2d_backward", "(N, C, H, W)")
+    x_shape = _x_shape(x_shape, "maxpool2d_backward")
+    check_ndim(shape_of(dy), 4, "dy", "maxpool2d_backward", "(N, C, P, Q)")
     if x_shape[:2] != shape_of(dy)[:2]:
         raise ValueError(f"maxpool2d_backward: x_shape {x_shape} does not match dy shape {shape_of(dy)}")
     _check_argmax(argmax, shape_of(dy), x_shape[2] * x_shape[3], be, "maxpool2d_backward", "maxpool2d")
     return be.maxpool2d_backward(dy, argmax, x_shape)
 
 
+def _x_shape(x_shape, where: str) -> tuple:
+    """``x_shape`` of a backward as a 4-tuple of positive ints."""
+    try:
+        x_shape = tuple(x_shape)
+    except TypeError:
+        raise TypeError(f"{where}: x_shape must be a tuple (N, C, H, W), got {x_shape!r}") from None
+    x_shape = tuple(check_int(s, "x_shape", where, 1) for s in x_shape)
+    check_ndim(x_shape, 4, "x_shape", where, "(N, C, H, W)")
+    return x_shape
+
+
+# -------------------------------------------------------------------- avgpool2d
+def avgpool2d(x, kernel_size, stride=None, padding=0, *, backend=None):
+    """Average pooling (PyTorch's defaults: zero padding counted in the average, floor mode).
+
+    ``kernel_size``, ``stride`` (None: ``kernel_size``) and ``padding`` (at most half the
+    kernel) are ints or ``(h, w)``. x (N, C, H, W) -> y (N, C, P, Q); every window
+    is divided by ``kH * kW``.
+    """
+    be = _backends.get(backend)
+    x = to_backend_array(x, be, "x", "avgpool2d")
+    _, kernel, stride, pads, _ = _pool_args(shape_of(x), kernel_size, stride, padding, 1, "avgpool2d")
+    return be.avgpool2d_forward(x, kernel, stride, pads)
+
+
+def avgpool2d_backward(dy, x_shape, kernel_size, stride=None, padding=0, *, backend=None):
+    """Gradient of :func:`avgpool2d`; returns dx of ``x_shape`` (overwritten)."""
+    be = _backends.get(backend)
+    where = "avgpool2d_backward"
+    dy = to_backend_array(dy, be, "dy", where)
+    x_shape = _x_shape(x_shape, where)
+    out, kernel, stride, pads, _ = _pool_args(x_shape, kernel_size, stride, padding, 1, where)
+    check_grad_shape(shape_of(dy), out, where)
+    return be.avgpool2d_backward(dy, x_shape, kernel, stride, pads)
+
+
+# ---------------------------------------------------------- adaptive_avgpool2d
+def _adaptive_size(output_size, x_shape, where: str) -> tuple:
+    out = pair(output_size, "output_size", where, 1)
+    check_ndim(x_shape, 4, "x", where, "(N, C, H, W)")
+    check_nonempty(x_shape, "x", where)
+    return out
+
+
+def adaptive_avgpool2d(x, output_size, *, backend=None):
+    """Adaptive average pooling to ``output_size`` (int or ``(P, Q)``), PyTorch's windows.
+
+    Output row ``i`` averages input rows ``floor(i H / P)`` to ``ceil((i + 1) H / P)``
+    (exclusive), columns likewise; ``output_size=1`` is global average pooling.
+    x (N, C, H, W) -> y (N, C, P, Q).
+    """
+    be = _backends.get(backend)
+    x = to_backend_array(x, be, "x", "adaptive_avgpool2d")
+    out = _adaptive_size(output_size, shape_of(x), "adaptive_avgpool2d")
+    return be.adaptive_avgpool2d_forward(x, out)
+
+
+def adaptive_avgpool2d_backward(dy, x_shape, output_size, *, backend=None):
+    """Gradient of :func:`adaptive_avgpool2d`; returns dx of ``x_shape`` (overwritten)."""
+    be = _backends.get(backend)
+    where = "adaptive_avgpool2d_backward"
+    dy = to_backend_array(dy, be, "dy", where)
+    x_shape = _x_shape(x_shape, where)
+    out = _adaptive_size(output_size, x_shape, where)
+    check_grad_shape(shape_of(dy), x_shape[:2] + out, where)
+    return be.adaptive_avgpool2d_backward(dy, x_shape, out)
+
+
 # ------------------------------------------------------- fused conv+relu+maxpool
+def _check_fused_ints(w_shape, stride, padding, pool_kernel, pool_stride, where) -> None:
+    """The fused ops take a square kernel and int stride, padding and pooling arguments only."""
+    check_int(stride, "stride", where, 1)
+    check_int(padding, "padding", where, 0)
+    check_int(pool_kernel, "pool_kernel", where, 1)
+    if pool_stride is not None:
+        check_int(pool_stride, "pool_stride", where, 1)
+    if len(w_shape) == 4 and w_shape[2] != w_shape[3]:
+        raise ValueError(f"{where}: the fused op takes a square kernel, got weight shape {w_shape}")
+
+
 def conv2d_relu_maxpool2d(x, weight, bias=None, stride: int = 1, padding: int = 0, pool_kernel: int = 2,
                           pool_stride: int | None = None, *, backend=None):
     """``maxpool2d(relu(conv2d(x)))`` in one pass; returns ``(y, argmax)``.
@@ -208,6 +379,7 @@ def conv2d_relu_maxpool2d(x, weight, bias=None, stride: int = 1, padding: int = 
     be = _backends.get(backend)
     x = to_backend_array(x, be, "x", "conv2d_relu_maxpool2d")
     w = to_backend_array(weight, be, "weight", "conv2d_relu_maxpool2d")
+    _check_fused_ints(shape_of(w), stride, padding, pool_kernel, pool_stride, "conv2d_relu_maxpool2d")
     conv_shape = conv2d_output_shape(shape_of(x), shape_of(w), stride, padding, "conv2d_relu_maxpool2d")
     maxpool2d_output_shape(conv_shape, pool_kernel, pool_stride, "conv2d_relu_maxpool2d")
     b = _bias(bias, w.shape[0], be, "conv2d_relu_maxpool2d")
@@ -224,6 +396,7 @@ def conv2d_relu_maxpool2d_backward(x, weight, y, argmax, dy, stride: int = 1, pa
     w = to_backend_array(weight, be, "weight", where)
     dy = to_backend_array(dy, be, "dy", where)
     y = to_backend_array(y, be, "y", where)
+    _check_fused_ints(shape_of(w), stride, padding, 2, None, where)
     N, O, P, Q = conv2d_output_shape(shape_of(x), shape_of(w), stride, padding, where)
     check_ndim(shape_of(y), 4, "y", where, "(N, O, PP, QQ)")
     if shape_of(y)[:2] != (N, O) or shape_of(y)[2] > P or shape_of(y)[3] > Q:
