@@ -147,23 +147,6 @@ static inline void pc_sgd(float *restrict p, const float *restrict g, float *res
     }
 }
 
-/* In-place Adam step. Scalars are the float32 values NumPy would use:
- * omb1 = 1 - beta1, omb2 = 1 - beta2, step_size = lr / bc1, sqrt_bc2 = sqrt(bc2). */
-static inline void pc_adam(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
-                           pc_idx n, float beta1, float omb1, float beta2, float omb2, float step_size,
-                           float sqrt_bc2, float eps, float weight_decay, int use_wd)
-{
-    PC_SIMD
-    for (pc_idx i = 0; i < n; i++) {
-        float d = use_wd ? g[i] + weight_decay * p[i] : g[i];
-        float mi = m[i] * beta1 + omb1 * d;
-        float vi = v[i] * beta2 + omb2 * d * d;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = p[i] - step_size * mi / (sqrtf(vi) / sqrt_bc2 + eps);
-    }
-}
-
 /* ----------------------------------------------------------------- pool */
 
 /* Max pooling works one window tap at a time over many outputs, with y and am as the

@@ -208,9 +208,52 @@ class Backend:
             self.sgd_update(p, g, None if vs is None else vs[i], lr, momentum, weight_decay, nesterov)
 
     def adam_update(self, p, g, m, v, lr: float, beta1: float, beta2: float, eps: float,
-                    weight_decay: float, step: int) -> None:
-        """In-place Adam step (PyTorch's formulation, ``step`` counts from 1)."""
+                    weight_decay: float, step: int, decoupled: bool = False) -> None:
+        """In-place Adam step (PyTorch's formulation, ``step`` counts from 1).
+
+        ``decoupled=False`` (Adam): ``g' = g + weight_decay * p``. ``decoupled=True`` (AdamW):
+        ``p *= 1 - lr * weight_decay`` first and ``g' = g``. Then ``m = beta1 m + (1 - beta1) g'``,
+        ``v = beta2 v + (1 - beta2) g'^2`` and
+        ``p -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)``.
+        """
         raise self._missing("adam_update")
+
+    def adam_update_many(self, ps, gs, ms, vs, lr: float, beta1: float, beta2: float, eps: float,
+                         weight_decay: float, step: int, decoupled: bool = False) -> None:
+        """:meth:`adam_update` of every ``(ps[i], gs[i], ms[i], vs[i])``.
+
+        A backend may run them as one operation; the default updates them one by one.
+        """
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            self.adam_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled)
+
+    def rmsprop_update(self, p, g, sq, buf, lr: float, alpha: float, eps: float, weight_decay: float,
+                       momentum: float) -> None:
+        """In-place RMSprop step, PyTorch's formulation with ``centered=False``.
+
+        ``g' = g + weight_decay * p``; ``sq = alpha sq + (1 - alpha) g'^2``;
+        ``a = sqrt(sq) + eps``; with momentum (``buf`` None when momentum == 0)
+        ``buf = momentum buf + g' / a`` and ``p -= lr * buf``, else ``p -= lr * (g' / a)``.
+        """
+        raise self._missing("rmsprop_update")
+
+    def rmsprop_update_many(self, ps, gs, sqs, bufs, lr: float, alpha: float, eps: float, weight_decay: float,
+                            momentum: float) -> None:
+        """:meth:`rmsprop_update` of every parameter (``bufs`` None when momentum == 0)."""
+        for i, (p, g, sq) in enumerate(zip(ps, gs, sqs)):
+            self.rmsprop_update(p, g, sq, None if bufs is None else bufs[i], lr, alpha, eps, weight_decay, momentum)
+
+    def norm_many(self, xs, norm_type: float) -> float:
+        """The ``norm_type``-norm (``> 0`` or ``inf``) of all the arrays ``xs`` taken as one vector.
+
+        Returns a Python float (the one value that leaves a device backend); NaN in any array
+        gives NaN.
+        """
+        raise self._missing("norm_many")
+
+    def scale_many(self, xs, factor: float) -> None:
+        """``x *= factor`` in place for every array of ``xs`` (factor rounded to float32)."""
+        raise self._missing("scale_many")
 
     # ------------------------------------------------- fused conv+relu+maxpool
     def conv2d_relu_maxpool2d_forward(self, x, w, b, stride: int, padding: int, pool_kernel: int, pool_stride: int):

@@ -199,8 +199,13 @@ class NumpyBackend(HostArrays, Backend):
             d = d + momentum * v if nesterov else v
         p -= lr * d
 
-    def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
-        d = g + weight_decay * p if weight_decay else g
+    def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled=False):
+        if decoupled:
+            if weight_decay:
+                p *= 1 - lr * weight_decay
+            d = g
+        else:
+            d = g + weight_decay * p if weight_decay else g
         m *= beta1
         m += (1 - beta1) * d
         v *= beta2
@@ -208,6 +213,33 @@ class NumpyBackend(HostArrays, Backend):
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
         p -= (lr / bc1) * m / (np.sqrt(v) / math.sqrt(bc2) + eps)
+
+    def rmsprop_update(self, p, g, sq, buf, lr, alpha, eps, weight_decay, momentum):
+        d = g + weight_decay * p if weight_decay else g
+        sq *= alpha
+        sq += (1 - alpha) * d * d
+        avg = np.sqrt(sq) + eps
+        if buf is not None:
+            buf *= momentum
+            buf += d / avg
+            p -= lr * buf
+        else:
+            p -= lr * (d / avg)
+
+    def norm_many(self, xs, norm_type):
+        # float64 over the concatenation: the oracle the float32 device sums are checked against
+        flat = np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in xs]) if xs else np.zeros(0)
+        if flat.size == 0:
+            return 0.0
+        if norm_type == math.inf:
+            return float(np.abs(flat).max())
+        if norm_type == 2.0:
+            return float(np.sqrt(np.dot(flat, flat)))
+        return float((np.abs(flat) ** norm_type).sum() ** (1.0 / norm_type))
+
+    def scale_many(self, xs, factor):
+        for x in xs:
+            x *= np.float32(factor)
 
     # ------------------------------------ general convolution and pooling ops
     def conv2d_general_forward(self, x, w, b, stride, pads, dilation, groups):

@@ -26,7 +26,7 @@ record it in ``backend.transfers``, a :class:`TransferLog`:
     ``"to_numpy"`` (:meth:`~OpenCLBackend.to_numpy`), ``"asarray"`` (host data
     uploaded by :meth:`~OpenCLBackend.asarray`), and for scalars the name of the
     method that returned them: ``"softmax_cross_entropy_forward"``, ``"bce_forward"``,
-    ``"count_correct"``, ``"all_finite"``.
+    ``"count_correct"``, ``"all_finite"``, ``"norm_many"`` (the total norm of ``clip_grad_norm_``).
 ``transfers.d2h_count``, ``d2h_bytes``, ``h2d_count``, ``h2d_bytes``
     totals; ``transfers.d2h_reasons()`` the reasons in order.
 ``transfers.reset()``
@@ -698,13 +698,52 @@ class OpenCLBackend(Backend):
                           _i32(p.size), _f32(lr), _f32(momentum), _f32(weight_decay),
                           _i32(bool(weight_decay)), _i32(v is not None), _i32(bool(nesterov)))
 
-    def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled=False):
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
         self._elementwise("adam_update", p.size, p.data, g.data, m.data, v.data, _i32(p.size),
                           _f32(beta1), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2),
                           _f32(lr / bc1), _f32(math.sqrt(bc2)), _f32(eps), _f32(weight_decay),
-                          _i32(bool(weight_decay)))
+                          _i32(bool(weight_decay) and not decoupled), _f32(1 - lr * weight_decay),
+                          _i32(bool(weight_decay) and bool(decoupled)))
+
+    # The *_many updates of the base class enqueue one kernel per parameter: all on the
+    # in-order queue, none waited for, so the step stays one pass on the device without host syncs.
+    def rmsprop_update(self, p, g, sq, buf, lr, alpha, eps, weight_decay, momentum):
+        self._elementwise("rmsprop_update", p.size, p.data, g.data, sq.data,
+                          (buf if buf is not None else self._dummy_f).data, _i32(p.size), _f32(lr), _f32(alpha),
+                          _f32(1 - alpha), _f32(eps), _f32(weight_decay), _i32(bool(weight_decay)),
+                          _f32(momentum), _i32(buf is not None))
+
+    def norm_many(self, xs, norm_type):
+        """Partials of every array into one device buffer, reduced on the device; only the
+        reduced scalar comes back (reason ``"norm_many"``)."""
+        cfg = self.config
+        xs = [x for x in xs if x.size]
+        if not xs:
+            return 0.0
+        mode = 0 if norm_type == 2.0 else (2 if norm_type == math.inf else 1)
+        groups = [max(1, min(cfg.red_groups, _cdiv(x.size, cfg.red_wg))) for x in xs]
+        partial = self.empty((sum(groups),), np.float32)
+        offset = 0
+        for x, gr in zip(xs, groups):
+            self._run("norm_partial", (gr * cfg.red_wg,), (cfg.red_wg,), x.data, partial.data, _i32(x.size),
+                      _i32(offset), _i32(mode), _f32(norm_type if mode == 1 else 1.0))
+            offset += gr
+        out = self.empty((1,), np.float32)
+        if mode == 2:
+            self._run("reduce_max_final", (cfg.red_wg,), (cfg.red_wg,), partial.data, out.data, _i32(offset))
+        else:
+            self._run("reduce_float_final", (cfg.red_wg,), (cfg.red_wg,), partial.data, out.data, _i32(offset),
+                      _f32(1.0))
+        total = float(self._scalar(out, "norm_many"))
+        if mode == 0:
+            return math.sqrt(total)
+        return total if mode == 2 else total ** (1.0 / norm_type)
+
+    def scale_many(self, xs, factor):
+        for x in xs:
+            self._elementwise("scale_inplace", x.size, x.data, _i32(x.size), _f32(factor))
 
     # ------------------------------------------------- fused conv+relu+maxpool
     def conv2d_relu_maxpool2d_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride):

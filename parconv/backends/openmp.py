@@ -672,9 +672,29 @@ class OpenMPBackend(HostArrays, Backend):
                                None if vs is None else [v.reshape(-1) for v in vs], float(lr), float(momentum),
                                float(weight_decay), bool(nesterov), get_num_threads())
 
-    def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
-        if p.size == 0:
-            return
-        _optim.adam_update(p.reshape(-1), _f32(g).reshape(-1), m.reshape(-1), v.reshape(-1), float(lr),
-                           float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
-                           get_num_threads())
+    def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled=False):
+        self.adam_update_many([p], [g], [m], [v], lr, beta1, beta2, eps, weight_decay, step, decoupled)
+
+    def adam_update_many(self, ps, gs, ms, vs, lr, beta1, beta2, eps, weight_decay, step, decoupled=False):
+        """One parallel loop over the elements of every parameter (as :meth:`sgd_update_many`)."""
+        _optim.adam_update_many([p.reshape(-1) for p in ps], [_f32(g).reshape(-1) for g in gs],
+                                [m.reshape(-1) for m in ms], [v.reshape(-1) for v in vs], float(lr), float(beta1),
+                                float(beta2), float(eps), float(weight_decay), bool(decoupled), int(step),
+                                get_num_threads())
+
+    def rmsprop_update(self, p, g, sq, buf, lr, alpha, eps, weight_decay, momentum):
+        self.rmsprop_update_many([p], [g], [sq], None if buf is None else [buf], lr, alpha, eps, weight_decay,
+                                 momentum)
+
+    def rmsprop_update_many(self, ps, gs, sqs, bufs, lr, alpha, eps, weight_decay, momentum):
+        """One parallel loop over the elements of every parameter (as :meth:`sgd_update_many`)."""
+        _optim.rmsprop_update_many([p.reshape(-1) for p in ps], [_f32(g).reshape(-1) for g in gs],
+                                   [s.reshape(-1) for s in sqs], None if bufs is None else [b.reshape(-1) for b in bufs],
+                                   float(lr), float(alpha), float(eps), float(weight_decay), float(momentum),
+                                   get_num_threads())
+
+    def norm_many(self, xs, norm_type):
+        return float(_optim.norm_many([_f32(x).reshape(-1) for x in xs], float(norm_type), get_num_threads()))
+
+    def scale_many(self, xs, factor):
+        _optim.scale_many([x.reshape(-1) for x in xs], float(factor), get_num_threads())
