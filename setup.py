@@ -118,7 +118,7 @@ class BuildExt(build_ext):
             ext.extra_compile_args = ext.extra_compile_args + cflags + opt
             ext.depends = list(ext.depends) + ["parconv/_ext/pc_common.h", "parconv/_ext/pc_conv.h",
                                                 "parconv/_ext/pc_winograd.h", "parconv/_ext/pc_fused.h",
-                                                "parconv/_ext/pc_dense.h"]
+                                                "parconv/_ext/pc_dense.h", "parconv/_ext/pc_optim.h"]
             ext.extra_link_args = ext.extra_link_args + lflags
             ext.define_macros = ext.define_macros + [("PARCONV_OPENMP", "1" if flags else "0")]
         super().build_extensions()
