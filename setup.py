@@ -20,7 +20,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-EXT_NAMES = ["_threads", "_conv", "_pool", "_dense", "_activations", "_losses", "_optim"]
+EXT_NAMES = ["_threads", "_conv", "_pool", "_dense", "_activations", "_losses", "_optim", "_norm"]
 
 OMP_TEST = textwrap.dedent(
     """

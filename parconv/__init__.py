@@ -17,7 +17,7 @@ from . import callbacks  # noqa: E402
 from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
 from .backends import available as available_backends  # noqa: E402
 from .layers import Conv2d, Flatten, Layer, Linear, MaxPool2d, Parameter, ReLU, Sigmoid, manual_seed  # noqa: E402
-from .losses import BCELoss, SoftmaxCrossEntropy  # noqa: E402
+from .losses import BCELoss, MSELoss, SoftmaxCrossEntropy  # noqa: E402
 from .model import History, Sequential, TrainingDivergedError, load  # noqa: E402
 
 
@@ -76,6 +76,7 @@ __all__ = [
     "Flatten",
     "SoftmaxCrossEntropy",
     "BCELoss",
+    "MSELoss",
     "functional",
     "optim",
     "datasets",

@@ -491,28 +491,37 @@ def check_labels(labels, n: int, n_classes: int, where: str) -> np.ndarray:
     return y
 
 
-def softmax_cross_entropy(logits, labels, *, backend=None):
+def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, backend=None):
     """Mean softmax cross-entropy of (N, G) logits and (N,) integer labels.
 
     Returns ``(loss, probs)``: loss a Python float, probs the (N, G) softmax
     kept on the backend for :func:`softmax_cross_entropy_backward`.
+    ``label_smoothing`` s in [0, 1] mixes the one-hot target with the uniform
+    one, ``(1 - s) onehot + s / G`` (PyTorch's semantics).
     """
     be = _backends.get(backend)
     where = "softmax_cross_entropy"
+    s = check_label_smoothing(label_smoothing, where)
     logits = to_backend_array(logits, be, "logits", where)
     check_ndim(shape_of(logits), 2, "logits", where, "(N, classes)")
     check_nonempty(shape_of(logits), "logits", where)
     y = check_labels(labels, logits.shape[0], logits.shape[1], where)
+    if s:
+        return be.softmax_cross_entropy_smoothed_forward(logits, be.asarray(y, np.int32), s)
     return be.softmax_cross_entropy_forward(logits, be.asarray(y, np.int32))
 
 
-def softmax_cross_entropy_backward(probs, labels, *, backend=None):
-    """``(probs - onehot(labels)) / N``: the gradient of the mean loss w.r.t. the logits."""
+def softmax_cross_entropy_backward(probs, labels, *, label_smoothing: float = 0.0, backend=None):
+    """``(probs - target) / N``: the gradient of the mean loss w.r.t. the logits, with target
+    ``onehot(labels)``, or ``(1 - s) onehot + s / G`` for ``label_smoothing`` s."""
     be = _backends.get(backend)
     where = "softmax_cross_entropy_backward"
+    s = check_label_smoothing(label_smoothing, where)
     probs = to_backend_array(probs, be, "probs", where)
     check_ndim(shape_of(probs), 2, "probs", where, "(N, classes)")
     y = check_labels(labels, probs.shape[0], probs.shape[1], where)
+    if s:
+        return be.softmax_cross_entropy_smoothed_backward(probs, be.asarray(y, np.int32), s)
     return be.softmax_cross_entropy_backward(probs, be.asarray(y, np.int32))
 
 
@@ -539,3 +548,297 @@ def binary_cross_entropy_backward(p, targets, *, eps: float = BCE_EPS, backend=N
     eps = check_float(eps, "eps", "binary_cross_entropy_backward", 0.0, 0.5, min_inclusive=False, max_inclusive=False)
     p, t = _bce_args(p, targets, be, "binary_cross_entropy_backward")
     return be.bce_backward(p, t, eps)
+
+
+# ==================================================================================
+# Normalisation, dropout, more activations, add, MSE and label smoothing
+# (x for batch norm: (N, C), (N, C, L) or (N, C, H, W); statistics over every dim but 1)
+# ==================================================================================
+__all__ += [
+    "BatchNormSaved",
+    "batch_norm",
+    "batch_norm_backward",
+    "dropout",
+    "dropout_backward",
+    "leaky_relu",
+    "leaky_relu_backward",
+    "tanh",
+    "tanh_backward",
+    "softmax",
+    "softmax_backward",
+    "add",
+    "mse_loss",
+    "mse_loss_backward",
+]
+
+
+class BatchNormSaved(tuple):
+    """What :func:`batch_norm` hands to :func:`batch_norm_backward`: ``(training, mean, invstd, y)``.
+
+    ``mean`` and ``invstd`` (C,) are backend arrays (the statistics the forward
+    normalised with); ``y`` is the forward output when a ReLU was fused, else None.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, training, mean, invstd, y):
+        return tuple.__new__(cls, (bool(training), mean, invstd, y))
+
+    training = property(lambda self: self[0])
+    mean = property(lambda self: self[1])
+    invstd = property(lambda self: self[2])
+    y = property(lambda self: self[3])
+
+
+def _check_bool(value, name: str, where: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _bn_input(x, be, where: str):
+    x = to_backend_array(x, be, "x", where)
+    shape = shape_of(x)
+    if len(shape) not in (2, 3, 4):
+        raise ValueError(f"{where}: x must be 2-D (N, C), 3-D (N, C, L) or 4-D (N, C, H, W), got shape {shape}")
+    check_nonempty(shape, "x", where)
+    return x
+
+
+def _bn_channel_param(a, C: int, name: str, be, where: str):
+    if a is None:
+        return None
+    a = to_backend_array(a, be, name, where)
+    if shape_of(a) != (C,):
+        raise ValueError(f"{where}: {name} must have shape ({C},) for x with {C} channels, got {shape_of(a)}")
+    return a
+
+
+def _bn_running(a, C: int, name: str, be, where: str):
+    """A running statistic: updated in place, so it must already be a float32 (C,) backend array."""
+    if not be.is_array(a) or a.dtype != np.float32:
+        raise TypeError(f"{where}: {name} must be a float32 array of backend {be.name!r} (it is updated in "
+                        f"place), got {type(a).__name__} {getattr(a, 'dtype', '')}")
+    if shape_of(a) != (C,):
+        raise ValueError(f"{where}: {name} must have shape ({C},) for x with {C} channels, got {shape_of(a)}")
+    if be.host_arrays and not a.flags.c_contiguous:
+        raise ValueError(f"{where}: {name} must be C-contiguous")
+    return a
+
+
+def batch_norm(x, weight, bias, running_mean, running_var, *, training, momentum: float = 0.1,
+               eps: float = 1e-5, relu: bool = False, backend=None):
+    """Batch normalisation (PyTorch's ``F.batch_norm``), with an optional fused ReLU.
+
+    Parameters
+    ----------
+    x : array-like, (N, C), (N, C, L) or (N, C, H, W)
+        Statistics run over every dim but 1 (``M = N * L`` or ``N * H * W`` values per channel).
+    weight, bias : array-like (C,) or None
+        The affine transform; None is ``affine=False``.
+    running_mean, running_var : backend float32 arrays (C,) or None
+        ``training=True``: updated in place when given, ``running = (1 - momentum) *
+        running + momentum * batch`` with the *unbiased* batch variance (as PyTorch).
+        ``training=False``: the statistics x is normalised with (required).
+    training : bool
+        Normalise with the batch's mean and biased variance (needs ``M > 1``), or
+        with the running statistics.
+    momentum : float in [0, 1]
+    eps : float > 0
+    relu : bool
+        Apply ``max(y, 0)`` after the transform (BatchNorm + ReLU in one pass).
+
+    Returns
+    -------
+    y : backend array, float32, the shape of x
+    saved : BatchNormSaved
+        The statistics (and y when ``relu``) that :func:`batch_norm_backward` needs.
+    """
+    where = "batch_norm"
+    be = _backends.get(backend)
+    training = _check_bool(training, "training", where)
+    relu = _check_bool(relu, "relu", where)
+    momentum = check_float(momentum, "momentum", where, 0.0, 1.0)
+    eps = check_float(eps, "eps", where, 0.0, min_inclusive=False)
+    x = _bn_input(x, be, where)
+    C = x.shape[1]
+    w = _bn_channel_param(weight, C, "weight", be, where)
+    b = _bn_channel_param(bias, C, "bias", be, where)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(f"{where}: running_mean and running_var must both be given or both be None")
+    rm = None if running_mean is None else _bn_running(running_mean, C, "running_mean", be, where)
+    rv = None if running_var is None else _bn_running(running_var, C, "running_var", be, where)
+    if training:
+        count = x.size // C
+        if count < 2:
+            raise ValueError(f"{where}: training needs more than 1 value per channel, got x of shape {shape_of(x)}")
+        y, mean, invstd = be.batch_norm_forward_train(x, w, b, rm, rv, momentum, eps, relu)
+    else:
+        if rm is None:
+            raise ValueError(f"{where}: training=False normalises with running_mean and running_var, got None")
+        y, mean, invstd = be.batch_norm_forward_eval(x, w, b, rm, rv, eps, relu)
+    return y, BatchNormSaved(training, mean, invstd, y if relu else None)
+
+
+def batch_norm_backward(x, weight, dy, saved, *, need_dx: bool = True, backend=None):
+    """Gradients of :func:`batch_norm`; returns ``(dx, dweight, dbias)`` (overwritten).
+
+    ``saved`` is what the forward returned. In training mode the batch
+    statistics depend on x and their gradient flows into dx; in eval mode they
+    are constants. dx is None unless ``need_dx``; dweight and dbias (C,) are
+    None when ``weight`` is None.
+    """
+    where = "batch_norm_backward"
+    be = _backends.get(backend)
+    if not isinstance(saved, BatchNormSaved):
+        raise TypeError(f"{where}: saved must be the BatchNormSaved that batch_norm returned, "
+                        f"got {type(saved).__name__}")
+    x = _bn_input(x, be, where)
+    C = x.shape[1]
+    w = _bn_channel_param(weight, C, "weight", be, where)
+    dy = to_backend_array(dy, be, "dy", where)
+    check_grad_shape(shape_of(dy), shape_of(x), where)
+    for name, a in (("mean", saved.mean), ("invstd", saved.invstd)):
+        if not be.is_array(a) or shape_of(a) != (C,):
+            raise ValueError(f"{where}: saved.{name} must be a ({C},) array of backend {be.name!r}; pass the "
+                             "saved value batch_norm returned for this x")
+    y = saved.y
+    if y is not None and (not be.is_array(y) or shape_of(y) != shape_of(x)):
+        raise ValueError(f"{where}: saved.y must be the forward output of shape {shape_of(x)}")
+    return be.batch_norm_backward(x, w, dy, saved.mean, saved.invstd, y, saved.training, bool(need_dx))
+
+
+def _dropout_args(p, seed, where: str):
+    p = check_float(p, "p", where, 0.0, 1.0)
+    seed = check_int(seed, "seed", where, 0)
+    if seed >= 1 << 64:
+        raise ValueError(f"{where}: seed must be a uint64 (< 2**64), got {seed}")
+    return p, seed
+
+
+def dropout(x, p: float, seed: int, *, backend=None):
+    """Inverted dropout: each element kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``.
+
+    The keep mask is a counter-based hash of ``(seed, flat index)``, the same on
+    every backend, so no mask is stored: :func:`dropout_backward` recomputes it.
+
+    Parameters
+    ----------
+    x : array-like, any shape
+    p : float in [0, 1]
+        Drop probability (1 gives zeros).
+    seed : int in [0, 2**64)
+        Draw a fresh one per call (e.g. ``rng.integers(2**64, dtype=np.uint64)``).
+
+    Returns
+    -------
+    y : backend array, float32, the shape of x
+    """
+    be = _backends.get(backend)
+    p, seed = _dropout_args(p, seed, "dropout")
+    return be.dropout_forward(_elementwise("dropout", x, be), p, seed)
+
+
+def dropout_backward(dy, p: float, seed: int, *, backend=None):
+    """Gradient of :func:`dropout` with the same ``p`` and ``seed``: ``dy`` through the same mask."""
+    be = _backends.get(backend)
+    p, seed = _dropout_args(p, seed, "dropout_backward")
+    dy = to_backend_array(dy, be, "dy", "dropout_backward")
+    check_nonempty(shape_of(dy), "dy", "dropout_backward")
+    return be.dropout_backward(dy, p, seed)
+
+
+def _slope(negative_slope, where):
+    return check_float(negative_slope, "negative_slope", where)
+
+
+def leaky_relu(x, negative_slope: float = 0.01, *, backend=None):
+    """``x if x > 0 else negative_slope * x`` elementwise."""
+    be = _backends.get(backend)
+    slope = _slope(negative_slope, "leaky_relu")
+    return be.leaky_relu_forward(_elementwise("leaky_relu", x, be), slope)
+
+
+def leaky_relu_backward(x, dy, negative_slope: float = 0.01, *, backend=None):
+    """Gradient of :func:`leaky_relu` from its *input* ``x``."""
+    be = _backends.get(backend)
+    slope = _slope(negative_slope, "leaky_relu_backward")
+    x = to_backend_array(x, be, "x", "leaky_relu_backward")
+    dy = to_backend_array(dy, be, "dy", "leaky_relu_backward")
+    check_grad_shape(shape_of(dy), shape_of(x), "leaky_relu_backward")
+    return be.leaky_relu_backward(x, dy, slope)
+
+
+def tanh(x, *, backend=None):
+    """Hyperbolic tangent elementwise."""
+    be = _backends.get(backend)
+    return be.tanh_forward(_elementwise("tanh", x, be))
+
+
+def tanh_backward(y, dy, *, backend=None):
+    """Gradient of :func:`tanh` from its output ``y``: ``dy * (1 - y**2)``."""
+    be = _backends.get(backend)
+    y = to_backend_array(y, be, "y", "tanh_backward")
+    dy = to_backend_array(dy, be, "dy", "tanh_backward")
+    check_grad_shape(shape_of(dy), shape_of(y), "tanh_backward")
+    return be.tanh_backward(y, dy)
+
+
+def _softmax_dim(dim, ndim: int, where: str) -> int:
+    dim = check_int(dim, "dim", where, -(1 << 62))
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{where}: dim must be in [{-ndim}, {ndim}) for a {ndim}-D input, got {dim}")
+    return dim % ndim
+
+
+def softmax(x, dim: int = 1, *, backend=None):
+    """Numerically stable softmax along ``dim`` (negative counts from the end) of x of any rank."""
+    be = _backends.get(backend)
+    x = _elementwise("softmax", x, be)
+    return be.softmax_forward(x, _softmax_dim(dim, len(shape_of(x)), "softmax"))
+
+
+def softmax_backward(y, dy, dim: int = 1, *, backend=None):
+    """Gradient of :func:`softmax` from its output ``y``: ``y * (dy - sum(dy * y, dim))``."""
+    be = _backends.get(backend)
+    y = to_backend_array(y, be, "y", "softmax_backward")
+    dy = to_backend_array(dy, be, "dy", "softmax_backward")
+    check_nonempty(shape_of(y), "y", "softmax_backward")
+    check_grad_shape(shape_of(dy), shape_of(y), "softmax_backward")
+    return be.softmax_backward(y, dy, _softmax_dim(dim, len(shape_of(y)), "softmax_backward"))
+
+
+def add(a, b, *, backend=None):
+    """``a + b`` as a new array; a and b have equal shapes (no broadcasting)."""
+    be = _backends.get(backend)
+    a = to_backend_array(a, be, "a", "add")
+    b = to_backend_array(b, be, "b", "add")
+    if shape_of(a) != shape_of(b):
+        raise ValueError(f"add: a and b must have the same shape, got {shape_of(a)} and {shape_of(b)}")
+    return be.add(a, b)
+
+
+def _mse_args(pred, target, be, where):
+    pred = to_backend_array(pred, be, "pred", where)
+    check_nonempty(shape_of(pred), "pred", where)
+    target = to_backend_array(target, be, "target", where)
+    if shape_of(target) != shape_of(pred):
+        raise ValueError(f"{where}: target shape {shape_of(target)} must equal pred's shape {shape_of(pred)}")
+    return pred, target
+
+
+def mse_loss(pred, target, *, backend=None) -> float:
+    """Mean squared error over every element of ``pred`` and ``target`` (same shape); a float."""
+    be = _backends.get(backend)
+    return be.mse_forward(*_mse_args(pred, target, be, "mse_loss"))
+
+
+def mse_loss_backward(pred, target, *, backend=None):
+    """Gradient of :func:`mse_loss` w.r.t. ``pred``: ``2 (pred - target) / numel`` (overwritten)."""
+    be = _backends.get(backend)
+    return be.mse_backward(*_mse_args(pred, target, be, "mse_loss_backward"))
+
+
+def check_label_smoothing(value, where: str) -> float:
+    """``label_smoothing`` as a float in [0, 1]."""
+    return check_float(value, "label_smoothing", where, 0.0, 1.0)

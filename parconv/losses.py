@@ -10,7 +10,7 @@ from . import backends as _backends
 from . import functional as F
 from ._validation import check_float, check_ndim, check_nonempty, shape_of, to_backend_array
 
-__all__ = ["Loss", "SoftmaxCrossEntropy", "BCELoss"]
+__all__ = ["Loss", "SoftmaxCrossEntropy", "BCELoss", "MSELoss"]
 
 
 class Loss:
@@ -45,6 +45,9 @@ class Loss:
 class SoftmaxCrossEntropy(Loss):
     """Softmax + cross-entropy on (N, classes) logits and (N,) integer labels, mean over the batch.
 
+    ``label_smoothing`` s in [0, 1] trains against ``(1 - s) onehot + s / classes``
+    instead of the one-hot target (PyTorch's ``CrossEntropyLoss(label_smoothing=s)``).
+
     Examples
     --------
     >>> import numpy as np, parconv as pc
@@ -55,6 +58,17 @@ class SoftmaxCrossEntropy(Loss):
     (2, 4)
     """
 
+    def __init__(self, label_smoothing: float = 0.0):
+        super().__init__()
+        self.label_smoothing = F.check_label_smoothing(label_smoothing, "SoftmaxCrossEntropy")
+
+    def config(self):
+        return {"label_smoothing": self.label_smoothing} if self.label_smoothing else {}
+
+    def __repr__(self):
+        return f"SoftmaxCrossEntropy(label_smoothing={self.label_smoothing})" if self.label_smoothing \
+            else "SoftmaxCrossEntropy()"
+
     def forward(self, logits, labels, backend=None) -> float:
         be = _backends.get(backend) if backend is not None else _infer_backend(logits)
         where = "SoftmaxCrossEntropy"
@@ -62,7 +76,10 @@ class SoftmaxCrossEntropy(Loss):
         check_ndim(shape_of(logits), 2, "logits", where, "(N, classes)")
         check_nonempty(shape_of(logits), "logits", where)
         y = self._labels_for(labels, logits, be)
-        loss, probs = be.softmax_cross_entropy_forward(logits, y)
+        if self.label_smoothing:
+            loss, probs = be.softmax_cross_entropy_smoothed_forward(logits, y, self.label_smoothing)
+        else:
+            loss, probs = be.softmax_cross_entropy_forward(logits, y)
         self._cache = (be, probs, y)
         return loss
 
@@ -94,8 +111,10 @@ class SoftmaxCrossEntropy(Loss):
         return self.prepare_target(labels, n, be, n_classes=n_classes)
 
     def backward(self):
-        """Gradient w.r.t. the logits, ``(softmax - onehot) / N``."""
+        """Gradient w.r.t. the logits, ``(softmax - target) / N``."""
         be, probs, y = self._cached()
+        if self.label_smoothing:
+            return be.softmax_cross_entropy_smoothed_backward(probs, y, self.label_smoothing)
         return be.softmax_cross_entropy_backward(probs, y)
 
     def count_correct(self, logits, labels_b) -> int:
@@ -149,6 +168,46 @@ class BCELoss(Loss):
         be = _infer_backend(p)
         pred = be.to_numpy(p) > 0.5
         return int((pred == (be.to_numpy(t_b) > 0.5)).all(axis=tuple(range(1, pred.ndim))).sum())
+
+
+class MSELoss(Loss):
+    """Mean squared error over every element of predictions and targets of the same shape.
+
+    Examples
+    --------
+    >>> import numpy as np, parconv as pc
+    >>> loss_fn = pc.MSELoss()
+    >>> loss_fn(np.array([[1.0, 2.0]]), np.array([[1.0, 4.0]]))
+    2.0
+    >>> pc.to_numpy(loss_fn.backward()).tolist()   # 2 (pred - target) / numel
+    [[0.0, -2.0]]
+    """
+
+    def forward(self, pred, target, backend=None) -> float:
+        be = _backends.get(backend) if backend is not None else _infer_backend(pred)
+        pred = to_backend_array(pred, be, "pred", "MSELoss")
+        check_nonempty(shape_of(pred), "pred", "MSELoss")
+        t = self.prepare_target(target, shape_of(pred), be)
+        loss = be.mse_forward(pred, t)
+        self._cache = (be, pred, t)
+        return loss
+
+    def prepare_target(self, target, shape, backend):
+        """Validate real-valued targets and move them to ``backend`` as float32."""
+        backend = _backends.get(backend)
+        t = to_backend_array(target, backend, "target", "MSELoss")
+        if shape is not None and shape_of(t) != tuple(shape):
+            raise ValueError(f"MSELoss: target shape {shape_of(t)} must equal the predictions' shape {tuple(shape)}")
+        return t
+
+    def backward(self):
+        """Gradient w.r.t. the predictions, ``2 (pred - target) / numel``."""
+        be, pred, t = self._cached()
+        return be.mse_backward(pred, t)
+
+    def count_correct(self, pred, target_b) -> int:
+        """Regression has no correct samples to count: always 0 (accuracy is not reported for it)."""
+        return 0
 
 
 def _infer_backend(a):

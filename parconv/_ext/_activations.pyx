@@ -82,3 +82,134 @@ def sigmoid_backward(const float[::1] y,   # IN  (n,) forward output
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_sigmoid_bwd(&y[a], &dy[a], &dx[a], b - a)
+
+
+# ----------------------------------------------------------------------------------
+# leaky_relu, tanh, add (flat, n elements) and softmax: x viewed as (O, D, I), the
+# softmax running along D for each of the O * I lines (stride I between its elements).
+# ----------------------------------------------------------------------------------
+from libc.math cimport expf, tanhf
+
+
+def leaky_relu_forward(const float[::1] x,  # IN  (n,)
+                       float[::1] y,        # OUT (n,), overwritten
+                       float negative_slope, int num_threads):
+    """``y = x if x > 0 else negative_slope * x`` (NaN propagates)."""
+    cdef Py_ssize_t n = x.shape[0], i, k
+    cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    cdef float v
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for k in range(n * i // nc, n * (i + 1) // nc):
+                v = x[k]
+                y[k] = v if v > 0 else v * negative_slope
+
+
+def leaky_relu_backward(const float[::1] x,   # IN  (n,) forward input
+                        const float[::1] dy,  # IN  (n,)
+                        float[::1] dx,        # OUT (n,), overwritten
+                        float negative_slope, int num_threads):
+    """``dx = dy if x > 0 else negative_slope * dy``."""
+    cdef Py_ssize_t n = x.shape[0], i, k
+    cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for k in range(n * i // nc, n * (i + 1) // nc):
+                dx[k] = dy[k] if x[k] > 0 else dy[k] * negative_slope
+
+
+def tanh_forward(const float[::1] x,  # IN  (n,)
+                 float[::1] y,        # OUT (n,), overwritten
+                 int num_threads):
+    """``y = tanh(x)``."""
+    cdef Py_ssize_t n = x.shape[0], i, k
+    cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for k in range(n * i // nc, n * (i + 1) // nc):
+                y[k] = tanhf(x[k])
+
+
+def tanh_backward(const float[::1] y,   # IN  (n,) forward output
+                  const float[::1] dy,  # IN  (n,)
+                  float[::1] dx,        # OUT (n,), overwritten
+                  int num_threads):
+    """``dx = dy * (1 - y * y)``."""
+    cdef Py_ssize_t n = y.shape[0], i, k
+    cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for k in range(n * i // nc, n * (i + 1) // nc):
+                dx[k] = dy[k] * (<float>1.0 - y[k] * y[k])
+
+
+def add(const float[::1] a,  # IN  (n,)
+        const float[::1] b,  # IN  (n,)
+        float[::1] out,      # OUT (n,), overwritten
+        int num_threads):
+    """``out = a + b``."""
+    cdef Py_ssize_t n = a.shape[0], i, k
+    cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for k in range(n * i // nc, n * (i + 1) // nc):
+                out[k] = a[k] + b[k]
+
+
+cdef inline void _softmax_line(const float *x, float *y, Py_ssize_t D, Py_ssize_t s) noexcept nogil:
+    """Stable softmax of the D values x[0], x[s], x[2 s], ...; the sum in double."""
+    cdef Py_ssize_t d
+    cdef float m = x[0], e
+    cdef double total = 0.0
+    for d in range(1, D):
+        if x[d * s] > m:
+            m = x[d * s]
+    for d in range(D):
+        e = expf(x[d * s] - m)
+        y[d * s] = e
+        total += e
+    e = <float>total
+    for d in range(D):
+        y[d * s] = y[d * s] / e
+
+
+cdef inline void _softmax_bwd_line(const float *y, const float *dy, float *dx, Py_ssize_t D,
+                                   Py_ssize_t s) noexcept nogil:
+    """dx = y * (dy - sum(dy * y)) along one line; the sum in double."""
+    cdef Py_ssize_t d
+    cdef double total = 0.0
+    cdef float dot
+    for d in range(D):
+        total += dy[d * s] * y[d * s]
+    dot = <float>total
+    for d in range(D):
+        dx[d * s] = y[d * s] * (dy[d * s] - dot)
+
+
+def softmax_forward(const float[:, :, ::1] x,  # IN  (O, D, I)
+                    float[:, :, ::1] y,        # OUT (O, D, I), overwritten
+                    int num_threads):
+    """Softmax along axis 1 of each (O, D, I) line, one contiguous range of lines per thread."""
+    cdef Py_ssize_t O = x.shape[0], D = x.shape[1], I = x.shape[2], lines = O * I, l, i
+    cdef int nc = _chunks(lines * D, SERIAL_BELOW_EXP, num_threads)
+    if nc > lines:
+        nc = <int>lines
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for l in range(lines * i // nc, lines * (i + 1) // nc):
+                _softmax_line(&x[l // I, 0, l % I], &y[l // I, 0, l % I], D, I)
+
+
+def softmax_backward(const float[:, :, ::1] y,   # IN  (O, D, I) forward output
+                     const float[:, :, ::1] dy,  # IN  (O, D, I)
+                     float[:, :, ::1] dx,        # OUT (O, D, I), overwritten
+                     int num_threads):
+    """``dx = y * (dy - sum(dy * y, axis=1))``."""
+    cdef Py_ssize_t O = y.shape[0], D = y.shape[1], I = y.shape[2], lines = O * I, l, i
+    cdef int nc = _chunks(lines * D, SERIAL_BELOW, num_threads)
+    if nc > lines:
+        nc = <int>lines
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for l in range(lines * i // nc, lines * (i + 1) // nc):
+                _softmax_bwd_line(&y[l // I, 0, l % I], &dy[l // I, 0, l % I], &dx[l // I, 0, l % I], D, I)

@@ -186,3 +186,120 @@ def argmax_rows(const float[:, ::1] logits,  # IN  (N, G)
     with nogil:
         for r in prange(N, schedule="static", num_threads=nt):
             out[r] = <int>_row_argmax(&logits[r, 0], G)
+
+
+# ----------------------------------------------------------------------------------
+# MSE (p, t flat, n elements) and softmax cross-entropy with label smoothing: the target
+# row is `off` everywhere and `on` at the label (on = 1 - s + s / G, off = s / G, float32).
+# ----------------------------------------------------------------------------------
+cdef double _sq_sum(const float *p, const float *t, Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float d
+    cdef double s = 0.0
+    for i in range(a, b):
+        d = p[i] - t[i]
+        s += d * d
+    return s
+
+
+def mse_forward(const float[::1] p,  # IN  (n,) predictions
+                const float[::1] t,  # IN  (n,) targets
+                int num_threads):
+    """Mean of ``(p - t)^2`` (squares in float32, summed in double per chunk, chunks in order)."""
+    cdef Py_ssize_t n = p.shape[0], i
+    cdef int nc = _chunks(n, n, num_threads)
+    cdef double *part = <double *>malloc(sizeof(double) * nc)
+    cdef double total = 0.0
+    if part == NULL:
+        raise MemoryError()
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            part[i] = _sq_sum(&p[0], &t[0], n * i // nc, n * (i + 1) // nc)
+    for i in range(nc):
+        total += part[i]
+    free(part)
+    return total / n
+
+
+def mse_backward(const float[::1] p,  # IN  (n,)
+                 const float[::1] t,  # IN  (n,)
+                 float[::1] dp,       # OUT (n,), overwritten
+                 int num_threads):
+    """``dp = (p - t) * (2 / n)``."""
+    cdef Py_ssize_t n = p.shape[0], i
+    cdef int nt = _chunks(n, n, num_threads)
+    cdef float k = <float>(2.0 / n)
+    with nogil:
+        for i in prange(n, schedule="static", num_threads=nt):
+            dp[i] = (p[i] - t[i]) * k
+
+
+cdef double _xent_smooth_rows(const float *x, const int *lab, float *probs, Py_ssize_t r0, Py_ssize_t r1,
+                              Py_ssize_t G, double on, double off) noexcept nogil:
+    """Softmax of rows [r0, r1) into probs (flushed as _xent_rows); returns the sum over the rows of
+    -(on logp[label] + off sum_{j != label} logp[j])."""
+    cdef Py_ssize_t r, j
+    cdef const float *row
+    cdef float *pr
+    cdef float m, lse, e, inv
+    cdef double s, zsum, loss = 0.0, lp_label
+    for r in range(r0, r1):
+        row = x + r * G
+        pr = probs + r * G
+        m = row[0]
+        for j in range(1, G):
+            if row[j] > m:
+                m = row[j]
+        s = 0.0
+        zsum = 0.0
+        for j in range(G):
+            e = expf(row[j] - m)
+            pr[j] = e
+            s += e
+            zsum += (row[j] - m)
+        lse = <float>log(s)
+        inv = <float>(1.0 / s)
+        for j in range(G):
+            e = pr[j] * inv
+            pr[j] = <float>0.0 if e < FLT_MIN else e
+        lp_label = (row[lab[r]] - m) - lse
+        loss -= on * lp_label + off * ((zsum - G * <double>lse) - lp_label)
+    return loss
+
+
+def softmax_cross_entropy_smoothed_forward(const float[:, ::1] logits,  # IN  (N, G)
+                                           const int[::1] labels,        # IN  (N,) in [0, G)
+                                           float[:, ::1] probs,          # OUT (N, G), overwritten
+                                           double on, double off, int num_threads):
+    """Mean cross-entropy against the smoothed targets; returns the loss as a Python float."""
+    cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1]
+    cdef int nc = _chunks(N, N * G, num_threads)
+    cdef double *part = <double *>malloc(sizeof(double) * nc)
+    cdef double total = 0.0
+    cdef Py_ssize_t i
+    if part == NULL:
+        raise MemoryError()
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            part[i] = _xent_smooth_rows(&logits[0, 0], &labels[0], &probs[0, 0], N * i // nc, N * (i + 1) // nc,
+                                        G, on, off)
+    for i in range(nc):
+        total += part[i]
+    free(part)
+    return total / N
+
+
+def softmax_cross_entropy_smoothed_backward(const float[:, ::1] probs,  # IN  (N, G)
+                                            const int[::1] labels,       # IN  (N,)
+                                            float[:, ::1] dlogits,       # OUT (N, G), overwritten
+                                            float on, float off, int num_threads):
+    """``dlogits = (probs - target) / N``, entries of magnitude below ``FLT_MIN`` flushed to zero."""
+    cdef Py_ssize_t N = probs.shape[0], G = probs.shape[1], r, j
+    cdef int nt = _chunks(N, N * G, num_threads)
+    cdef float fn = <float>N
+    cdef float v
+    with nogil:
+        for r in prange(N, schedule="static", num_threads=nt):
+            for j in range(G):
+                v = (probs[r, j] - (on if j == labels[r] else off)) / fn
+                dlogits[r, j] = <float>0.0 if (v < FLT_MIN and v > -FLT_MIN) else v

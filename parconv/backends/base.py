@@ -370,3 +370,102 @@ class Backend:
     def adaptive_avgpool2d_backward(self, dy, x_shape, output_size: tuple):
         """Gradient of :meth:`adaptive_avgpool2d_forward`: dx of ``x_shape`` (overwritten)."""
         raise self._missing("adaptive_avgpool2d_backward")
+
+    # ------------------------------------------------------------ batch norm
+    # x is (N, C), (N, C, L) or (N, C, H, W); the statistics run over every dim but 1
+    # (M = N * L or N * H * W values per channel). weight/bias (C,) or None (no affine);
+    # mean/invstd (C,) float32 are what the forward normalised with, kept for the backward.
+    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum: float,
+                                 eps: float, relu: bool):
+        """Batch-statistics normalisation: returns ``(y, mean, invstd)``.
+
+        ``mean`` and the biased variance ``var`` are per channel over the batch;
+        ``invstd = 1 / sqrt(var + eps)``; ``y = (x - mean) * (invstd * weight) + bias``
+        (``max(y, 0)`` when ``relu``). Where ``running_mean``/``running_var`` are not
+        None they are updated in place: ``running = (1 - momentum) * running +
+        momentum * batch``, the variance from the unbiased ``var * M / (M - 1)``.
+        Needs ``M > 1``.
+        """
+        raise self._missing("batch_norm_forward_train")
+
+    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps: float, relu: bool):
+        """Running-statistics normalisation: returns ``(y, mean, invstd)`` with ``mean`` a copy of
+        ``running_mean`` and ``invstd = 1 / sqrt(running_var + eps)``; y as the training forward."""
+        raise self._missing("batch_norm_forward_eval")
+
+    def batch_norm_backward(self, x, weight, dy, mean, invstd, y, training: bool, need_dx: bool = True):
+        """Gradients of a batch-norm forward; returns ``(dx, dweight, dbias)`` (overwritten).
+
+        ``y`` is the forward's output when it fused a ReLU (the gradient is
+        masked by ``y > 0`` first), else None. ``training``: the statistics
+        were the batch's (their gradient flows into dx); otherwise they were
+        constants. dx None unless ``need_dx``; dweight/dbias (C,) None when
+        ``weight`` is None.
+        """
+        raise self._missing("batch_norm_backward")
+
+    # --------------------------------------------------------------- dropout
+    def dropout_forward(self, x, p: float, seed: int):
+        """Inverted dropout: ``y = x * keep / (1 - p)``, any shape.
+
+        ``keep`` is a counter-based hash of ``(seed, flat index)``
+        (:func:`parconv.backends.numpy_ref.dropout_keep`), the same on every
+        backend, so nothing is stored for the backward. ``p`` in ``[0, 1]``
+        (1 gives zeros).
+        """
+        raise self._missing("dropout_forward")
+
+    def dropout_backward(self, dy, p: float, seed: int):
+        """``dx = dy * keep / (1 - p)`` with the forward's mask, recomputed from ``seed``."""
+        raise self._missing("dropout_backward")
+
+    # ------------------------------------------------------ more activations
+    def leaky_relu_forward(self, x, negative_slope: float):
+        """``y = x if x > 0 else negative_slope * x`` elementwise."""
+        raise self._missing("leaky_relu_forward")
+
+    def leaky_relu_backward(self, x, dy, negative_slope: float):
+        """``dx = dy if x > 0 else negative_slope * dy`` from the forward *input* x."""
+        raise self._missing("leaky_relu_backward")
+
+    def tanh_forward(self, x):
+        """``y = tanh(x)`` elementwise."""
+        raise self._missing("tanh_forward")
+
+    def tanh_backward(self, y, dy):
+        """``dx = dy * (1 - y * y)`` from the forward output y."""
+        raise self._missing("tanh_backward")
+
+    def softmax_forward(self, x, dim: int):
+        """Stable softmax along axis ``dim`` (``0 <= dim < x.ndim``) of x of any rank."""
+        raise self._missing("softmax_forward")
+
+    def softmax_backward(self, y, dy, dim: int):
+        """``dx = y * (dy - sum(dy * y, dim))`` from the forward output y."""
+        raise self._missing("softmax_backward")
+
+    def add(self, a, b):
+        """``a + b`` for two arrays of equal shape, as a new array."""
+        raise self._missing("add")
+
+    # ------------------------------------------------------------ more losses
+    def mse_forward(self, pred, target) -> float:
+        """``mean((pred - target) ** 2)`` over every element (equal shapes); a Python float."""
+        raise self._missing("mse_forward")
+
+    def mse_backward(self, pred, target):
+        """``2 * (pred - target) / numel`` (overwritten)."""
+        raise self._missing("mse_backward")
+
+    def softmax_cross_entropy_smoothed_forward(self, logits, labels, label_smoothing: float):
+        """Mean softmax cross-entropy against smoothed targets ``(1 - s) onehot + s / G``.
+
+        Returns ``(loss, probs)`` as :meth:`softmax_cross_entropy_forward`; the
+        loss per row is ``-(1 - s) logp[label] - (s / G) sum_j logp[j]``
+        (PyTorch's ``label_smoothing``), ``0 < s <= 1``.
+        """
+        raise self._missing("softmax_cross_entropy_smoothed_forward")
+
+    def softmax_cross_entropy_smoothed_backward(self, probs, labels, label_smoothing: float):
+        """``dlogits = (probs - (1 - s) onehot(labels) - s / G) / N`` (overwritten)."""
+        raise self._missing("softmax_cross_entropy_smoothed_backward")

@@ -347,3 +347,154 @@ class NumpyBackend(HostArrays, Backend):
                 area = np.asarray((h1 - h0) * (w1 - w0), dtype=dy.dtype)
                 dx[:, :, h0:h1, w0:w1] += (dy[:, :, p, q] / area)[:, :, None, None]
         return dx
+
+    # ------------------------------------------------------------ batch norm
+    # Statistics are accumulated in float64 and rounded once to the input's dtype, so the
+    # oracle stays accurate for large N * H * W; the normalisation itself runs in that dtype.
+    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu):
+        x3 = _bn_view(x)
+        count = x3.shape[0] * x3.shape[2]
+        mean64 = x3.mean(axis=(0, 2), dtype=np.float64)
+        var64 = np.square(x3 - mean64[None, :, None]).mean(axis=(0, 2))
+        mean = mean64.astype(x.dtype)
+        invstd = (1.0 / np.sqrt(var64 + eps)).astype(x.dtype)
+        if running_mean is not None:
+            running_mean[...] = (1.0 - momentum) * running_mean + momentum * mean64
+        if running_var is not None:
+            running_var[...] = (1.0 - momentum) * running_var + momentum * (var64 * count / (count - 1))
+        return _bn_apply(x, x3, weight, bias, mean, invstd, relu), mean, invstd
+
+    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu):
+        mean = running_mean.astype(x.dtype, copy=True)
+        invstd = (1 / np.sqrt(running_var.astype(x.dtype) + eps)).astype(x.dtype)
+        return _bn_apply(x, _bn_view(x), weight, bias, mean, invstd, relu), mean, invstd
+
+    def batch_norm_backward(self, x, weight, dy, mean, invstd, y, training, need_dx=True):
+        x3, dy3 = _bn_view(x), _bn_view(dy)
+        g = dy3 if y is None else np.where(_bn_view(y) > 0, dy3, 0).astype(dy.dtype)
+        xhat = (x3 - mean[None, :, None]) * invstd[None, :, None]
+        sg = g.sum(axis=(0, 2), dtype=np.float64)
+        sgx = (g * xhat).sum(axis=(0, 2), dtype=np.float64)
+        dweight = dbias = None
+        if weight is not None:
+            dweight, dbias = sgx.astype(dy.dtype), sg.astype(dy.dtype)
+        dx = None
+        if need_dx:
+            k = (invstd if weight is None else invstd * weight)[None, :, None]
+            if training:
+                count = x3.shape[0] * x3.shape[2]
+                a = (sg / count).astype(dy.dtype)[None, :, None]
+                b = (sgx / count).astype(dy.dtype)[None, :, None]
+                dx = (((g - a) - xhat * b) * k).reshape(x.shape)
+            else:
+                dx = (g * k).reshape(x.shape)
+        return dx, dweight, dbias
+
+    # --------------------------------------------------------------- dropout
+    def dropout_forward(self, x, p, seed):
+        return _dropout_apply(x, p, seed)
+
+    def dropout_backward(self, dy, p, seed):
+        return _dropout_apply(dy, p, seed)
+
+    # ------------------------------------------------------ more activations
+    def leaky_relu_forward(self, x, negative_slope):
+        return np.where(x > 0, x, x * negative_slope).astype(x.dtype)
+
+    def leaky_relu_backward(self, x, dy, negative_slope):
+        return np.where(x > 0, dy, dy * negative_slope).astype(dy.dtype)
+
+    def tanh_forward(self, x):
+        return np.tanh(x)
+
+    def tanh_backward(self, y, dy):
+        return dy * (1 - y * y)
+
+    def softmax_forward(self, x, dim):
+        e = np.exp(x - x.max(axis=dim, keepdims=True))
+        return e / e.sum(axis=dim, keepdims=True)
+
+    def softmax_backward(self, y, dy, dim):
+        return y * (dy - (dy * y).sum(axis=dim, keepdims=True))
+
+    def add(self, a, b):
+        return a + b
+
+    # ------------------------------------------------------------ more losses
+    def mse_forward(self, pred, target):
+        d = pred - target
+        return float(np.mean(d * d, dtype=np.float64))
+
+    def mse_backward(self, pred, target):
+        return (pred - target) * np.asarray(2.0 / pred.size, dtype=pred.dtype)
+
+    def softmax_cross_entropy_smoothed_forward(self, logits, labels, label_smoothing):
+        n, g = logits.shape
+        z = logits - logits.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        on, off = smoothed_targets(label_smoothing, g)
+        row = on * logp[np.arange(n), labels].astype(np.float64) + off * (logp.sum(axis=1, dtype=np.float64)
+                                                                        - logp[np.arange(n), labels])
+        return float(-row.mean()), _flush_denormals(np.exp(logp))
+
+    def softmax_cross_entropy_smoothed_backward(self, probs, labels, label_smoothing):
+        n, g = probs.shape
+        on, off = smoothed_targets(label_smoothing, g)
+        t = np.full_like(probs, off)
+        t[np.arange(n), labels] = on
+        return _flush_denormals((probs - t) / np.asarray(n, dtype=probs.dtype))
+
+
+def smoothed_targets(label_smoothing: float, n_classes: int) -> tuple:
+    """The smoothed target of the true class and of every other class, ``(1 - s + s / G, s / G)``,
+    rounded to float32 once, so every backend subtracts the same two numbers."""
+    off = label_smoothing / n_classes
+    return float(np.float32(1.0 - label_smoothing + off)), float(np.float32(off))
+
+
+def _bn_view(a):
+    """(N, C, ...) as (N, C, L) with L the product of the trailing dims (1 for (N, C))."""
+    return a.reshape(a.shape[0], a.shape[1], -1)
+
+
+def _bn_apply(x, x3, weight, bias, mean, invstd, relu):
+    """``(x - mean) * (invstd * weight) + bias`` per channel (then ReLU), shaped like x."""
+    scale = invstd if weight is None else invstd * weight
+    y = (x3 - mean[None, :, None]) * scale[None, :, None]
+    if bias is not None:
+        y = y + bias[None, :, None]
+    if relu:
+        y = np.maximum(y, 0)
+    return y.astype(x.dtype, copy=False).reshape(x.shape)
+
+
+# Dropout's keep mask: splitmix64 of the counter (seed + (i + 1) * golden ratio), i the flat
+# element index, as the Cython and OpenCL kernels compute it; the top 32 bits are compared
+# with the threshold floor(p * 2**32).
+DROPOUT_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+DROPOUT_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+DROPOUT_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def dropout_threshold(p: float) -> int:
+    """Elements whose 32-bit hash is below this are dropped: ``floor(p * 2**32)``."""
+    return min(1 << 32, int(math.floor(p * 4294967296.0)))
+
+
+def dropout_scale(p: float) -> float:
+    """The factor of the kept elements, ``1 / (1 - p)`` rounded to float32 (0 for p == 1)."""
+    return 0.0 if p >= 1.0 else float(np.float32(1.0 / (1.0 - p)))
+
+
+def dropout_keep(seed: int, n: int, p: float) -> np.ndarray:
+    """Boolean keep mask of ``n`` elements for ``seed`` (a uint64) and drop probability ``p``."""
+    z = np.uint64(seed) + (np.arange(n, dtype=np.uint64) + np.uint64(1)) * DROPOUT_GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * DROPOUT_MIX1
+    z = (z ^ (z >> np.uint64(27))) * DROPOUT_MIX2
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(32)) >= np.uint64(dropout_threshold(p)) if p < 1.0 else np.zeros(n, dtype=bool)
+
+
+def _dropout_apply(a, p, seed):
+    keep = dropout_keep(seed, a.size, p).reshape(a.shape)
+    return np.where(keep, a * np.asarray(dropout_scale(p), dtype=a.dtype), 0).astype(a.dtype)

@@ -31,9 +31,9 @@ import threading
 import numpy as np
 
 from .._config import get_num_threads
-from .._ext import _activations, _conv, _dense, _losses, _optim, _pool, _threads
+from .._ext import _activations, _conv, _dense, _losses, _norm, _optim, _pool, _threads
 from .base import Backend
-from .numpy_ref import HostArrays
+from .numpy_ref import HostArrays, dropout_scale, dropout_threshold, smoothed_targets
 
 __all__ = ["OpenMPBackend", "openmp_enabled", "omp_max_threads"]
 
@@ -698,3 +698,124 @@ class OpenMPBackend(HostArrays, Backend):
 
     def scale_many(self, xs, factor):
         _optim.scale_many([x.reshape(-1) for x in xs], float(factor), get_num_threads())
+
+    # ------------------------------------------------------------ batch norm
+    # Kernels take x as (N, C, L): L = H * W, L, or 1 for (N, C) input.
+    @staticmethod
+    def _bn3(a):
+        return a.reshape(a.shape[0], a.shape[1], -1)
+
+    @staticmethod
+    def _opt32(a):
+        return None if a is None else _f32(a)
+
+    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu):
+        x = _f32(x)
+        C = x.shape[1]
+        y = self._empty(x.shape)
+        mean, invstd = np.empty(C, np.float32), np.empty(C, np.float32)
+        _norm.batch_norm_forward_train(self._bn3(x), self._opt32(weight), self._opt32(bias), running_mean,
+                                       running_var, self._bn3(y), mean, invstd, float(momentum), float(eps),
+                                       bool(relu), get_num_threads())
+        return y, mean, invstd
+
+    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu):
+        x = _f32(x)
+        C = x.shape[1]
+        y = self._empty(x.shape)
+        mean, invstd = np.empty(C, np.float32), np.empty(C, np.float32)
+        _norm.batch_norm_forward_eval(self._bn3(x), self._opt32(weight), self._opt32(bias), _f32(running_mean),
+                                      _f32(running_var), self._bn3(y), mean, invstd, float(eps), bool(relu),
+                                      get_num_threads())
+        return y, mean, invstd
+
+    def batch_norm_backward(self, x, weight, dy, mean, invstd, y, training, need_dx=True):
+        x, dy = _f32(x), _f32(dy)
+        C = x.shape[1]
+        dx = self._empty(x.shape) if need_dx else None
+        dweight = np.empty(C, np.float32) if weight is not None else None
+        dbias = np.empty(C, np.float32) if weight is not None else None
+        _norm.batch_norm_backward(self._bn3(x), self._opt32(weight), self._bn3(dy), _f32(mean), _f32(invstd),
+                                  None if y is None else self._bn3(_f32(y)), None if dx is None else self._bn3(dx),
+                                  dweight, dbias, bool(training), get_num_threads())
+        return dx, dweight, dbias
+
+    # --------------------------------------------------------------- dropout
+    def _dropout(self, a, p, seed):
+        a = _f32(a)
+        out = self._empty(a.shape)
+        _norm.dropout_apply(a.reshape(-1), out.reshape(-1), int(seed), dropout_threshold(p), dropout_scale(p),
+                            get_num_threads())
+        return out
+
+    def dropout_forward(self, x, p, seed):
+        return self._dropout(x, p, seed)
+
+    def dropout_backward(self, dy, p, seed):
+        return self._dropout(dy, p, seed)
+
+    # ------------------------------------------------------ more activations
+    def leaky_relu_forward(self, x, negative_slope):
+        x = _f32(x)
+        y = self._empty(x.shape)
+        _activations.leaky_relu_forward(x.reshape(-1), y.reshape(-1), float(negative_slope), get_num_threads())
+        return y
+
+    def leaky_relu_backward(self, x, dy, negative_slope):
+        x, dy = _f32(x), _f32(dy)
+        dx = self._empty(dy.shape)
+        _activations.leaky_relu_backward(x.reshape(-1), dy.reshape(-1), dx.reshape(-1), float(negative_slope),
+                                         get_num_threads())
+        return dx
+
+    def tanh_forward(self, x):
+        return self._unary(_activations.tanh_forward, x)
+
+    def tanh_backward(self, y, dy):
+        return self._binary(_activations.tanh_backward, y, dy)
+
+    @staticmethod
+    def _lines(shape, dim):
+        """(outer, D, inner) of a softmax along ``dim``."""
+        return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+
+    def softmax_forward(self, x, dim):
+        x = _f32(x)
+        y = self._empty(x.shape)
+        lines = self._lines(x.shape, dim)
+        _activations.softmax_forward(x.reshape(lines), y.reshape(lines), get_num_threads())
+        return y
+
+    def softmax_backward(self, y, dy, dim):
+        y, dy = _f32(y), _f32(dy)
+        dx = self._empty(y.shape)
+        lines = self._lines(y.shape, dim)
+        _activations.softmax_backward(y.reshape(lines), dy.reshape(lines), dx.reshape(lines), get_num_threads())
+        return dx
+
+    def add(self, a, b):
+        return self._binary(_activations.add, a, b)
+
+    # ------------------------------------------------------------ more losses
+    def mse_forward(self, pred, target):
+        return float(_losses.mse_forward(_f32(pred).reshape(-1), _f32(target).reshape(-1), get_num_threads()))
+
+    def mse_backward(self, pred, target):
+        pred = _f32(pred)
+        d = self._empty(pred.shape)
+        _losses.mse_backward(pred.reshape(-1), _f32(target).reshape(-1), d.reshape(-1), get_num_threads())
+        return d
+
+    def softmax_cross_entropy_smoothed_forward(self, logits, labels, label_smoothing):
+        logits, labels = _f32(logits), _i32(labels)
+        on, off = smoothed_targets(label_smoothing, logits.shape[1])
+        probs = np.empty_like(logits)
+        loss = _losses.softmax_cross_entropy_smoothed_forward(logits, labels, probs, on, off, get_num_threads())
+        return float(loss), probs
+
+    def softmax_cross_entropy_smoothed_backward(self, probs, labels, label_smoothing):
+        probs, labels = _f32(probs), _i32(labels)
+        on, off = smoothed_targets(label_smoothing, probs.shape[1])
+        d = np.empty_like(probs)
+        _losses.softmax_cross_entropy_smoothed_backward(probs, labels, d, on, off, get_num_threads())
+        return d
