@@ -6,17 +6,35 @@ on any OpenCL device, and over MPI.
 True
 """
 
-from __future__ import annotations
-
 import numpy as _np
 
 __version__ = "0.1.0"
 
 from . import backends, datasets, functional, optim  # noqa: E402
-from . import callbacks  # noqa: E402
+from . import callbacks, data  # noqa: E402
 from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
 from .backends import available as available_backends  # noqa: E402
-from .layers import Conv2d, Flatten, Layer, Linear, MaxPool2d, Parameter, ReLU, Sigmoid, manual_seed  # noqa: E402
+from .layers import (  # noqa: E402
+    AdaptiveAvgPool2d,
+    AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
+    Conv2d,
+    Dropout,
+    Flatten,
+    Identity,
+    Layer,
+    LeakyReLU,
+    Linear,
+    MaxPool2d,
+    Parameter,
+    ReLU,
+    Residual,
+    Sigmoid,
+    Softmax,
+    Tanh,
+    manual_seed,
+)
 from .losses import BCELoss, MSELoss, SoftmaxCrossEntropy  # noqa: E402
 from .model import History, Sequential, TrainingDivergedError, load  # noqa: E402
 
@@ -74,6 +92,16 @@ __all__ = [
     "ReLU",
     "Sigmoid",
     "Flatten",
+    "AvgPool2d",
+    "AdaptiveAvgPool2d",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "Dropout",
+    "LeakyReLU",
+    "Tanh",
+    "Softmax",
+    "Identity",
+    "Residual",
     "SoftmaxCrossEntropy",
     "BCELoss",
     "MSELoss",
@@ -83,4 +111,5 @@ __all__ = [
     "backends",
     "distributed",
     "callbacks",
+    "data",
 ]
