@@ -131,8 +131,10 @@ def extensions():
                             "-Wno-unreachable-code", "-Wno-unused-function"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
+    # PARCONV_BUILD_ONLY=_conv,_pool rebuilds just those extensions (an in-place rebuild while editing one)
+    only = {n.strip() for n in os.environ.get("PARCONV_BUILD_ONLY", "").split(",") if n.strip()}
     exts = [Extension(f"parconv._ext.{n}", [f"parconv/_ext/{n}.pyx"], **common)
-            for n in EXT_NAMES if os.path.exists(f"parconv/_ext/{n}.pyx")]
+            for n in EXT_NAMES if os.path.exists(f"parconv/_ext/{n}.pyx") and (not only or n in only)]
     return cythonize(
         exts,
         language_level=3,

@@ -35,6 +35,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from . import _config
 from .layers import Conv2d, Layer, Parameter
+from .training import TrainingDivergedError, register_reducer_factory
 from ._validation import check_float, check_int, shape_of, state_array
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "FilterParallelConv2d",
     "abort_on_error",
     "install_excepthook",
+    "DistributedArgumentError",
     "configure_threads",
     "default_threads",
     "shard_bounds",
@@ -51,6 +53,10 @@ __all__ = [
 
 
 # --------------------------------------------------------------- helpers
+class DistributedArgumentError(ValueError):
+    """The ranks of a distributed call were given different arguments (raised on every rank alike)."""
+
+
 def _comm(comm):
     return MPI.COMM_WORLD if comm is None else comm
 
@@ -115,7 +121,8 @@ def abort_on_error(comm=None, where: str = "a distributed call", passthrough: tu
     ends the whole job (``mpiexec`` exits non-zero). Exceptions of the types
     in ``passthrough`` -- errors every rank raises at the same point, such as
     :class:`parconv.TrainingDivergedError` in ``fit`` -- propagate normally.
-    ``SystemExit(0)`` propagates too. With one rank nothing is aborted.
+    Any ``SystemExit`` inside aborts too: the other ranks would otherwise
+    wait for this one forever. With one rank nothing is aborted.
 
     Examples
     --------
@@ -129,8 +136,7 @@ def abort_on_error(comm=None, where: str = "a distributed call", passthrough: tu
     except BaseException as exc:  # noqa: BLE001 - any failure must end the job
         if comm.Get_size() == 1 or isinstance(exc, passthrough):
             raise
-        if isinstance(exc, SystemExit) and exc.code in (None, 0):
-            raise
+        # an exit of one rank, even a clean one, would leave the others waiting in a collective
         _report_and_abort(comm, type(exc), exc, exc.__traceback__, where)
 
 
@@ -538,6 +544,30 @@ class DataParallel:
     def bcast_object(self, obj, root: int = 0):
         return self.comm.bcast(obj, root=root)
 
+    #: what :meth:`check_same_arguments` raises on every rank alike (``fit`` lets it through without aborting)
+    argument_error = DistributedArgumentError
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (e.g. a callback stopping training on rank 0). Collective."""
+        return bool(self.comm.allreduce(bool(flag), op=MPI.LOR))
+
+    def check_same_arguments(self, args: dict, where: str) -> None:
+        """Raise :class:`DistributedArgumentError` on every rank when ranks pass different ``args``. Collective.
+
+        Ranks that disagree on the sample count or the batch size would run
+        different numbers of collectives and wait for each other forever.
+        """
+        everyone = self.comm.allgather(args)
+        diffs = []
+        for key in args:
+            values = [a.get(key) for a in everyone]
+            if any(v != values[0] for v in values[1:]):
+                shown = ", ".join(f"rank {r} has {v!r}" for r, v in enumerate(values))
+                diffs.append(f"{key}: {shown}")
+        if diffs:
+            raise DistributedArgumentError(f"{where}: every rank must pass the same training arguments and data "
+                                           f"shapes; they differ in " + "; ".join(diffs))
+
     # ------------------------------------------------------------ training
     def fit(self, x, y, **kwargs):
         """:meth:`parconv.Sequential.fit` over all ranks; every rank passes the full ``x, y``.
@@ -551,16 +581,16 @@ class DataParallel:
     def evaluate(self, x, y, batch_size: int = 256, loss=None) -> dict:
         """Mean loss and accuracy over ``(x, y)``, each rank evaluating its share. Collective."""
         from .losses import SoftmaxCrossEntropy
-        from .model import _as_host_float
+        from .training import as_host_float as _as_host_float, evaluate_host, host_targets
 
         with self._guard("evaluate"):
             batch_size = check_int(batch_size, "batch_size", "DataParallel.evaluate", 1)
             loss = SoftmaxCrossEntropy() if loss is None else loss
             x = _as_host_float(x, "x", "DataParallel.evaluate")
-            y = self.model._host_targets(y, x.shape[0], loss, "y")
+            y = host_targets(y, x.shape[0], loss, "y", "DataParallel.evaluate")
             lo, hi = self.shard(x.shape[0])
             if hi > lo:
-                ev = self.model._evaluate_host(x[lo:hi], y[lo:hi], loss, batch_size)
+                ev = evaluate_host(self.model, x[lo:hi], y[lo:hi], loss, batch_size)
                 local = [ev["loss"] * (hi - lo), ev["accuracy"] * (hi - lo)]
             else:
                 local = [0.0, 0.0]
@@ -641,9 +671,12 @@ class FilterParallelConv2d(Layer):
         self.size = self.comm.Get_size()
         self.abort_on_error = bool(abort_on_error)
         # validation and initialisation exactly as Conv2d (weights drawn on the host)
-        full = Conv2d(in_channels, out_channels, kernel_size, stride, padding, bias, backend="numpy", rng=rng)
+        for name, value in (("kernel_size", kernel_size), ("stride", stride), ("padding", padding)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"FilterParallelConv2d: {name} must be an int, got {type(value).__name__} {value!r}")
+        full = Conv2d(in_channels, out_channels, kernel_size, stride, padding, bias=bias, backend="numpy", rng=rng)
         self.in_channels, self.out_channels = full.in_channels, full.out_channels
-        self.kernel_size, self.stride, self.padding = full.kernel_size, full.stride, full.padding
+        self.kernel_size, self.stride, self.padding = full.kernel_size[0], full.stride[0], full.padding[0]
         self.filter_counts = split_sizes(self.out_channels, self.size)
         self.filter_offsets = [shard_bounds(self.out_channels, self.size, r)[0] for r in range(self.size)]
         lo, hi = shard_bounds(self.out_channels, self.size, self.rank)
@@ -792,6 +825,26 @@ class FilterParallelConv2d(Layer):
         self.comm.Allgatherv([local, MPI.FLOAT], [full, counts, displs, MPI.FLOAT])
         return full
 
+    def spec(self) -> dict:
+        """Saved as the plain :class:`parconv.Conv2d` it computes (``pc.load`` needs no MPI)."""
+        return {"type": "Conv2d", "config": self.config()}
+
+    # inside a container, state entries go through these: full shapes in, full arrays out
+    def _state_shape(self, attr: str) -> tuple:
+        return self.full_weight_shape if attr == "weight" else (self.out_channels,)
+
+    def _state_value(self, attr: str) -> np.ndarray:
+        with self._guard("state_dict"):
+            if attr == "weight":
+                per = self.in_channels * self.kernel_size**2
+                return self._gather_filters(self.weight, per).reshape(self.full_weight_shape)
+            return self._gather_filters(self.bias, 1)
+
+    def _set_state(self, attr: str, value: np.ndarray) -> None:
+        p = getattr(self, attr)
+        p.data = self.backend.asarray(np.array(value[self._slice], dtype=np.float32, order="C", copy=True))
+        p.grad = None
+
     def state_dict(self) -> dict:
         """The full, unsplit ``{"weight": (O, C, K, K), "bias": (O,)}`` as host arrays on every rank. Collective."""
         with self._guard("state_dict"):
@@ -827,3 +880,24 @@ class FilterParallelConv2d(Layer):
             self.bias.data = self.backend.asarray(staged["bias"])
             self.bias.grad = None
 
+
+def _reducer_for(model, distributed):
+    """``fit(distributed=...)``'s gradient reducer: a DataParallel over ``model`` (cached per model and comm)."""
+    if isinstance(distributed, DataParallel):
+        if distributed.model is not model:
+            raise ValueError("fit: distributed= is a DataParallel wrapping another model")
+        dp = distributed
+    else:
+        comm = MPI.COMM_WORLD if distributed is True else distributed
+        dp = getattr(model, "_dp_cache", None)
+        if dp is None or dp.comm is not comm:
+            model._dp_cache = dp = DataParallel(model, comm)  # reused by later fits (one grad hook)
+            return dp
+    dp.broadcast_parameters()
+    return dp
+
+
+register_reducer_factory(_reducer_for)
+if MPI.COMM_WORLD.Get_size() > 1:
+    # an uncaught exception on one rank before any parconv collective must still end the job
+    install_excepthook(MPI.COMM_WORLD)

@@ -1,9 +1,18 @@
-"""Layers: they hold parameters and cached activations; the maths is in :mod:`parconv.functional`.
+"""Layers: they hold parameters, buffers and cached activations; the maths is in :mod:`parconv.functional`.
 
-Weight layouts match PyTorch's: ``Conv2d.weight`` is (O, C, K, K),
-``Linear.weight`` is (out, in). Initialisation follows PyTorch's defaults
+Weight layouts, argument names, defaults and state-dict keys match PyTorch's:
+``Conv2d.weight`` is (O, C/groups, kH, kW), ``Linear.weight`` is (out, in),
+``BatchNorm2d`` keeps ``running_mean``, ``running_var`` and
+``num_batches_tracked`` as buffers. Initialisation follows PyTorch's defaults
 (uniform in ``±1/sqrt(fan_in)``), drawn from :func:`parconv.manual_seed`'s
 generator unless a layer is given its own ``rng``.
+
+Every layer has ``forward``/``__call__``, ``backward(dy, need_dx=...)``,
+``parameters()``, ``named_parameters()``, ``buffers()``, ``named_buffers()``,
+``state_dict()``/``load_state_dict()``, ``to(backend)``, ``train()``/``eval()``
+and ``training``. Containers (:class:`Residual`, :class:`parconv.Sequential`)
+nest: their children's keys are prefixed with the child's name (``"2.0.weight"``,
+``"3.body.1.running_mean"``).
 """
 
 from __future__ import annotations
@@ -14,11 +23,18 @@ import numpy as np
 
 from . import backends as _backends
 from . import functional as F
-from ._validation import Where, check_int, shape_of, to_backend_array
+from ._validation import Where, check_float, check_int, shape_of, state_array, to_backend_array
 
-__all__ = ["Parameter", "Layer", "Conv2d", "MaxPool2d", "Linear", "ReLU", "Sigmoid", "Flatten"]
+__all__ = [
+    "Parameter", "Layer", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "Linear", "BatchNorm1d",
+    "BatchNorm2d", "Dropout", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "Softmax", "Flatten", "Identity", "Residual",
+    "manual_seed", "layer_from_spec",
+]
 
 _global_rng = np.random.default_rng()
+
+#: every Layer subclass by class name (filled by ``Layer.__init_subclass__``); ``pc.load`` rebuilds from it
+LAYER_TYPES: dict[str, type] = {}
 
 
 def manual_seed(seed: int) -> None:
@@ -34,6 +50,27 @@ def _rng(rng) -> np.random.Generator:
     if isinstance(rng, np.random.Generator):
         return rng
     return np.random.default_rng(check_int(rng, "rng", "layer", 0))
+
+
+def _check_bool(value, name: str, where: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _pair(value, name: str, where: str, minimum: int) -> tuple:
+    """An int or a pair of ints -> ``(h, w)``, each ``>= minimum``."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{where}: {name} must be an int or a pair (h, w), got {tuple(value)!r}")
+        return (check_int(value[0], f"{name}[0]", where, minimum), check_int(value[1], f"{name}[1]", where, minimum))
+    v = check_int(value, name, where, minimum)
+    return (v, v)
+
+
+def _scalar_or_pair(pair: tuple):
+    """The int functional takes for a square value, else the pair (keeps the square fast paths)."""
+    return pair[0] if pair[0] == pair[1] else pair
 
 
 class Parameter:
@@ -76,14 +113,29 @@ class Parameter:
 
 
 class Layer:
-    """Base layer: ``forward``/``__call__``, ``backward(dy) -> dx``, ``parameters()``, ``to(backend)``."""
+    """Base layer.
+
+    Subclasses list their parameters in :attr:`param_names` and their buffers
+    (state that is saved but not trained, e.g. BatchNorm's running statistics)
+    in :attr:`buffer_names`; containers return their sub-layers from
+    :meth:`children`. Float buffers are backend arrays; integer counters are
+    host ``int64`` arrays.
+    """
 
     #: names of the parameters, in state-dict order
     param_names: tuple = ()
+    #: names of the buffers, in state-dict order (after the parameters, as PyTorch)
+    buffer_names: tuple = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.__name__.startswith("_"):
+            LAYER_TYPES[cls.__name__] = cls
 
     def __init__(self, backend=None):
         self.backend = _backends.get(backend)
         self._cache = None
+        self.training = True
 
     def __call__(self, x):
         return self.forward(x)
@@ -91,27 +143,164 @@ class Layer:
     def forward(self, x):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def backward(self, dy):  # pragma: no cover - abstract
+    def backward(self, dy, need_dx: bool = True):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # ------------------------------------------------------------- structure
+    def children(self) -> list:
+        """``[(name, layer), ...]`` of the direct sub-layers (containers only)."""
+        return []
+
+    def modules(self) -> list:
+        """This layer and every layer below it, depth first."""
+        out = [self]
+        for _, child in self.children():
+            out.extend(child.modules())
+        return out
+
+    def named_parameters(self, prefix: str = "") -> list:
+        """``[(name, Parameter), ...]`` with PyTorch's names."""
+        out = [(prefix + n, p) for n in self.param_names if (p := getattr(self, n)) is not None]
+        for name, child in self.children():
+            out.extend(child.named_parameters(f"{prefix}{name}."))
+        return out
+
     def parameters(self) -> list:
-        return [getattr(self, n) for n in self.param_names if getattr(self, n) is not None]
+        if not self.param_names and not self.children():
+            return []
+        return [p for _, p in self.named_parameters()]
 
-    def named_parameters(self) -> list:
-        return [(n, getattr(self, n)) for n in self.param_names if getattr(self, n) is not None]
+    def named_buffers(self, prefix: str = "") -> list:
+        """``[(name, array), ...]`` of the buffers (backend arrays; counters as host int64)."""
+        out = [(prefix + n, b) for n in self.buffer_names if (b := getattr(self, n)) is not None]
+        for name, child in self.children():
+            out.extend(child.named_buffers(f"{prefix}{name}."))
+        return out
 
-    def to(self, backend) -> "Layer":
-        """Move the parameters to ``backend`` (name or object) in place; returns self."""
-        self.backend = _backends.get(backend)
-        for p in self.parameters():
-            p.to(self.backend)
-        self._cache = None
+    def buffers(self) -> list:
+        return [b for _, b in self.named_buffers()]
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    # ------------------------------------------------------------- modes
+    def train(self, mode: bool = True) -> "Layer":
+        """Set training mode (``mode=False``: eval mode) here and in every sub-layer; returns self."""
+        mode = _check_bool(mode, "mode", f"{type(self).__name__}.train")
+        for layer in self.modules():
+            layer.training = mode
         return self
 
+    def eval(self) -> "Layer":
+        """Eval mode: BatchNorm uses its running statistics, Dropout is the identity. Returns self."""
+        return self.train(False)
+
+    def to(self, backend) -> "Layer":
+        """Move the parameters and buffers to ``backend`` (name or object) in place; returns self."""
+        backend = _backends.get(backend)
+        for layer in self.modules():
+            old = layer.backend
+            layer.backend = backend
+            for p in layer.param_names:
+                if getattr(layer, p) is not None:
+                    getattr(layer, p).to(backend)
+            for n in layer.buffer_names:
+                b = getattr(layer, n)
+                if b is None or (isinstance(b, np.ndarray) and b.dtype != np.float32):
+                    continue  # host counters stay on the host
+                setattr(layer, n, backend.asarray(np.array(old.to_numpy(b), dtype=np.float32)))
+            layer._cache = None
+            layer._moved()
+        return self
+
+    def _moved(self) -> None:
+        """Hook: drop whatever a layer keeps that is tied to its old backend."""
+
+    # ------------------------------------------------------------- state
+    def _state_entries(self, prefix: str = "") -> list:
+        """``[(key, owner, attribute, kind), ...]`` with kind "param" or "buffer", in state-dict order."""
+        out = [(prefix + n, self, n, "param") for n in self.param_names if getattr(self, n) is not None]
+        out += [(prefix + n, self, n, "buffer") for n in self.buffer_names if getattr(self, n) is not None]
+        for name, child in self.children():
+            out.extend(child._state_entries(f"{prefix}{name}."))
+        return out
+
+    def _state_value(self, attr: str) -> np.ndarray:
+        """Host copy of one entry of this layer's own state."""
+        value = getattr(self, attr)
+        if isinstance(value, Parameter):
+            return value.numpy()
+        if isinstance(value, np.ndarray):
+            return value.copy()
+        return np.array(self.backend.to_numpy(value), copy=True)
+
+    def _state_shape(self, attr: str) -> tuple:
+        """The shape ``load_state_dict`` expects for ``attr`` (a layer that splits a weight takes the full one)."""
+        value = getattr(self, attr)
+        return value.shape if isinstance(value, Parameter) else shape_of(value)
+
+    def _set_state(self, attr: str, value: np.ndarray) -> None:
+        """Write a checked host array into ``attr``."""
+        old = getattr(self, attr)
+        if isinstance(old, Parameter):
+            old.data = old.backend.asarray(np.array(value, dtype=np.float32, order="C", copy=True))
+            old.grad = None
+        elif isinstance(old, np.ndarray) and old.dtype != np.float32:
+            setattr(self, attr, np.array(value, dtype=old.dtype, copy=True))
+        else:
+            setattr(self, attr, self.backend.asarray(np.array(value, dtype=np.float32, order="C", copy=True)))
+
+    def state_dict(self) -> dict:
+        """Host copies of every parameter and buffer, keyed like PyTorch (``"0.weight"``, ``"1.running_mean"``)."""
+        return {key: owner._state_value(attr) for key, owner, attr, _ in self._state_entries()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Copy arrays from ``state`` (e.g. a PyTorch ``state_dict`` as NumPy) into parameters and buffers.
+
+        Every key is checked before anything is written, so a failed load
+        leaves the model unchanged. ``strict`` rejects unexpected keys.
+        """
+        where = "load_state_dict"
+        if not hasattr(state, "keys"):
+            raise TypeError(f"{where}: state must be a mapping of name -> array, got {type(state).__name__}")
+        entries = self._state_entries()
+        names = [e[0] for e in entries]
+        missing = [k for k in names if k not in state]
+        if missing:
+            raise ValueError(f"{where}: missing keys {missing} (model expects {names})")
+        unexpected = [k for k in state if k not in set(names)]
+        if strict and unexpected:
+            raise ValueError(f"{where}: unexpected keys {unexpected} (model expects {names})")
+        staged = []
+        for key, owner, attr, _ in entries:
+            value = state_array(state[key], key, owner._state_shape(attr), where)
+            staged.append((owner, attr, np.array(value, copy=True)))  # never alias caller data
+        for owner, attr, value in staged:
+            owner._set_state(attr, value)
+
+    # ------------------------------------------------------------- config
     def config(self) -> dict:
         """Constructor arguments, enough to rebuild the layer (used by ``save``/``load``)."""
         return {}
 
+    def spec(self) -> dict:
+        """``{"type": class name, "config": ...}``: what :func:`layer_from_spec` rebuilds."""
+        return {"type": type(self).__name__, "config": self.config()}
+
+    @classmethod
+    def from_config(cls, config: dict, backend=None) -> "Layer":
+        return cls(**config, backend=backend)
+
+    # ------------------------------------------------------------- shapes for summary()
+    def output_shape(self, x_shape) -> tuple:
+        """Output shape for an input of ``x_shape`` (validating it); elementwise layers keep it."""
+        return tuple(x_shape)
+
+    def macs(self, x_shape) -> int:
+        """Multiply-adds of one forward pass over an input of ``x_shape``."""
+        return 0
+
+    # ------------------------------------------------------------- helpers
     def _input(self, x):
         return to_backend_array(x, self.backend, "x", Where(self))
 
@@ -126,19 +315,40 @@ class Layer:
             raise ValueError(f"{self!r}.backward: dy must have the output's shape {tuple(expected)}, got {shape_of(dy)}")
         return dy
 
+    def _extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"{type(self).__name__}({args})"
+        return f"{type(self).__name__}({self._extra_repr()})"
 
 
+def layer_from_spec(spec, backend=None) -> Layer:
+    """Rebuild a layer (or container) from :meth:`Layer.spec` output."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str) or not isinstance(spec.get("config"), dict):
+        raise ValueError(f"invalid layer spec {spec!r:.200}: expected {{'type': name, 'config': {{...}}}}")
+    cls = LAYER_TYPES.get(spec["type"])
+    if cls is None:
+        raise ValueError(f"unknown layer type {spec['type']!r} (known: {sorted(LAYER_TYPES)})")
+    try:
+        return cls.from_config(spec["config"], backend=backend)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"invalid config for {spec['type']}: {type(exc).__name__}: {exc}") from None
+
+
+# ============================================================ convolution
 class Conv2d(Layer):
     """2-D convolution (cross-correlation) over (N, C, H, W) input.
 
     Parameters
     ----------
-    in_channels, out_channels, kernel_size : int
-    stride : int, default 1
-    padding : int, default 0
+    in_channels, out_channels : int
+    kernel_size : int or (kh, kw)
+    stride : int or (sh, sw), default 1
+    padding : int, (ph, pw), "same" or "valid", default 0
+        "same" needs stride 1; an odd total is padded one more at the bottom/right, as PyTorch.
+    dilation : int or (dh, dw), default 1
+    groups : int, default 1
+        ``in_channels`` and ``out_channels`` must be multiples; ``groups=in_channels`` is depthwise.
     bias : bool, default True
     backend : str or Backend, optional
     rng : numpy Generator or int seed, optional
@@ -153,35 +363,76 @@ class Conv2d(Layer):
 
     param_names = ("weight", "bias")
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0,
-                 bias: bool = True, backend=None, rng=None):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, backend=None, rng=None):
         super().__init__(backend)
         where = "Conv2d"
         self.in_channels = check_int(in_channels, "in_channels", where, 1)
         self.out_channels = check_int(out_channels, "out_channels", where, 1)
-        self.kernel_size = check_int(kernel_size, "kernel_size", where, 1)
-        self.stride = check_int(stride, "stride", where, 1)
-        self.padding = check_int(padding, "padding", where, 0)
-        if not isinstance(bias, (bool, np.bool_)):
-            raise TypeError(f"Conv2d: bias must be a bool, got {type(bias).__name__}")
+        self.kernel_size = _pair(kernel_size, "kernel_size", where, 1)
+        self.stride = _pair(stride, "stride", where, 1)
+        self.dilation = _pair(dilation, "dilation", where, 1)
+        self.groups = check_int(groups, "groups", where, 1)
+        if isinstance(padding, str):
+            if padding not in ("same", "valid"):
+                raise ValueError(f"{where}: padding must be an int, a pair, 'same' or 'valid', got {padding!r}")
+            if padding == "same" and self.stride != (1, 1):
+                raise ValueError(f"{where}: padding='same' needs stride 1, got stride={self.stride}")
+            self.padding = padding
+        else:
+            self.padding = _pair(padding, "padding", where, 0)
+        if self.in_channels % self.groups or self.out_channels % self.groups:
+            raise ValueError(f"{where}: in_channels ({self.in_channels}) and out_channels ({self.out_channels}) "
+                             f"must both be divisible by groups ({self.groups})")
+        _check_bool(bias, "bias", where)
         g = _rng(rng)
-        bound = 1.0 / math.sqrt(self.in_channels * self.kernel_size**2)
-        shape = (self.out_channels, self.in_channels, self.kernel_size, self.kernel_size)
+        kh, kw = self.kernel_size
+        fan_in = self.in_channels // self.groups * kh * kw
+        bound = 1.0 / math.sqrt(fan_in)
+        shape = (self.out_channels, self.in_channels // self.groups, kh, kw)
         self.weight = Parameter(g.uniform(-bound, bound, shape), self.backend)
         self.bias = Parameter(g.uniform(-bound, bound, (self.out_channels,)), self.backend) if bias else None
+        self._fargs = self._functional_args()
+
+    @property
+    def simple(self) -> bool:
+        """A square kernel with one int stride/padding, no dilation, one group: the fused kernels' case."""
+        return isinstance(self._fargs.get("stride"), int) and len(self._fargs) == 2
+
+    def _functional_args(self) -> dict:
+        """Keyword arguments for ``functional.conv2d``: ints where the square fast paths apply."""
+        square = self.kernel_size[0] == self.kernel_size[1]
+        pad = "valid" if self.padding == "valid" else self.padding
+        if pad == "valid":
+            pad = (0, 0)
+        if (square and pad != "same" and self.stride[0] == self.stride[1] and pad[0] == pad[1]
+                and self.dilation == (1, 1) and self.groups == 1):
+            return {"stride": self.stride[0], "padding": pad[0]}
+        return {"stride": _scalar_or_pair(self.stride), "padding": pad if pad == "same" else _scalar_or_pair(pad),
+                "dilation": _scalar_or_pair(self.dilation), "groups": self.groups}
 
     def config(self):
-        return dict(in_channels=self.in_channels, out_channels=self.out_channels, kernel_size=self.kernel_size,
-                    stride=self.stride, padding=self.padding, bias=self.bias is not None)
+        return dict(in_channels=self.in_channels, out_channels=self.out_channels,
+                    kernel_size=_scalar_or_pair(self.kernel_size), stride=_scalar_or_pair(self.stride),
+                    padding=self.padding if isinstance(self.padding, str) else _scalar_or_pair(self.padding),
+                    dilation=_scalar_or_pair(self.dilation), groups=self.groups, bias=self.bias is not None)
+
+    def _extra_repr(self) -> str:
+        c = self.config()
+        defaults = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1, "bias": True}
+        return ", ".join(f"{k}={v!r}" for k, v in c.items() if defaults.get(k, object()) != v)
 
     def output_shape(self, x_shape) -> tuple:
-        return F.conv2d_output_shape(x_shape, self.weight.shape, self.stride, self.padding, Where(self))
+        return F.conv2d_output_shape(x_shape, self.weight.shape, **self._fargs, where=Where(self))
+
+    def macs(self, x_shape) -> int:
+        n, o, p, q = self.output_shape(x_shape)
+        return n * o * p * q * math.prod(self.weight.shape[1:])
 
     def forward(self, x):
         x = self._input(x)
-        self.output_shape(shape_of(x))
         b = self.bias.data if self.bias is not None else None
-        y = self.backend.conv2d_forward(x, self.weight.data, b, self.stride, self.padding)
+        y = F.conv2d(x, self.weight.data, b, **self._fargs, backend=self.backend)
         self._cache = x
         return y
 
@@ -189,39 +440,12 @@ class Conv2d(Layer):
         """Fills ``weight.grad`` and ``bias.grad`` (overwritten) and returns dx (None unless ``need_dx``)."""
         x = self._cached()
         dy = self._check_dy(dy, self.output_shape(shape_of(x)))
-        dx, dw, db = self.backend.conv2d_backward(x, self.weight.data, dy, self.stride, self.padding,
-                                                  need_dx, self.bias is not None)
+        dx, dw, db = F.conv2d_backward(x, self.weight.data, dy, **self._fargs, need_dx=need_dx,
+                                       need_db=self.bias is not None, backend=self.backend)
         self.weight.grad = dw
         if self.bias is not None:
             self.bias.grad = db
         return dx
-
-
-class MaxPool2d(Layer):
-    """Max pooling over ``kernel_size`` windows (stride defaults to the kernel size); argmax cached."""
-
-    def __init__(self, kernel_size: int, stride: int | None = None, backend=None):
-        super().__init__(backend)
-        self.kernel_size = check_int(kernel_size, "kernel_size", "MaxPool2d", 1)
-        self.stride = self.kernel_size if stride is None else check_int(stride, "stride", "MaxPool2d", 1)
-
-    def config(self):
-        return dict(kernel_size=self.kernel_size, stride=self.stride)
-
-    def output_shape(self, x_shape) -> tuple:
-        return F.maxpool2d_output_shape(x_shape, self.kernel_size, self.stride, Where(self))
-
-    def forward(self, x):
-        x = self._input(x)
-        self.output_shape(shape_of(x))
-        y, argmax = self.backend.maxpool2d_forward(x, self.kernel_size, self.stride)
-        self._cache = (shape_of(x), argmax)
-        return y
-
-    def backward(self, dy, need_dx: bool = True):
-        x_shape, argmax = self._cached()
-        dy = self._check_dy(dy, shape_of(argmax))
-        return self.backend.maxpool2d_backward(dy, argmax, x_shape)
 
 
 class Linear(Layer):
@@ -233,8 +457,7 @@ class Linear(Layer):
         super().__init__(backend)
         self.in_features = check_int(in_features, "in_features", "Linear", 1)
         self.out_features = check_int(out_features, "out_features", "Linear", 1)
-        if not isinstance(bias, (bool, np.bool_)):
-            raise TypeError(f"Linear: bias must be a bool, got {type(bias).__name__}")
+        _check_bool(bias, "bias", "Linear")
         g = _rng(rng)
         bound = 1.0 / math.sqrt(self.in_features)
         self.weight = Parameter(g.uniform(-bound, bound, (self.out_features, self.in_features)), self.backend)
@@ -252,11 +475,18 @@ class Linear(Layer):
         if x_shape[1] != self.in_features:
             raise ValueError(f"{self!r}: x has {x_shape[1]} features, expected in_features={self.in_features}")
 
+    def output_shape(self, x_shape) -> tuple:
+        self._check_x(tuple(x_shape))
+        return (x_shape[0], self.out_features)
+
+    def macs(self, x_shape) -> int:
+        return x_shape[0] * self.in_features * self.out_features
+
     def forward(self, x):
         x = self._input(x)
         self._check_x(shape_of(x))
         b = self.bias.data if self.bias is not None else None
-        y = self.backend.linear_forward(x, self.weight.data, b)
+        y = F.linear(x, self.weight.data, b, backend=self.backend)
         self._cache = x
         return y
 
@@ -264,57 +494,458 @@ class Linear(Layer):
         """Fills ``weight.grad``/``bias.grad`` (overwritten); returns dx (None unless ``need_dx``)."""
         x = self._cached()
         dy = self._check_dy(dy, (x.shape[0], self.out_features))
-        dx, dw, db = self.backend.linear_backward(x, self.weight.data, dy, need_dx, self.bias is not None)
+        dx, dw, db = F.linear_backward(x, self.weight.data, dy, need_dx=need_dx, need_db=self.bias is not None,
+                                       backend=self.backend)
         self.weight.grad = dw
         if self.bias is not None:
             self.bias.grad = db
         return dx
 
 
+# ============================================================ pooling
+class _Pool2d(Layer):
+    _name = ""
+
+    def __init__(self, kernel_size, stride=None, padding=0, backend=None):
+        super().__init__(backend)
+        where = type(self).__name__
+        kh, kw = _pair(kernel_size, "kernel_size", where, 1)
+        sh, sw = (kh, kw) if stride is None else _pair(stride, "stride", where, 1)
+        ph, pw = _pair(padding, "padding", where, 0)
+        if ph > kh // 2 or pw > kw // 2:
+            raise ValueError(f"{where}: padding {(ph, pw)} must be at most half the kernel size {(kh, kw)}")
+        # PyTorch keeps the arguments as given (an int stays an int)
+        self.kernel_size = kernel_size if isinstance(kernel_size, int) else (kh, kw)
+        self.stride = self.kernel_size if stride is None else (stride if isinstance(stride, int) else (sh, sw))
+        self.padding = padding if isinstance(padding, int) else (ph, pw)
+        square = kh == kw and sh == sw and ph == pw
+        self._fargs = {"kernel_size": kh if square else (kh, kw), "stride": sh if square else (sh, sw)}
+        if ph or pw:
+            self._fargs["padding"] = ph if square else (ph, pw)
+
+    @property
+    def simple(self) -> bool:
+        """A square window, one stride, no padding: the fused kernels' case."""
+        return isinstance(self._fargs["kernel_size"], int) and "padding" not in self._fargs
+
+    def config(self):
+        return dict(kernel_size=self.kernel_size, stride=self.stride, padding=self.padding)
+
+    def output_shape(self, x_shape) -> tuple:
+        return F.pool2d_output_shape(x_shape, **self._fargs, where=Where(self))
+
+    def macs(self, x_shape) -> int:
+        kh, kw = _pair(self.kernel_size, "kernel_size", "", 1)
+        return math.prod(self.output_shape(x_shape)) * kh * kw
+
+
+class MaxPool2d(_Pool2d):
+    """Max pooling over ``kernel_size`` windows (stride defaults to the kernel size); argmax cached.
+
+    ``padding`` pads with -inf (never selected), at most half the kernel.
+    """
+
+    def __init__(self, kernel_size, stride=None, padding=0, backend=None):
+        super().__init__(kernel_size, stride, padding, backend)
+        if self.simple:  # the historical call, without the padding argument
+            self._fargs.pop("padding", None)
+
+    def output_shape(self, x_shape) -> tuple:
+        if self.simple:
+            return F.maxpool2d_output_shape(x_shape, self._fargs["kernel_size"], self._fargs["stride"], Where(self))
+        return super().output_shape(x_shape)
+
+    def forward(self, x):
+        x = self._input(x)
+        y, argmax = F.maxpool2d(x, **self._fargs, return_indices=True, backend=self.backend)
+        self._cache = (shape_of(x), argmax)
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        x_shape, argmax = self._cached()
+        dy = self._check_dy(dy, shape_of(argmax))
+        return F.maxpool2d_backward(dy, argmax, x_shape, backend=self.backend)
+
+
+class AvgPool2d(_Pool2d):
+    """Average pooling; padded zeros count in the average (PyTorch's ``count_include_pad=True``)."""
+
+    def forward(self, x):
+        x = self._input(x)
+        y = F.avgpool2d(x, **self._fargs, backend=self.backend)
+        self._cache = shape_of(x)
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        x_shape = self._cached()
+        dy = self._check_dy(dy, self.output_shape(x_shape))
+        return F.avgpool2d_backward(dy, x_shape, **self._fargs, backend=self.backend)
+
+
+class AdaptiveAvgPool2d(Layer):
+    """Average pooling to a fixed ``output_size`` (int or (h, w)); ``1`` is global average pooling."""
+
+    def __init__(self, output_size, backend=None):
+        super().__init__(backend)
+        self._size = _pair(output_size, "output_size", "AdaptiveAvgPool2d", 1)
+        self.output_size = output_size if isinstance(output_size, int) else self._size
+
+    def config(self):
+        return dict(output_size=self.output_size)
+
+    def output_shape(self, x_shape) -> tuple:
+        x_shape = tuple(x_shape)
+        if len(x_shape) != 4:
+            raise ValueError(f"{self!r}: x must be 4-D (N, C, H, W), got shape {x_shape}")
+        return (x_shape[0], x_shape[1]) + self._size
+
+    def macs(self, x_shape) -> int:
+        return math.prod(x_shape)
+
+    def forward(self, x):
+        x = self._input(x)
+        y = F.adaptive_avgpool2d(x, self._size, backend=self.backend)
+        self._cache = shape_of(x)
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        x_shape = self._cached()
+        dy = self._check_dy(dy, self.output_shape(x_shape))
+        return F.adaptive_avgpool2d_backward(dy, x_shape, self._size, backend=self.backend)
+
+
+# ============================================================ normalisation
+class _BatchNorm(Layer):
+    param_names = ("weight", "bias")
+    buffer_names = ("running_mean", "running_var", "num_batches_tracked")
+    _ndims: tuple = ()
+    _layout = ""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, backend=None):
+        super().__init__(backend)
+        where = type(self).__name__
+        self.num_features = check_int(num_features, "num_features", where, 1)
+        self.eps = check_float(eps, "eps", where, 0.0, min_inclusive=False)
+        self.momentum = None if momentum is None else check_float(momentum, "momentum", where, 0.0, 1.0)
+        self.affine = _check_bool(affine, "affine", where)
+        self.track_running_stats = _check_bool(track_running_stats, "track_running_stats", where)
+        c = self.num_features
+        self.weight = Parameter(np.ones(c), self.backend) if affine else None
+        self.bias = Parameter(np.zeros(c), self.backend) if affine else None
+        if self.track_running_stats:
+            self.running_mean = self.backend.asarray(np.zeros(c, np.float32))
+            self.running_var = self.backend.asarray(np.ones(c, np.float32))
+            self.num_batches_tracked = np.zeros((), np.int64)
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    def config(self):
+        return dict(num_features=self.num_features, eps=self.eps, momentum=self.momentum, affine=self.affine,
+                    track_running_stats=self.track_running_stats)
+
+    def _extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, " \
+               f"track_running_stats={self.track_running_stats}"
+
+    def _check_x(self, x_shape):
+        if len(x_shape) not in self._ndims:
+            raise ValueError(f"{self!r}: x must be {self._layout}, got shape {x_shape}")
+        if x_shape[1] != self.num_features:
+            raise ValueError(f"{self!r}: x has {x_shape[1]} channels, expected num_features={self.num_features}")
+
+    def output_shape(self, x_shape) -> tuple:
+        self._check_x(tuple(x_shape))
+        return tuple(x_shape)
+
+    def macs(self, x_shape) -> int:
+        return math.prod(x_shape)
+
+    def _uses_batch_stats(self) -> bool:
+        return self.training or self.running_mean is None
+
+    def forward(self, x, relu: bool = False):
+        x = self._input(x)
+        self._check_x(shape_of(x))
+        batch_stats = self._uses_batch_stats()
+        factor = 0.0
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked = self.num_batches_tracked + 1
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        update = self.training and self.track_running_stats
+        w = self.weight.data if self.weight is not None else None
+        b = self.bias.data if self.bias is not None else None
+        rm = self.running_mean if (update or not batch_stats) else None
+        rv = self.running_var if (update or not batch_stats) else None
+        y, saved = F.batch_norm(x, w, b, rm, rv, training=batch_stats, momentum=factor, eps=self.eps, relu=relu,
+                                backend=self.backend)
+        self._cache = (x, saved)
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        x, saved = self._cached()
+        dy = self._check_dy(dy, shape_of(x))
+        dx, dw, db = F.batch_norm_backward(x, self.weight.data if self.weight is not None else None, dy, saved,
+                                           need_dx=need_dx, backend=self.backend)
+        if self.weight is not None:
+            self.weight.grad, self.bias.grad = dw, db
+        return dx
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation over (N, C, H, W) input, per channel (PyTorch semantics and state-dict keys).
+
+    Training mode normalises with the batch statistics and updates
+    ``running_mean``/``running_var`` (unbiased variance) with ``momentum``
+    (``None``: a cumulative average); eval mode uses the running statistics.
+    """
+
+    _ndims, _layout = (4,), "4-D (N, C, H, W)"
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation over (N, C) or (N, C, L) input, per feature (PyTorch semantics)."""
+
+    _ndims, _layout = (2, 3), "2-D (N, C) or 3-D (N, C, L)"
+
+
+class Dropout(Layer):
+    """Inverted dropout: in training mode each element is zeroed with probability ``p`` and the rest
+    are scaled by ``1 / (1 - p)``; the identity in eval mode.
+
+    Each call draws a fresh mask from the layer's generator (seeded from
+    :func:`parconv.manual_seed` at construction unless ``rng`` is given); the
+    backward pass reuses the same mask.
+    """
+
+    def __init__(self, p: float = 0.5, backend=None, rng=None):
+        super().__init__(backend)
+        self.p = check_float(p, "p", "Dropout", 0.0, 1.0)
+        parent = _rng(rng)
+        self._gen = np.random.default_rng(parent.integers(0, 2**63)) if rng is None or isinstance(rng, np.random.Generator) \
+            else parent
+
+    def config(self):
+        return dict(p=self.p)
+
+    def forward(self, x):
+        x = self._input(x)
+        if not self.training or self.p == 0.0:
+            self._cache = (None, shape_of(x))
+            return x
+        seed = int(self._gen.integers(0, 2**63))
+        self._cache = (seed, shape_of(x))
+        return F.dropout(x, self.p, seed, backend=self.backend)
+
+    def backward(self, dy, need_dx: bool = True):
+        seed, shape = self._cached()
+        dy = self._check_dy(dy, shape)
+        if seed is None:
+            return dy
+        return F.dropout_backward(dy, self.p, seed, backend=self.backend)
+
+
+# ============================================================ activations
 class _Activation(Layer):
     _fwd = _bwd = ""
 
     def forward(self, x):
         x = self._input(x)
-        if any(s == 0 for s in shape_of(x)):
-            raise ValueError(f"{self!r}: x must not have a zero-sized dimension, got shape {shape_of(x)}")
-        y = getattr(self.backend, self._fwd)(x)
+        y = getattr(F, self._fwd)(x, backend=self.backend)
         self._cache = y
         return y
 
     def backward(self, dy, need_dx: bool = True):
         y = self._cached()
         dy = self._check_dy(dy, shape_of(y))
-        return getattr(self.backend, self._bwd)(y, dy)
+        return getattr(F, self._bwd)(y, dy, backend=self.backend)
+
+    def macs(self, x_shape) -> int:
+        return math.prod(x_shape)
 
 
 class ReLU(_Activation):
     """``max(x, 0)`` elementwise."""
 
-    _fwd, _bwd = "relu_forward", "relu_backward"
+    _fwd, _bwd = "relu", "relu_backward"
 
 
 class Sigmoid(_Activation):
     """Logistic sigmoid elementwise (overflow-free)."""
 
-    _fwd, _bwd = "sigmoid_forward", "sigmoid_backward"
+    _fwd, _bwd = "sigmoid", "sigmoid_backward"
+
+
+class Tanh(_Activation):
+    """Hyperbolic tangent elementwise."""
+
+    _fwd, _bwd = "tanh", "tanh_backward"
+
+
+class LeakyReLU(Layer):
+    """``x`` where ``x > 0``, else ``negative_slope * x``."""
+
+    def __init__(self, negative_slope: float = 0.01, backend=None):
+        super().__init__(backend)
+        self.negative_slope = check_float(negative_slope, "negative_slope", "LeakyReLU")
+
+    def config(self):
+        return dict(negative_slope=self.negative_slope)
+
+    def macs(self, x_shape) -> int:
+        return math.prod(x_shape)
+
+    def forward(self, x):
+        x = self._input(x)
+        y = F.leaky_relu(x, self.negative_slope, backend=self.backend)
+        self._cache = x
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        x = self._cached()
+        dy = self._check_dy(dy, shape_of(x))
+        return F.leaky_relu_backward(x, dy, self.negative_slope, backend=self.backend)
+
+
+class Softmax(Layer):
+    """Softmax along ``dim`` (default 1, the classes of (N, G) logits)."""
+
+    def __init__(self, dim: int = 1, backend=None):
+        super().__init__(backend)
+        self.dim = check_int(dim, "dim", "Softmax", -(2**31))
+
+    def config(self):
+        return dict(dim=self.dim)
+
+    def output_shape(self, x_shape) -> tuple:
+        if not -len(x_shape) <= self.dim < len(x_shape):
+            raise ValueError(f"{self!r}: dim {self.dim} is out of range for an input of shape {tuple(x_shape)}")
+        return tuple(x_shape)
+
+    def macs(self, x_shape) -> int:
+        return math.prod(x_shape)
+
+    def forward(self, x):
+        x = self._input(x)
+        self.output_shape(shape_of(x))
+        y = F.softmax(x, self.dim, backend=self.backend)
+        self._cache = y
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        y = self._cached()
+        dy = self._check_dy(dy, shape_of(y))
+        return F.softmax_backward(y, dy, self.dim, backend=self.backend)
 
 
 class Flatten(Layer):
     """Flattens every dimension after the batch: (N, ...) -> (N, prod(...)). No copy."""
 
+    def output_shape(self, x_shape) -> tuple:
+        x_shape = tuple(x_shape)
+        if len(x_shape) < 2:
+            raise ValueError(f"{self!r}: x must have a batch dimension and at least one more, got shape {x_shape}")
+        return (x_shape[0], math.prod(x_shape[1:]))
+
     def forward(self, x):
         x = self._input(x)
         shape = shape_of(x)
-        if len(shape) < 2:
-            raise ValueError(f"{self!r}: x must have a batch dimension and at least one more, got shape {shape}")
+        out = self.output_shape(shape)
         self._cache = shape
-        return self.backend.reshape(x, (shape[0], math.prod(shape[1:])))
+        return F.reshape(x, out, backend=self.backend)
 
     def backward(self, dy, need_dx: bool = True):
         shape = self._cached()
         dy = self._check_dy(dy, (shape[0], math.prod(shape[1:])))
-        return self.backend.reshape(dy, shape)
+        return F.reshape(dy, shape, backend=self.backend)
 
 
-LAYER_TYPES = {cls.__name__: cls for cls in (Conv2d, MaxPool2d, Linear, ReLU, Sigmoid, Flatten)}
+class Identity(Layer):
+    """Returns its input unchanged (a placeholder, e.g. an explicit identity shortcut)."""
+
+    def forward(self, x):
+        x = self._input(x)
+        self._cache = shape_of(x)
+        return x
+
+    def backward(self, dy, need_dx: bool = True):
+        return self._check_dy(dy, self._cached())
+
+
+# ============================================================ containers
+class Residual(Layer):
+    """``body(x) + shortcut(x)``: a residual block (``shortcut=None`` is the identity).
+
+    ``body`` and ``shortcut`` are layers or :class:`parconv.Sequential`\\ s;
+    state-dict keys are ``"body.<j>.weight"`` and ``"shortcut.<j>.weight"``
+    below the block's own prefix, as the equivalent PyTorch module with
+    ``body``/``shortcut`` attributes.
+    """
+
+    def __init__(self, body, shortcut=None, backend=None):
+        for name, part in (("body", body), ("shortcut", shortcut)):
+            if part is not None and not isinstance(part, Layer):
+                raise TypeError(f"Residual: {name} must be a parconv layer or Sequential, got {type(part).__name__}")
+        super().__init__(body.backend if backend is None else backend)
+        self.body, self.shortcut = body, shortcut
+        names = {m.backend.name for m in self.modules()[1:]}
+        if backend is not None or len(names) > 1:
+            if backend is None:
+                raise ValueError(f"Residual: body and shortcut live on different backends {sorted(names)}; "
+                                 "pass backend=...")
+            self.to(backend)
+
+    def children(self) -> list:
+        return [("body", self.body)] + ([("shortcut", self.shortcut)] if self.shortcut is not None else [])
+
+    def spec(self) -> dict:
+        return {"type": "Residual", "config": {"body": self.body.spec(),
+                                               "shortcut": None if self.shortcut is None else self.shortcut.spec()}}
+
+    @classmethod
+    def from_config(cls, config: dict, backend=None) -> "Residual":
+        shortcut = config.get("shortcut")
+        return cls(layer_from_spec(config["body"], backend),
+                   None if shortcut is None else layer_from_spec(shortcut, backend), backend=backend)
+
+    def _extra_repr(self) -> str:
+        return f"body={self.body!r}, shortcut={self.shortcut!r}"
+
+    def output_shape(self, x_shape) -> tuple:
+        a = _shape_through(self.body, x_shape)
+        b = tuple(x_shape) if self.shortcut is None else _shape_through(self.shortcut, x_shape)
+        if a != b:
+            raise ValueError(f"Residual: body output {a} and shortcut output {b} differ for input {tuple(x_shape)} "
+                             "(give the block a projection shortcut, e.g. a 1x1 strided Conv2d)")
+        return a
+
+    def macs(self, x_shape) -> int:
+        body = _macs_through(self.body, x_shape)
+        short = 0 if self.shortcut is None else _macs_through(self.shortcut, x_shape)
+        return body + short + math.prod(self.output_shape(x_shape))
+
+    def forward(self, x):
+        x = self._input(x)
+        a = self.body.forward(x)
+        b = x if self.shortcut is None else self.shortcut.forward(x)
+        if shape_of(a) != shape_of(b):
+            raise ValueError(f"Residual: body output {shape_of(a)} and shortcut output {shape_of(b)} differ "
+                             "(give the block a projection shortcut, e.g. a 1x1 strided Conv2d)")
+        self._cache = shape_of(a)
+        return F.add(a, b, backend=self.backend)
+
+    def backward(self, dy, need_dx: bool = True):
+        dy = self._check_dy(dy, self._cached())
+        dx_body = self.body.backward(dy, need_dx=need_dx)
+        if self.shortcut is None:
+            return F.add(dx_body, dy, backend=self.backend) if need_dx else None
+        dx_short = self.shortcut.backward(dy, need_dx=need_dx)
+        return F.add(dx_body, dx_short, backend=self.backend) if need_dx else None
+
+
+def _shape_through(layer, x_shape) -> tuple:
+    return tuple(layer.output_shape(tuple(x_shape)))
+
+
+def _macs_through(layer, x_shape) -> int:
+    return int(layer.macs(tuple(x_shape)))

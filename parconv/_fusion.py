@@ -1,0 +1,223 @@
+"""Fusion planning for a :class:`parconv.Sequential`: which runs of layers execute as one op.
+
+A plan is a list of steps; each step has ``forward(x)`` and ``backward(dy,
+need_dx)``. An unfused layer is its own step. A fused step holds its own
+cached activations and writes only the gradients of its layers' parameters
+(as the layers' own backward would), never another layer's private state.
+
+Fusions:
+
+* ``Conv2d -> ReLU -> MaxPool2d`` (square kernel, int stride/padding, one
+  group; square pooling without padding): one convolution+ReLU+max-pooling
+  op that never writes the full-size convolution output;
+* the same followed by ``Flatten -> Linear`` where the backend fuses that
+  classifier head too (:func:`parconv.functional.fuses_linear_head`);
+* ``Conv2d -> BatchNorm2d`` in eval mode, on host backends: the running
+  statistics folded into the convolution's weight and bias;
+* ``BatchNorm -> ReLU`` in training mode: one normalisation pass that
+  applies the ReLU as it writes.
+
+Nested containers plan their own runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import functional as F
+from ._validation import shape_of, to_backend_array
+from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU
+
+__all__ = ["plan", "PlanStep"]
+
+
+class PlanStep:
+    """One entry of a plan: ``step`` runs layers ``start .. stop - 1``; ``hooks`` are the layer
+    indices whose parameters' gradients are final after ``step.backward``, in the order they are."""
+
+    __slots__ = ("step", "start", "stop", "hooks")
+
+    def __init__(self, step, start: int, stop: int, hooks: tuple):
+        self.step, self.start, self.stop, self.hooks = step, start, stop, hooks
+
+
+class _Fused:
+    """Base of fused steps: the layers it runs and its own cache."""
+
+    def __init__(self, start: int, layers: list):
+        self.start, self.layers = start, layers
+        self.backend = layers[0].backend
+        self._cache = None
+
+    def release(self) -> None:
+        self._cache = None
+
+    def _cached(self):
+        if self._cache is None:
+            names = ", ".join(type(layer).__name__ for layer in self.layers)
+            raise ValueError(f"Sequential.backward: layers {self.start}..{self.start + len(self.layers) - 1} "
+                             f"({names}) have no forward pass to differentiate (call the model first)")
+        return self._cache
+
+    def _dy(self, dy, expected: tuple):
+        dy = to_backend_array(dy, self.backend, "dy", "Sequential.backward")
+        if shape_of(dy) != tuple(expected):
+            raise ValueError(f"Sequential.backward: dy must have the output's shape {tuple(expected)}, "
+                             f"got {shape_of(dy)}")
+        return dy
+
+
+class ConvReluMaxPool(_Fused):
+    """``Conv2d -> ReLU -> MaxPool2d`` as one op."""
+
+    def __init__(self, start, conv, relu, pool):
+        super().__init__(start, [conv, relu, pool])
+        self.conv, self.pool = conv, pool
+
+    def forward(self, x):
+        conv = self.conv
+        b = conv.bias.data if conv.bias is not None else None
+        y, argmax = F.conv2d_relu_maxpool2d(x, conv.weight.data, b, conv._fargs["stride"], conv._fargs["padding"],
+                                            self.pool._fargs["kernel_size"], self.pool._fargs["stride"],
+                                            backend=self.backend)
+        self._cache = (x, y, argmax)
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        conv = self.conv
+        x, y, argmax = self._cached()
+        dy = self._dy(dy, shape_of(y))
+        dx, dw, db = F.conv2d_relu_maxpool2d_backward(x, conv.weight.data, y, argmax, dy, conv._fargs["stride"],
+                                                      conv._fargs["padding"], need_dx=need_dx,
+                                                      need_db=conv.bias is not None, backend=self.backend)
+        conv.weight.grad = dw
+        if conv.bias is not None:
+            conv.bias.grad = db
+        return dx
+
+
+class ConvReluMaxPoolHead(_Fused):
+    """``Conv2d -> ReLU -> MaxPool2d -> Flatten -> Linear`` as one op (the classifier head fused)."""
+
+    def __init__(self, start, conv, relu, pool, flatten, head):
+        super().__init__(start, [conv, relu, pool, flatten, head])
+        self.conv, self.pool, self.head = conv, pool, head
+
+    def forward(self, x):
+        conv, head = self.conv, self.head
+        b = conv.bias.data if conv.bias is not None else None
+        bl = head.bias.data if head.bias is not None else None
+        y, argmax, logits = F.conv2d_relu_maxpool2d_linear(
+            x, conv.weight.data, b, head.weight.data, bl, conv._fargs["stride"], conv._fargs["padding"],
+            self.pool._fargs["kernel_size"], self.pool._fargs["stride"], backend=self.backend)
+        self._cache = (x, y, argmax)
+        return logits
+
+    def backward(self, dy, need_dx: bool = True):
+        conv, head = self.conv, self.head
+        x, y, argmax = self._cached()
+        dy = self._dy(dy, (shape_of(y)[0], head.out_features))
+        dx, dw, db, dwl, dbl = F.conv2d_relu_maxpool2d_linear_backward(
+            x, conv.weight.data, y, argmax, head.weight.data, dy, conv._fargs["stride"], conv._fargs["padding"],
+            need_dx=need_dx, need_db=conv.bias is not None, need_head_db=head.bias is not None,
+            backend=self.backend)
+        head.weight.grad = dwl
+        if head.bias is not None:
+            head.bias.grad = dbl
+        conv.weight.grad = dw
+        if conv.bias is not None:
+            conv.bias.grad = db
+        return dx
+
+
+class ConvBatchNormFolded(_Fused):
+    """``Conv2d -> BatchNorm2d`` in eval mode: one convolution with the statistics folded in.
+
+    ``w' = w * g / sqrt(var + eps)``, ``b' = (b - mean) * g / sqrt(var + eps) + beta``,
+    recomputed from the current weights and statistics at every forward (a
+    few thousand numbers), so it can never go stale.
+    """
+
+    def __init__(self, start, conv, bn):
+        super().__init__(start, [conv, bn])
+        self.conv, self.bn = conv, bn
+
+    def forward(self, x):
+        conv, bn = self.conv, self.bn
+        be = self.backend
+        scale = 1.0 / np.sqrt(be.to_numpy(bn.running_var).astype(np.float64) + bn.eps)
+        if bn.weight is not None:
+            scale = scale * bn.weight.numpy()
+        w = conv.weight.numpy().astype(np.float64) * scale[:, None, None, None]
+        b = conv.bias.numpy().astype(np.float64) if conv.bias is not None else 0.0
+        b = (b - be.to_numpy(bn.running_mean)) * scale
+        if bn.bias is not None:
+            b = b + bn.bias.numpy()
+        y = F.conv2d(x, w.astype(np.float32), b.astype(np.float32), **conv._fargs, backend=be)
+        self._cache = None  # eval-mode folding has no backward: differentiate the layers unfused
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        raise ValueError("Sequential.backward: the model ran in eval mode with Conv2d+BatchNorm2d folded; "
+                         "call model.train() (or build it with fuse=False) to differentiate it")
+
+
+class BatchNormReLU(_Fused):
+    """``BatchNorm -> ReLU`` as one normalisation pass (training mode)."""
+
+    def __init__(self, start, bn, relu):
+        super().__init__(start, [bn, relu])
+        self.bn = bn
+
+    def forward(self, x):
+        return self.bn.forward(x, relu=True)
+
+    def backward(self, dy, need_dx: bool = True):
+        return self.bn.backward(dy, need_dx=need_dx)
+
+    def release(self) -> None:
+        self.bn._cache = None
+
+
+def _conv_pool(layers, i) -> bool:
+    if i + 3 > len(layers):
+        return False
+    conv, relu, pool = layers[i:i + 3]
+    return (type(conv) is Conv2d and type(relu) is ReLU and type(pool) is MaxPool2d and conv.simple
+            and pool.simple)
+
+
+def plan(layers: list, backend, fuse: bool) -> list:
+    """The steps of one forward pass over ``layers`` (a Sequential's direct children)."""
+    steps, i, n = [], 0, len(layers)
+    while i < n:
+        layer = layers[i]
+        if fuse and _conv_pool(layers, i):
+            head = layers[i + 4] if i + 5 <= n and type(layers[i + 3]) is Flatten and type(layers[i + 4]) is Linear \
+                else None
+            if head is not None and F.fuses_linear_head(head.in_features, head.out_features, backend=backend):
+                steps.append(PlanStep(ConvReluMaxPoolHead(i, *layers[i:i + 5]), i, i + 5, (i + 4, i)))
+                i += 5
+                continue
+            steps.append(PlanStep(ConvReluMaxPool(i, *layers[i:i + 3]), i, i + 3, (i,)))
+            i += 3
+            continue
+        nxt = layers[i + 1] if i + 1 < n else None
+        if (fuse and type(layer) is Conv2d and type(nxt) is BatchNorm2d and not layer.training
+                and not nxt.training and nxt.running_mean is not None and backend.host_arrays):
+            steps.append(PlanStep(ConvBatchNormFolded(i, layer, nxt), i, i + 2, (i + 1, i)))
+            i += 2
+            continue
+        if (fuse and type(layer) in (BatchNorm1d, BatchNorm2d) and type(nxt) is ReLU and layer.training
+                and nxt.training):
+            steps.append(PlanStep(BatchNormReLU(i, layer, nxt), i, i + 2, (i,)))
+            i += 2
+            continue
+        steps.append(PlanStep(layer, i, i + 1, (i,)))
+        i += 1
+    return steps
+
+
+def count_fused(steps: list) -> int:
+    """How many steps of a plan are fused ops (for ``summary`` and tests)."""
+    return sum(1 for s in steps if isinstance(s.step, _Fused))
