@@ -366,6 +366,7 @@ def test_training_step_keeps_data_on_the_device():
     vel = {k: BE.zeros(p.shape) for k, p in params.items()}
     log = BE.transfers
     log.reset()
+    log.record = True
     losses = []
     for _ in range(3):
         z = BE.conv2d_forward(x, params["w1"], params["b1"], 1, 0)
@@ -387,8 +388,9 @@ def test_training_step_keeps_data_on_the_device():
     assert losses[-1] < losses[0]
     BE.to_numpy(params["w1"])
     assert log.d2h_reasons()[-1] == "to_numpy" and log.device_to_host[-1].nbytes == d * 9 * 4
+    log.record = False
     log.reset()
-    assert log.d2h_count == 0
+    assert log.d2h_count == 0 and log.device_to_host == []
 
 
 # ---------------------------------------------------------------- devices

@@ -16,13 +16,13 @@ def test_training_steps_only_bring_back_loss_and_metrics():
     loss_fn = pc.SoftmaxCrossEntropy()
     rng = np.random.default_rng(0)
     batches = [(rng.standard_normal((8, 1, 12, 12)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(3)]
-    be.transfers.reset()
-    for x, y in batches:
-        loss = loss_fn(model(x), y)
-        assert isinstance(loss, float)
-        model.backward(loss_fn.backward())
-        opt.step()
-        opt.zero_grad()
+    with be.transfers.recording():
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            assert isinstance(loss, float)
+            model.backward(loss_fn.backward())
+            opt.step()
+            opt.zero_grad()
     assert be.transfers.d2h_reasons() == ["softmax_cross_entropy_forward"] * 3
     # what went up: each batch's inputs and labels, and the optimizer's zero-initialised state on the first step
     assert be.transfers.h2d_bytes < 3 * (8 * 144 * 4 + 8 * 4) + 4 * sum(p.size for p in model.parameters()) + 4096
@@ -34,8 +34,8 @@ def test_fit_step_residency():
     x, y = pc.datasets.load_mnist("test")
     model = pc.Sequential(pc.Conv2d(1, 4, 3), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(), pc.Linear(4 * 13 * 13, 10),
                           backend="opencl")
-    be.transfers.reset()
-    model.fit(x[:30], y[:30], epochs=1, batch_size=10, verbose=False, shuffle=False)
+    with be.transfers.recording():
+        model.fit(x[:30], y[:30], epochs=1, batch_size=10, verbose=False, shuffle=False)
     reasons = be.transfers.d2h_reasons()
     assert sorted(set(reasons)) == ["count_correct", "softmax_cross_entropy_forward"], reasons
     assert len(reasons) == 6

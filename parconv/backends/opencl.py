@@ -8,8 +8,8 @@ the scalar results (losses, ``count_correct``, ``all_finite``) wait for it.
 
 The kernels live in ``kernels_cl/*.cl`` (installed as ``parconv.kernels_cl``), one file
 per op family sharing ``common.h``. Each family is built once per (context, build
-options) and kept in a process-wide cache; its kernel objects are fetched once and
-stored. Tile and work-group sizes are build options (``-D TILE_WG=...``) and kernel
+options) and kept in a process-wide cache that lets go of a context's programs with
+the context; its kernel objects are fetched once and stored. Tile and work-group sizes are build options (``-D TILE_WG=...``) and kernel
 arguments chosen per device by :func:`device_config`, never literals in the kernels.
 
 Device choice never prompts: ``PARCONV_OPENCL_DEVICE`` holds ``"platform:device"``
@@ -19,26 +19,27 @@ indices (``"0:1"``) or a case-insensitive substring of the device or platform na
 Transfer accounting (the residency rule)
 ----------------------------------------
 Every copy between host and device goes through two methods of the backend, which
-record it in ``backend.transfers``, a :class:`TransferLog`:
+count it in ``backend.transfers``, a :class:`TransferLog`:
 
+``transfers.d2h_count``, ``d2h_bytes``, ``h2d_count``, ``h2d_bytes``
+    totals since the last ``transfers.reset()``, always kept.
 ``transfers.device_to_host`` / ``transfers.host_to_device``
-    lists of :class:`Transfer` records ``(nbytes, reason)`` in call order. Reasons:
+    lists of :class:`Transfer` records ``(nbytes, reason)`` in call order, kept only
+    while ``transfers.record`` is true (``with transfers.recording(): ...`` resets the
+    log and records inside the block), so a long run does not grow them. Reasons:
     ``"to_numpy"`` (:meth:`~OpenCLBackend.to_numpy`), ``"asarray"`` (host data
     uploaded by :meth:`~OpenCLBackend.asarray`), and for scalars the name of the
     method that returned them: ``"softmax_cross_entropy_forward"``, ``"bce_forward"``,
-    ``"count_correct"``, ``"all_finite"``, ``"norm_many"`` (the total norm of ``clip_grad_norm_``).
-``transfers.d2h_count``, ``d2h_bytes``, ``h2d_count``, ``h2d_bytes``
-    totals; ``transfers.d2h_reasons()`` the reasons in order.
-``transfers.reset()``
-    forget everything recorded so far.
+    ``"count_correct"``, ``"all_finite"``, ``"norm_many"`` (the total norm of
+    ``clip_grad_norm_``). ``transfers.d2h_reasons()`` lists the recorded reasons in order.
 
 A training step on device arrays must leave only its loss (and metric) scalars in
 ``device_to_host``::
 
     log = backend.transfers
-    log.reset()
-    loss, probs = backend.softmax_cross_entropy_forward(logits, labels)
-    ...  # backward, optimizer update
+    with log.recording():
+        loss, probs = backend.softmax_cross_entropy_forward(logits, labels)
+        ...  # backward, optimizer update
     assert log.d2h_reasons() == ["softmax_cross_entropy_forward"]
 
 Shapes: N batch, C in-channels, O filters, H, W input, P, Q output, K kernel,
@@ -47,10 +48,12 @@ F in-features, G out-features.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import threading
+import weakref
 from importlib import resources
 from pathlib import Path
 from typing import NamedTuple
@@ -88,46 +91,70 @@ class Transfer(NamedTuple):
 
 
 class TransferLog:
-    """Every host <-> device copy an :class:`OpenCLBackend` made (see the module docstring)."""
+    """Host <-> device copies of an :class:`OpenCLBackend` (see the module docstring).
+
+    Counts and byte totals are always kept. The individual :class:`Transfer` records
+    (``device_to_host``, ``host_to_device``, ``d2h_reasons()``) are kept only while
+    :attr:`record` is true, e.g. inside ``with log.recording():``, so a long training
+    run does not grow the log.
+    """
 
     def __init__(self) -> None:
         self.device_to_host: list[Transfer] = []
+        self.record = False
         self.host_to_device: list[Transfer] = []
         self._lock = threading.Lock()
+        self._totals = [0, 0, 0, 0]  # d2h count, d2h bytes, h2d count, h2d bytes
 
     def reset(self) -> None:
-        """Forget every recorded transfer."""
+        """Forget every recorded transfer and zero the totals (:attr:`record` is kept)."""
         with self._lock:
             self.device_to_host.clear()
             self.host_to_device.clear()
 
+            self._totals = [0, 0, 0, 0]
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Reset, then keep every record inside the ``with`` block (the records stay readable after it)."""
+        previous = self.record
+        self.reset()
+        self.record = True
+        try:
+            yield self
+        finally:
+            self.record = previous
     def _add(self, records: list, nbytes: int, reason: str) -> None:
         with self._lock:
-            records.append(Transfer(int(nbytes), reason))
+        i = 0 if records is self.device_to_host else 2
+            self._totals[i] += 1
+            self._totals[i + 1] += int(nbytes)
+            if self.record:
+                records.append(Transfer(int(nbytes), reason))
 
     @property
     def d2h_count(self) -> int:
-        return len(self.device_to_host)
+        return self._totals[0]
 
     @property
     def d2h_bytes(self) -> int:
-        return sum(t.nbytes for t in self.device_to_host)
+        return self._totals[1]
 
     @property
     def h2d_count(self) -> int:
-        return len(self.host_to_device)
+        return self._totals[2]
 
     @property
     def h2d_bytes(self) -> int:
-        return sum(t.nbytes for t in self.host_to_device)
+        return self._totals[3]
 
     def d2h_reasons(self) -> list[str]:
-        """Reasons of the device -> host copies, in order."""
+        """Reasons of the device -> host copies recorded while :attr:`record` was true, in order."""
         return [t.reason for t in self.device_to_host]
 
     def __repr__(self) -> str:
         return (f"<TransferLog device_to_host={self.d2h_count} ({self.d2h_bytes} B), "
-                f"host_to_device={self.h2d_count} ({self.h2d_bytes} B)>")
+                f"host_to_device={self.h2d_count} ({self.h2d_bytes} B), record={self.record}>")
 
 
 # ------------------------------------------------------------------------ device choice
@@ -240,7 +267,10 @@ def device_config(device, kind: str | None = None) -> DeviceConfig:
 
 
 # -------------------------------------------------------------------- program cache
-_program_cache: dict = {}
+# context -> {(family, options): (program, kernels)}. Weak keys: a context's programs go
+# with the last reference to it (a backend and its arrays), so backends created and
+# dropped in a loop do not pile up compiled programs.
+_program_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _program_lock = threading.Lock()
 
 
@@ -269,22 +299,48 @@ def build_program(context, family: str, options: tuple[str, ...]):
 
     Returns ``(program, kernels)`` with ``kernels`` a dict name -> kernel object.
     """
-    key = (context.int_ptr, family, tuple(options))
+    key = (family, tuple(options))
     with _program_lock:
-        hit = _program_cache.get(key)
+        per_context = _program_cache.get(context)
+        if per_context is None:
+            per_context = _program_cache[context] = {}
+        hit = per_context.get(key)
         if hit is not None:
-            return hit[1], hit[2]
+            return hit
         cl = _import_pyopencl()
         try:
-            program = cl.Program(context, _kernel_source(family)).build(options=list(options))
+        # The program keeps the context object it was built with alive; build with a
+        # second handle to the same context so the cache's weak key can still expire.
+        handle = cl.Context.from_int_ptr(context.int_ptr)
+            program = cl.Program(handle, _kernel_source(family)).build(options=list(options))
         except cl.RuntimeError as exc:
             raise RuntimeError(f"building kernels_cl/{family}.cl failed on this OpenCL device: {exc}") from exc
-        kernels = {k.function_name: k for k in program.all_kernels()}
-        _program_cache[key] = (context, program, kernels)  # the context is kept alive with its programs
+        # by name: pyopencl's all_kernels() leaves the kernels' native memory behind
+        # (about 1 MB a program on PoCL) once they are released
+        names = [n for n in program.get_info(cl.program_info.KERNEL_NAMES).split(";") if n]
+        kernels = {n: cl.Kernel(program, n) for n in names}
+        per_context[key] = (program, kernels)
         return program, kernels
 
 
 # ------------------------------------------------------------------------ helpers
+def _forget_context(context) -> None:
+    """Drop ``context`` from pyopencl's per-context kernel caches (``Array.fill``, ``astype``...).
+
+    Those caches hold their contexts strongly; without this a dropped backend's
+    context, and with it the programs cached for it, would live until the process ends.
+    """
+    try:
+        from pyopencl.tools import _first_arg_dependent_caches
+    except ImportError:  # a pyopencl without these caches holds nothing to drop
+        return
+    for cache in list(_first_arg_dependent_caches):
+        try:
+            cache.pop(context, None)
+        except (AttributeError, TypeError):
+            continue
+
+
 def _round8(n: int) -> int:
     return (n + 7) // 8 * 8
 
@@ -336,6 +392,7 @@ class OpenCLBackend(Backend):
             self._k.update(self.program(family)[1])
         self._dummy_f = self.empty((1,), np.float32)  # stands in for absent optional buffers
 
+        weakref.finalize(self, _forget_context, self.context)
     def __repr__(self) -> str:
         return f"<parconv backend 'opencl' on {self.device.name.strip()!r}>"
 
