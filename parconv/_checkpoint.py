@@ -30,7 +30,7 @@ FORMAT_VERSION = 1
 OPTIM_PREFIX = "extra.optim."
 
 __all__ = ["TrainingState", "save_training_checkpoint", "load_training_checkpoint", "apply_training_state",
-           "read_model_file", "load_model"]
+           "read_model_file"]
 
 
 @dataclass
@@ -134,27 +134,6 @@ def read_model_file(path) -> tuple[dict, dict, dict]:
         if value.dtype.kind != "f":
             raise ValueError(f"{path!r}: parameter {key!r} holds {value.dtype} data, expected floating point")
     return meta["model"], state, meta
-
-
-def load_model(path, backend=None):
-    """Build the :class:`~parconv.Sequential` stored in ``path`` (a model file or training checkpoint).
-
-    Every failure caused by the file's content -- a config the layers reject,
-    weights of the wrong shape -- is one ``ValueError`` naming the file.
-    """
-    from .model import Sequential
-
-    path = os.fspath(path)
-    config, state, _ = read_model_file(path)
-    try:
-        model = Sequential.from_config(config, backend=backend)
-    except Exception as exc:  # layer constructors reject hostile configs with assorted exception types
-        raise ValueError(f"{path!r}: invalid model description: {type(exc).__name__}: {exc}") from None
-    try:
-        model.load_state_dict(state)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"{path!r}: {exc}") from None
-    return model
 
 
 _OPTIM_KEY = re.compile(r"state\.(0|[1-9][0-9]{0,8})\.[A-Za-z_][A-Za-z0-9_]*")
