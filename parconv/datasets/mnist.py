@@ -6,15 +6,12 @@ downloads are checked against the official files' published MD5 digests.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import tempfile
-import urllib.request
 from importlib import resources
 
 import numpy as np
 
+from . import _download as _dl
 from .idx import IDXError, read_idx
 
 #: file names and SHA-256 of the official MNIST files
@@ -41,11 +38,7 @@ def sample_path() -> str:
 
 
 def _digest(path: str, algorithm: str = "sha256") -> str:
-    h = hashlib.new(algorithm)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return _dl.digest(path, algorithm)
 
 
 def _bundled_checksums() -> dict:
@@ -59,30 +52,11 @@ def _bundled_checksums() -> dict:
 
 
 def _cache_dir() -> str:
-    from platformdirs import user_cache_dir
-
-    return os.path.join(user_cache_dir("parconv"), "mnist")
+    return _dl.cache_dir("mnist")
 
 
 def _download(name: str, directory: str) -> str:
-    os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, name)
-    errors = []
-    for base in _MIRRORS:
-        try:
-            with urllib.request.urlopen(base + name, timeout=60) as r, tempfile.NamedTemporaryFile(
-                dir=directory, delete=False) as tmp:
-                shutil.copyfileobj(r, tmp)
-            digest = _digest(tmp.name, "md5")
-            if digest != _MD5[name]:
-                os.unlink(tmp.name)
-                errors.append(f"{base}: checksum mismatch ({digest})")
-                continue
-            os.replace(tmp.name, target)
-            return target
-        except OSError as exc:
-            errors.append(f"{base}: {exc}")
-    raise OSError(f"could not download {name}: " + "; ".join(errors))
+    return _dl.fetch([base + name for base in _MIRRORS], os.path.join(directory, name), _MD5[name])
 
 
 def _to_arrays(images: np.ndarray, labels: np.ndarray, img_file: str, lbl_file: str, normalize: bool):
