@@ -1,25 +1,58 @@
-"""Optimizers. They update parameters in place through the parameters' backend,
-so the update runs where the data lives (no host copies on a device backend).
+"""Optimizers (``SGD``, ``Adam``, ``AdamW``, ``RMSprop``), :func:`clip_grad_norm_` and the
+learning-rate schedulers of :mod:`parconv.optim.lr_scheduler`.
+
+They update parameters in place through the parameters' backend, so the update runs where
+the data lives (no host copies on a device backend): one call per backend and step, which
+is one parallel loop over the elements of every parameter on openmp.
+
+Every optimizer follows PyTorch's formulation of the same name, so runs are comparable,
+with one difference: the bias corrections of Adam count the optimizer's steps, where
+PyTorch counts each parameter's (the same whenever every parameter has a gradient at
+every step).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from .._validation import check_float
 
-__all__ = ["Optimizer", "SGD", "Adam"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "clip_grad_norm_", "lr_scheduler"]
+
+
+def _hyper(name: str, doc: str) -> property:
+    """A hyper-parameter attribute: reads ``_hyper[name]``; assignment is validated."""
+
+    def get(self):
+        return self._hyper[name]
+
+    def set(self, value):
+        self._hyper = self._validate({**self._hyper, name: value})
+
+    return property(get, set, doc=doc)
 
 
 class Optimizer:
-    """Base class: ``step()``, ``zero_grad()``, ``state_dict()``, ``load_state_dict()``."""
+    """Base class: ``step()``, ``zero_grad()``, ``state_dict()``, ``load_state_dict()``.
+
+    Hyper-parameters are attributes (``opt.lr = 0.01``) checked on assignment; a
+    learning-rate scheduler sets ``lr`` (and ``momentum`` or ``betas``) between steps.
+    """
 
     _state_names: tuple = ()
 
     def __init__(self, params, where: str):
-        params = list(params)
         from ..layers import Parameter
 
+        if isinstance(params, Parameter):
+            params = [params]
+        try:
+            params = list(params)
+        except TypeError:
+            raise TypeError(f"{where}: params must be an iterable of Parameters (model.parameters()), "
+                            f"got {type(params).__name__}") from None
         if not params:
             raise ValueError(f"{where}: params is empty (pass model.parameters())")
         for i, p in enumerate(params):
@@ -27,8 +60,15 @@ class Optimizer:
                 raise TypeError(f"{where}: params[{i}] must be a parconv Parameter, got {type(p).__name__}")
         self.params = params
         self.step_count = 0
+        self._hyper: dict = {}
         # per parameter: dict name -> backend array (created lazily where the parameter lives)
         self._state: list[dict] = [{} for _ in params]
+
+    lr = _hyper("lr", "Learning rate (settable, ``>= 0``).")
+
+    def _validate(self, hyper: dict) -> dict:  # pragma: no cover - abstract
+        """Checked copy of a full set of hyper-parameters (raises naming the bad one)."""
+        raise NotImplementedError
 
     def zero_grad(self) -> None:
         """Drop every parameter's gradient (the next backward writes fresh ones)."""
@@ -60,19 +100,33 @@ class Optimizer:
         self.step_count += 1
         self._apply(todo)
 
-    def _apply(self, todo: list) -> None:
+    def _apply(self, todo: list) -> None:  # pragma: no cover - abstract
         """Update the parameters at indices ``todo`` (their gradients checked)."""
-        for i in todo:
-            self._update(i, self.params[i])
-
-    def _update(self, i, p):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _groups(self, todo: list, *state: str) -> dict:
+        """``{backend: ([data], [grad], [state buffer] per name)}`` of the parameters in ``todo``."""
+        groups: dict = {}
+        for i in todo:
+            p = self.params[i]
+            lists = groups.setdefault(p.backend, tuple([] for _ in range(2 + len(state))))
+            lists[0].append(p.data)
+            lists[1].append(p.grad)
+            for k, name in enumerate(state):
+                lists[2 + k].append(self._buffer(i, name))
+        return groups
+
     def hyperparameters(self) -> dict:
-        return {}
+        """The hyper-parameters as JSON-able values (``betas`` as a list)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._hyper.items()}
 
     def state_dict(self) -> dict:
-        """Host copy of the optimizer state: ``{"step": int, "hyper": {...}, "state.<i>.<name>": ndarray}``."""
+        """Host copy of the optimizer state, without pickle.
+
+        ``{"step": int, "hyper": {name: JSON-able value}, "state.<i>.<name>": ndarray}``
+        with ``<i>`` the parameter's index and ``<name>`` its buffer (``"momentum"``,
+        ``"exp_avg"``, ``"exp_avg_sq"``, ``"square_avg"``, ``"momentum_buffer"``).
+        """
         out = {"step": self.step_count, "hyper": self.hyperparameters()}
         for i, st in enumerate(self._state):
             for name, buf in st.items():
@@ -80,24 +134,61 @@ class Optimizer:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output (shapes checked)."""
+        """Restore :meth:`state_dict` output: step count, hyper-parameters (as PyTorch, the
+        learning rate too) and buffers.
+
+        Everything is checked (names, shapes, values) before anything changes.
+        """
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state, dict):
+            raise TypeError(f"{where}: state must be a dict (from state_dict()), got {type(state).__name__}")
         if "step" not in state:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: missing 'step'")
+            raise ValueError(f"{where}: missing 'step'")
+        step = state["step"]
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"{where}: 'step' must be an int >= 0, got {step!r}")
+        hyper = state.get("hyper", {})
+        if not isinstance(hyper, dict):
+            raise TypeError(f"{where}: 'hyper' must be a dict, got {type(hyper).__name__}")
+        unknown = sorted(set(hyper) - set(self._hyper))
+        if unknown:
+            raise ValueError(f"{where}: unknown hyper-parameters {unknown} for {type(self).__name__} "
+                             f"(expected some of {sorted(self._hyper)})")
+        new_hyper = self._validate({**self._hyper, **hyper})
         new_state: list[dict] = [{} for _ in self.params]
         for key, value in state.items():
-            if not key.startswith("state."):
+            if key in ("step", "hyper"):
                 continue
-            _, idx, name = key.split(".", 2)
-            i = int(idx)
+            parts = key.split(".", 2)
+            if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
+                raise ValueError(f"{where}: unexpected entry {key!r}")
+            i, name = int(parts[1]), parts[2]
             if i >= len(self.params) or name not in self._state_names:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: unexpected entry {key!r}")
+                raise ValueError(f"{where}: unexpected entry {key!r}")
             value = np.asarray(value, dtype=np.float32)
             if value.shape != self.params[i].shape:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: {key} has shape {value.shape}, "
-                                 f"parameter has {self.params[i].shape}")
-            new_state[i][name] = self.params[i].backend.asarray(value)
-        self._state = new_state
-        self.step_count = int(state["step"])
+                raise ValueError(f"{where}: {key} has shape {value.shape}, parameter has {self.params[i].shape}")
+            new_state[i][name] = value
+        self._state = [{name: self.params[i].backend.asarray(v.copy()) for name, v in st.items()}
+                       for i, st in enumerate(new_state)]
+        self._hyper = new_hyper
+        self.step_count = int(step)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._hyper.items())
+        return f"{type(self).__name__}({len(self.params)} parameters, {args})"
+
+
+def _check_betas(betas, where: str) -> tuple:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{where}: betas must be a pair of floats, got {betas!r}")
+    return tuple(check_float(b, f"betas[{k}]", where, 0.0, 1.0, max_inclusive=False) for k, b in enumerate(betas))
+
+
+def _check_bool(value, name: str, where: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
+    return bool(value)
 
 
 class SGD(Optimizer):
@@ -118,37 +209,79 @@ class SGD(Optimizer):
 
     _state_names = ("momentum",)
 
+    momentum = _hyper("momentum", "Momentum factor (settable, ``>= 0``).")
+    weight_decay = _hyper("weight_decay", "L2 penalty (settable, ``>= 0``).")
+    nesterov = _hyper("nesterov", "Whether the step uses Nesterov momentum.")
+
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False):
         super().__init__(params, "SGD")
-        self.lr = check_float(lr, "lr", "SGD", 0.0)
-        self.momentum = check_float(momentum, "momentum", "SGD", 0.0)
-        self.weight_decay = check_float(weight_decay, "weight_decay", "SGD", 0.0)
-        if not isinstance(nesterov, (bool, np.bool_)):
-            raise TypeError(f"SGD: nesterov must be a bool, got {type(nesterov).__name__}")
-        if nesterov and self.momentum == 0:
-            raise ValueError("SGD: nesterov=True needs momentum > 0")
-        self.nesterov = bool(nesterov)
+        self._hyper = self._validate(dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov))
 
-    def hyperparameters(self):
-        return dict(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, nesterov=self.nesterov)
+    def _validate(self, h):
+        h = dict(lr=check_float(h["lr"], "lr", "SGD", 0.0),
+                 momentum=check_float(h["momentum"], "momentum", "SGD", 0.0),
+                 weight_decay=check_float(h["weight_decay"], "weight_decay", "SGD", 0.0),
+                 nesterov=_check_bool(h["nesterov"], "nesterov", "SGD"))
+        if h["nesterov"] and h["momentum"] == 0:
+            raise ValueError("SGD: nesterov=True needs momentum > 0")
+        return h
 
     def _apply(self, todo):
-        # the parameters of each backend in one call (one parallel loop on openmp)
-        groups: dict = {}
-        for i in todo:
-            p = self.params[i]
-            ps, gs, vs = groups.setdefault(p.backend, ([], [], []))
-            ps.append(p.data)
-            gs.append(p.grad)
-            if self.momentum:
-                vs.append(self._buffer(i, "momentum"))
-        for be, (ps, gs, vs) in groups.items():
-            be.sgd_update_many(ps, gs, vs if self.momentum else None, self.lr, self.momentum, self.weight_decay,
-                               self.nesterov)
+        h = self._hyper
+        momentum = h["momentum"]
+        names = ("momentum",) if momentum else ()
+        for be, (ps, gs, *vs) in self._groups(todo, *names).items():
+            be.sgd_update_many(ps, gs, vs[0] if momentum else None, h["lr"], momentum, h["weight_decay"],
+                               h["nesterov"])
 
 
 class Adam(Optimizer):
     """Adam (Kingma & Ba), PyTorch's formulation, with optional L2 ``weight_decay``.
+
+    The L2 penalty is added to the gradient (``g + weight_decay * p``) before the moments,
+    as ``torch.optim.Adam`` does; :class:`AdamW` decouples it.
+
+    Parameters
+    ----------
+    params : iterable of Parameter
+    lr : float, default 1e-3
+    betas : (float, float), default (0.9, 0.999)
+        Each in ``[0, 1)``.
+    eps : float, default 1e-8
+        ``> 0``.
+    weight_decay : float, default 0
+    """
+
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _decoupled = False
+
+    betas = _hyper("betas", "``(beta1, beta2)`` (settable, each in ``[0, 1)``).")
+    eps = _hyper("eps", "Term added to the denominator (settable, ``> 0``).")
+    weight_decay = _hyper("weight_decay", "Weight decay (settable, ``>= 0``).")
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, type(self).__name__)
+        self._hyper = self._validate(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _validate(self, h):
+        where = type(self).__name__
+        return dict(lr=check_float(h["lr"], "lr", where, 0.0),
+                    betas=_check_betas(h["betas"], where),
+                    eps=check_float(h["eps"], "eps", where, 0.0, min_inclusive=False),
+                    weight_decay=check_float(h["weight_decay"], "weight_decay", where, 0.0))
+
+    def _apply(self, todo):
+        h = self._hyper
+        for be, (ps, gs, ms, vs) in self._groups(todo, "exp_avg", "exp_avg_sq").items():
+            be.adam_update_many(ps, gs, ms, vs, h["lr"], h["betas"][0], h["betas"][1], h["eps"], h["weight_decay"],
+                                self.step_count, self._decoupled)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), PyTorch's ``torch.optim.AdamW``.
+
+    Each step first shrinks the parameter, ``p *= 1 - lr * weight_decay``, then takes the
+    Adam step on the plain gradient.
 
     Parameters
     ----------
@@ -156,26 +289,124 @@ class Adam(Optimizer):
     lr : float, default 1e-3
     betas : (float, float), default (0.9, 0.999)
     eps : float, default 1e-8
-    weight_decay : float, default 0
+    weight_decay : float, default 1e-2
     """
 
-    _state_names = ("exp_avg", "exp_avg_sq")
+    _decoupled = True
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, "Adam")
-        self.lr = check_float(lr, "lr", "Adam", 0.0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"Adam: betas must be a pair of floats, got {betas!r}")
-        self.betas = tuple(check_float(b, f"betas[{k}]", "Adam", 0.0, 1.0, max_inclusive=False)
-                           for k, b in enumerate(betas))
-        self.eps = check_float(eps, "eps", "Adam", 0.0, min_inclusive=False)
-        self.weight_decay = check_float(weight_decay, "weight_decay", "Adam", 0.0)
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
-    def hyperparameters(self):
-        return dict(lr=self.lr, betas=list(self.betas), eps=self.eps, weight_decay=self.weight_decay)
 
-    def _update(self, i, p):
-        m = self._buffer(i, "exp_avg")
-        v = self._buffer(i, "exp_avg_sq")
-        p.backend.adam_update(p.data, p.grad, m, v, self.lr, self.betas[0], self.betas[1], self.eps,
-                              self.weight_decay, self.step_count)
+class RMSprop(Optimizer):
+    """RMSprop (Hinton), PyTorch's ``torch.optim.RMSprop`` with ``centered=False``.
+
+    ``g' = g + weight_decay * p``; ``square_avg = alpha * square_avg + (1 - alpha) * g'^2``;
+    ``a = sqrt(square_avg) + eps``; with momentum
+    ``buf = momentum * buf + g' / a`` and ``p -= lr * buf``, else ``p -= lr * g' / a``.
+
+    Parameters
+    ----------
+    params : iterable of Parameter
+    lr : float, default 1e-2
+    alpha : float, default 0.99
+        Smoothing constant in ``[0, 1]``.
+    eps : float, default 1e-8
+        ``> 0``.
+    weight_decay : float, default 0
+    momentum : float, default 0
+    """
+
+    _state_names = ("square_avg", "momentum_buffer")
+
+    alpha = _hyper("alpha", "Smoothing constant (settable, in ``[0, 1]``).")
+    eps = _hyper("eps", "Term added to the denominator (settable, ``> 0``).")
+    weight_decay = _hyper("weight_decay", "L2 penalty (settable, ``>= 0``).")
+    momentum = _hyper("momentum", "Momentum factor (settable, ``>= 0``).")
+
+    def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
+                 momentum: float = 0.0):
+        super().__init__(params, "RMSprop")
+        self._hyper = self._validate(dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum))
+
+    def _validate(self, h):
+        return dict(lr=check_float(h["lr"], "lr", "RMSprop", 0.0),
+                    alpha=check_float(h["alpha"], "alpha", "RMSprop", 0.0, 1.0),
+                    eps=check_float(h["eps"], "eps", "RMSprop", 0.0, min_inclusive=False),
+                    weight_decay=check_float(h["weight_decay"], "weight_decay", "RMSprop", 0.0),
+                    momentum=check_float(h["momentum"], "momentum", "RMSprop", 0.0))
+
+    def _apply(self, todo):
+        h = self._hyper
+        momentum = h["momentum"]
+        names = ("square_avg", "momentum_buffer") if momentum else ("square_avg",)
+        for be, (ps, gs, sqs, *bufs) in self._groups(todo, *names).items():
+            be.rmsprop_update_many(ps, gs, sqs, bufs[0] if momentum else None, h["lr"], h["alpha"], h["eps"],
+                                   h["weight_decay"], momentum)
+
+
+def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale the gradients of ``params`` in place so that their total norm is at most ``max_norm``.
+
+    As ``torch.nn.utils.clip_grad_norm_``: the norm is taken over all the gradients as one
+    vector; when it exceeds ``max_norm`` every gradient is multiplied by
+    ``max_norm / (total_norm + 1e-6)``. Parameters without a gradient are skipped. The norm
+    is computed on each parameter's backend (on OpenCL only the scalar leaves the device).
+
+    Parameters
+    ----------
+    params : Parameter or iterable of Parameter
+    max_norm : float
+        ``>= 0``.
+    norm_type : float, default 2.0
+        ``> 0``, or ``inf`` (``float("inf")`` or ``"inf"``) for the largest absolute value.
+
+    Returns
+    -------
+    float
+        The total norm of the gradients before clipping (NaN if any gradient holds a NaN;
+        the gradients are then scaled by NaN, as PyTorch does).
+    """
+    from ..layers import Parameter
+
+    where = "clip_grad_norm_"
+    if isinstance(params, Parameter):
+        params = [params]
+    try:
+        params = list(params)
+    except TypeError:
+        raise TypeError(f"{where}: params must be a Parameter or an iterable of Parameters, "
+                        f"got {type(params).__name__}") from None
+    for i, p in enumerate(params):
+        if not isinstance(p, Parameter):
+            raise TypeError(f"{where}: params[{i}] must be a parconv Parameter, got {type(p).__name__}")
+    max_norm = check_float(max_norm, "max_norm", where, 0.0)
+    if isinstance(norm_type, str) and norm_type.lower() == "inf":
+        norm_type = math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float, np.integer, np.floating)) \
+            or math.isnan(norm_type) or norm_type <= 0:
+        raise ValueError(f"{where}: norm_type must be a number > 0 or inf, got {norm_type!r}")
+    norm_type = float(norm_type)
+    groups: dict = {}
+    for i, p in enumerate(params):
+        if p.grad is None:
+            continue
+        if tuple(p.grad.shape) != p.shape:
+            raise ValueError(f"{where}: params[{i}] has a gradient of shape {tuple(p.grad.shape)} for a parameter "
+                             f"of shape {p.shape}")
+        groups.setdefault(p.backend, []).append(p.grad)
+    norms = [be.norm_many(gs, norm_type) for be, gs in groups.items()]
+    if not norms:
+        return 0.0
+    if norm_type == math.inf:
+        total = math.nan if any(math.isnan(n) for n in norms) else max(norms)
+    else:
+        total = math.fsum(n**norm_type for n in norms) ** (1.0 / norm_type) if len(norms) > 1 else norms[0]
+    coef = max_norm / (total + 1e-6)
+    if not coef >= 1.0:  # NaN scales too, as torch's clamp(coef, max=1) keeps it
+        for be, gs in groups.items():
+            be.scale_many(gs, coef)
+    return float(total)
+
+
+from . import lr_scheduler  # noqa: E402  (the schedulers need Optimizer)
