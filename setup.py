@@ -20,7 +20,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-EXT_NAMES = ["_threads", "_conv", "_pool", "_dense", "_activations", "_losses", "_optim", "_norm"]
+EXT_NAMES = ["_threads", "_conv", "_pool", "_dense", "_activations", "_losses", "_optim", "_norm", "_conv_general"]
 
 OMP_TEST = textwrap.dedent(
     """
@@ -118,7 +118,8 @@ class BuildExt(build_ext):
             ext.extra_compile_args = ext.extra_compile_args + cflags + opt
             ext.depends = list(ext.depends) + ["parconv/_ext/pc_common.h", "parconv/_ext/pc_conv.h",
                                                 "parconv/_ext/pc_winograd.h", "parconv/_ext/pc_fused.h",
-                                                "parconv/_ext/pc_dense.h", "parconv/_ext/pc_optim.h"]
+                                                "parconv/_ext/pc_dense.h", "parconv/_ext/pc_optim.h",
+                                                "parconv/_ext/pc_pool.h", "parconv/_ext/pc_conv_general.h"]
             ext.extra_link_args = ext.extra_link_args + lflags
             ext.define_macros = ext.define_macros + [("PARCONV_OPENMP", "1" if flags else "0")]
         super().build_extensions()

@@ -99,3 +99,93 @@ def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
             memset(dxi, 0, sizeof(float) * HW)
             for j in range(PQ):
                 dxi[ai[j]] += dyi[j]
+
+
+# ------------------------------------------------ general max, average and adaptive pooling
+# KH x KW windows, strides SH, SW, padding PH, PW on each side (pc_pool.h); one plane per chunk.
+cdef extern from "pc_pool.h":
+    void pc_maxpool_general_plane(const float *x, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
+                                  int P, int Q, float *y, int *am) noexcept nogil
+    void pc_avgpool_plane(const float *x, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
+                          int P, int Q, float *y) noexcept nogil
+    void pc_avgpool_backward_plane(const float *dy, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
+                                   int P, int Q, float *dx) noexcept nogil
+    void pc_adaptive_avgpool_plane(const float *x, int H, int W, int P, int Q, float *y) noexcept nogil
+    void pc_adaptive_avgpool_backward_plane(const float *dy, int H, int W, int P, int Q, float *dx) noexcept nogil
+
+
+def maxpool2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                              float[:, :, :, ::1] y,        # OUT (N, C, P, Q), overwritten
+                              int[:, :, :, ::1] argmax,     # OUT (N, C, P, Q), overwritten
+                              int KH, int KW, int SH, int SW, int PH, int PW, int num_threads):
+    """Max pooling with padding (never selected) and rectangular windows; argmax int32."""
+    cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int nt = _threads_for(planes * PQ * KH * KW, planes, num_threads)
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef float *yp = &y[0, 0, 0, 0]
+    cdef int *ap = &argmax[0, 0, 0, 0]
+    cdef Py_ssize_t i
+    with nogil:
+        for i in prange(planes, schedule="static", num_threads=nt):
+            pc_maxpool_general_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ, ap + i * PQ)
+
+
+def avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                      float[:, :, :, ::1] y,        # OUT (N, C, P, Q), overwritten
+                      int KH, int KW, int SH, int SW, int PH, int PW, int num_threads):
+    """Average pooling, zero padding counted in every window's KH * KW."""
+    cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int nt = _threads_for(planes * PQ * KH * KW, planes, num_threads)
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef float *yp = &y[0, 0, 0, 0]
+    cdef Py_ssize_t i
+    with nogil:
+        for i in prange(planes, schedule="static", num_threads=nt):
+            pc_avgpool_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ)
+
+
+def avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
+                       float[:, :, :, ::1] dx,        # OUT (N, C, H, W), overwritten
+                       int KH, int KW, int SH, int SW, int PH, int PW, int num_threads):
+    """Gradient of :func:`avgpool2d_forward`."""
+    cdef int H = dx.shape[2], W = dx.shape[3], P = dy.shape[2], Q = dy.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int nt = _threads_for(planes * (HW + PQ * KH * KW), planes, num_threads)
+    cdef const float *dyp = &dy[0, 0, 0, 0]
+    cdef float *dxp = &dx[0, 0, 0, 0]
+    cdef Py_ssize_t i
+    with nogil:
+        for i in prange(planes, schedule="static", num_threads=nt):
+            pc_avgpool_backward_plane(dyp + i * PQ, H, W, KH, KW, SH, SW, PH, PW, P, Q, dxp + i * HW)
+
+
+def adaptive_avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                               float[:, :, :, ::1] y,        # OUT (N, C, P, Q), overwritten
+                               int num_threads):
+    """Adaptive average pooling (PyTorch's windows); (1, 1) is one streaming sum per plane."""
+    cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int nt = _threads_for(planes * (HW + PQ), planes, num_threads)
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef float *yp = &y[0, 0, 0, 0]
+    cdef Py_ssize_t i
+    with nogil:
+        for i in prange(planes, schedule="static", num_threads=nt):
+            pc_adaptive_avgpool_plane(xp + i * HW, H, W, P, Q, yp + i * PQ)
+
+
+def adaptive_avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
+                                float[:, :, :, ::1] dx,        # OUT (N, C, H, W), overwritten
+                                int num_threads):
+    """Gradient of :func:`adaptive_avgpool2d_forward`."""
+    cdef int H = dx.shape[2], W = dx.shape[3], P = dy.shape[2], Q = dy.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int nt = _threads_for(planes * (HW + PQ), planes, num_threads)
+    cdef const float *dyp = &dy[0, 0, 0, 0]
+    cdef float *dxp = &dx[0, 0, 0, 0]
+    cdef Py_ssize_t i
+    with nogil:
+        for i in prange(planes, schedule="static", num_threads=nt):
+            pc_adaptive_avgpool_backward_plane(dyp + i * PQ, H, W, P, Q, dxp + i * HW)

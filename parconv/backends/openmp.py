@@ -31,7 +31,8 @@ import threading
 import numpy as np
 
 from .._config import get_num_threads
-from .._ext import _activations, _conv, _dense, _losses, _norm, _optim, _pool, _threads
+from .._ext import _activations, _conv, _conv_general, _dense, _losses, _norm, _optim, _pool, _threads
+from .._shapes import out_size as _out_size
 from .base import Backend
 from .numpy_ref import HostArrays, dropout_scale, dropout_threshold, smoothed_targets
 
@@ -290,10 +291,6 @@ class _BufferPool:
         """Bytes the pool holds (free or in use)."""
         with self._lock:
             return sum(b.nbytes for b in self._bufs)
-
-
-def _out_size(size: int, k: int, stride: int, padding: int = 0) -> int:
-    return (size + 2 * padding - k) // stride + 1
 
 
 class OpenMPBackend(HostArrays, Backend):
@@ -819,3 +816,73 @@ class OpenMPBackend(HostArrays, Backend):
         d = np.empty_like(probs)
         _losses.softmax_cross_entropy_smoothed_backward(probs, labels, d, on, off, get_num_threads())
         return d
+
+    # ------------------------------------ general convolution and pooling ops
+    def conv2d_general_forward(self, x, w, b, stride, pads, dilation, groups):
+        """Depthwise (one channel per filter) on the direct kernels, the rest im2col + sgemm per
+        (image, group) (``_conv_general``)."""
+        x, w = _f32(x), _f32(w)
+        b = None if b is None else _f32(b)
+        N, C, H, W = x.shape
+        O, Cg, KH, KW = w.shape
+        P = _out_size(H, KH, stride[0], pads[0], pads[1], dilation[0])
+        Q = _out_size(W, KW, stride[1], pads[2], pads[3], dilation[1])
+        y = self._empty((N, O, P, Q))
+        args = (stride[0], stride[1], pads[0], pads[2], dilation[0], dilation[1])
+        if Cg == 1:
+            _conv_general.depthwise_forward(x, w, b, y, *args, get_num_threads())
+        else:
+            with _blas_limit(N * O * P * Q * Cg * KH * KW):
+                _conv_general.conv2d_general_forward(x, w, b, y, *args, groups, get_num_threads())
+        return y
+
+    def conv2d_general_backward(self, x, w, dy, stride, pads, dilation, groups, need_dx=True, need_db=True):
+        x, w, dy = _f32(x), _f32(w), _f32(dy)
+        O, Cg, KH, KW = w.shape
+        dx = self._empty(x.shape) if need_dx else None
+        dw = self._empty(w.shape)
+        db = np.empty(O, dtype=np.float32) if need_db else None
+        args = (stride[0], stride[1], pads[0], pads[2], dilation[0], dilation[1])
+        if Cg == 1:
+            _conv_general.depthwise_backward(x, w, dy, dx, dw, db, *args, get_num_threads())
+        else:
+            with _blas_limit(dy.size * Cg * KH * KW):
+                _conv_general.conv2d_general_backward(x, w, dy, dx, dw, db, *args, groups, get_num_threads())
+        return dx, dw, db
+
+    def maxpool2d_general_forward(self, x, kernel, stride, pads):
+        x = _f32(x)
+        N, C, H, W = x.shape
+        P = _out_size(H, kernel[0], stride[0], pads[0])
+        Q = _out_size(W, kernel[1], stride[1], pads[1])
+        y = self._empty((N, C, P, Q))
+        argmax = self._empty((N, C, P, Q), np.int32)
+        _pool.maxpool2d_general_forward(x, y, argmax, kernel[0], kernel[1], stride[0], stride[1], pads[0], pads[1],
+                                        get_num_threads())
+        return y, argmax
+
+    def avgpool2d_forward(self, x, kernel, stride, pads):
+        x = _f32(x)
+        N, C, H, W = x.shape
+        y = self._empty((N, C, _out_size(H, kernel[0], stride[0], pads[0]), _out_size(W, kernel[1], stride[1], pads[1])))
+        _pool.avgpool2d_forward(x, y, kernel[0], kernel[1], stride[0], stride[1], pads[0], pads[1], get_num_threads())
+        return y
+
+    def avgpool2d_backward(self, dy, x_shape, kernel, stride, pads):
+        dy = _f32(dy)
+        dx = self._empty(tuple(x_shape))
+        _pool.avgpool2d_backward(dy, dx, kernel[0], kernel[1], stride[0], stride[1], pads[0], pads[1],
+                                 get_num_threads())
+        return dx
+
+    def adaptive_avgpool2d_forward(self, x, output_size):
+        x = _f32(x)
+        y = self._empty(x.shape[:2] + tuple(output_size))
+        _pool.adaptive_avgpool2d_forward(x, y, get_num_threads())
+        return y
+
+    def adaptive_avgpool2d_backward(self, dy, x_shape, output_size):
+        dy = _f32(dy)
+        dx = self._empty(tuple(x_shape))
+        _pool.adaptive_avgpool2d_backward(dy, dx, get_num_threads())
+        return dx

@@ -1,0 +1,286 @@
+# Shape legend: N batch, C in-channels, O out-channels, G groups (Cg = C / G, Og = O / G),
+# H, W input, P, Q output, KH x KW kernel, SH, SW strides, DH, DW dilation, PT, PL the
+# top/left padding; KK = KH * KW, CgKK = Cg * KK the GEMM depth of one group.
+"""General conv2d kernels: groups, dilation, rectangular kernels, (h, w) strides, asymmetric padding.
+
+Two paths (``pc_conv_general.h``):
+
+* depthwise (``Cg == 1``: every filter reads one channel, O = C * multiplier): direct
+  loops over planes, no im2col. Forward and dx run one plane per chunk; dw runs one
+  filter per chunk and adds the images in order, in double, so its bits do not depend
+  on the thread count.
+* everything else: per (image, group) an im2col matrix in thread-private scratch and
+  ``scipy.linalg.cython_blas.sgemm`` (row-major matrices go to the column-major BLAS as
+  their transposes); dx is the col2im of ``w^T @ dy``. dw partial sums live in per-thread
+  buffers added in thread order (a thread count always gives the same bits). The caller
+  limits the BLAS to one thread: every sgemm here runs inside an OpenMP parallel region.
+
+Inputs are trusted: shapes, dtypes and contiguity are validated in Python.
+"""
+
+from cython.parallel cimport parallel, prange, threadid
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memset
+from scipy.linalg.cython_blas cimport sgemm
+
+cdef extern from "pc_common.h":
+    double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
+
+cdef extern from "pc_conv_general.h":
+    void pcg_im2col(const float *x, int Cg, int H, int W, int KH, int KW, int SH, int SW, int DH, int DW,
+                    int PT, int PL, int P, int Q, float *cols) noexcept nogil
+    void pcg_col2im(const float *dcols, int Cg, int H, int W, int KH, int KW, int SH, int SW, int DH, int DW,
+                    int PT, int PL, int P, int Q, float *dx) noexcept nogil
+    void pcg_dw_forward_plane(const float *x, const float *w, float bias, int H, int W, int KH, int KW, int SH,
+                              int SW, int DH, int DW, int PT, int PL, int P, int Q, float *y) noexcept nogil
+    void pcg_dw_backward_input_plane(const float *dy, const float *w, int M, int H, int W, int KH, int KW,
+                                     int SH, int SW, int DH, int DW, int PT, int PL, int P, int Q,
+                                     float *dx) noexcept nogil
+    void pcg_dw_backward_weight_plane(const float *x, const float *dy, int H, int W, int KH, int KW, int SH,
+                                      int SW, int DH, int DW, int PT, int PL, int P, int Q,
+                                      double *dw) noexcept nogil
+
+cdef enum:
+    # below this many multiply-adds one thread is faster than waking a team
+    SERIAL_BELOW = 32768
+
+
+cdef inline int _threads(Py_ssize_t work, Py_ssize_t chunks, int num_threads) noexcept nogil:
+    cdef Py_ssize_t nt = num_threads if num_threads > 0 else 1
+    if work < SERIAL_BELOW:
+        return 1
+    if nt > chunks:
+        nt = chunks
+    return <int>(nt if nt > 0 else 1)
+
+
+cdef void _bias_sum(const float *dyp, int N, int O, Py_ssize_t PQ, float *dbp, int nt) noexcept nogil:
+    """db[o] = sum over images of each dy plane's sum (double, images in order)."""
+    cdef Py_ssize_t o, n
+    cdef double s
+    for o in prange(O, schedule="static", num_threads=_threads(<Py_ssize_t>N * O * PQ, O, nt)):
+        s = 0.0
+        for n in range(N):
+            s = s + pc_sum_f32(dyp + (n * O + o) * PQ, PQ)
+        dbp[o] = <float>s
+
+
+def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                      const float[:, :, :, ::1] w,  # IN  (O, 1, KH, KW), O = C * M
+                      const float[::1] b,           # IN  (O,) or None
+                      float[:, :, :, ::1] y,        # OUT (N, O, P, Q), overwritten
+                      int SH, int SW, int PT, int PL, int DH, int DW, int num_threads):
+    """Depthwise convolution (groups == C): filter o reads channel o // (O / C)."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = w.shape[0], KH = w.shape[2], KW = w.shape[3], P = y.shape[2], Q = y.shape[3]
+    cdef int M = O // C
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
+    cdef Py_ssize_t planes = <Py_ssize_t>N * O
+    cdef int nt = _threads(planes * PQ * KK, planes, num_threads)
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef const float *wp = &w[0, 0, 0, 0]
+    cdef const float *bp = NULL if b is None else &b[0]
+    cdef float *yp = &y[0, 0, 0, 0]
+    cdef Py_ssize_t i, n, o
+    with nogil:
+        for i in prange(planes, schedule="static", num_threads=nt):
+            n = i // O
+            o = i - n * O
+            pcg_dw_forward_plane(xp + (n * C + o // M) * HW, wp + o * KK, 0.0 if bp == NULL else bp[o],
+                                 H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, yp + i * PQ)
+
+
+def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
+                       const float[:, :, :, ::1] w,   # IN  (O, 1, KH, KW)
+                       const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)
+                       float[:, :, :, ::1] dx,        # OUT (N, C, H, W) or None, overwritten
+                       float[:, :, :, ::1] dw,        # OUT (O, 1, KH, KW), overwritten
+                       float[::1] db,                 # OUT (O,) or None, overwritten
+                       int SH, int SW, int PT, int PL, int DH, int DW, int num_threads):
+    """Gradients of :func:`depthwise_forward`: dx one input plane per chunk, dw one filter per chunk."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = w.shape[0], KH = w.shape[2], KW = w.shape[3], P = dy.shape[2], Q = dy.shape[3]
+    cdef int M = O // C
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef const float *wp = &w[0, 0, 0, 0]
+    cdef const float *dyp = &dy[0, 0, 0, 0]
+    cdef float *dxp = NULL if dx is None else &dx[0, 0, 0, 0]
+    cdef float *dwp = &dw[0, 0, 0, 0]
+    cdef double *acc = NULL
+    cdef Py_ssize_t i, n, c, o, k
+    cdef int failed[1]
+    failed[0] = 0
+    cdef int nt = _threads(<Py_ssize_t>N * O * PQ * KK, O, num_threads)
+    with nogil, parallel(num_threads=nt):
+        acc = <double *>malloc(sizeof(double) * KK)
+        for o in prange(O, schedule="static"):
+            if acc == NULL:
+                failed[0] = 1
+                continue
+            memset(acc, 0, sizeof(double) * KK)
+            for n in range(N):
+                pcg_dw_backward_weight_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, KH, KW,
+                                             SH, SW, DH, DW, PT, PL, P, Q, acc)
+            for k in range(KK):
+                dwp[o * KK + k] = <float>acc[k]
+        free(acc)
+    if failed[0]:
+        raise MemoryError("depthwise_backward: could not allocate scratch")
+    if dxp != NULL:
+        nt = _threads(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
+        with nogil:
+            for i in prange(<Py_ssize_t>N * C, schedule="static", num_threads=nt):
+                n = i // C
+                c = i - n * C
+                memset(dxp + i * HW, 0, sizeof(float) * HW)
+                pcg_dw_backward_input_plane(dyp + (n * O + c * M) * PQ, wp + c * M * KK, M, H, W, KH, KW,
+                                            SH, SW, DH, DW, PT, PL, P, Q, dxp + i * HW)
+    if db is not None:
+        with nogil:
+            _bias_sum(dyp, N, O, PQ, &db[0], num_threads)
+
+
+def conv2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                           const float[:, :, :, ::1] w,  # IN  (O, Cg, KH, KW)
+                           const float[::1] b,           # IN  (O,) or None
+                           float[:, :, :, ::1] y,        # OUT (N, O, P, Q), overwritten
+                           int SH, int SW, int PT, int PL, int DH, int DW, int groups, int num_threads):
+    """y[n, group g] = w_g @ im2col(x[n, group g]) (+ b); one (image, group) per chunk."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = w.shape[0], Cg = w.shape[1], KH = w.shape[2], KW = w.shape[3], P = y.shape[2], Q = y.shape[3]
+    cdef int G = groups, Og = O // groups
+    cdef int PQ = P * Q, CgKK = Cg * KH * KW
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, items = <Py_ssize_t>N * G
+    cdef bint direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and P == H and Q == W
+    cdef int nt = _threads(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef const float *wp = &w[0, 0, 0, 0]
+    cdef const float *bp = NULL if b is None else &b[0]
+    cdef float *yp = &y[0, 0, 0, 0]
+    cdef float *cols = NULL
+    cdef const float *a
+    cdef float *yg
+    cdef float bo
+    cdef char tN = b'N'
+    cdef float one = 1.0, zero = 0.0
+    cdef Py_ssize_t it, n, g, o, s
+    cdef int failed[1]
+    failed[0] = 0
+    with nogil, parallel(num_threads=nt):
+        cols = NULL
+        if not direct:
+            cols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
+        for it in prange(items, schedule="static"):
+            if not direct and cols == NULL:
+                failed[0] = 1
+                continue
+            n = it // G
+            g = it - n * G
+            a = xp + (n * C + g * Cg) * HW
+            if not direct:
+                pcg_im2col(a, Cg, H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, cols)
+                a = cols
+            yg = yp + (n * O + g * Og) * <Py_ssize_t>PQ
+            # y_g^T (PQ x Og) = cols^T (PQ x CgKK) @ w_g^T (CgKK x Og), column-major
+            sgemm(&tN, &tN, &PQ, &Og, &CgKK, &one, <float *>a, &PQ, <float *>(wp + g * Og * <Py_ssize_t>CgKK),
+                  &CgKK, &zero, yg, &PQ)
+            if bp != NULL:
+                for o in range(Og):
+                    bo = bp[g * Og + o]
+                    for s in range(PQ):
+                        yg[o * PQ + s] = yg[o * PQ + s] + bo
+        free(cols)
+    if failed[0]:
+        raise MemoryError("conv2d_general_forward: could not allocate im2col scratch")
+
+
+def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
+                            const float[:, :, :, ::1] w,   # IN  (O, Cg, KH, KW)
+                            const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)
+                            float[:, :, :, ::1] dx,        # OUT (N, C, H, W) or None, overwritten
+                            float[:, :, :, ::1] dw,        # OUT (O, Cg, KH, KW), overwritten
+                            float[::1] db,                 # OUT (O,) or None, overwritten
+                            int SH, int SW, int PT, int PL, int DH, int DW, int groups, int num_threads):
+    """dw_g += dy_ng @ cols^T per (image, group) into per-thread buffers added in thread order;
+    dx[n, group g] = col2im(w_g^T @ dy_ng)."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = w.shape[0], Cg = w.shape[1], KH = w.shape[2], KW = w.shape[3], P = dy.shape[2], Q = dy.shape[3]
+    cdef int G = groups, Og = O // groups
+    cdef int PQ = P * Q, CgKK = Cg * KH * KW
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, items = <Py_ssize_t>N * G, wsize = <Py_ssize_t>O * CgKK
+    cdef bint direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and P == H and Q == W
+    cdef bint need_dx = dx is not None
+    cdef int nt = _threads(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
+    cdef const float *xp = &x[0, 0, 0, 0]
+    cdef const float *wp = &w[0, 0, 0, 0]
+    cdef const float *dyp = &dy[0, 0, 0, 0]
+    cdef float *dxp = NULL if dx is None else &dx[0, 0, 0, 0]
+    cdef float *dwp = &dw[0, 0, 0, 0]
+    cdef float *acc = NULL   # (nt - 1) private dw buffers; thread 0 accumulates into dw
+    cdef float *cols = NULL
+    cdef float *dcols = NULL
+    cdef float *dwt = NULL
+    cdef const float *a
+    cdef float *dyg
+    cdef float *dxg
+    cdef char tN = b'N', tT = b'T'
+    cdef float one = 1.0, zero = 0.0
+    cdef Py_ssize_t it, n, g, e
+    cdef int j, tid = 0
+    cdef int failed[1]
+    failed[0] = 0
+    memset(dwp, 0, sizeof(float) * wsize)
+    if nt > 1:
+        acc = <float *>calloc(<size_t>(nt - 1) * wsize, sizeof(float))
+        if acc == NULL:
+            raise MemoryError("conv2d_general_backward: could not allocate dw buffers")
+    with nogil, parallel(num_threads=nt):
+        tid = threadid()
+        dwt = dwp if tid == 0 else acc + (tid - 1) * wsize
+        cols = NULL
+        dcols = NULL
+        if not direct:
+            cols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
+            if need_dx:
+                dcols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
+        for it in prange(items, schedule="static"):
+            if not direct and (cols == NULL or (need_dx and dcols == NULL)):
+                failed[0] = 1
+                continue
+            n = it // G
+            g = it - n * G
+            a = xp + (n * C + g * Cg) * HW
+            if not direct:
+                pcg_im2col(a, Cg, H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, cols)
+                a = cols
+            dyg = <float *>(dyp + (n * O + g * Og) * <Py_ssize_t>PQ)
+            # dw_g^T (CgKK x Og) += cols (CgKK x PQ) @ dy_ng^T (PQ x Og), column-major
+            sgemm(&tT, &tN, &CgKK, &Og, &PQ, &one, <float *>a, &PQ, dyg, &PQ, &one,
+                  dwt + g * Og * <Py_ssize_t>CgKK, &CgKK)
+            if need_dx:
+                dxg = dxp + (n * C + g * Cg) * HW
+                # dcols^T (PQ x CgKK) = dy_ng^T (PQ x Og) @ w_g (Og x CgKK), column-major
+                if direct:
+                    sgemm(&tN, &tT, &PQ, &CgKK, &Og, &one, dyg, &PQ,
+                          <float *>(wp + g * Og * <Py_ssize_t>CgKK), &CgKK, &zero, dxg, &PQ)
+                else:
+                    sgemm(&tN, &tT, &PQ, &CgKK, &Og, &one, dyg, &PQ,
+                          <float *>(wp + g * Og * <Py_ssize_t>CgKK), &CgKK, &zero, dcols, &PQ)
+                    memset(dxg, 0, sizeof(float) * Cg * HW)
+                    pcg_col2im(dcols, Cg, H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, dxg)
+        free(cols)
+        free(dcols)
+    if failed[0]:
+        free(acc)
+        raise MemoryError("conv2d_general_backward: could not allocate im2col scratch")
+    if nt > 1:
+        # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
+        with nogil:
+            for e in prange(wsize, schedule="static", num_threads=_threads(wsize * nt, wsize, nt)):
+                for j in range(nt - 1):
+                    dwp[e] = dwp[e] + acc[j * wsize + e]
+        free(acc)
+    if db is not None:
+        with nogil:
+            _bias_sum(dyp, N, O, PQ, &db[0], num_threads)
