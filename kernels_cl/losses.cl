@@ -166,3 +166,74 @@ __kernel void reduce_int_final(__global const int* restrict partial,   /* IN  (g
     s = wg_sum_int(scratch, s);
     if (get_local_id(0) == 0) out[0] = s;
 }
+
+/* ---- MSE (p, t flat, n elements) and softmax cross-entropy with label smoothing: the
+ * target row is `off` everywhere and `on` at the label (on = 1 - s + s / G, off = s / G). ---- */
+
+/* Partial sums of (p - t)^2. */
+__kernel void mse_partial(__global const float* restrict p,    /* IN  (n,) */
+                          __global const float* restrict t,    /* IN  (n,) */
+                          __global float* restrict partial,    /* OUT (groups,) */
+                          const int n)
+{
+    __local float scratch[RED_WG];
+    float s = 0.0f;
+    RED_FOR(i, get_global_id(0), get_global_size(0), n) {
+        const float d = p[i] - t[i];
+        s += d * d;
+    }
+    s = wg_sum_float(scratch, s);
+    if (get_local_id(0) == 0) partial[get_group_id(0)] = s;
+}
+
+/* dp = (p - t) * k, k = 2 / n rounded to float on the host. */
+__kernel void mse_backward(__global const float* restrict p,    /* IN  (n,) */
+                           __global const float* restrict t,    /* IN  (n,) */
+                           __global float* restrict dp,         /* OUT (n,) */
+                           const int n, const float k)
+{
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    dp[i] = (p[i] - t[i]) * k;
+}
+
+/* softmax_xent_rows against the smoothed target: row_loss[i] =
+ * -(on logp[label] + off sum_{j != label} logp[j]). One work-item per row. */
+__kernel void softmax_xent_smooth_rows(__global const float* restrict logits,  /* IN  (N, G) */
+                                       __global const int* restrict labels,    /* IN  (N,) */
+                                       __global float* restrict probs,         /* OUT (N, G) */
+                                       __global float* restrict row_loss,      /* OUT (N,) */
+                                       const int N, const int G, const float on, const float off)
+{
+    const int i = get_global_id(0);
+    if (i >= N) return;
+    __global const float* x = logits + (size_t)i * G;
+    __global float* pr = probs + (size_t)i * G;
+    float m = x[0];
+    for (int j = 1; j < G; ++j) m = x[j] > m ? x[j] : m;
+    float s = 0.0f, zsum = 0.0f;
+    for (int j = 0; j < G; ++j) {
+        s += exp(x[j] - m);
+        zsum += x[j] - m;
+    }
+    const float lse = log(s);
+    for (int j = 0; j < G; ++j) {
+        const float p = exp((x[j] - m) - lse);
+        pr[j] = p < FLT_MIN ? 0.0f : p;
+    }
+    const float lp = (x[labels[i]] - m) - lse;
+    row_loss[i] = -(on * lp + off * ((zsum - (float)G * lse) - lp));
+}
+
+/* dlogits = (probs - target) / N, entries of magnitude below FLT_MIN flushed to zero. */
+__kernel void softmax_xent_smooth_backward(__global const float* restrict probs,   /* IN  (N, G) */
+                                           __global const int* restrict labels,    /* IN  (N,) */
+                                           __global float* restrict dlogits,       /* OUT (N, G) */
+                                           const int N, const int G, const float on, const float off)
+{
+    const int e = get_global_id(0);
+    if (e >= N * G) return;
+    const int i = e / G, j = e - i * G;
+    const float v = (probs[e] - (j == labels[i] ? on : off)) / (float)N;
+    dlogits[e] = (v < FLT_MIN && v > -FLT_MIN) ? 0.0f : v;
+}

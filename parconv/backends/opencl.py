@@ -61,11 +61,12 @@ from typing import NamedTuple
 import numpy as np
 
 from .base import Backend
+from .numpy_ref import dropout_scale, dropout_threshold, smoothed_targets
 
 _INSTALL_HINT = 'pip install "parconv[opencl]" (pyopencl + the PoCL CPU driver), or install your GPU vendor\'s OpenCL driver'
 
 #: op family -> kernel file; one program per family
-FAMILIES = ("conv", "pool", "dense", "activations", "losses", "optim")
+FAMILIES = ("conv", "pool", "dense", "activations", "losses", "optim", "norm")
 
 #: staged reduction chunks (GEMM_BK each) every split of a split-K GEMM gets at least
 GEMM_SPLIT_MIN_CHUNKS = 4
@@ -857,3 +858,136 @@ class OpenCLBackend(Backend):
         Q = (x.shape[3] + 2 * padding - K) // stride + 1
         dz = self._pool_backward(dy, argmax, (N, O, P, Q), y)
         return self.conv2d_backward(x, w, dz, stride, padding, need_dx, need_db)
+
+    # ------------------------------------------------------------ batch norm
+    # Kernels take x as (N, C, L): L = H * W, L, or 1 for (N, C) input; the reductions run
+    # one group of RED_WG work-items per channel.
+    @staticmethod
+    def _bn_dims(x):
+        N, C = x.shape[0], x.shape[1]
+        return N, C, x.size // (N * C)
+
+    def _opt(self, a):
+        return (a if a is not None else self._dummy_f).data
+
+    def _bn_apply(self, x, weight, bias, mean, invstd, relu):
+        N, C, L = self._bn_dims(x)
+        y = self.empty(x.shape)
+        self._elementwise("bn_apply", x.size, x.data, self._opt(weight), self._opt(bias), mean.data, invstd.data,
+                          y.data, _i32(weight is not None), _i32(bias is not None), _i32(bool(relu)),
+                          _i32(x.size), _i32(C), _i32(L))
+        return y
+
+    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu):
+        N, C, L = self._bn_dims(x)
+        mean, invstd = self.empty((C,)), self.empty((C,))
+        rw = self.config.red_wg
+        self._run("bn_forward_stats", (C * rw,), (rw,), x.data, mean.data, invstd.data, self._opt(running_mean),
+                  self._opt(running_var), _i32(running_mean is not None), _f32(momentum), _f32(eps),
+                  _i32(N), _i32(C), _i32(L))
+        return self._bn_apply(x, weight, bias, mean, invstd, relu), mean, invstd
+
+    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu):
+        C = x.shape[1]
+        mean, invstd = self.empty((C,)), self.empty((C,))
+        self._elementwise("bn_eval_stats", C, running_mean.data, running_var.data, mean.data, invstd.data,
+                          _f32(eps), _i32(C))
+        return self._bn_apply(x, weight, bias, mean, invstd, relu), mean, invstd
+
+    def batch_norm_backward(self, x, weight, dy, mean, invstd, y, training, need_dx=True):
+        N, C, L = self._bn_dims(x)
+        has_w = weight is not None
+        dweight = self.empty((C,)) if has_w else None
+        dbias = self.empty((C,)) if has_w else None
+        sums = None
+        if training or has_w:
+            sums = self.empty((2, C))
+            rw = self.config.red_wg
+            self._run("bn_backward_sums", (C * rw,), (rw,), x.data, dy.data, self._opt(y), mean.data, invstd.data,
+                      sums.data, self._opt(dweight), self._opt(dbias), _i32(y is not None), _i32(has_w),
+                      _i32(N), _i32(C), _i32(L))
+        dx = None
+        if need_dx:
+            dx = self.empty(x.shape)
+            self._elementwise("bn_backward_dx", x.size, x.data, dy.data, self._opt(y), self._opt(weight), mean.data,
+                              invstd.data, self._opt(sums), dx.data, _i32(y is not None), _i32(has_w),
+                              _i32(bool(training)), _i32(x.size), _i32(N * L), _i32(C), _i32(L))
+        return dx, dweight, dbias
+
+    # --------------------------------------------------------------- dropout
+    def _dropout(self, a, p, seed):
+        out = self.empty(a.shape)
+        self._elementwise("dropout_apply", a.size, a.data, out.data, _i32(a.size), np.uint64(seed),
+                          np.uint64(dropout_threshold(p)), _f32(dropout_scale(p)))
+        return out
+
+    def dropout_forward(self, x, p, seed):
+        return self._dropout(x, p, seed)
+
+    def dropout_backward(self, dy, p, seed):
+        return self._dropout(dy, p, seed)
+
+    # ------------------------------------------------------ more activations
+    def leaky_relu_forward(self, x, negative_slope):
+        y = self.empty(x.shape)
+        self._elementwise("leaky_relu_forward", x.size, x.data, y.data, _i32(x.size), _f32(negative_slope))
+        return y
+
+    def leaky_relu_backward(self, x, dy, negative_slope):
+        dx = self.empty(dy.shape)
+        self._elementwise("leaky_relu_backward", dy.size, x.data, dy.data, dx.data, _i32(dy.size),
+                          _f32(negative_slope))
+        return dx
+
+    def tanh_forward(self, x):
+        return self._unary("tanh_forward", x)
+
+    def tanh_backward(self, y, dy):
+        return self._binary("tanh_backward", y, dy)
+
+    def _softmax(self, name, arrays, shape, dim):
+        D = shape[dim]
+        inner = math.prod(shape[dim + 1:])
+        lines = math.prod(shape) // D
+        out = self.empty(shape)
+        self._elementwise(name, lines, *[a.data for a in arrays], out.data, _i32(lines), _i32(D), _i32(inner))
+        return out
+
+    def softmax_forward(self, x, dim):
+        return self._softmax("softmax_forward", [x], x.shape, dim)
+
+    def softmax_backward(self, y, dy, dim):
+        return self._softmax("softmax_backward", [y, dy], y.shape, dim)
+
+    def add(self, a, b):
+        return self._binary("add_forward", a, b)
+
+    # ------------------------------------------------------------ more losses
+    def mse_forward(self, pred, target):
+        n = pred.size
+        loss = self._reduce("mse_partial", n, [pred.data, target.data], [_i32(n)], np.float32, float(n))
+        return float(self._scalar(loss, "mse_forward"))
+
+    def mse_backward(self, pred, target):
+        d = self.empty(pred.shape)
+        self._elementwise("mse_backward", pred.size, pred.data, target.data, d.data, _i32(pred.size),
+                          _f32(2.0 / pred.size))
+        return d
+
+    def softmax_cross_entropy_smoothed_forward(self, logits, labels, label_smoothing):
+        N, G = logits.shape
+        on, off = smoothed_targets(label_smoothing, G)
+        probs = self.empty((N, G))
+        row_loss = self.empty((N,))
+        self._elementwise("softmax_xent_smooth_rows", N, logits.data, labels.data, probs.data, row_loss.data,
+                          _i32(N), _i32(G), _f32(on), _f32(off))
+        loss = self._reduce("sum_partial", N, [row_loss.data], [_i32(N)], np.float32, float(N))
+        return float(self._scalar(loss, "softmax_cross_entropy_smoothed_forward")), probs
+
+    def softmax_cross_entropy_smoothed_backward(self, probs, labels, label_smoothing):
+        N, G = probs.shape
+        on, off = smoothed_targets(label_smoothing, G)
+        d = self.empty((N, G))
+        self._elementwise("softmax_xent_smooth_backward", N * G, probs.data, labels.data, d.data, _i32(N), _i32(G),
+                          _f32(on), _f32(off))
+        return d

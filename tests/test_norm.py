@@ -1,0 +1,210 @@
+"""batch_norm (training and eval mode, affine or not, fused ReLU, running statistics) on every
+backend against the oracle, the oracle against finite differences, and PyTorch."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import parconv as pc
+import parconv.functional as F
+from conftest import assert_close, host, needs_torch, numeric_grad, rand
+
+# (N, C) / (N, C, L) / (N, C, H, W) with at least two values per channel
+bn_shapes = st.tuples(st.integers(1, 6), st.integers(1, 5),
+                      st.lists(st.integers(1, 6), min_size=0, max_size=2)).map(
+    lambda t: (t[0], t[1], *t[2])).filter(lambda s: int(np.prod(s)) // s[1] > 1)
+
+
+def _params(rng, C, affine):
+    if not affine:
+        return None, None
+    return (rng.uniform(0.5, 1.5, C).astype(np.float32), rand(rng, C))
+
+
+def _running(rng, C):
+    return rand(rng, C), rng.uniform(0.5, 2.0, C).astype(np.float32)
+
+
+def _dev(backend, a):
+    return None if a is None else backend.asarray(a)
+
+
+def _dev_copy(backend, a):
+    # running statistics are updated in place: every backend gets its own copy
+    return backend.asarray(np.array(a, copy=True))
+
+
+@given(shape=bn_shapes, seed=st.integers(0, 2**31 - 1), training=st.booleans(), affine=st.booleans(),
+       relu=st.booleans(), track=st.booleans(), momentum=st.sampled_from([0.1, 0.5, 1.0]),
+       offset=st.sampled_from([0.0, 5.0]))
+def test_batch_norm_matches_oracle(backend, oracle, shape, seed, training, affine, relu, track, momentum, offset):
+    rng = np.random.default_rng(seed)
+    C = shape[1]
+    x = rand(rng, *shape) + np.float32(offset)
+    w, b = _params(rng, C, affine)
+    rm, rv = _running(rng, C)
+    track = track or not training  # eval mode needs the running statistics
+    ref_rm, ref_rv = (rm.copy(), rv.copy()) if track else (None, None)
+    be_rm, be_rv = (_dev_copy(backend, rm), _dev_copy(backend, rv)) if track else (None, None)
+    kw = dict(training=training, momentum=momentum, eps=1e-5, relu=relu)
+    y_ref, s_ref = F.batch_norm(x, w, b, ref_rm, ref_rv, backend=oracle, **kw)
+    y, s = F.batch_norm(backend.asarray(x), _dev(backend, w), _dev(backend, b), be_rm, be_rv, backend=backend, **kw)
+    assert_close(y, y_ref, what="y")
+    assert_close(s.mean, s_ref.mean, what="mean")
+    assert_close(s.invstd, s_ref.invstd, what="invstd")
+    if track:
+        assert_close(be_rm, ref_rm, what="running_mean")
+        assert_close(be_rv, ref_rv, what="running_var")
+    dy = rand(rng, *shape)
+    g_ref = F.batch_norm_backward(x, w, dy, s_ref, backend=oracle)
+    g = F.batch_norm_backward(backend.asarray(x), _dev(backend, w), backend.asarray(dy), s, backend=backend)
+    scale = float(np.abs(g_ref[0]).max()) + 1.0
+    assert_close(g[0], g_ref[0], atol=1e-5 * scale, what="dx")
+    if affine:
+        for got, want, name in zip(g[1:], g_ref[1:], ("dweight", "dbias")):
+            assert_close(got, want, atol=1e-5 * (float(np.abs(want).max()) + 1.0), what=name)
+    else:
+        assert g[1] is None and g[2] is None
+    g_nodx = F.batch_norm_backward(backend.asarray(x), _dev(backend, w), backend.asarray(dy), s,
+                                   need_dx=False, backend=backend)
+    assert g_nodx[0] is None
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("relu", [False, True])
+@given(shape=bn_shapes, seed=st.integers(0, 2**31 - 1))
+def test_batch_norm_oracle_gradient_matches_finite_differences(oracle, training, relu, shape, seed):
+    rng = np.random.default_rng(seed)
+    C = shape[1]
+    x = rng.standard_normal(shape)
+    w = rng.uniform(0.5, 1.5, C)
+    b = rng.standard_normal(C)
+    rm, rv = rng.standard_normal(C), rng.uniform(0.5, 2.0, C)
+    r = rng.standard_normal(shape)
+
+    def forward(fuse=relu):
+        if training:
+            return oracle.batch_norm_forward_train(x, w, b, None, None, 0.1, 1e-5, fuse)
+        return oracle.batch_norm_forward_eval(x, w, b, rm, rv, 1e-5, fuse)
+
+    if relu and np.abs(forward(False)[0]).min() < 1e-3:
+        return  # an output too close to the ReLU's kink for central differences
+    y, mean, invstd = forward()
+    dx, dw, db = oracle.batch_norm_backward(x, w, r, mean, invstd, y if relu else None, training)
+    f = lambda: float((forward()[0] * r).sum())  # noqa: E731
+    for arr, grad in ((x, dx), (w, dw), (b, db)):
+        idx, num = numeric_grad(f, arr)
+        np.testing.assert_allclose(grad.reshape(-1)[idx], num, rtol=1e-4, atol=1e-6)
+
+
+def test_batch_norm_statistics_stay_accurate_for_large_channels(backend):
+    # a channel of 2**19 values far from zero: float32 running sums would lose digits here
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((32, 2, 128, 128)) * 0.5 + 100.0).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mean64 = x64.mean(axis=(0, 2, 3))
+    var64 = x64.var(axis=(0, 2, 3))
+    rm, rv = backend.asarray(np.zeros(2, np.float32)), backend.asarray(np.ones(2, np.float32))
+    _, s = F.batch_norm(backend.asarray(x), None, None, rm, rv, training=True, momentum=1.0, backend=backend)
+    assert_close(s.mean, mean64, rtol=1e-6, atol=0)
+    assert_close(s.invstd, 1 / np.sqrt(var64 + 1e-5), rtol=1e-4, atol=0)
+    assert_close(rv, var64 * x.size / 2 / (x.size / 2 - 1), rtol=1e-4, atol=0)
+
+
+def test_openmp_batch_norm_is_reproducible():
+    if "openmp" not in pc.available_backends():
+        pytest.skip("openmp backend not built")
+    be = pc.backends.get("openmp")
+    rng = np.random.default_rng(3)
+    x, dy = rand(rng, 16, 8, 32, 32), rand(rng, 16, 8, 32, 32)
+    w, b = np.ones(8, np.float32), np.zeros(8, np.float32)
+    with pc.num_threads(2):
+        runs = []
+        for _ in range(2):
+            y, s = F.batch_norm(x, w, b, None, None, training=True, backend=be)
+            runs.append((y, s.mean, s.invstd) + F.batch_norm_backward(x, w, dy, s, backend=be))
+    for a, c in zip(*runs):
+        np.testing.assert_array_equal(a, c)
+
+
+@needs_torch
+@given(shape=bn_shapes, seed=st.integers(0, 2**31 - 1), training=st.booleans(), affine=st.booleans(),
+       relu=st.booleans(), momentum=st.sampled_from([0.1, 0.3]))
+def test_batch_norm_matches_torch(backend, shape, seed, training, affine, relu, momentum):
+    import torch
+    import torch.nn.functional as TF
+
+    rng = np.random.default_rng(seed)
+    C = shape[1]
+    x = rand(rng, *shape, scale=2.0)
+    w, b = _params(rng, C, affine)
+    rm, rv = _running(rng, C)
+    xt = torch.tensor(x, requires_grad=True)
+    wt = None if w is None else torch.tensor(w, requires_grad=True)
+    bt = None if b is None else torch.tensor(b, requires_grad=True)
+    rmt, rvt = torch.tensor(rm), torch.tensor(rv)
+    yt = TF.batch_norm(xt, rmt, rvt, wt, bt, training=training, momentum=momentum, eps=1e-5)
+    if relu:
+        yt = torch.relu(yt)
+    dy = rand(rng, *shape)
+    yt.backward(torch.tensor(dy))
+    be_rm, be_rv = _dev_copy(backend, rm), _dev_copy(backend, rv)
+    y, s = F.batch_norm(x, w, b, be_rm, be_rv, training=training, momentum=momentum, relu=relu, backend=backend)
+    assert_close(y, yt.detach().numpy(), rtol=1e-4, atol=1e-4, what="y")
+    assert_close(be_rm, rmt.numpy(), what="running_mean")
+    assert_close(be_rv, rvt.numpy(), what="running_var")
+    dx, dw, db = F.batch_norm_backward(x, w, dy, s, backend=backend)
+    scale = float(xt.grad.abs().max()) + 1.0
+    assert_close(dx, xt.grad.numpy(), rtol=1e-3, atol=1e-4 * scale, what="dx")
+    if affine:
+        assert_close(dw, wt.grad.numpy(), rtol=1e-3, atol=1e-4 * (float(wt.grad.abs().max()) + 1), what="dweight")
+        assert_close(db, bt.grad.numpy(), rtol=1e-3, atol=1e-4 * (float(bt.grad.abs().max()) + 1), what="dbias")
+
+
+def test_batch_norm_on_opencl_stays_on_the_device():
+    if "opencl" not in pc.available_backends():
+        pytest.skip("opencl backend not available")
+    be = pc.backends.get("opencl")
+    rng = np.random.default_rng(0)
+    x, dy = be.asarray(rand(rng, 4, 3, 5, 5)), be.asarray(rand(rng, 4, 3, 5, 5))
+    w, b = be.asarray(np.ones(3, np.float32)), be.asarray(np.zeros(3, np.float32))
+    rm, rv = be.asarray(np.zeros(3, np.float32)), be.asarray(np.ones(3, np.float32))
+    be.transfers.reset()
+    for training in (True, False):
+        y, s = F.batch_norm(x, w, b, rm, rv, training=training, relu=True, backend=be)
+        F.batch_norm_backward(x, w, dy, s, backend=be)
+    assert be.transfers.d2h_count == 0 and be.transfers.h2d_count == 0, be.transfers
+
+
+def test_batch_norm_rejects_bad_arguments(backend):
+    x = np.ones((4, 3, 2, 2), np.float32)
+    x[0] = 2
+    w = np.ones(3, np.float32)
+    rm, rv = backend.asarray(np.zeros(3, np.float32)), backend.asarray(np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        F.batch_norm(np.ones(4, np.float32), None, None, None, None, training=True, backend=backend)
+    with pytest.raises(ValueError, match=r"weight must have shape \(3,\)"):
+        F.batch_norm(x, np.ones(2), None, None, None, training=True, backend=backend)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        F.batch_norm(np.ones((1, 3)), w, w, None, None, training=True, backend=backend)
+    with pytest.raises(ValueError, match="training=False"):
+        F.batch_norm(x, w, w, None, None, training=False, backend=backend)
+    with pytest.raises(ValueError, match="both be given"):
+        F.batch_norm(x, w, w, rm, None, training=True, backend=backend)
+    with pytest.raises(TypeError, match="running_mean must be a float32 array"):
+        F.batch_norm(x, w, w, [0.0, 0.0, 0.0], rv, training=True, backend=backend)
+    with pytest.raises(ValueError, match="momentum"):
+        F.batch_norm(x, w, w, rm, rv, training=True, momentum=1.5, backend=backend)
+    with pytest.raises(ValueError, match="eps"):
+        F.batch_norm(x, w, w, rm, rv, training=True, eps=0.0, backend=backend)
+    with pytest.raises(TypeError, match="training must be a bool"):
+        F.batch_norm(x, w, w, rm, rv, training="yes", backend=backend)
+    y, s = F.batch_norm(x, w, w, rm, rv, training=True, backend=backend)
+    with pytest.raises(TypeError, match="saved must be the BatchNormSaved"):
+        F.batch_norm_backward(x, w, x, (True, None, None, None), backend=backend)
+    with pytest.raises(ValueError, match="gradient dy"):
+        F.batch_norm_backward(x, w, np.ones((4, 3, 2, 3)), s, backend=backend)
+    with pytest.raises(ValueError, match=r"saved.mean must be a \(2,\)"):
+        F.batch_norm_backward(np.ones((4, 2, 2, 2)), None, np.ones((4, 2, 2, 2)), s, backend=backend)
+    assert host(y).shape == x.shape
