@@ -101,18 +101,17 @@ class TransferLog:
     """
 
     def __init__(self) -> None:
-        self.device_to_host: list[Transfer] = []
         self.record = False
+        self.device_to_host: list[Transfer] = []
         self.host_to_device: list[Transfer] = []
-        self._lock = threading.Lock()
         self._totals = [0, 0, 0, 0]  # d2h count, d2h bytes, h2d count, h2d bytes
+        self._lock = threading.Lock()
 
     def reset(self) -> None:
         """Forget every recorded transfer and zero the totals (:attr:`record` is kept)."""
         with self._lock:
             self.device_to_host.clear()
             self.host_to_device.clear()
-
             self._totals = [0, 0, 0, 0]
 
     @contextlib.contextmanager
@@ -125,9 +124,10 @@ class TransferLog:
             yield self
         finally:
             self.record = previous
+
     def _add(self, records: list, nbytes: int, reason: str) -> None:
-        with self._lock:
         i = 0 if records is self.device_to_host else 2
+        with self._lock:
             self._totals[i] += 1
             self._totals[i + 1] += int(nbytes)
             if self.record:
@@ -226,10 +226,32 @@ class DeviceConfig:
     dw_bo_max: int        # most filters per dw tile, multiple of 8
     local_budget: int     # bytes of local memory one tile may use
     min_groups: int       # work-groups worth launching at least (dw splits over images to get them)
+    local_mem: int = 0    # the device's local memory in bytes the tiles are sized for (0: read it from the device)
 
     def build_options(self) -> list[str]:
         return [f"-DTILE_WG={self.tile_wg}", f"-DGEMM_BM={self.gemm_bm}", f"-DGEMM_BN={self.gemm_bn}",
                 f"-DGEMM_BK={self.gemm_bk}", f"-DRED_WG={self.red_wg}", f"-DRED_CHUNKED={self.red_chunked}"]
+
+
+#: bytes of a device's local memory left to the implementation (some keep their own data there)
+LOCAL_RESERVE = 1024
+
+#: kernels whose local memory is sized per launch (LocalMemory arguments within local_budget)
+_DYNAMIC_LOCAL_KERNELS = ("conv2d_direct", "conv2d_backward_weight", "conv2d_relu_maxpool2d_forward")
+
+
+def _gemm_local_bytes(bm: int, bn: int, bk: int) -> int:
+    """Bytes of the GEMM's static local tiles (As, Bs, Cs in dense.cl)."""
+    return 4 * (bk * bm + bk * bn + bm * bn)
+
+
+def _gemm_tiles(local_bytes: int) -> tuple[int, int, int]:
+    """(bm, bn, bk): the largest GEMM tiles whose local arrays fit ``local_bytes``."""
+    for bm, bk in ((64, 64), (64, 32), (64, 16), (32, 32), (32, 16), (16, 16), (16, 8), (8, 8)):
+        if _gemm_local_bytes(bm, bm, bk) <= local_bytes:
+            return bm, bm, bk
+    raise RuntimeError(f"backend 'opencl': the device has {local_bytes} B of usable local memory, "
+                       f"less than the smallest GEMM tile needs ({_gemm_local_bytes(8, 8, 8)} B)")
 
 
 def device_config(device, kind: str | None = None) -> DeviceConfig:
@@ -237,33 +259,37 @@ def device_config(device, kind: str | None = None) -> DeviceConfig:
 
     CPUs (PoCL) run one work-item per tiled group: the work-group is a loop on one
     core, the 8 x 8 micro-kernel is the SIMD unit's work, and local memory is cache.
-    GPUs (and accelerators) get wide groups and tiles that fit their small local
-    memory. ``kind`` ("cpu" or "gpu") overrides the detected type, within the
-    device's limits.
+    GPUs (and accelerators) get wide groups. Either way every tile fits the device's
+    ``local_mem_size`` less :data:`LOCAL_RESERVE` and every group its
+    ``max_work_group_size``; :class:`OpenCLBackend` then checks the built kernels'
+    own limits (``CL_KERNEL_WORK_GROUP_SIZE``, ``CL_KERNEL_LOCAL_MEM_SIZE``) and shrinks
+    further where they are lower. ``kind`` ("cpu" or "gpu") overrides the detected type.
+    ``device`` needs only ``type``, ``max_work_group_size``, ``local_mem_size`` and
+    ``max_compute_units`` (a stand-in object describes a device that is not here).
     """
     cl = _import_pyopencl()
     max_wg = int(device.max_work_group_size)
     local_mem = int(device.local_mem_size)
     cus = int(device.max_compute_units)
+    usable = local_mem - LOCAL_RESERVE
     pow2 = lambda n: 1 << (max(1, n).bit_length() - 1)  # noqa: E731 - largest power of two <= n
     if kind is None:
         kind = "cpu" if device.type & cl.device_type.CPU else "gpu"
     if kind not in ("cpu", "gpu"):
         raise ValueError(f"kind must be 'cpu', 'gpu' or None, got {kind!r}")
+    bm, bn, bk = _gemm_tiles(usable)
     if kind == "cpu":
         return DeviceConfig(
-            tile_wg=1, gemm_bm=64, gemm_bn=64, gemm_bk=64,
+            tile_wg=1, gemm_bm=bm, gemm_bn=bn, gemm_bk=bk,
             red_wg=min(16, pow2(max_wg)), red_chunked=1, red_groups=max(1, 2 * cus), elem_wg=min(64, max_wg),
             conv_pixels=256, conv_tq_max=32, conv_bo_max=64, conv_cb_max=8, dw_pixels=256, dw_bo_max=32,
-            local_budget=min(local_mem, 512 * 1024), min_groups=4 * cus,
+            local_budget=min(usable, 512 * 1024), min_groups=4 * cus, local_mem=local_mem,
         )
-    static = 4 * 64 * (64 + 64 + 64)  # the GEMM's static tiles at 64 x 64 x 64
-    bk = 64 if static <= local_mem - 1024 else 32
     return DeviceConfig(
-        tile_wg=min(128, pow2(max_wg)), gemm_bm=64, gemm_bn=64, gemm_bk=bk,
+        tile_wg=min(128, pow2(max_wg)), gemm_bm=bm, gemm_bn=bn, gemm_bk=bk,
         red_wg=min(256, pow2(max_wg)), red_chunked=0, red_groups=min(256, max(1, 4 * cus)), elem_wg=min(256, max_wg),
         conv_pixels=64, conv_tq_max=32, conv_bo_max=32, conv_cb_max=1 << 16, dw_pixels=64, dw_bo_max=16,
-        local_budget=max(4096, min(local_mem, 48 * 1024) - 1024), min_groups=8 * cus,
+        local_budget=min(usable, 47 * 1024), min_groups=8 * cus, local_mem=local_mem,
     )
 
 
@@ -309,10 +335,10 @@ def build_program(context, family: str, options: tuple[str, ...]):
         if hit is not None:
             return hit
         cl = _import_pyopencl()
-        try:
         # The program keeps the context object it was built with alive; build with a
         # second handle to the same context so the cache's weak key can still expire.
         handle = cl.Context.from_int_ptr(context.int_ptr)
+        try:
             program = cl.Program(handle, _kernel_source(family)).build(options=list(options))
         except cl.RuntimeError as exc:
             raise RuntimeError(f"building kernels_cl/{family}.cl failed on this OpenCL device: {exc}") from exc
@@ -324,7 +350,6 @@ def build_program(context, family: str, options: tuple[str, ...]):
         return program, kernels
 
 
-# ------------------------------------------------------------------------ helpers
 def _forget_context(context) -> None:
     """Drop ``context`` from pyopencl's per-context kernel caches (``Array.fill``, ``astype``...).
 
@@ -342,6 +367,7 @@ def _forget_context(context) -> None:
             continue
 
 
+# ------------------------------------------------------------------------ helpers
 def _round8(n: int) -> int:
     return (n + 7) // 8 * 8
 
@@ -388,18 +414,68 @@ class OpenCLBackend(Backend):
         self._compute_units = max(1, int(self.device.max_compute_units))
         self.build_options = tuple(self.config.build_options())
         self.transfers = TransferLog()
-        self._k = {}
-        for family in FAMILIES:
-            self._k.update(self.program(family)[1])
+        self._build_within_limits()
         self._dummy_f = self.empty((1,), np.float32)  # stands in for absent optional buffers
-
         weakref.finalize(self, _forget_context, self.context)
+
     def __repr__(self) -> str:
         return f"<parconv backend 'opencl' on {self.device.name.strip()!r}>"
 
     def program(self, family: str):
         """``(program, kernels)`` of one op family, built once per context and options."""
         return build_program(self.context, family, self.build_options)
+
+    def _build_within_limits(self) -> None:
+        """Build every family, then shrink the configuration to the built kernels' limits.
+
+        A driver may allow a kernel fewer work-items than the device maximum, or need
+        local memory of its own: the work-group sizes are cut to the smallest
+        ``CL_KERNEL_WORK_GROUP_SIZE``, the GEMM tiles until its ``CL_KERNEL_LOCAL_MEM_SIZE``
+        fits, and the per-launch budget of the conv tiles to what their static use leaves
+        (rebuilding when a build option changed). Fills :attr:`local_mem_limit` and the
+        per-kernel static local memory that :meth:`_check_local` checks launches against.
+        """
+        cl, dev = self._cl, self.device
+        self.local_mem_limit = min(int(dev.local_mem_size), self.config.local_mem or int(dev.local_mem_size))
+        pow2 = lambda n: 1 << (max(1, n).bit_length() - 1)  # noqa: E731
+        for _ in range(8):
+            self.build_options = tuple(self.config.build_options())
+            self._k = {}
+            for family in FAMILIES:
+                self._k.update(self.program(family)[1])
+            info = cl.kernel_work_group_info
+            wg_cap = min(int(k.get_work_group_info(info.WORK_GROUP_SIZE, dev)) for k in self._k.values())
+            self._static_local = {n: int(k.get_work_group_info(info.LOCAL_MEM_SIZE, dev)) for n, k in self._k.items()}
+            cfg = self.config
+            fitted = dataclasses.replace(
+                cfg, tile_wg=min(cfg.tile_wg, pow2(wg_cap)), red_wg=min(cfg.red_wg, pow2(wg_cap)),
+                elem_wg=min(cfg.elem_wg, wg_cap))
+            if self._static_local.get("gemm", 0) > self.local_mem_limit:
+                bm, bn, bk = cfg.gemm_bm, cfg.gemm_bn, cfg.gemm_bk
+                if bk > 8:
+                    bk //= 2
+                elif bm > 8:
+                    bm, bn = bm // 2, bn // 2
+                else:
+                    raise RuntimeError(f"backend 'opencl': no GEMM tile fits the local memory of "
+                                       f"{dev.name.strip()!r} ({self.local_mem_limit} B)")
+                fitted = dataclasses.replace(fitted, gemm_bm=bm, gemm_bn=bn, gemm_bk=bk)
+            if fitted == cfg:
+                break
+            self.config = fitted
+        else:
+            raise RuntimeError(f"backend 'opencl': no configuration fits the limits of {dev.name.strip()!r}")
+        static = max([self._static_local.get(n, 0) for n in _DYNAMIC_LOCAL_KERNELS] + [0])
+        budget = min(self.config.local_budget, self.local_mem_limit - LOCAL_RESERVE - static)
+        if budget != self.config.local_budget:
+            self.config = dataclasses.replace(self.config, local_budget=budget)
+
+    def _check_local(self, name: str, *nfloats: int) -> None:
+        """Refuse a launch of ``name`` whose local buffers (floats each) exceed the device's local memory."""
+        need = self._static_local.get(name, 0) + sum(4 * max(1, n) for n in nfloats)
+        if need > self.local_mem_limit:
+            raise RuntimeError(f"backend 'opencl': {name} would need {need} B of local memory, more than "
+                               f"{self.device.name.strip()!r} has ({self.local_mem_limit} B)")
 
     # ------------------------------------------------------------- transfers
     def _device_to_host(self, a, reason: str) -> np.ndarray:
@@ -534,6 +610,7 @@ class OpenCLBackend(Backend):
         tiles_o = _cdiv(O, bo)
         wg = self.config.tile_wg
         patch = cb * ((tp - 1) * stride + K) * stride * (tq + (K - 1) // stride)
+        self._check_local("conv2d_direct", patch, cb * K * K * bo, bo * tp * tq)
         self._run("conv2d_direct", (_cdiv(Q, tq) * wg, _cdiv(P, tp), N * tiles_o), (wg, 1, 1),
                   x.data, w.data, (b if b is not None else self._dummy_f).data, y.data,
                   _i32(C), _i32(H), _i32(W), _i32(O), _i32(P), _i32(Q), _i32(K), _i32(stride), _i32(pad),
@@ -603,6 +680,7 @@ class OpenCLBackend(Backend):
         dw = self.empty((O, C, K, K))
         part = dw if splits == 1 else self.empty((splits, O, C, K, K))
         wg = cfg.tile_wg
+        self._check_local("conv2d_backward_weight", cbw * ph * rl, bo * tp * q8, bo * cbw * KK * 8)
         self._run("conv2d_backward_weight", (tiles_c * wg, tiles_o, splits), (wg, 1, 1),
                   x.data, dy.data, part.data, _i32(N), _i32(C), _i32(H), _i32(W), _i32(O), _i32(P), _i32(Q),
                   _i32(K), _i32(stride), _i32(pad), _i32(bo), _i32(cbw), _i32(tp), _i32(q8), _i32(n_per_split),
@@ -843,6 +921,7 @@ class OpenCLBackend(Backend):
         tiles_o = _cdiv(O, bo)
         wg = cfg.tile_wg
         patch = cb * ((tp - 1) * stride + K) * stride * (tq + (K - 1) // stride)
+        self._check_local("conv2d_relu_maxpool2d_forward", patch, cb * K * K * bo, bo * tp * tq)
         self._run("conv2d_relu_maxpool2d_forward", (_cdiv(QQ, tqq) * wg, _cdiv(PP, tpp), N * tiles_o), (wg, 1, 1),
                   x.data, w.data, (b if b is not None else self._dummy_f).data, y.data, argmax.data,
                   _i32(C), _i32(H), _i32(W), _i32(O), _i32(P), _i32(Q), _i32(K), _i32(stride), _i32(padding),
