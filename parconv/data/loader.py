@@ -174,7 +174,8 @@ class DataLoader:
     x : array-like (N, ...), numpy.memmap, or iterable of batches
         Samples. A ``numpy.memmap`` (or any array) bigger than memory is
         fine: each batch reads only its rows. Anything else that is iterable
-        but not a list, tuple or array is a *batch source*: it yields
+        but not a list, a tuple or an object with ``shape`` and ``dtype`` is
+        a *batch source*: it yields
         ``(x, y)`` pairs (or ``x`` alone); then ``y`` must be ``None``,
         ``shuffle``, ``drop_last`` and ``batch_size`` do not apply, and a
         one-shot generator serves one epoch only (pass an object whose
@@ -233,7 +234,8 @@ class DataLoader:
         self._next_epoch = 0
         self._source = None
         self._source_started = False
-        if not isinstance(x, (np.ndarray, list, tuple)) and hasattr(x, "__iter__"):
+        array_like = isinstance(x, (np.ndarray, list, tuple)) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+        if not array_like and hasattr(x, "__iter__"):
             if y is not None:
                 raise ValueError("DataLoader: y must be None when x is an iterable of (x, y) batches")
             self._source = x
