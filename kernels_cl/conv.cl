@@ -376,3 +376,110 @@ __kernel void conv2d_backward_bias(__global const float* restrict dy,   /* IN  (
     s = wg_sum_float(scratch, s);
     if (lid == 0) db[o] = s;
 }
+
+/* ------------------------------------------------------------- general conv2d
+ * Groups, dilation, rectangular kernels, (h, w) strides and asymmetric padding (depthwise is
+ * Cg == 1). Shapes: x (N, C, H, W), w (O, Cg, KH, KW) with Cg = C / G, y and dy (N, O, P, Q);
+ * filter o belongs to group o / Og (Og = O / G) and reads its channels g Cg .. g Cg + Cg.
+ * Output (p, q) of tap (kh, kw) reads input (p SH + kh DH - PT, q SW + kw DW - PL).
+ * Direct loops, every sum in a fixed order; no atomics. */
+
+/* y: one work-item per output element. Launch: global (N * O * P * Q,) rounded up. */
+__kernel void conv2d_general_forward(__global const float* restrict x,   /* IN  (N, C, H, W) */
+                                     __global const float* restrict w,   /* IN  (O, Cg, KH, KW) */
+                                     __global const float* restrict b,   /* IN  (O,), read when use_bias */
+                                     __global float* restrict y,         /* OUT (N, O, P, Q) */
+                                     const int N, const int C, const int H, const int W, const int O,
+                                     const int Cg, const int KH, const int KW, const int P, const int Q,
+                                     const int SH, const int SW, const int PT, const int PL, const int DH,
+                                     const int DW, const int Og, const int use_bias)
+{
+    const int i = get_global_id(0);
+    if (i >= N * O * P * Q) return;
+    const int q = i % Q, p = (i / Q) % P, o = (i / (P * Q)) % O, n = i / (O * P * Q);
+    const int g = o / Og, h0 = p * SH - PT, w0 = q * SW - PL;
+    float s = use_bias ? b[o] : 0.0f;
+    for (int c = 0; c < Cg; ++c) {
+        __global const float* xc = x + ((size_t)n * C + g * Cg + c) * H * W;
+        __global const float* wc = w + ((size_t)o * Cg + c) * KH * KW;
+        for (int kh = 0; kh < KH; ++kh) {
+            const int h = h0 + kh * DH;
+            if (h < 0 || h >= H) continue;
+            for (int kw = 0; kw < KW; ++kw) {
+                const int ww = w0 + kw * DW;
+                if (ww >= 0 && ww < W) s = fma(wc[kh * KW + kw], xc[(size_t)h * W + ww], s);
+            }
+        }
+    }
+    y[i] = s;
+}
+
+/* dx: one work-item per input element, gathering the outputs whose taps read it (each tap
+ * (kh, kw) names at most one output position). Launch: global (N * C * H * W,) rounded up. */
+__kernel void conv2d_general_backward_input(__global const float* restrict dy,  /* IN  (N, O, P, Q) */
+                                            __global const float* restrict w,   /* IN  (O, Cg, KH, KW) */
+                                            __global float* restrict dx,        /* OUT (N, C, H, W) */
+                                            const int N, const int C, const int H, const int W, const int O,
+                                            const int Cg, const int KH, const int KW, const int P, const int Q,
+                                            const int SH, const int SW, const int PT, const int PL,
+                                            const int DH, const int DW, const int Og)
+{
+    const int i = get_global_id(0);
+    if (i >= N * C * H * W) return;
+    const int ww = i % W, h = (i / W) % H, c = (i / (H * W)) % C, n = i / (C * H * W);
+    const int g = c / Cg, cg = c - g * Cg;
+    float s = 0.0f;
+    for (int og = 0; og < Og; ++og) {
+        const int o = g * Og + og;
+        __global const float* dyo = dy + ((size_t)n * O + o) * P * Q;
+        __global const float* wo = w + ((size_t)o * Cg + cg) * KH * KW;
+        for (int kh = 0; kh < KH; ++kh) {
+            const int ph = h + PT - kh * DH;  /* p SH */
+            if (ph < 0 || ph % SH) continue;
+            const int p = ph / SH;
+            if (p >= P) continue;
+            for (int kw = 0; kw < KW; ++kw) {
+                const int qw = ww + PL - kw * DW;
+                if (qw < 0 || qw % SW) continue;
+                const int q = qw / SW;
+                if (q < Q) s = fma(wo[kh * KW + kw], dyo[(size_t)p * Q + q], s);
+            }
+        }
+    }
+    dx[i] = s;
+}
+
+/* dw: one work-group of RED_WG per weight element; its work-items take images n (RED_FOR)
+ * and the group adds their sums in a fixed-order tree. Launch: local (RED_WG,),
+ * global (O * Cg * KH * KW * RED_WG,). */
+__kernel void conv2d_general_backward_weight(__global const float* restrict x,   /* IN  (N, C, H, W) */
+                                             __global const float* restrict dy,  /* IN  (N, O, P, Q) */
+                                             __global float* restrict dw,        /* OUT (O, Cg, KH, KW) */
+                                             const int N, const int C, const int H, const int W, const int O,
+                                             const int Cg, const int KH, const int KW, const int P, const int Q,
+                                             const int SH, const int SW, const int PT, const int PL,
+                                             const int DH, const int DW, const int Og)
+{
+    __local float scratch[RED_WG];
+    const int e = get_group_id(0), lid = get_local_id(0);
+    const int kw = e % KW, kh = (e / KW) % KH, cg = (e / (KH * KW)) % Cg, o = e / (Cg * KH * KW);
+    const int c = (o / Og) * Cg + cg;
+    /* output rows and columns whose tap (kh, kw) lies inside the input */
+    const int offh = kh * DH - PT, offw = kw * DW - PL;
+    const int p_lo = offh >= 0 ? 0 : (-offh + SH - 1) / SH;
+    const int p_hi = IMIN(P, H - 1 - offh >= 0 ? (H - 1 - offh) / SH + 1 : 0);
+    const int q_lo = offw >= 0 ? 0 : (-offw + SW - 1) / SW;
+    const int q_hi = IMIN(Q, W - 1 - offw >= 0 ? (W - 1 - offw) / SW + 1 : 0);
+    float s = 0.0f;
+    RED_FOR(n, lid, RED_WG, N) {
+        __global const float* xc = x + ((size_t)n * C + c) * H * W;
+        __global const float* dyo = dy + ((size_t)n * O + o) * P * Q;
+        for (int p = p_lo; p < p_hi; ++p) {
+            __global const float* xr = xc + (size_t)(p * SH + offh) * W + offw;
+            __global const float* gr = dyo + (size_t)p * Q;
+            for (int q = q_lo; q < q_hi; ++q) s = fma(gr[q], xr[q * SW], s);
+        }
+    }
+    s = wg_sum_float(scratch, s);
+    if (lid == 0) dw[e] = s;
+}

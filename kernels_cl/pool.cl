@@ -85,3 +85,115 @@ __kernel void maxpool2d_backward(__global const float* restrict dy,     /* IN  (
         if ((uint)a < (uint)HW) d[a] += g;
     }
 }
+
+/* ---------------------------------------- general max, average and adaptive pooling
+ * KH x KW windows, strides SH, SW, padding PH, PW on each side (at most half the window, so
+ * every window holds an input). x and dx (N, C, H, W), y and dy (N, C, P, Q), NC = N * C.
+ * One work-item per output element (forward) or input element (backward: it gathers from the
+ * windows that hold it, so no atomics and a fixed order). */
+
+/* Max pooling with padding: padded positions are never selected; argmax as maxpool2d_forward
+ * (maxpool2d_backward takes it). Launch: global (NC * P * Q,) rounded up. */
+__kernel void maxpool2d_general_forward(__global const float* restrict x,   /* IN  (N, C, H, W) */
+                                        __global float* restrict y,         /* OUT (N, C, P, Q) */
+                                        __global int* restrict argmax,      /* OUT (N, C, P, Q) */
+                                        const int NC, const int H, const int W, const int P, const int Q,
+                                        const int KH, const int KW, const int SH, const int SW,
+                                        const int PH, const int PW)
+{
+    const int i = get_global_id(0);
+    if (i >= NC * P * Q) return;
+    const int q = i % Q, p = (i / Q) % P, plane = i / (P * Q);
+    __global const float* xp = x + (size_t)plane * H * W;
+    const int h0 = IMAX(p * SH - PH, 0), h1 = IMIN(p * SH - PH + KH, H);
+    const int w0 = IMAX(q * SW - PW, 0), w1 = IMIN(q * SW - PW + KW, W);
+    float best = xp[h0 * W + w0];
+    int bi = h0 * W + w0;
+    for (int h = h0; h < h1; ++h)
+        for (int ww = w0; ww < w1; ++ww) ARGMAX_STEP(xp[h * W + ww], h * W + ww, best, bi);
+    y[i] = best;
+    argmax[i] = bi;
+}
+
+/* Average pooling, zero padding counted (every window divided by KH * KW).
+ * Launch: global (NC * P * Q,) rounded up. */
+__kernel void avgpool2d_forward(__global const float* restrict x,   /* IN  (N, C, H, W) */
+                                __global float* restrict y,         /* OUT (N, C, P, Q) */
+                                const int NC, const int H, const int W, const int P, const int Q,
+                                const int KH, const int KW, const int SH, const int SW,
+                                const int PH, const int PW)
+{
+    const int i = get_global_id(0);
+    if (i >= NC * P * Q) return;
+    const int q = i % Q, p = (i / Q) % P, plane = i / (P * Q);
+    __global const float* xp = x + (size_t)plane * H * W;
+    const int h0 = IMAX(p * SH - PH, 0), h1 = IMIN(p * SH - PH + KH, H);
+    const int w0 = IMAX(q * SW - PW, 0), w1 = IMIN(q * SW - PW + KW, W);
+    float s = 0.0f;
+    for (int h = h0; h < h1; ++h)
+        for (int ww = w0; ww < w1; ++ww) s += xp[h * W + ww];
+    y[i] = s * (1.0f / (float)(KH * KW));
+}
+
+/* Gradient of avgpool2d_forward. Launch: global (NC * H * W,) rounded up. */
+__kernel void avgpool2d_backward(__global const float* restrict dy,  /* IN  (N, C, P, Q) */
+                                 __global float* restrict dx,        /* OUT (N, C, H, W) */
+                                 const int NC, const int H, const int W, const int P, const int Q,
+                                 const int KH, const int KW, const int SH, const int SW,
+                                 const int PH, const int PW)
+{
+    const int i = get_global_id(0);
+    if (i >= NC * H * W) return;
+    const int ww = i % W, h = (i / W) % H, plane = i / (H * W);
+    __global const float* g = dy + (size_t)plane * P * Q;
+    /* windows p with p SH - PH <= h < p SH - PH + KH */
+    const int p_lo = IMAX(0, (h + PH - KH + SH) / SH), p_hi = IMIN(P - 1, (h + PH) / SH);
+    const int q_lo = IMAX(0, (ww + PW - KW + SW) / SW), q_hi = IMIN(Q - 1, (ww + PW) / SW);
+    float s = 0.0f;
+    for (int p = p_lo; p <= p_hi; ++p)
+        for (int q = q_lo; q <= q_hi; ++q) s += g[p * Q + q] * (1.0f / (float)(KH * KW));
+    dx[i] = s;
+}
+
+/* PyTorch's adaptive window of output o: [floor(o n / out), ceil((o + 1) n / out)). */
+inline int adaptive_lo(const int o, const int n, const int out) { return (int)(((long)o * n) / out); }
+inline int adaptive_hi(const int o, const int n, const int out) { return (int)(((long)(o + 1) * n + out - 1) / out); }
+
+/* Adaptive average pooling. Launch: global (NC * P * Q,) rounded up. */
+__kernel void adaptive_avgpool2d_forward(__global const float* restrict x,   /* IN  (N, C, H, W) */
+                                         __global float* restrict y,         /* OUT (N, C, P, Q) */
+                                         const int NC, const int H, const int W, const int P, const int Q)
+{
+    const int i = get_global_id(0);
+    if (i >= NC * P * Q) return;
+    const int q = i % Q, p = (i / Q) % P, plane = i / (P * Q);
+    __global const float* xp = x + (size_t)plane * H * W;
+    const int h0 = adaptive_lo(p, H, P), h1 = adaptive_hi(p, H, P);
+    const int w0 = adaptive_lo(q, W, Q), w1 = adaptive_hi(q, W, Q);
+    float s = 0.0f;
+    for (int h = h0; h < h1; ++h)
+        for (int ww = w0; ww < w1; ++ww) s += xp[h * W + ww];
+    y[i] = s / (float)((h1 - h0) * (w1 - w0));
+}
+
+/* Gradient of adaptive_avgpool2d_forward: each input adds dy / area of the windows holding it.
+ * Launch: global (NC * H * W,) rounded up. */
+__kernel void adaptive_avgpool2d_backward(__global const float* restrict dy,  /* IN  (N, C, P, Q) */
+                                          __global float* restrict dx,        /* OUT (N, C, H, W) */
+                                          const int NC, const int H, const int W, const int P, const int Q)
+{
+    const int i = get_global_id(0);
+    if (i >= NC * H * W) return;
+    const int ww = i % W, h = (i / W) % H, plane = i / (H * W);
+    __global const float* g = dy + (size_t)plane * P * Q;
+    float s = 0.0f;
+    for (int p = 0; p < P; ++p) {
+        const int h0 = adaptive_lo(p, H, P), h1 = adaptive_hi(p, H, P);
+        if (h < h0 || h >= h1) continue;
+        for (int q = 0; q < Q; ++q) {
+            const int w0 = adaptive_lo(q, W, Q), w1 = adaptive_hi(q, W, Q);
+            if (ww >= w0 && ww < w1) s += g[p * Q + q] / (float)((h1 - h0) * (w1 - w0));
+        }
+    }
+    dx[i] = s;
+}

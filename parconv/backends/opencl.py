@@ -60,6 +60,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._shapes import out_size as _out_size
 from .base import Backend
 from .numpy_ref import dropout_scale, dropout_threshold, smoothed_targets
 
@@ -620,8 +621,7 @@ class OpenCLBackend(Backend):
     def conv2d_forward(self, x, w, b, stride, padding):
         N, C, H, W = x.shape
         O, _, K, _ = w.shape
-        P = (H + 2 * padding - K) // stride + 1
-        Q = (W + 2 * padding - K) // stride + 1
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
         y = self.empty((N, O, P, Q))
         if y.size:
             self._conv_direct(x, w, b, y, C, H, W, O, P, Q, K, stride, padding, 1)
@@ -693,7 +693,7 @@ class OpenCLBackend(Backend):
     def maxpool2d_forward(self, x, kernel_size, stride):
         N, C, H, W = x.shape
         K = kernel_size
-        P, Q = (H - K) // stride + 1, (W - K) // stride + 1
+        P, Q = _out_size(H, K, stride), _out_size(W, K, stride)
         y = self.empty((N, C, P, Q))
         argmax = self.empty((N, C, P, Q), np.int32)
         self._elementwise("maxpool2d_forward", N * C * P, x.data, y.data, argmax.data,
@@ -886,8 +886,7 @@ class OpenCLBackend(Backend):
         cfg = self.config
         N, C, H, W = x.shape
         O, _, K, _ = w.shape
-        P = (H + 2 * padding - K) // stride + 1
-        Q = (W + 2 * padding - K) // stride + 1
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
         pk, ps = pool_kernel, pool_stride
         PP, QQ = (P - pk) // ps + 1, (Q - pk) // ps + 1
         y = self.empty((N, O, PP, QQ))
@@ -933,8 +932,7 @@ class OpenCLBackend(Backend):
     def conv2d_relu_maxpool2d_backward(self, x, w, y, argmax, dy, stride, padding, need_dx=True, need_db=True):
         N, O = x.shape[0], w.shape[0]
         K = w.shape[2]
-        P = (x.shape[2] + 2 * padding - K) // stride + 1
-        Q = (x.shape[3] + 2 * padding - K) // stride + 1
+        P, Q = _out_size(x.shape[2], K, stride, padding), _out_size(x.shape[3], K, stride, padding)
         dz = self._pool_backward(dy, argmax, (N, O, P, Q), y)
         return self.conv2d_backward(x, w, dz, stride, padding, need_dx, need_db)
 
@@ -1070,3 +1068,85 @@ class OpenCLBackend(Backend):
         self._elementwise("softmax_xent_smooth_backward", N * G, probs.data, labels.data, d.data, _i32(N), _i32(G),
                           _f32(on), _f32(off))
         return d
+
+    # ------------------------------------ general convolution and pooling ops
+    def _conv_general_args(self, x, w, P, Q, stride, pads, dilation, groups):
+        N, C, H, W = x.shape
+        O, Cg, KH, KW = w.shape
+        return (_i32(N), _i32(C), _i32(H), _i32(W), _i32(O), _i32(Cg), _i32(KH), _i32(KW), _i32(P), _i32(Q),
+                _i32(stride[0]), _i32(stride[1]), _i32(pads[0]), _i32(pads[2]), _i32(dilation[0]),
+                _i32(dilation[1]), _i32(O // groups))
+
+    def conv2d_general_forward(self, x, w, b, stride, pads, dilation, groups):
+        N, C, H, W = x.shape
+        O, _, KH, KW = w.shape
+        P = _out_size(H, KH, stride[0], pads[0], pads[1], dilation[0])
+        Q = _out_size(W, KW, stride[1], pads[2], pads[3], dilation[1])
+        y = self.empty((N, O, P, Q))
+        self._elementwise("conv2d_general_forward", y.size, x.data, w.data,
+                          (b if b is not None else self._dummy_f).data, y.data,
+                          *self._conv_general_args(x, w, P, Q, stride, pads, dilation, groups), _i32(b is not None))
+        return y
+
+    def conv2d_general_backward(self, x, w, dy, stride, pads, dilation, groups, need_dx=True, need_db=True):
+        N, C, H, W = x.shape
+        O = w.shape[0]
+        P, Q = dy.shape[2], dy.shape[3]
+        args = self._conv_general_args(x, w, P, Q, stride, pads, dilation, groups)
+        dx = None
+        if need_dx:
+            dx = self.empty(x.shape)
+            self._elementwise("conv2d_general_backward_input", dx.size, dy.data, w.data, dx.data, *args)
+        dw = self.empty(w.shape)
+        rw = self.config.red_wg
+        self._run("conv2d_general_backward_weight", (w.size * rw,), (rw,), x.data, dy.data, dw.data, *args)
+        db = None
+        if need_db:
+            db = self.empty((O,))
+            self._run("conv2d_backward_bias", (O * rw,), (rw,), dy.data, db.data, _i32(N), _i32(O), _i32(P * Q))
+        return dx, dw, db
+
+    @staticmethod
+    def _pool_args(N, C, H, W, P, Q, kernel, stride, pads):
+        return (_i32(N * C), _i32(H), _i32(W), _i32(P), _i32(Q), _i32(kernel[0]), _i32(kernel[1]),
+                _i32(stride[0]), _i32(stride[1]), _i32(pads[0]), _i32(pads[1]))
+
+    def maxpool2d_general_forward(self, x, kernel, stride, pads):
+        N, C, H, W = x.shape
+        P, Q = _out_size(H, kernel[0], stride[0], pads[0]), _out_size(W, kernel[1], stride[1], pads[1])
+        y = self.empty((N, C, P, Q))
+        argmax = self.empty((N, C, P, Q), np.int32)
+        self._elementwise("maxpool2d_general_forward", y.size, x.data, y.data, argmax.data,
+                          *self._pool_args(N, C, H, W, P, Q, kernel, stride, pads))
+        return y, argmax
+
+    def avgpool2d_forward(self, x, kernel, stride, pads):
+        N, C, H, W = x.shape
+        P, Q = _out_size(H, kernel[0], stride[0], pads[0]), _out_size(W, kernel[1], stride[1], pads[1])
+        y = self.empty((N, C, P, Q))
+        self._elementwise("avgpool2d_forward", y.size, x.data, y.data,
+                          *self._pool_args(N, C, H, W, P, Q, kernel, stride, pads))
+        return y
+
+    def avgpool2d_backward(self, dy, x_shape, kernel, stride, pads):
+        N, C, H, W = x_shape
+        dx = self.empty((N, C, H, W))
+        self._elementwise("avgpool2d_backward", dx.size, dy.data, dx.data,
+                          *self._pool_args(N, C, H, W, dy.shape[2], dy.shape[3], kernel, stride, pads))
+        return dx
+
+    def adaptive_avgpool2d_forward(self, x, output_size):
+        N, C, H, W = x.shape
+        P, Q = output_size
+        y = self.empty((N, C, P, Q))
+        self._elementwise("adaptive_avgpool2d_forward", y.size, x.data, y.data, _i32(N * C), _i32(H), _i32(W),
+                          _i32(P), _i32(Q))
+        return y
+
+    def adaptive_avgpool2d_backward(self, dy, x_shape, output_size):
+        N, C, H, W = x_shape
+        P, Q = output_size
+        dx = self.empty((N, C, H, W))
+        self._elementwise("adaptive_avgpool2d_backward", dx.size, dy.data, dx.data, _i32(N * C), _i32(H), _i32(W),
+                          _i32(P), _i32(Q))
+        return dx
