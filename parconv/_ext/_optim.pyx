@@ -123,7 +123,7 @@ cdef extern from "pc_optim.h":
     double pc_absmax(const float *g, Py_ssize_t n, double best) noexcept nogil
     void pc_scale(float *x, Py_ssize_t n, float factor) noexcept nogil
 
-from libc.math cimport INFINITY, isnan
+from libc.math cimport INFINITY, isnan, pow as c_pow
 
 cdef enum:
     NORM_BLOCK = 16384  # elements per partial of a norm: fixed, so the sum does not depend on the threads
@@ -324,7 +324,7 @@ def norm_many(list xs,  # IN arrays, each (n_i,) float32
         if mode == 0:
             return math.sqrt(r)
         if mode == 1:
-            return r ** (1.0 / ord)
+            return c_pow(r, 1.0 / ord)
         return r
     finally:
         free(part)
