@@ -12,6 +12,7 @@ allocated for it, and every failure is one ``ValueError`` naming the file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -98,21 +99,35 @@ def atomic_open(path, mode: str = "wb"):
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    remove_stale_temporaries(directory)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=TMP_SUFFIX, dir=directory)
+    tmp = None
     try:
+        _make_directory(directory)
+        remove_stale_temporaries(directory)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=TMP_SUFFIX, dir=directory)
         os.fchmod(fd, 0o666 & ~_current_umask())
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    except BaseException as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        temporary = isinstance(exc.filename, str) and os.path.basename(exc.filename).startswith(TMP_PREFIX) \
+            if isinstance(exc, OSError) else False
+        if isinstance(exc, OSError) and exc.errno is not None and (exc.filename is None or temporary):
+            # name the file being written, not its temporary
+            raise OSError(exc.errno, exc.strerror, path) from None
         raise
     _fsync_directory(directory)
+
+
+def _make_directory(directory: str) -> None:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        # makedirs would say "File exists", which hides what is wrong
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory)
+    os.makedirs(directory, exist_ok=True)
 
 
 def _fsync_directory(directory: str) -> None:
@@ -134,10 +149,13 @@ def check_writable_target(path) -> None:
     """
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise IsADirectoryError(21, "is a directory, expected a file name", path)
+        raise IsADirectoryError(errno.EISDIR, "is a directory, expected a file name", path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=TMP_SUFFIX, dir=directory)
+    _make_directory(directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=TMP_SUFFIX, dir=directory)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write files in {directory}: {exc.strerror}", path) from None
     os.close(fd)
     os.unlink(tmp)
 
@@ -173,15 +191,20 @@ def _read_member(path, zf: zipfile.ZipFile, info: zipfile.ZipInfo, archive_size:
         raise _bad(path, f"member {name!r} claims {info.file_size} bytes from {info.compress_size} "
                          "compressed bytes, more than deflate can produce")
     with zf.open(info) as f:
-        version = np.lib.format.read_magic(f)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a Python 2 era header is parsed with a warning; the checks follow
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version == (2, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            else:
-                raise ValueError(f"unknown .npy format version {version}")
+        try:
+            version = np.lib.format.read_magic(f)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a Python 2 era header is parsed with a warning; checks follow
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    raise ValueError(f"unknown .npy format version {version}")
+        except (zipfile.BadZipFile, OSError):
+            raise
+        except Exception as exc:  # numpy parses the header text with tokenize/ast: any of their errors can come
+            raise _bad(path, f"member {name!r} has a corrupt .npy header ({type(exc).__name__}: {exc})") from None
         if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None or dtype.subdtype is not None:
             raise _bad(path, f"member {name!r} holds {dtype} data; only plain numeric arrays are read")
         if not all(type(n) is int and n >= 0 for n in shape):

@@ -32,10 +32,104 @@ def _positive_float(text):
 
 
 def _nonneg_float(text):
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
+
+
+def _plural(n: int, word: str) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` once, and only where the help text does not already explain the default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None
+                or action.default is False or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _OnEveryRank(Exception):
+    """An error found on rank 0 before training and raised on every rank at the same point.
+
+    ``abort_on_error`` lets it through (no rank is left waiting), and
+    :func:`main` reports it once, from rank 0.
+    """
+
+    def __init__(self, error: BaseException, rank: int):
+        super().__init__(str(error))
+        self.error, self.rank = error, rank
+
+
+def _on_rank0(comm, check):
+    """Run ``check()`` on rank 0 only (or serially) and share its result or error with every rank."""
+    if comm is None:
+        return check()
+    payload = None
+    if comm.Get_rank() == 0:
+        try:
+            payload = (True, check())
+        except (ValueError, OSError) as exc:
+            payload = (False, exc)
+    ok, value = comm.bcast(payload, root=0)
+    if not ok:
+        raise _OnEveryRank(value, comm.Get_rank())
+    return value
+
+
+def _resume_differences(args) -> tuple[list, list]:
+    """Compare the command line with the checkpoint named by ``--resume``.
+
+    Returns ``(adjustable, fixed)``: lists of ``(option, checkpoint value,
+    command-line value)``. Adjustable ones (learning rate, momentum, weight
+    decay, batch size) take the checkpoint's value with ``--force``; fixed
+    ones (optimizer, number of training images) cannot change mid-run.
+    """
+    from parconv import _checkpoint
+
+    state = _checkpoint.load_training_checkpoint(args.resume)
+    hyper = state.optimizer_state.get("hyper", {})
+    optimizer = {"SGD": "sgd", "Adam": "adam"}.get(state.optimizer_type, state.optimizer_type)
+    adjustable, fixed = [], []
+    if optimizer != args.optimizer:
+        fixed.append(("--optimizer", optimizer, args.optimizer))
+    if "n" in state.fit and state.fit["n"] != args.train_size:
+        fixed.append(("--train-size", state.fit["n"], args.train_size))
+    wanted = [("--lr", "lr", args.lr), ("--weight-decay", "weight_decay", args.weight_decay)]
+    if args.optimizer == "sgd":
+        wanted.insert(1, ("--momentum", "momentum", args.momentum))
+    for option, key, value in wanted:
+        if key in hyper and hyper[key] != value:
+            adjustable.append((option, hyper[key], value))
+    if "batch_size" in state.fit and state.fit["batch_size"] != args.batch_size:
+        adjustable.append(("--batch-size", state.fit["batch_size"], args.batch_size))
+    return adjustable, fixed
+
+
+def _check_resume(args, comm, say) -> None:
+    """Refuse a resume whose settings differ from the checkpoint's, or with ``--force`` take the checkpoint's."""
+    adjustable, fixed = _on_rank0(comm, lambda: _resume_differences(args))
+    listing = "; ".join(f"{opt} {ck} in the checkpoint, {cl} on the command line" for opt, ck, cl in fixed + adjustable)
+    where = f"--resume {args.resume}: the checkpoint was written with other settings: {listing}"
+    if fixed:
+        raise ValueError(f"{where}. {' and '.join(opt for opt, _, _ in fixed)} cannot change within a run: "
+                         "start a new run instead")
+    if adjustable and not args.force:
+        raise ValueError(f"{where}. Give the checkpoint's values, or add --force to go on with them (the "
+                         "optimizer state and the epoch in progress are restored as they were written)")
+    for option, ck, _ in adjustable:
+        setattr(args, option[2:].replace("-", "_"), ck)
+    if adjustable:
+        say("--force: continuing with the checkpoint's " + ", ".join(f"{opt} {ck}" for opt, ck, _ in adjustable)
+            + " (the command line's values are ignored)")
 
 
 def build_cnn(filters: int = 32, kernel_size: int = 3, image_size: int = 28, n_classes: int = 10, backend=None,
@@ -85,7 +179,7 @@ def cmd_train(args) -> int:
     comm = dist.MPI.COMM_WORLD
     dist.install_excepthook(comm)
     # an error on one rank (a bad --resume file, a full disk on rank 0, ...) must end every rank
-    with dist.abort_on_error(comm, "parconv train --distributed"):
+    with dist.abort_on_error(comm, "parconv train --distributed", passthrough=(_OnEveryRank,)):
         return _train(args, comm)
 
 
@@ -102,6 +196,13 @@ def _train(args, comm) -> int:
     elif args.threads is not None:
         pc.set_num_threads(args.threads)
     backend = pc.backends.get(args.backend)
+    if args.resume:
+        _check_resume(args, comm, say)
+    if args.checkpoint:
+        from parconv._io import check_writable_target
+
+        # before any training, not when the first epoch's checkpoint is written
+        _on_rank0(comm, lambda: check_writable_target(args.checkpoint))
     (xtr, ytr), (xte, yte), source = _load_data(args)
     model = build_cnn(args.filters, backend=backend, seed=args.seed)
     if comm is not None:
@@ -112,9 +213,8 @@ def _train(args, comm) -> int:
         opt = pc.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     threads = pc.get_num_threads() if backend.name == "openmp" else None
     say(f"parconv {pc.__version__} | backend {backend.name}"
-        + (f" | {size} MPI ranks" if comm is not None else "")
-        + (f" | {threads} thread{'s' if threads != 1 else ''}" + (" per rank" if comm is not None else "")
-           if threads else "")
+        + (f" | {_plural(size, 'MPI rank')}" if comm is not None else "")
+        + (f" | {_plural(threads, 'thread')}" + (" per rank" if comm is not None else "") if threads else "")
         + f" | data: {source}")
     say(f"model: conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[4].in_features}->10 "
         f"({model.num_parameters():,} parameters) | {args.optimizer} lr {args.lr} | batch {args.batch_size}"
@@ -135,7 +235,7 @@ def _train(args, comm) -> int:
         f"(test loss {result['loss']:.4f}, final train loss {final_loss})")
     if not args.resume:
         images = args.epochs * len(xtr)
-        say(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {args.epochs} epochs)")
+        say(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {_plural(args.epochs, 'epoch')})")
     elif history.epochs:
         say(f"throughput: {history['samples_per_s'][-1]:,.0f} images/s training (last epoch)")
     say(f"wall time: {total:.1f} s" + (f" | checkpoint: {checkpoint}" if checkpoint else ""))
@@ -190,48 +290,84 @@ def cmd_selftest(args) -> int:
     return 0 if ok else 1
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parconv", description="Parallel CNN/MLP training on CPUs, OpenCL and MPI.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_train_parser(sub) -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the cnn-mnist network on the bundled MNIST sample",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    t.add_argument("--backend", default=None, help="backend name (default: PARCONV_BACKEND or openmp)")
-    t.add_argument("--threads", type=_positive_int, default=None, help="OpenMP threads (default: all cores)")
-    t.add_argument("--epochs", type=_positive_int, default=10)
-    t.add_argument("--batch-size", type=_positive_int, default=50)
-    t.add_argument("--lr", type=_positive_float, default=0.02, help="learning rate")
-    t.add_argument("--momentum", type=_nonneg_float, default=0.9, help="SGD momentum")
-    t.add_argument("--weight-decay", type=_nonneg_float, default=0.0)
-    t.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    t.add_argument("--filters", type=_positive_int, default=32, help="convolution filters d")
-    t.add_argument("--data", default=None, help="directory with MNIST IDX files (default: the bundled sample)")
-    t.add_argument("--split", choices=("train", "test"), default="test", help="which files to read from --data")
-    t.add_argument("--train-size", type=_positive_int, default=8000, help="images used for training; the rest are held out")
-    t.add_argument("--checkpoint", default="parconv-cnn.npz",
-                   help="training checkpoint, written atomically after every epoch and every --checkpoint-every "
-                        "steps; it also loads as a model with parconv.load ('' to skip)")
-    t.add_argument("--checkpoint-every", type=_positive_int, default=100, metavar="K",
-                   help="steps between checkpoints within an epoch")
-    t.add_argument("--resume", default=None, metavar="CHECKPOINT",
-                   help="continue a stopped run from its checkpoint; it ends with the weights of an "
-                        "uninterrupted run")
-    t.add_argument("--distributed", action="store_true",
-                   help="data-parallel over MPI ranks: run under mpiexec -n N (threads per rank default to "
-                        "cores / ranks)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+                       description="Train the cnn-mnist network (conv 3x3, ReLU, maxpool 2, FC) and report its "
+                                   "accuracy on held-out images.", formatter_class=_HelpFormatter)
+    run = t.add_argument_group("where it runs")
+    run.add_argument("--backend", default=None,
+                     help="numpy, openmp, opencl or a plugin's name (default: $PARCONV_BACKEND, else openmp)")
+    run.add_argument("--threads", type=_positive_int, default=None,
+                     help="OpenMP threads (default: every core; with --distributed, cores / ranks per rank)")
+    run.add_argument("--distributed", action="store_true",
+                     help="data-parallel over MPI ranks: run under mpiexec -n N")
+    data = t.add_argument_group("model and data")
+    data.add_argument("--filters", type=_positive_int, default=32, help="convolution filters d")
+    data.add_argument("--data", default=None, help="directory with MNIST IDX files (default: the bundled sample)")
+    data.add_argument("--split", choices=("train", "test"), default="test", help="which files to read from --data")
+    data.add_argument("--train-size", type=_positive_int, default=8000,
+                      help="images used for training; the rest are held out for the test accuracy")
+    opt = t.add_argument_group("training")
+    opt.add_argument("--epochs", type=_positive_int, default=10, help="passes over the training images")
+    opt.add_argument("--batch-size", type=_positive_int, default=50,
+                     help="images per optimizer step, over all ranks with --distributed")
+    opt.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="update rule")
+    opt.add_argument("--lr", type=_positive_float, default=0.02, help="learning rate")
+    opt.add_argument("--momentum", type=_nonneg_float, default=0.9, help="SGD momentum; adam ignores it")
+    opt.add_argument("--weight-decay", type=_nonneg_float, default=0.0,
+                     help="L2 penalty: weight_decay * w is added to every weight's gradient")
+    opt.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the shuffling")
+    opt.add_argument("--quiet", action="store_true", help="no progress bar")
+    ck = t.add_argument_group("checkpoints")
+    ck.add_argument("--checkpoint", default="parconv-cnn.npz",
+                    help="file written atomically after every epoch and every --checkpoint-every steps; it also "
+                         "loads as a model with parconv.load ('' to write none)")
+    ck.add_argument("--checkpoint-every", type=_positive_int, default=100, metavar="K",
+                    help="steps between checkpoints within an epoch")
+    ck.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                    help="continue a stopped run from its checkpoint; it ends with the weights of an "
+                         "uninterrupted run")
+    ck.add_argument("--force", action="store_true",
+                    help="with --resume: go on when --lr, --momentum, --weight-decay or --batch-size differ "
+                         "from the checkpoint's; the checkpoint's values win")
     t.set_defaults(func=cmd_train)
+    return t
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from parconv import __version__
+
+    parser = argparse.ArgumentParser(prog="parconv", description="Parallel CNN/MLP training on CPUs, OpenCL and MPI.")
+    parser.add_argument("--version", action="version", version=f"parconv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train_parser(sub)
 
     i = sub.add_parser("info", help="version, OpenMP build, threads, backends, OpenCL devices, MPI")
     i.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("selftest", help="check a backend against the NumPy oracle")
-    s.add_argument("--backend", required=True)
-    s.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("selftest", help="check a backend against the NumPy oracle", formatter_class=_HelpFormatter)
+    s.add_argument("--backend", required=True, help="the backend to check (numpy, openmp, opencl, a plugin)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random shapes and data")
     s.add_argument("--random", type=int, default=20, help="random shapes per op on top of the fixed ones")
     s.set_defaults(func=cmd_selftest)
     return parser
+
+
+def _report(args, exc: BaseException, quiet: bool = False) -> int | None:
+    """One line on stderr for an error a user can act on; ``None`` for anything else (a bug: traceback)."""
+    from parconv.backends import BackendUnavailableError
+
+    if isinstance(exc, OSError):
+        # disk full, read-only directory, a path through a file: the message, not a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        line, code = f"parconv: error: {where}{exc.strerror or exc}", 1
+    elif isinstance(exc, (BackendUnavailableError, ValueError)):
+        line, code = f"parconv {args.command}: error: {exc}", 2
+    else:
+        return None
+    if not quiet:
+        print(line, file=sys.stderr)
+    return code
 
 
 def main(argv=None) -> int:
@@ -246,13 +382,16 @@ def main(argv=None) -> int:
         # output piped into e.g. `head`, which closed early: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except _OnEveryRank as exc:
+        code = _report(args, exc.error, quiet=exc.rank != 0)
+        if code is None:
+            raise exc.error from None
+        return code
     except (ValueError, TypeError, RuntimeError, OSError) as exc:
-        from parconv.backends import BackendUnavailableError
-
-        if isinstance(exc, (BackendUnavailableError, ValueError, FileNotFoundError)):
-            print(f"parconv {args.command}: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+        code = _report(args, exc)
+        if code is None:
+            raise
+        return code
 
 
 if __name__ == "__main__":
