@@ -62,11 +62,11 @@ def to_numpy(a) -> _np.ndarray:
 
 
 def __getattr__(name):
-    # parconv.distributed needs mpi4py, so it is imported on first use only
-    if name == "distributed":
+    # parconv.distributed needs mpi4py and parconv.onnx the onnx package: imported on first use only
+    if name in ("distributed", "onnx"):
         import importlib
 
-        return importlib.import_module(".distributed", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'parconv' has no attribute {name!r}")
 
 
@@ -110,6 +110,7 @@ __all__ = [
     "datasets",
     "backends",
     "distributed",
+    "onnx",
     "callbacks",
     "data",
 ]

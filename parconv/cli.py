@@ -290,6 +290,39 @@ def cmd_selftest(args) -> int:
     return 0 if ok else 1
 
 
+def _input_shape(text):
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints like 1,1,28,28 or 1,784, "
+                                         f"got {text!r}") from None
+    if len(shape) < 2 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected two or more positive ints (N,C,H,W or N,F), got {text!r}")
+    return shape
+
+
+def cmd_export(args) -> int:
+    import parconv as pc
+
+    model = pc.load(args.model, backend="numpy")
+    try:
+        pc.onnx.export(model, args.out, args.input_shape)
+    except ImportError as exc:
+        raise SystemExit(f"parconv export: {exc}") from None
+    print(f"wrote {args.out} (ONNX opset {pc.onnx.OPSET}, input {('N',) + args.input_shape[1:]}, "
+          f"{model.num_parameters():,} parameters)")
+    return 0
+
+
+def _add_export_parser(sub) -> None:
+    e = sub.add_parser("export", help="write a saved model (.npz) as an ONNX file for onnxruntime and others")
+    e.add_argument("model", help="a model saved with Sequential.save (MODEL.npz)")
+    e.add_argument("out", help="the ONNX file to write (OUT.onnx)")
+    e.add_argument("--input-shape", type=_input_shape, required=True, metavar="N,C,H,W",
+                   help="one input's shape, N,C,H,W or N,F (the batch size N is dynamic in the file)")
+    e.set_defaults(func=cmd_export)
+
+
 def _add_train_parser(sub) -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the cnn-mnist network on the bundled MNIST sample",
                        description="Train the cnn-mnist network (conv 3x3, ReLU, maxpool 2, FC) and report its "
@@ -350,6 +383,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of the random shapes and data")
     s.add_argument("--random", type=int, default=20, help="random shapes per op on top of the fixed ones")
     s.set_defaults(func=cmd_selftest)
+    _add_export_parser(sub)
     return parser
 
 
