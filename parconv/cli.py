@@ -119,12 +119,16 @@ def _check_resume(args, comm, say) -> None:
     adjustable, fixed = _on_rank0(comm, lambda: _resume_differences(args))
     listing = "; ".join(f"{opt} {ck} in the checkpoint, {cl} on the command line" for opt, ck, cl in fixed + adjustable)
     where = f"--resume {args.resume}: the checkpoint was written with other settings: {listing}"
+    error = None
     if fixed:
-        raise ValueError(f"{where}. {' and '.join(opt for opt, _, _ in fixed)} cannot change within a run: "
-                         "start a new run instead")
-    if adjustable and not args.force:
-        raise ValueError(f"{where}. Give the checkpoint's values, or add --force to go on with them (the "
-                         "optimizer state and the epoch in progress are restored as they were written)")
+        error = ValueError(f"{where}. {' and '.join(opt for opt, _, _ in fixed)} cannot change within a run: "
+                           "start a new run instead")
+    elif adjustable and not args.force:
+        error = ValueError(f"{where}. Give the checkpoint's values, or add --force to go on with them (the "
+                           "optimizer state and the epoch in progress are restored as they were written)")
+    if error is not None:
+        # every rank found the same differences: each stops here, reported once, with nothing to abort
+        raise error if comm is None else _OnEveryRank(error, comm.Get_rank())
     for option, ck, _ in adjustable:
         setattr(args, option[2:].replace("-", "_"), ck)
     if adjustable:

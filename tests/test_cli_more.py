@@ -163,3 +163,25 @@ def test_missing_resume_file_is_one_line(tmp_path, capsys):
     rc = main(["train", "--epochs", "1", "--resume", str(tmp_path / "nope.npz"), *SMALL])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "nope.npz" in err and "does not exist" in err
+
+
+def _mpiexec():
+    import shutil
+
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # the one matching this mpi4py first
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_mpiexec() is None, reason="mpiexec not found")
+def test_distributed_resume_refusal_is_one_line_on_every_rank_without_an_abort(one_epoch_checkpoint):
+    pytest.importorskip("mpi4py")
+    if any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
+        pytest.skip("starts its own MPI job: run it without mpiexec")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pc.__file__)))
+    out = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "parconv.cli", "train", "--distributed",
+                          "--epochs", "1", "--resume", str(one_epoch_checkpoint), "--lr", "0.5", "--checkpoint", "",
+                          *SMALL], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("parconv train: error: --resume") == 1, out.stderr
+    assert "Traceback" not in out.stderr and "Abort" not in out.stderr
