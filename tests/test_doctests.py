@@ -24,6 +24,7 @@ MODULES = [
     "parconv.model",
     "parconv.losses",
     "parconv.optim",
+    "parconv.optim.lr_scheduler",
     "parconv.datasets",
     "parconv.datasets.idx",
     "parconv.datasets.mnist",

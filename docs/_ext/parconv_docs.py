@@ -25,6 +25,7 @@ PUBLIC_MODULES = (
     "parconv",
     "parconv.functional",
     "parconv.optim",
+    "parconv.optim.lr_scheduler",
     "parconv.datasets",
     "parconv.distributed",
     "parconv.backends",

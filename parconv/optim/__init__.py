@@ -366,6 +366,17 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0) -> float:
     float
         The total norm of the gradients before clipping (NaN if any gradient holds a NaN;
         the gradients are then scaled by NaN, as PyTorch does).
+
+    Examples
+    --------
+    >>> import numpy as np, parconv as pc
+    >>> layer = pc.Linear(2, 1, backend="numpy")
+    >>> layer.weight.grad = np.array([[3.0, 4.0]], np.float32)
+    >>> layer.bias.grad = np.zeros(1, np.float32)
+    >>> pc.optim.clip_grad_norm_(layer.parameters(), max_norm=1.0)
+    5.0
+    >>> np.round(layer.weight.grad, 4)
+    array([[0.6, 0.8]], dtype=float32)
     """
     from ..layers import Parameter
 

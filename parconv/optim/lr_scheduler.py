@@ -10,6 +10,18 @@ recursive formulas, so the sequence of learning rates equals PyTorch's.
 The class attributes ``per_batch`` and ``needs_metric`` tell a training loop when to step
 a scheduler: after every batch (``per_batch``), or after every epoch, with the monitored
 metric when ``needs_metric``.
+
+>>> import parconv as pc
+>>> opt = pc.optim.SGD(pc.Linear(2, 1, backend="numpy").parameters(), lr=0.1)
+>>> sched = pc.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+>>> for epoch in range(4):
+...     opt.step()  # the epoch's updates
+...     sched.step()
+...     print(epoch, sched.get_last_lr())
+0 [0.1]
+1 [0.05]
+2 [0.05]
+3 [0.025]
 """
 
 from __future__ import annotations
