@@ -529,7 +529,26 @@ def run_selftest(backend_name, seed: int = 0, n_random: int = 20, file=None) -> 
     out("")
     out(f"{'PASSED' if ok else 'FAILED'}: {len(ck.results) - n_fail} of {len(ck.results)} checks passed "
         f"on backend {backend_name!r} in {time.perf_counter() - t0:.1f} s")
+    if not ok:
+        _report_failure(be, [name for name, r in sorted(ck.results.items()) if not r.ok], file)
     return ok
+
+
+def _report_failure(be, failed: list, file) -> None:
+    """A banner naming the failed checks, on the table's stream and on stderr when that is another stream."""
+    shown = ", ".join(failed[:12]) + (f" and {len(failed) - 12} more" if len(failed) > 12 else "")
+    banner = "\n".join([
+        "=" * 78,
+        f"parconv selftest FAILED on {be!r}: {len(failed)} checks gave wrong results or errors",
+        f"  failed: {shown}",
+        "  Results computed on this backend/device cannot be trusted: do not train on it.",
+        "  OpenCL: choose another device (PARCONV_OPENCL_DEVICE) or use the openmp backend,",
+        "  and report the table above with your driver's name and version.",
+        "=" * 78,
+    ])
+    print(banner, file=file)
+    if file is not sys.stderr:
+        print(banner, file=sys.stderr)
 
 
 # ---------------------------------------------------------------------- devices

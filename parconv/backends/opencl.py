@@ -294,6 +294,10 @@ def device_config(device, kind: str | None = None) -> DeviceConfig:
     )
 
 
+#: (device handle, DeviceConfig) pairs whose OpenCLBackend.verify() passed in this process
+_verified: set = set()
+
+
 # -------------------------------------------------------------------- program cache
 # context -> {(family, options): (program, kernels)}. Weak keys: a context's programs go
 # with the last reference to it (a backend and its arrays), so backends created and
@@ -470,6 +474,78 @@ class OpenCLBackend(Backend):
         budget = min(self.config.local_budget, self.local_mem_limit - LOCAL_RESERVE - static)
         if budget != self.config.local_budget:
             self.config = dataclasses.replace(self.config, local_budget=budget)
+
+    def verify(self) -> None:
+        """Check a few tiny ops against the NumPy reference, once per device and configuration.
+
+        Runs linear, conv2d (K=3 and K=7, forward and every gradient), max pooling and
+        softmax cross-entropy on small inputs and compares them with
+        :mod:`parconv.backends.numpy_ref` in float64 (the selftest's criterion). A device
+        whose driver miscompiles the kernels is refused here instead of training to
+        chance accuracy. The result is kept for the process, so later calls are free;
+        the check's own copies appear in :attr:`transfers` with reason ``"verify"``.
+
+        Raises
+        ------
+        RuntimeError
+            An op disagrees with the reference (or fails); the message names the device,
+            the op and the size of the error.
+        """
+        key = (int(self.device.int_ptr), self.config)
+        if key in _verified:
+            return
+        from .numpy_ref import NumpyBackend
+
+        ref, rng = NumpyBackend(), np.random.default_rng(0)
+        f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+        f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
+        up = lambda a, dtype=np.float32: self._host_to_device(np.ascontiguousarray(a, dtype), "verify")  # noqa: E731
+        checks = []  # (op, got, expected)
+
+        x, w, b, dy = f32(6, 37), f32(9, 37) * 0.2, f32(9), f32(6, 9)
+        checks.append(("linear_forward", self.linear_forward(up(x), up(w), up(b)),
+                       ref.linear_forward(f64(x), f64(w), f64(b))))
+        for name, got, want in zip(("linear_backward dx", "linear_backward dw", "linear_backward db"),
+                                   self.linear_backward(up(x), up(w), up(dy)),
+                                   ref.linear_backward(f64(x), f64(w), f64(dy))):
+            checks.append((name, got, want))
+        for (n, c, o, h, k, s, p) in ((2, 3, 5, 8, 3, 1, 1), (1, 2, 3, 9, 7, 1, 3)):
+            x, w, b = f32(n, c, h, h), f32(o, c, k, k) * 0.2, f32(o)
+            y_ref = ref.conv2d_forward(f64(x), f64(w), f64(b), s, p)
+            checks.append((f"conv2d_forward K={k}", self.conv2d_forward(up(x), up(w), up(b), s, p), y_ref))
+            dy = f32(*y_ref.shape)
+            for name, got, want in zip(("dx", "dw", "db"), self.conv2d_backward(up(x), up(w), up(dy), s, p),
+                                       ref.conv2d_backward(f64(x), f64(w), f64(dy), s, p)):
+                checks.append((f"conv2d_backward K={k} {name}", got, want))
+        x = f32(2, 3, 6, 6)
+        y, am = self.maxpool2d_forward(up(x), 2, 2)
+        y_ref, am_ref = ref.maxpool2d_forward(f64(x), 2, 2)
+        checks += [("maxpool2d_forward", y, y_ref), ("maxpool2d_forward argmax", am, am_ref)]
+        dy = f32(*y_ref.shape)
+        checks.append(("maxpool2d_backward", self.maxpool2d_backward(up(dy), up(am_ref, np.int32), x.shape),
+                       ref.maxpool2d_backward(f64(dy), am_ref, x.shape)))
+        logits, labels = f32(7, 5) * 3, rng.integers(0, 5, 7)
+        loss, probs = self.softmax_cross_entropy_forward(up(logits), up(labels, np.int32))
+        loss_ref, probs_ref = ref.softmax_cross_entropy_forward(f64(logits), labels)
+        checks += [("softmax_cross_entropy_forward", np.float64(loss), loss_ref),
+                   ("softmax_cross_entropy_backward", self.softmax_cross_entropy_backward(probs, up(labels, np.int32)),
+                    ref.softmax_cross_entropy_backward(probs_ref, labels))]
+
+        where = f"OpenCL device {self.device.name.strip()!r} ({self.device.platform.name.strip()})"
+        for op, got, want in checks:
+            a = np.asarray(got if isinstance(got, np.generic) else self._device_to_host(got, "verify"), np.float64)
+            e = np.asarray(want, np.float64)
+            if a.shape != e.shape:
+                a = np.full(e.shape, np.nan)
+            # the selftest's criterion (parconv.selftest): atol against the array's scale, rtol per element
+            err = np.abs(a - e)
+            if not np.all(err <= 1e-5 * max(1.0, float(np.abs(e).max(initial=0.0))) + 1e-4 * np.abs(e)):
+                raise RuntimeError(
+                    f"{where} computes {op} wrongly (max error {float(np.max(err)):.3g}) "
+                    f"with tile configuration {self.config}; its results cannot be trusted. Run "
+                    f"'parconv selftest --backend opencl' for details, choose another device with "
+                    f"PARCONV_OPENCL_DEVICE, or use backend='openmp'")
+        _verified.add(key)
 
     def _check_local(self, name: str, *nfloats: int) -> None:
         """Refuse a launch of ``name`` whose local buffers (floats each) exceed the device's local memory."""
