@@ -358,19 +358,38 @@ def _check_optim(ck, ref, rng, case):
             ck.close("sgd.p", P, p64, tag)
             if momentum:
                 ck.close("sgd.v", V, v64, tag)
-        else:
+        elif variant.startswith("rmsprop"):
+            momentum = 0.9 if "momentum" in variant else 0.0
             wd = 0.01 if "wd" in variant else 0.0
+            sq, buf = np.abs(_f32(rng, size, scale=0.1)), _f32(rng, size, scale=0.1)
+            P, SQ = be.asarray(p.copy()), be.asarray(sq.copy())
+            BUF = be.asarray(buf.copy()) if momentum else None
+            p64, sq64, buf64 = _f64(p), _f64(sq), _f64(buf)
+            for _ in range(3):
+                be.rmsprop_update(P, be.asarray(g), SQ, BUF, 1e-2, 0.99, 1e-8, wd, momentum)
+                ref.rmsprop_update(p64, _f64(g), sq64, buf64 if momentum else None, 1e-2, 0.99, 1e-8, wd, momentum)
+            ck.close("rmsprop.p", P, p64, tag)
+            ck.close("rmsprop.square_avg", SQ, sq64, tag)
+            if momentum:
+                ck.close("rmsprop.momentum_buffer", BUF, buf64, tag)
+        else:
+            decoupled = variant == "adamw"
+            wd = 0.01 if "wd" in variant or decoupled else 0.0
             m, v = _f32(rng, size, scale=0.1), np.abs(_f32(rng, size, scale=0.1))
             P, M, V = be.asarray(p.copy()), be.asarray(m.copy()), be.asarray(v.copy())
             p64, m64, v64 = _f64(p), _f64(m), _f64(v)
             for step in (1, 2, 3):
-                be.adam_update(P, be.asarray(g), M, V, 1e-3, 0.9, 0.999, 1e-8, wd, step)
-                ref.adam_update(p64, _f64(g), m64, v64, 1e-3, 0.9, 0.999, 1e-8, wd, step)
-            ck.close("adam.p", P, p64, tag)
-            ck.close("adam.m", M, m64, tag)
-            ck.close("adam.v", V, v64, tag)
+                be.adam_update(P, be.asarray(g), M, V, 1e-3, 0.9, 0.999, 1e-8, wd, step, decoupled)
+                ref.adam_update(p64, _f64(g), m64, v64, 1e-3, 0.9, 0.999, 1e-8, wd, step, decoupled)
+            name = "adamw" if decoupled else "adam"
+            ck.close(f"{name}.p", P, p64, tag)
+            ck.close(f"{name}.m", M, m64, tag)
+            ck.close(f"{name}.v", V, v64, tag)
+        for norm_type in (2.0, math.inf):
+            ck.close(f"norm_many.{'inf' if norm_type == math.inf else 'l2'}", be.norm_many([be.asarray(g)], norm_type),
+                     ref.norm_many([_f64(g)], norm_type), tag)
     except Exception as exc:  # noqa: BLE001
-        ck.fail("sgd.p" if variant.startswith("sgd") else "adam.p", tag, exc)
+        ck.fail(variant.split("-")[0] + ".p", tag, exc)
 
 
 def _check_arrays(ck, rng):
@@ -414,7 +433,8 @@ _FIXED_HEAD = [  # fused case + head outputs; the first is a network's first lay
 _FIXED_LINEAR = [(1, 1, 1, True), (4, 7, 3, True), (10, 169, 10, True), (33, 65, 17, False), (100, 300, 70, True)]
 _FIXED_ACT = [(1,), (7, 3), (2, 3, 4, 5), (1000,)]
 _FIXED_LOSS = [(1, 1), (4, 3), (100, 10), (257, 5)]
-_OPTIM_VARIANTS = ["sgd", "sgd-momentum", "sgd-nesterov-wd", "adam", "adam-wd"]
+_OPTIM_VARIANTS = ["sgd", "sgd-momentum", "sgd-nesterov-wd", "adam", "adam-wd", "adamw", "rmsprop",
+                   "rmsprop-momentum-wd"]
 
 
 def _random_conv(rng, fused=False):
