@@ -111,6 +111,9 @@ class CallbackList:
             found = [name for name in _HOOKS if callable(getattr(cb, name, None))]
             if found:
                 for name in found:
+                    # the base class's empty hooks are not called (on_train_begin sets .model, so it stays)
+                    if name != "on_train_begin" and getattr(type(cb), name, None) is getattr(Callback, name):
+                        continue
                     self._hooks[name].append(getattr(cb, name))
             elif callable(cb):
                 self._hooks["on_epoch_end"].append(cb)
@@ -123,6 +126,10 @@ class CallbackList:
 
     def __iter__(self):
         return iter(self.callbacks)
+
+    def wants_batch_end(self) -> bool:
+        """Whether any callback has an ``on_batch_end`` hook (a loop can skip building per-step logs)."""
+        return bool(self._hooks["on_batch_end"])
 
     def on_train_begin(self, model) -> None:
         for hook in self._hooks["on_train_begin"]:

@@ -268,6 +268,8 @@ def test_callback_list_dispatch():
     cbs.on_train_end("history")
     assert rec.model == "model"
     assert calls == [("begin", "model"), ("batch", 0), ("plain", 1, 1.0), ("object", 1), ("end", "history")]
+    assert cbs.wants_batch_end()
+    assert not CallbackList([EarlyStopping(), CSVLogger("unused.csv"), lambda epoch, logs: None]).wants_batch_end()
 
 
 def test_callback_list_rejects():
