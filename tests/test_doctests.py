@@ -34,6 +34,10 @@ MODULES = [
     "parconv.backends.numpy_ref",
     "parconv.selftest",
     "parconv.distributed",
+    "parconv.callbacks",
+    "parconv.data",
+    "parconv.data.loader",
+    "parconv.data.transforms",
 ]
 OPTIONAL = {"parconv.distributed": "mpi4py"}
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

@@ -30,6 +30,9 @@ PUBLIC_MODULES = (
     "parconv.distributed",
     "parconv.backends",
     "parconv.selftest",
+    "parconv.callbacks",
+    "parconv.data",
+    "parconv.data.transforms",
 )
 
 
