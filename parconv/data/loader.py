@@ -175,11 +175,10 @@ class DataLoader:
         Samples. A ``numpy.memmap`` (or any array) bigger than memory is
         fine: each batch reads only its rows. Anything else that is iterable
         but not a list, a tuple or an object with ``shape`` and ``dtype`` is
-        a *batch source*: it yields
-        ``(x, y)`` pairs (or ``x`` alone); then ``y`` must be ``None``,
-        ``shuffle``, ``drop_last`` and ``batch_size`` do not apply, and a
-        one-shot generator serves one epoch only (pass an object whose
-        ``__iter__`` starts afresh for several).
+        a *batch source*: it yields ``(x, y)`` pairs (or ``x`` alone); then
+        ``y`` must be ``None``, ``shuffle``, ``drop_last`` and ``batch_size``
+        do not apply, and a one-shot generator serves one epoch only (pass
+        an object whose ``__iter__`` starts afresh for several).
     y : array-like (N, ...), optional
         Labels or targets, row ``i`` belonging to ``x[i]``.
     batch_size : int, default 32
