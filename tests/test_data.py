@@ -262,6 +262,25 @@ def test_memmap_batches_equal_in_memory_batches(tmp_path):
         assert type(ya) is np.ndarray and ya.dtype == np.int64
 
 
+def test_memmap_rows_are_read_in_file_order(tmp_path):
+    reads = []
+
+    class Recording(np.memmap):
+        def __getitem__(self, index):
+            if isinstance(index, np.ndarray):
+                reads.append(index.copy())
+            return super().__getitem__(index)
+
+    mm = Recording(tmp_path / "x.bin", dtype=np.float32, mode="w+", shape=(30, 2))
+    mm[:] = np.arange(60, dtype=np.float32).reshape(30, 2)
+    loader = DataLoader(mm, batch_size=8, seed=4, prefetch=0)
+    batches = collect(loader.epoch(0))
+    order = loader.order(0)
+    for b, (xb, _) in enumerate(batches):  # batch order kept, though the rows were read sorted
+        np.testing.assert_array_equal(xb[:, 0], 2 * order[b * 8:(b + 1) * 8])
+    assert len(reads) == 4 and all((np.diff(r) > 0).all() for r in reads)
+
+
 # ------------------------------------------------------------------ batch sources
 def test_generator_source():
     def batches():
