@@ -208,3 +208,61 @@ def test_batch_norm_rejects_bad_arguments(backend):
     with pytest.raises(ValueError, match=r"saved.mean must be a \(2,\)"):
         F.batch_norm_backward(np.ones((4, 2, 2, 2)), None, np.ones((4, 2, 2, 2)), s, backend=backend)
     assert host(y).shape == x.shape
+
+
+def test_gpu_style_configuration_agrees_on_this_device(oracle):
+    """The wide work-groups and strided reductions chosen for GPUs give the oracle's results too."""
+    if "opencl" not in pc.available_backends():
+        pytest.skip("opencl backend not available")
+    import parconv.backends.opencl as ocl
+
+    dev = pc.backends.get("opencl").device
+    be = ocl.OpenCLBackend(config=ocl.device_config(dev, kind="gpu"))
+    assert be.config.red_chunked == 0 and be.config.red_wg > 16
+    rng = np.random.default_rng(11)
+    for shape in [(3, 4, 5, 7), (37, 3), (2, 3, 300)]:
+        C = shape[1]
+        x, dy = rand(rng, *shape), rand(rng, *shape)
+        w, b = _params(rng, C, True)
+        rm, rv = _running(rng, C)
+        for training in (True, False):
+            be_rm, be_rv = _dev_copy(be, rm), _dev_copy(be, rv)
+            ref_rm, ref_rv = rm.copy(), rv.copy()
+            y, s = F.batch_norm(be.asarray(x), be.asarray(w), be.asarray(b), be_rm, be_rv, training=training,
+                                relu=True, backend=be)
+            y_ref, s_ref = F.batch_norm(x, w, b, ref_rm, ref_rv, training=training, relu=True, backend=oracle)
+            assert_close(y, y_ref, what=f"{shape} y")
+            assert_close(be_rv, ref_rv, what=f"{shape} running_var")
+            grads = F.batch_norm_backward(be.asarray(x), be.asarray(w), be.asarray(dy), s, backend=be)
+            for got, want in zip(grads, F.batch_norm_backward(x, w, dy, s_ref, backend=oracle)):
+                assert_close(got, want, atol=1e-5 * (float(np.abs(want).max()) + 1.0), what=f"{shape} grads")
+        np.testing.assert_array_equal(host(F.dropout(be.asarray(x), 0.3, 5, backend=be)),
+                                      oracle.dropout_forward(x, 0.3, 5))
+        assert F.mse_loss(be.asarray(x), be.asarray(dy), backend=be) == pytest.approx(oracle.mse_forward(x, dy),
+                                                                                      rel=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 64, 64), (1, 7, 100, 100), (5000, 7), (2, 40000), (1, 40000),
+                                   (9, 3, 2000)])
+def test_openmp_batch_norm_chunks_agree_with_the_oracle(oracle, shape):
+    """Shapes big enough to split over two threads: whole images per chunk, planes split
+    inside one image, and (N, C) input in rows or split mid-row."""
+    if "openmp" not in pc.available_backends():
+        pytest.skip("openmp backend not built")
+    be = pc.backends.get("openmp")
+    rng = np.random.default_rng(sum(shape))
+    C = shape[1]
+    x, dy = rand(rng, *shape) + 3, rand(rng, *shape)
+    w, b = _params(rng, C, True)
+    rm, rv = _running(rng, C)
+    with pc.num_threads(2):
+        for training in (True, False)[int(np.prod(shape)) // C < 2:]:  # one value per channel: eval only
+            kw = dict(training=training, relu=training)
+            got_rm, got_rv, ref_rm, ref_rv = rm.copy(), rv.copy(), rm.copy(), rv.copy()
+            y, s = F.batch_norm(x, w, b, got_rm, got_rv, backend=be, **kw)
+            y_ref, s_ref = F.batch_norm(x, w, b, ref_rm, ref_rv, backend=oracle, **kw)
+            assert_close(y, y_ref, what="y")
+            assert_close(got_rv, ref_rv, what="running_var")
+            grads = F.batch_norm_backward(x, w, dy, s, backend=be)
+            for got, want in zip(grads, F.batch_norm_backward(x, w, dy, s_ref, backend=oracle)):
+                assert_close(got, want, atol=1e-5 * (float(np.abs(want).max()) + 1.0))

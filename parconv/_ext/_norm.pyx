@@ -104,16 +104,14 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     shift = scale + C
     with nogil:
         for i in prange(nc, schedule="static", num_threads=nc):
-            for j in range(planes * i // nc, planes * (i + 1) // nc):
-                part[i * C + j % C] += _plane_sum(xp + j * L, L)
+            _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, NULL, part + i * C)
         _merge(part, m64, nc, C)
         for c in range(C):
             m64[c] = m64[c] / M
         for c in range(nc * C):
             part[c] = 0.0
         for i in prange(nc, schedule="static", num_threads=nc):
-            for j in range(planes * i // nc, planes * (i + 1) // nc):
-                part[i * C + j % C] += _plane_sqdev(xp + j * L, L, m64[j % C])
+            _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, m64, part + i * C)
         _merge(part, v64, nc, C)
         for c in range(C):
             v64[c] = v64[c] / M
@@ -125,20 +123,19 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
                 running_mean[c] = <float>((1.0 - momentum) * running_mean[c] + momentum * m64[c])
                 running_var[c] = <float>((1.0 - momentum) * running_var[c] + momentum * (v64[c] * M / (M - 1)))
         for i in prange(nc, schedule="static", num_threads=nc):
-            for j in range(planes * i // nc, planes * (i + 1) // nc):
-                _apply_plane(xp + j * L, yp + j * L, L, mean[j % C], scale[j % C], shift[j % C], relu)
+            _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu)
     free(part)
 
 
 cdef inline void _apply_plane(const float *x, float *y, Py_ssize_t n, float m, float s, float b,
                               bint relu) noexcept nogil:
-    """y = (x - m) * s + b (then max(y, 0)), the oracle's order of operations."""
+    """y = (x - m) * s + b (then max(y, 0), NaN passing), the oracle's order of operations."""
     cdef Py_ssize_t k
     cdef float v
     if relu:
         for k in range(n):
             v = (x[k] - m) * s + b
-            y[k] = v if v > 0 or v != v else <float>0.0
+            y[k] = <float>0.0 if v < 0 else v
     else:
         for k in range(n):
             y[k] = (x[k] - m) * s + b
@@ -172,36 +169,34 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
             scale[c] = invstd[c] * weight[c] if weight is not None else invstd[c]
             shift[c] = bias[c] if bias is not None else <float>0.0
         for i in prange(nc, schedule="static", num_threads=nc):
-            for j in range(planes * i // nc, planes * (i + 1) // nc):
-                _apply_plane(xp + j * L, yp + j * L, L, mean[j % C], scale[j % C], shift[j % C], relu)
+            _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu)
     free(scale)
 
 
-cdef inline void _grad_sums(const float *x, const float *dy, const float *y, Py_ssize_t n, float m, float istd,
+cdef inline void _grad_sums(const float *x, const float *g, Py_ssize_t n, float m, float istd,
                             double *sg, double *sgx) noexcept nogil:
-    """Adds sum(g) and sum(g * xhat) of one plane, g = dy (masked by y > 0 when y is given)."""
+    """Adds sum(g) and sum(g * xhat) of one plane."""
     cdef Py_ssize_t k
-    cdef float g
     cdef double a = 0.0, b = 0.0
     for k in range(n):
-        g = dy[k] if y == NULL or y[k] > 0 else <float>0.0
-        a += g
-        b += g * ((x[k] - m) * istd)
+        a += g[k]
+        b += g[k] * ((x[k] - m) * istd)
     sg[0] += a
     sgx[0] += b
 
 
 def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
                         const float[::1] weight,      # IN  (C,) or None
-                        const float[:, :, ::1] dy,    # IN  (N, C, L)
+                        const float[:, :, ::1] dy,    # IN  (N, C, L) gradient of the normalised output
                         const float[::1] mean,        # IN  (C,) from the forward
                         const float[::1] invstd,      # IN  (C,) from the forward
-                        const float[:, :, ::1] y,     # IN  (N, C, L) fused-ReLU output, or None
-                        float[:, :, ::1] dx,          # OUT (N, C, L) or None, overwritten
+                        float[:, :, ::1] dx,          # OUT (N, C, L) or None, overwritten (may be dy itself)
                         float[::1] dweight,           # OUT (C,) or None, overwritten
                         float[::1] dbias,             # OUT (C,) or None, overwritten
                         bint training, int num_threads):
-    """Gradients of batch norm; see ``Backend.batch_norm_backward``."""
+    """Gradients of batch norm; see ``Backend.batch_norm_backward``. A fused ReLU's mask is applied
+    to dy by the caller first (a separate vectorised pass: inside these loops the data-dependent
+    select becomes a mispredicted branch per element)."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, j, c, k
     cdef int nc = _chunks(planes, planes * L, num_threads), i
@@ -211,7 +206,6 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     cdef float *coef
     cdef const float *xp = &x[0, 0, 0]
     cdef const float *dyp = &dy[0, 0, 0]
-    cdef const float *yp = &y[0, 0, 0] if y is not None else NULL
     cdef float *dxp = &dx[0, 0, 0] if dx is not None else NULL
     cdef bint sums = training or dweight is not None
     if part == NULL:
@@ -225,10 +219,8 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     with nogil:
         if sums:
             for i in prange(nc, schedule="static", num_threads=nc):
-                for j in range(planes * i // nc, planes * (i + 1) // nc):
-                    c = j % C
-                    _grad_sums(xp + j * L, dyp + j * L, (yp + j * L) if yp != NULL else NULL, L, mean[c],
-                               invstd[c], &part[2 * i * C + c], &part[(2 * i + 1) * C + c])
+                _grad_chunk(xp, dyp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
+                            part + 2 * i * C, part + (2 * i + 1) * C)
             for c in range(C):
                 sg[c] = 0.0
                 sgx[c] = 0.0
@@ -245,25 +237,118 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
                 coef[C + c] = <float>(sg[c] / M)
                 coef[2 * C + c] = <float>(sgx[c] / M)
             for i in prange(nc, schedule="static", num_threads=nc):
-                for j in range(planes * i // nc, planes * (i + 1) // nc):
-                    c = j % C
-                    _dx_plane(xp + j * L, dyp + j * L, (yp + j * L) if yp != NULL else NULL, dxp + j * L, L,
-                              mean[c], invstd[c], coef[c], coef[C + c], coef[2 * C + c], training)
+                _dx_chunk(xp, dyp, dxp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
+                          coef, training)
     free(coef)
     free(part)
 
 
-cdef inline void _dx_plane(const float *x, const float *dy, const float *y, float *dx, Py_ssize_t n, float m,
+cdef inline void _dx_plane(const float *x, const float *g, float *dx, Py_ssize_t n, float m,
                            float istd, float k, float a, float b, bint training) noexcept nogil:
     """dx = ((g - a) - xhat * b) * k in training mode, g * k in eval mode."""
     cdef Py_ssize_t i
-    cdef float g
-    for i in range(n):
-        g = dy[i] if y == NULL or y[i] > 0 else <float>0.0
-        if training:
-            dx[i] = ((g - a) - ((x[i] - m) * istd) * b) * k
+    if training:
+        for i in range(n):
+            dx[i] = ((g[i] - a) - ((x[i] - m) * istd) * b) * k
+    else:
+        for i in range(n):
+            dx[i] = g[i] * k
+
+
+cdef inline Py_ssize_t _bound(Py_ssize_t N, Py_ssize_t C, Py_ssize_t i, int nc) noexcept nogil:
+    """First plane of chunk i of nc: whole images per chunk where there are at least nc of them."""
+    if N >= nc:
+        return C * (N * i // nc)
+    return N * C * i // nc
+
+
+# One chunk of planes [j0, j1) per call; the channel c = j % C advances with the plane, so
+# no division runs per plane. (N, C) input (L == 1) in whole rows runs as loops over the C
+# channels of each row instead, which vectorise.
+cdef void _sum_chunk(const float *x, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C, Py_ssize_t L,
+                     const double *center, double *part) noexcept nogil:
+    """part[c] += sum of the planes' values (center NULL) or of (value - center[c])^2."""
+    cdef Py_ssize_t j, r, rr, c = j0 % C
+    cdef double d
+    if L == 1 and c == 0 and j1 % C == 0:
+        for rr in range(j0 // C, j1 // C):
+            r = rr * C
+            if center == NULL:
+                for c in range(C):
+                    part[c] += x[r + c]
+            else:
+                for c in range(C):
+                    d = x[r + c] - center[c]
+                    part[c] += d * d
+        return
+    for j in range(j0, j1):
+        if center == NULL:
+            part[c] += _plane_sum(x + j * L, L)
         else:
-            dx[i] = g * k
+            part[c] += _plane_sqdev(x + j * L, L, center[c])
+        c += 1
+        if c == C:
+            c = 0
+
+
+cdef void _apply_chunk(const float *x, float *y, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C, Py_ssize_t L,
+                       const float *mean, const float *scale, const float *shift, bint relu) noexcept nogil:
+    cdef Py_ssize_t j, r, rr, c = j0 % C
+    cdef float v
+    if L == 1 and c == 0 and j1 % C == 0:
+        for rr in range(j0 // C, j1 // C):
+            r = rr * C
+            for c in range(C):
+                v = (x[r + c] - mean[c]) * scale[c] + shift[c]
+                y[r + c] = (<float>0.0 if v < 0 else v) if relu else v
+        return
+    for j in range(j0, j1):
+        _apply_plane(x + j * L, y + j * L, L, mean[c], scale[c], shift[c], relu)
+        c += 1
+        if c == C:
+            c = 0
+
+
+cdef void _grad_chunk(const float *x, const float *dy, Py_ssize_t j0, Py_ssize_t j1,
+                      Py_ssize_t C, Py_ssize_t L, const float *mean, const float *invstd, double *sg,
+                      double *sgx) noexcept nogil:
+    cdef Py_ssize_t j, r, rr, c = j0 % C
+    if L == 1 and c == 0 and j1 % C == 0:
+        for rr in range(j0 // C, j1 // C):
+            r = rr * C
+            for c in range(C):
+                sg[c] += dy[r + c]
+                sgx[c] += dy[r + c] * ((x[r + c] - mean[c]) * invstd[c])
+        return
+    for j in range(j0, j1):
+        _grad_sums(x + j * L, dy + j * L, L, mean[c], invstd[c], &sg[c], &sgx[c])
+        c += 1
+        if c == C:
+            c = 0
+
+
+cdef void _dx_chunk(const float *x, const float *dy, float *dx, Py_ssize_t j0, Py_ssize_t j1,
+                    Py_ssize_t C, Py_ssize_t L, const float *mean, const float *invstd, const float *coef,
+                    bint training) noexcept nogil:
+    """coef: (3, C) rows k = w * invstd, sum(g) / M, sum(g xhat) / M."""
+    cdef Py_ssize_t j, r, rr, c = j0 % C
+    if L == 1 and c == 0 and j1 % C == 0:
+        for rr in range(j0 // C, j1 // C):
+            r = rr * C
+            if training:
+                for c in range(C):
+                    dx[r + c] = ((dy[r + c] - coef[C + c]) - ((x[r + c] - mean[c]) * invstd[c]) * coef[2 * C + c]) \
+                        * coef[c]
+            else:
+                for c in range(C):
+                    dx[r + c] = dy[r + c] * coef[c]
+        return
+    for j in range(j0, j1):
+        _dx_plane(x + j * L, dy + j * L, dx + j * L, L, mean[c], invstd[c],
+                  coef[c], coef[C + c], coef[2 * C + c], training)
+        c += 1
+        if c == C:
+            c = 0
 
 
 cdef inline bint _keep(uint64_t seed, uint64_t i, uint64_t threshold) noexcept nogil:
