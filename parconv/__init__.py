@@ -37,6 +37,7 @@ from .layers import (  # noqa: E402
 )
 from .losses import BCELoss, MSELoss, SoftmaxCrossEntropy  # noqa: E402
 from .model import History, Sequential, TrainingDivergedError, load  # noqa: E402
+from . import models  # noqa: E402  (the zoo builds on Sequential)
 
 
 def get_backend():
