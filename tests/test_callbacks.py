@@ -278,3 +278,23 @@ def test_callback_list_rejects():
     with pytest.raises(TypeError, match="got a single EarlyStopping; wrap it in a list"):
         CallbackList(EarlyStopping())
     assert len(CallbackList(None)) == 0
+
+
+def test_restore_best_weights_on_a_real_model():
+    pc.manual_seed(1)
+    model = pc.Sequential(pc.Linear(4, 3), pc.BatchNorm1d(3), pc.ReLU(), pc.Linear(3, 2), backend="numpy")
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    model(x)  # training mode: the BatchNorm running statistics move
+    best = {k: np.array(v, copy=True) for k, v in model.state_dict().items()}
+    cb = EarlyStopping(patience=0, restore_best_weights=True)
+    cb.on_train_begin(model)
+    cb.on_epoch_end(1, {"val_loss": 0.5})
+    for p in model.parameters():  # a worse epoch changes every parameter and buffer in place
+        p.data[...] += 1.0
+    model(x)
+    cb.on_epoch_end(2, {"val_loss": 0.6})
+    assert model.stop_training is True
+    restored = model.state_dict()
+    assert restored.keys() == best.keys() and any("running_mean" in k for k in best)
+    for k, v in best.items():
+        np.testing.assert_array_equal(restored[k], v, err_msg=k)
