@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import threading
@@ -71,6 +72,9 @@ FAMILIES = ("conv", "pool", "dense", "activations", "losses", "optim", "norm")
 
 #: staged reduction chunks (GEMM_BK each) every split of a split-K GEMM gets at least
 GEMM_SPLIT_MIN_CHUNKS = 4
+
+#: parameters per launch of the optimizer kernels (MULTI in kernels_cl/optim.cl)
+MULTI_TENSORS = 8
 
 
 def _import_pyopencl():
@@ -919,28 +923,69 @@ class OpenCLBackend(Backend):
                           _i32(bool(weight_decay) and not decoupled), _f32(1 - lr * weight_decay),
                           _i32(bool(weight_decay) and bool(decoupled)))
 
-    # The *_many updates of the base class enqueue one kernel per parameter: all on the
-    # in-order queue, none waited for, so the step stays one pass on the device without host syncs.
     def rmsprop_update(self, p, g, sq, buf, lr, alpha, eps, weight_decay, momentum):
         self._elementwise("rmsprop_update", p.size, p.data, g.data, sq.data,
                           (buf if buf is not None else self._dummy_f).data, _i32(p.size), _f32(lr), _f32(alpha),
                           _f32(1 - alpha), _f32(eps), _f32(weight_decay), _i32(bool(weight_decay)),
                           _f32(momentum), _i32(buf is not None))
 
+    # The *_many updates take MULTI_TENSORS parameters per launch (the *_multi kernels of
+    # optim.cl): a step is a few launches on the in-order queue, none waited for.
+    def _multi(self, kernel: str, lists, *scalars) -> None:
+        """Launch ``kernel`` over the non-empty tensors of ``lists[0]``, MULTI_TENSORS at a time.
+
+        ``lists`` holds parallel lists of arrays (one per kernel buffer argument; None for an
+        unused one); absent slots get the dummy buffer and repeat the last end.
+        """
+        live = [i for i, x in enumerate(lists[0]) if x.size]
+        dummy = self._dummy_f.data
+        for s in range(0, len(live), MULTI_TENSORS):
+            chunk = live[s:s + MULTI_TENSORS]
+            pad = MULTI_TENSORS - len(chunk)
+            ends = list(itertools.accumulate(lists[0][i].size for i in chunk))
+            bufs = []
+            for lst in lists:
+                bufs += [dummy if lst is None else lst[i].data for i in chunk] + [dummy] * pad
+            self._elementwise(kernel, ends[-1], *bufs, *[_i32(e) for e in ends + [ends[-1]] * pad], *scalars)
+
+    def sgd_update_many(self, ps, gs, vs, lr, momentum, weight_decay, nesterov):
+        self._multi("sgd_update_multi", [ps, gs, vs], _f32(lr), _f32(momentum), _f32(weight_decay),
+                    _i32(bool(weight_decay)), _i32(vs is not None), _i32(bool(nesterov)))
+
+    def adam_update_many(self, ps, gs, ms, vs, lr, beta1, beta2, eps, weight_decay, step, decoupled=False):
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        self._multi("adam_update_multi", [ps, gs, ms, vs], _f32(beta1), _f32(1 - beta1), _f32(beta2),
+                    _f32(1 - beta2), _f32(lr / bc1), _f32(math.sqrt(bc2)), _f32(eps), _f32(weight_decay),
+                    _i32(bool(weight_decay) and not decoupled), _f32(1 - lr * weight_decay),
+                    _i32(bool(weight_decay) and bool(decoupled)))
+
+    def rmsprop_update_many(self, ps, gs, sqs, bufs, lr, alpha, eps, weight_decay, momentum):
+        self._multi("rmsprop_update_multi", [ps, gs, sqs, bufs], _f32(lr), _f32(alpha), _f32(1 - alpha), _f32(eps),
+                    _f32(weight_decay), _i32(bool(weight_decay)), _f32(momentum), _i32(bufs is not None))
+
+    def scale_many(self, xs, factor):
+        self._multi("scale_multi", [xs], _f32(factor))
+
     def norm_many(self, xs, norm_type):
-        """Partials of every array into one device buffer, reduced on the device; only the
-        reduced scalar comes back (reason ``"norm_many"``)."""
+        """Partials of MULTI_TENSORS arrays per launch into one device buffer, reduced on the
+        device; only the reduced scalar comes back (reason ``"norm_many"``)."""
         cfg = self.config
         xs = [x for x in xs if x.size]
         if not xs:
             return 0.0
         mode = 0 if norm_type == 2.0 else (2 if norm_type == math.inf else 1)
-        groups = [max(1, min(cfg.red_groups, _cdiv(x.size, cfg.red_wg))) for x in xs]
+        chunks = [xs[s:s + MULTI_TENSORS] for s in range(0, len(xs), MULTI_TENSORS)]
+        groups = [max(1, min(cfg.red_groups, _cdiv(sum(x.size for x in c), cfg.red_wg))) for c in chunks]
         partial = self.empty((sum(groups),), np.float32)
         offset = 0
-        for x, gr in zip(xs, groups):
-            self._run("norm_partial", (gr * cfg.red_wg,), (cfg.red_wg,), x.data, partial.data, _i32(x.size),
-                      _i32(offset), _i32(mode), _f32(norm_type if mode == 1 else 1.0))
+        for chunk, gr in zip(chunks, groups):
+            pad = MULTI_TENSORS - len(chunk)
+            ends = list(itertools.accumulate(x.size for x in chunk))
+            self._run("norm_partial_multi", (gr * cfg.red_wg,), (cfg.red_wg,),
+                      *[x.data for x in chunk], *[self._dummy_f.data] * pad,
+                      *[_i32(e) for e in ends + [ends[-1]] * pad], partial.data, _i32(offset), _i32(mode),
+                      _f32(norm_type if mode == 1 else 1.0))
             offset += gr
         out = self.empty((1,), np.float32)
         if mode == 2:
@@ -952,10 +997,6 @@ class OpenCLBackend(Backend):
         if mode == 0:
             return math.sqrt(total)
         return total if mode == 2 else total ** (1.0 / norm_type)
-
-    def scale_many(self, xs, factor):
-        for x in xs:
-            self._elementwise("scale_inplace", x.size, x.data, _i32(x.size), _f32(factor))
 
     # ------------------------------------------------- fused conv+relu+maxpool
     def conv2d_relu_maxpool2d_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride):
