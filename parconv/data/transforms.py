@@ -7,8 +7,8 @@ transforms draw from ``rng`` (a :class:`numpy.random.Generator`) when one is
 given, which is how :class:`~parconv.data.DataLoader` makes every batch's
 augmentation depend only on ``(seed, epoch, batch index)``; called as
 ``t(x)`` they draw from their own generator, seeded by ``seed=`` or, when
-that is ``None``, from :func:`parconv.manual_seed`'s generator at
-construction. Every transform works on the whole batch at once (fancy
+that is ``None``, from :func:`parconv.manual_seed`'s generator on the first
+such call (so building a transform does not disturb the global generator). Every transform works on the whole batch at once (fancy
 indexing, strided views), never image by image, and returns a new array:
 the input is not modified.
 
@@ -66,7 +66,8 @@ class Transform:
     ----------
     seed : int, optional
         Seed of the generator used when no ``rng`` is passed; ``None`` draws
-        one from the global generator (:func:`parconv.manual_seed`).
+        one from the global generator (:func:`parconv.manual_seed`) the first
+        time it is needed.
     """
 
     random = True  #: whether the transform draws random numbers
