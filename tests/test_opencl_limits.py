@@ -127,3 +127,14 @@ def test_a_kernel_work_group_limit_below_the_device_maximum_shrinks_the_groups(m
     logits, labels = rng.standard_normal((300, 7)).astype(np.float32), rng.integers(0, 7, 300).astype(np.int32)
     loss, _ = be.softmax_cross_entropy_forward(be.asarray(logits), be.asarray(labels, np.int32))
     assert math.isclose(loss, REF.softmax_cross_entropy_forward(logits.astype(np.float64), labels)[0], rel_tol=1e-5)
+
+
+def test_the_configuration_style_can_be_chosen_by_environment(monkeypatch):
+    """PARCONV_OPENCL_CONFIG picks the CPU- or GPU-style tiles (CI runs both on Oclgrind's device)."""
+    monkeypatch.setenv("PARCONV_OPENCL_CONFIG", "gpu")
+    assert ocl.OpenCLBackend().config.tile_wg > 1
+    monkeypatch.setenv("PARCONV_OPENCL_CONFIG", "cpu")
+    assert ocl.OpenCLBackend().config.tile_wg == 1
+    monkeypatch.setenv("PARCONV_OPENCL_CONFIG", "fast")
+    with pytest.raises(ValueError, match="PARCONV_OPENCL_CONFIG must be 'cpu' or 'gpu'"):
+        ocl.OpenCLBackend()

@@ -398,8 +398,9 @@ class OpenCLBackend(Backend):
         Device spec as for :func:`select_device`; default ``PARCONV_OPENCL_DEVICE`` or
         the first GPU, else the first device.
     config : DeviceConfig, optional
-        Tile and work-group sizes; default :func:`device_config` of the device (tests
-        pass a GPU-style one to run those code paths on a CPU device).
+        Tile and work-group sizes; default :func:`device_config` of the device, in the
+        style env ``PARCONV_OPENCL_CONFIG`` names (``"cpu"`` or ``"gpu"``) when set, else
+        the device type's (tests and CI run the GPU-style code paths on a CPU device so).
 
     Attributes
     ----------
@@ -419,7 +420,12 @@ class OpenCLBackend(Backend):
         self.context = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.context)
         self.pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
-        self.config = config or device_config(self.device)
+        if config is None:
+            kind = os.environ.get("PARCONV_OPENCL_CONFIG", "").strip().lower() or None
+            if kind not in (None, "cpu", "gpu"):
+                raise ValueError(f"PARCONV_OPENCL_CONFIG must be 'cpu' or 'gpu' (or unset), got {kind!r}")
+            config = device_config(self.device, kind=kind)
+        self.config = config
         self._compute_units = max(1, int(self.device.max_compute_units))
         self.build_options = tuple(self.config.build_options())
         self.transfers = TransferLog()
