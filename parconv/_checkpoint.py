@@ -131,7 +131,8 @@ def read_model_file(path) -> tuple[dict, dict, dict]:
     _check_format(path, meta)
     state = {k: v for k, v in arrays.items() if not k.startswith("extra.")}
     for key, value in state.items():
-        if value.dtype.kind != "f":
+        # counters such as BatchNorm's num_batches_tracked are integers; everything else is float
+        if value.dtype.kind != "f" and not (key.endswith("num_batches_tracked") and value.dtype.kind in "iu"):
             raise ValueError(f"{path!r}: parameter {key!r} holds {value.dtype} data, expected floating point")
     return meta["model"], state, meta
 

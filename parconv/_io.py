@@ -162,7 +162,8 @@ def check_writable_target(path) -> None:
 
 def save_npz(path, arrays: dict, meta: dict) -> None:
     """Write ``arrays`` plus a JSON ``meta`` record to ``path`` atomically (no pickle)."""
-    payload = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    # np.asarray(order="C"), not ascontiguousarray: that turns 0-d arrays (counters) into 1-d ones
+    payload = {k: np.asarray(v, order="C") for k, v in arrays.items()}
     if META_KEY in payload:
         raise ValueError(f"array name {META_KEY!r} is reserved")
     payload[META_KEY] = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)
@@ -227,7 +228,7 @@ def _read_member(path, zf: zipfile.ZipFile, info: zipfile.ZipInfo, archive_size:
         if f.read(1):
             raise _bad(path, f"member {name!r} holds more data than its header says")
     arr = np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
-    return np.ascontiguousarray(arr).astype(dtype.newbyteorder("="), copy=False)
+    return np.asarray(arr, order="C").astype(dtype.newbyteorder("="), copy=False)  # keeps 0-d arrays 0-d
 
 
 def _depth(value, limit: int) -> int:

@@ -670,7 +670,7 @@ class _BatchNorm(Layer):
         batch_stats = self._uses_batch_stats()
         factor = 0.0
         if self.training and self.track_running_stats:
-            self.num_batches_tracked = self.num_batches_tracked + 1
+            self.num_batches_tracked = np.array(self.num_batches_tracked + 1, dtype=np.int64)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         update = self.training and self.track_running_stats
         w = self.weight.data if self.weight is not None else None
