@@ -445,6 +445,17 @@ class _FitRun:
                 "validation samples": None if self.xv is None or self.loader is not None and self.yv is None
                 else (self.xv.shape[0] if hasattr(self.xv, "shape") else getattr(self.xv, "num_samples", None)),
                 "parameters": [list(p.shape) for p in self.model.parameters()]}
+        # ranks that run different numbers of steps, or read a checkpoint alone, wait in a collective forever
+        args["resume"] = self.resume is not None
+        if self.loader is not None:
+            try:
+                args["batches per epoch"] = len(self.loader)
+            except TypeError:  # a generator source: its length is unknown on every rank
+                args["batches per epoch"] = None
+            # ranks drawing different orders would each train on their share of different batches
+            shuffle = bool(getattr(self.loader, "shuffle", False))
+            args["loader shuffle"] = shuffle
+            args["loader seed (pass DataLoader(seed=...))"] = getattr(self.loader, "seed", None) if shuffle else None
         return args
 
     def __call__(self) -> History:

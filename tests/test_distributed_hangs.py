@@ -1,0 +1,175 @@
+"""A distributed job never hangs: ranks that disagree, or one rank that exits, end every rank promptly.
+
+Each case is a small script run under ``mpiexec -n 2`` with a timeout. Every rank prints ``READY``
+with the wall-clock time once ``parconv.distributed`` is imported and both ranks have met, so the
+time the job takes to end is measured from there (MPI and NumPy start-up excluded). A case passes
+when the job exits non-zero within :data:`END_WITHIN` seconds of that point, never reaches its
+last line, and shows the error of every rank that raised one.
+
+These are launcher tests: they skip when this file itself runs under ``mpiexec`` or without
+mpi4py and an ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import parconv as pc
+
+pytest.importorskip("mpi4py")
+
+MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+UNDER_MPI = any(v in os.environ for v in MPI_ENV_VARS)
+END_WITHIN = 10.0  # seconds from both ranks being ready to the end of the job
+JOB_TIMEOUT = 60  # seconds for a whole job, start-up included: only a hang reaches it
+
+
+def _mpiexec():
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(UNDER_MPI or _mpiexec() is None, reason="needs mpiexec, and not already running under MPI"),
+]
+
+
+def _env():
+    env = dict(os.environ)
+    # the ranks import the same parconv as this process (installed or in place)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(pc.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for v in MPI_ENV_VARS:
+        env.pop(v, None)
+    return env
+
+
+JOB = """
+    import sys
+    import time
+
+    import numpy as np
+
+    import parconv as pc
+    from parconv import distributed as dist
+
+    comm = dist.MPI.COMM_WORLD
+    rank = comm.rank
+    case = sys.argv[1]
+    comm.Barrier()
+    print(f"READY {time.time():.6f}", flush=True)
+
+    if case == "exception_before_any_collective":
+        # no parconv collective has run: only the hook installed at import can end rank 0's Barrier
+        if rank == 1:
+            raise RuntimeError("rank 1 failed before any collective")
+        comm.Barrier()
+
+    n, batch_size, callbacks, fit_kwargs = 2000, 50, [], {}
+    layers = [pc.Flatten(), pc.Linear(16, 3, rng=1)]
+    if case == "samples_2000_1900":
+        n = 2000 if rank == 0 else 1900
+    elif case == "samples_2000_1990":  # the same number of batches: it would train, on different data
+        n = 2000 if rank == 0 else 1990
+    elif case == "batch_size_50_40":
+        batch_size = 50 if rank == 0 else 40
+    elif case == "exit_in_callback":
+        class ExitOnRank1(pc.callbacks.Callback):
+            def on_batch_end(self, step, logs):
+                if rank == 1 and step == 3:
+                    sys.exit(0)
+
+        callbacks = [ExitOnRank1()]
+    elif case == "exit_in_forward":
+        class ExitingFlatten(pc.Flatten):
+            calls = 0
+
+            def forward(self, x):
+                type(self).calls += 1
+                if rank == 1 and self.calls == 3:
+                    sys.exit(0)
+                return super().forward(x)
+
+        layers[0] = ExitingFlatten()
+    elif case == "resume_on_one_rank":
+        if rank == 0:
+            pc.Sequential(*layers, backend="numpy").fit(
+                np.zeros((n, 1, 4, 4), np.float32), np.zeros(n, np.int64), epochs=1, batch_size=batch_size,
+                verbose=False, checkpoint="ck.npz")
+        comm.Barrier()
+        fit_kwargs["resume"] = "ck.npz" if rank == 0 else None
+
+    model = pc.Sequential(*layers, backend="numpy")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 1, 4, 4)).astype(np.float32)
+    y = rng.integers(0, 3, n)
+    if case == "loader_drop_last_on_one_rank":  # 1990 samples: 40 batches, or 39 without the last
+        loader = pc.data.DataLoader(x[:1990], y[:1990], batch_size=batch_size, drop_last=rank == 1, seed=3)
+        model.fit(loader, epochs=2, verbose=False, distributed=True)
+    elif case == "loader_seed_per_rank":
+        loader = pc.data.DataLoader(x, y, batch_size=batch_size, seed=rank)
+        model.fit(loader, epochs=2, verbose=False, distributed=True)
+    else:
+        model.fit(x, y, epochs=2, batch_size=batch_size, verbose=False, distributed=True, callbacks=callbacks,
+                  **fit_kwargs)
+    print(f"rank {rank} finished", flush=True)
+"""
+
+ARG_ERROR = "parconv.distributed.DistributedArgumentError: Sequential.fit: every rank must pass the same"
+
+# case -> {rank: message that rank must print}
+CASES = {
+    "samples_2000_1900": {r: f"{ARG_ERROR} training arguments and data shapes; they differ in samples: "
+                             "rank 0 has 2000, rank 1 has 1900" for r in (0, 1)},
+    "samples_2000_1990": {r: "they differ in samples: rank 0 has 2000, rank 1 has 1990" for r in (0, 1)},
+    "batch_size_50_40": {r: "they differ in batch_size: rank 0 has 50, rank 1 has 40" for r in (0, 1)},
+    "exit_in_callback": {1: "SystemExit: 0"},
+    "exit_in_forward": {1: "SystemExit: 0"},
+    "exception_before_any_collective": {1: "RuntimeError: rank 1 failed before any collective"},
+    "resume_on_one_rank": {r: "they differ in resume: rank 0 has True, rank 1 has False" for r in (0, 1)},
+    "loader_drop_last_on_one_rank": {r: "they differ in batches per epoch: rank 0 has 40, rank 1 has 39"
+                                     for r in (0, 1)},
+    "loader_seed_per_rank": {r: "they differ in loader seed (pass DataLoader(seed=...)): rank 0 has 0, rank 1 has 1"
+                             for r in (0, 1)},
+}
+
+
+def _run(tmp_path, case):
+    """Run the job for ``case``; returns (returncode, output, seconds from READY to the end)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    cmd = [_mpiexec(), "-n", "2", sys.executable, str(script), case]
+    # a session of its own, so a hung job is killed with every rank it started
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{case}: the job hung (killed after {JOB_TIMEOUT} s):\n{stdout}\n{stderr}")
+    ended = time.time()
+    out = stdout + stderr
+    ready = [float(line.split()[1]) for line in stdout.splitlines() if line.startswith("READY ")]
+    assert len(ready) == 2, f"{case}: the ranks did not both start:\n{out}"
+    return proc.returncode, out, ended - max(ready)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_disagreeing_or_exiting_rank_ends_the_job(tmp_path, case):
+    rc, out, seconds = _run(tmp_path, case)
+    assert rc != 0, f"{case}: the job exited 0:\n{out}"
+    assert seconds < END_WITHIN, f"{case}: took {seconds:.1f} s after start-up to end:\n{out}"
+    assert "finished" not in out, f"{case}: a rank went past the failure:\n{out}"
+    for rank, message in CASES[case].items():
+        lines = [line for line in out.splitlines() if line.startswith(f"[rank {rank} of 2]")]
+        assert any(message in line for line in lines), f"{case}: rank {rank} did not report {message!r}:\n{out}"
