@@ -66,12 +66,21 @@ static inline void pc_rmsprop_step(float *restrict p, const float *restrict g, f
     }
 }
 
-/* Sum of squares in double (the float32 squares would lose the small terms of a long sum). */
+/* Sum of squares in double (the float32 squares would lose the small terms of a long sum),
+ * in four running sums added at the end: a fixed order, and four independent add chains
+ * instead of one latency-bound chain. */
 static inline double pc_sumsq(const float *restrict g, ptrdiff_t n)
 {
-    double s = 0.0;
-    for (ptrdiff_t i = 0; i < n; i++) s += (double)g[i] * (double)g[i];
-    return s;
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    ptrdiff_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += (double)g[i] * (double)g[i];
+        s1 += (double)g[i + 1] * (double)g[i + 1];
+        s2 += (double)g[i + 2] * (double)g[i + 2];
+        s3 += (double)g[i + 3] * (double)g[i + 3];
+    }
+    for (; i < n; i++) s0 += (double)g[i] * (double)g[i];
+    return (s0 + s1) + (s2 + s3);
 }
 
 static inline double pc_sumpow(const float *restrict g, ptrdiff_t n, double ord)
