@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -289,6 +290,30 @@ def test_fit_distributed_matches_serial_fit(backend, n, batch_size):
 
 @needs_mpi_run
 @pytest.mark.mpi
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_fit_distributed_from_a_loader_matches_serial_fit(shuffle):
+    """A DataLoader with the same seed on every rank (drop_last included) trains as the serial fit; without
+    shuffling its seed may differ between ranks, as it draws nothing."""
+    x, y = data(45, seed=6)
+    ref = make_cnn("numpy", seed=3)
+    h_ref = ref.fit(pc.data.DataLoader(x, y, batch_size=10, shuffle=shuffle, drop_last=True, seed=8), epochs=2,
+                    verbose=False, optimizer=pc.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9))
+    model = make_cnn("numpy", seed=3 + RANK)
+    loader = pc.data.DataLoader(x, y, batch_size=10, shuffle=shuffle, drop_last=True, seed=8 if shuffle else RANK)
+    h = model.fit(loader, epochs=2, verbose=False, distributed=True,
+                  optimizer=pc.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+    def check():
+        for name, want in ref.state_dict().items():
+            np.testing.assert_allclose(model.state_dict()[name], want, rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=1e-5)
+
+    on_all_ranks(check)
+    assert_same_on_all_ranks(model.state_dict())
+
+
+@needs_mpi_run
+@pytest.mark.mpi
 def test_data_parallel_evaluate_and_adam():
     x, y = data(37, seed=3)
     ref = make_cnn("numpy", seed=2)
@@ -386,6 +411,78 @@ def test_filter_parallel_load_state_dict_checks_shapes():
         conv.load_state_dict({"weight": np.zeros((3, 2, 3, 3)), "bias": np.zeros(5)})
     with pytest.raises(ValueError, match="missing"):
         conv.load_state_dict({"weight": np.zeros((5, 2, 3, 3))})
+
+
+LOAD_WITHOUT_MPI = """
+import sys
+import numpy as np
+import parconv as pc
+model = pc.load(sys.argv[1])
+want = np.load(sys.argv[2])
+assert "mpi4py" not in sys.modules, "pc.load imported mpi4py"
+assert type(model.layers[0]) is pc.Conv2d, type(model.layers[0])
+state = model.state_dict()
+assert sorted(state) == sorted(want.files), (sorted(state), want.files)
+for k in want.files:
+    np.testing.assert_array_equal(state[k], want[k], err_msg=k)
+print("loaded", type(model.layers[0]).__name__, tuple(state["0.weight"].shape))
+"""
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequential_of_filter_parallel_conv2d_state_round_trip(backend):
+    """Inside a Sequential, a FilterParallelConv2d takes the full weights (each rank keeps its slice),
+    state_dict and save give the full weights back, and pc.load of the file -- on one process,
+    without MPI -- is the same model with a plain Conv2d."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 3, 6, 6)).astype(np.float32)
+    ref = pc.Sequential(pc.Conv2d(3, 5, 3, padding=1, rng=3), pc.ReLU(), pc.Flatten(),
+                        pc.Linear(5 * 6 * 6, 4, rng=4), backend=backend)
+    full = ref.state_dict()
+    model = pc.Sequential(dist.FilterParallelConv2d(3, 5, 3, padding=1, rng=7 + RANK), pc.ReLU(), pc.Flatten(),
+                          pc.Linear(5 * 6 * 6, 4, rng=9 + RANK), backend=backend)
+    conv = model.layers[0]
+    sl = slice(conv.filter_offsets[RANK], conv.filter_offsets[RANK] + conv.filter_counts[RANK])
+    before = model.state_dict()
+    local_slice = dict(full, **{"0.weight": full["0.weight"][sl]})
+    with pytest.raises(ValueError, match=r"0\.weight.*\(5, 3, 3, 3\)"):
+        model.load_state_dict(local_slice)
+    unchanged = model.state_dict()  # collective: every rank gathers, whatever its checks find
+    model.load_state_dict(full)
+    state = model.state_dict()
+    y, y_ref = pc.to_numpy(model(x)), pc.to_numpy(ref(x))
+    directory = COMM.bcast(tempfile.mkdtemp(prefix="parconv-fp-") if RANK == 0 else None)
+    path = os.path.join(directory, f"model-rank{RANK}.npz")
+    model.save(path)
+    loaded = pc.load(path, backend=backend)
+    COMM.Barrier()
+    child = None
+    if RANK == 0 and backend == BACKENDS[0]:  # the file is the same whatever the backend: load it once
+        np.savez(os.path.join(directory, "full.npz"), **full)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPIR_"))}
+        child = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_MPI, path, os.path.join(directory, "full.npz")],
+                               env=env, capture_output=True, text=True, timeout=120)
+    if RANK == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def check():
+        for k, v in before.items():
+            np.testing.assert_array_equal(unchanged[k], v, err_msg=f"{k} changed by a failed load")
+        assert sorted(state) == sorted(full)
+        for k, v in full.items():
+            np.testing.assert_array_equal(state[k], v, err_msg=k)
+        np.testing.assert_array_equal(pc.to_numpy(conv.weight.data), full["0.weight"][sl])
+        np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5, err_msg="forward after the load")
+        assert type(loaded.layers[0]) is pc.Conv2d
+        for k, v in loaded.state_dict().items():
+            np.testing.assert_array_equal(v, full[k], err_msg=f"{k} after save and pc.load")
+        if child is not None:
+            assert child.returncode == 0, child.stdout + child.stderr
+            assert "loaded Conv2d (5, 3, 3, 3)" in child.stdout, child.stdout
+
+    on_all_ranks(check)
 
 
 @needs_mpi_run
