@@ -185,3 +185,13 @@ def test_distributed_resume_refusal_is_one_line_on_every_rank_without_an_abort(o
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("parconv train: error: --resume") == 1, out.stderr
     assert "Traceback" not in out.stderr and "Abort" not in out.stderr
+
+
+def test_quickstart_states_the_default_epoch_count():
+    quickstart = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "quickstart.md")
+    if not os.path.exists(quickstart):
+        pytest.skip("documentation sources not present")
+    with open(quickstart, encoding="utf-8") as f:
+        text = re.sub(r"\s+", " ", f.read())
+    default = _subparser("train").get_default("epochs")
+    assert f"by default for {_plural(default, 'epoch')}" in text

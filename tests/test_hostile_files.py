@@ -287,13 +287,14 @@ def test_fuzz_every_byte_of_the_zip_directory(tmp_path, checkpoint):
 
 
 def test_fuzz_every_byte_of_the_metadata(tmp_path, checkpoint):
-    """Each byte of the metadata JSON replaced by a digit and by one of the characters that change its structure."""
+    """Each byte of the metadata JSON replaced by a digit or a character that changes its structure, in turn."""
     _, members, meta = checkpoint
     text = json.dumps(meta).encode()
     path = tmp_path / "fuzz.npz"
     failed = loaded = 0
     for i in range(len(text)):
-        for value in {b"7"[0], b'"}[-x\xff0'[i % 7]} - {text[i]}:
+        value = b'7"}[-x\xff0'[i % 8]
+        if value != text[i]:
             _write_zip(path, _with_meta(members, text[:i] + bytes([value]) + text[i + 1:]))
             if _only_value_errors_naming(path, _use_fully):
                 failed += 1
