@@ -13,6 +13,14 @@
  * transposed weights (see conv2d_flip_weights). Tile shapes are chosen by the host per
  * device and per call; they are kernel arguments, the work-group size TILE_WG is a
  * build option.
+ *
+ * What these kernels rely on, and no more than OpenCL 1.2 promises: every barrier is
+ * reached by all work-items of the group the same number of times (loop bounds are
+ * kernel arguments or group ids); local memory keeps its contents across barriers of one
+ * launch; every local element read was written earlier in the same launch (the first
+ * channel chunk starts its sums from zero registers, not from cs); the local buffers the
+ * host passes fit the device (checked before enqueueing). A driver that gets a K = 7
+ * convolution wrong with these is at fault; OpenCLBackend.verify() checks that case.
  */
 #include "common.h"
 
