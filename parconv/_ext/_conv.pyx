@@ -40,6 +40,8 @@ from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
 from scipy.linalg.cython_blas cimport sgemm
 
+from .pc_pool cimport PC_POOL_U16_MAX, pc_pool_bases, pc_pool_plane, pc_pool_plane_u16
+
 # the argmax of a pooled plane: uint16 for planes of at most PC_POOL_U16_MAX positions (half the
 # bytes of int32 for the forward to write and the backward to read back), else int32
 ctypedef fused pool_index_t:
@@ -53,12 +55,6 @@ cdef extern from "pc_common.h":
                    int c0, int c1, int p0, int p1, float *dx) noexcept nogil
     double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
     void *pc_align64(void *p) noexcept nogil
-    void pc_pool_bases(int W, int S, int P, int Q, int *base) noexcept nogil
-    int PC_POOL_U16_MAX
-    void pc_pool_plane(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y, int *am,
-                       int relu) noexcept nogil
-    void pc_pool_plane_u16(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y,
-                           unsigned short *am, int relu) noexcept nogil
 
 cdef extern from "pc_conv.h":
     int PCC_NR, PCC_VEC, PCC_NVMAX, PCC_MR_MAX, PCC_KR_MAX
@@ -75,8 +71,6 @@ cdef extern from "pc_conv.h":
     void pcc_conv_rows(const float *a, int O, int kdim, int mr0, int nv, const float *b, const int *off,
                        int p_begin, int p_end, int Wg, int Q, float *y, Py_ssize_t ldy,
                        const float *bias, float *ct) noexcept nogil
-    Py_ssize_t pcc_rows_cost(int P, int Q, int nv) noexcept nogil
-    Py_ssize_t pcc_panels_cost(int P, int Q, int Wg, int nv) noexcept nogil
     void pcc_dw_accumulate(const float *dyT, Py_ssize_t ldd, const float *b, const int *off,
                            int k_begin, int k_end, Py_ssize_t S, float *dwT) noexcept nogil
     void pcc_dy_transposed(const float *dy, int O, int P, int Q, int Wg, Py_ssize_t ldd,
@@ -126,15 +120,6 @@ cdef int _balance_tiles(int N, int P, int tp, int nt) noexcept:
 # relative speed of the micro-kernels by panel width (nv vectors): narrow panels
 # load more per multiply-add
 cdef double[5] _NV_SPEED = [1.0, 0.92, 0.98, 1.0, 1.0]
-
-
-def _tune_nv_speed(speeds=None):
-    """Read (and with ``speeds``, a sequence of 4 floats, set) the relative micro-kernel speeds."""
-    cdef int i
-    if speeds is not None:
-        for i in range(4):
-            _NV_SPEED[i + 1] = float(speeds[i])
-    return [_NV_SPEED[i] for i in range(1, 5)]
 
 
 cdef int _chunks_per_image(int N, int units, int nt) noexcept:

@@ -17,13 +17,17 @@ from cython.parallel cimport prange
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
-cdef extern from "pc_common.h":
-    void pc_pool_bases(int W, int S, int P, int Q, int *base) noexcept nogil
-    int PC_POOL_U16_MAX
-    void pc_pool_plane(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y, int *am,
-                       int relu) noexcept nogil
-    void pc_pool_plane_u16(const float *x, const int *base, int W, int K, int S, int P, int Q, float *y,
-                           unsigned short *am, int relu) noexcept nogil
+from .pc_pool cimport (
+    PC_POOL_U16_MAX,
+    pc_adaptive_avgpool_backward_plane,
+    pc_adaptive_avgpool_plane,
+    pc_avgpool_backward_plane,
+    pc_avgpool_plane,
+    pc_maxpool_general_plane,
+    pc_pool_bases,
+    pc_pool_plane,
+    pc_pool_plane_u16,
+)
 
 #: the largest plane (H * W) whose argmax may be uint16
 POOL_U16_MAX = PC_POOL_U16_MAX
@@ -103,17 +107,6 @@ def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
 
 # ------------------------------------------------ general max, average and adaptive pooling
 # KH x KW windows, strides SH, SW, padding PH, PW on each side (pc_pool.h); one plane per chunk.
-cdef extern from "pc_pool.h":
-    void pc_maxpool_general_plane(const float *x, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
-                                  int P, int Q, float *y, int *am) noexcept nogil
-    void pc_avgpool_plane(const float *x, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
-                          int P, int Q, float *y) noexcept nogil
-    void pc_avgpool_backward_plane(const float *dy, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
-                                   int P, int Q, float *dx) noexcept nogil
-    void pc_adaptive_avgpool_plane(const float *x, int H, int W, int P, int Q, float *y) noexcept nogil
-    void pc_adaptive_avgpool_backward_plane(const float *dy, int H, int W, int P, int Q, float *dx) noexcept nogil
-
-
 def maxpool2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                               float[:, :, :, ::1] y,        # OUT (N, C, P, Q), overwritten
                               int[:, :, :, ::1] argmax,     # OUT (N, C, P, Q), overwritten

@@ -306,20 +306,6 @@ static inline void pcc_conv_rows(const float *restrict a, int O, int kdim, int m
     }
 }
 
-/* Positions the row walk computes for Q columns with panels of nv vectors, and the panel walk
- * for a grid of width Wg (P rows): the caller keeps the cheaper. */
-static inline pcc_idx pcc_rows_cost(int P, int Q, int nv)
-{
-    int nr = nv * PCC_VEC;
-    return (pcc_idx)P * ((Q + nr - 1) / nr) * nr;
-}
-static inline pcc_idx pcc_panels_cost(int P, int Q, int Wg, int nv)
-{
-    int nr = nv * PCC_VEC;
-    pcc_idx s_end = (pcc_idx)(P - 1) * Wg + Q;
-    return (s_end + nr - 1) / nr * nr;
-}
-
 /* Copy one image x (C, H, W) into the zero-padded buffer xp (C, Hp, Wp) with pad rows/cols
  * on every side (Hp = H + 2 pad, Wp = W + 2 pad), for channels [c0, c1). Negative pad crops. */
 static inline void pcc_pad_image(const float *restrict x, int H, int W, int pad, int Hp, int Wp,
