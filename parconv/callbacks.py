@@ -412,8 +412,10 @@ class CSVLogger(Callback):
         if self.append and os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             with open(self.path, newline="") as f:
                 header = next(csv.reader(f, delimiter=self.separator), None)
-            if header and header[0] == "epoch":
-                self.keys = header[1:]
+            if not header or header[0] != "epoch":
+                raise ValueError(f"CSVLogger: cannot append to {self.path!r}: its first row {header} is not a "
+                                 f"header written by CSVLogger (it starts with 'epoch')")
+            self.keys = header[1:]
             self._file = open(self.path, "a", newline="")
         else:
             self._file = open(self.path, "w", newline="")

@@ -238,6 +238,9 @@ def test_csv_logger_validates(tmp_path):
         CSVLogger(tmp_path / "a.csv", separator=";;")
     with pytest.raises(RuntimeError, match="before on_train_begin"):
         CSVLogger(tmp_path / "a.csv").on_epoch_end(1, {"loss": 1.0})
+    (tmp_path / "other.csv").write_text("step,value\n1,2\n")
+    with pytest.raises(ValueError, match=r"cannot append to .*other.csv.*\['step', 'value'\] is not a header"):
+        CSVLogger(tmp_path / "other.csv", append=True).on_train_begin(None)
 
 
 # ------------------------------------------------------------------ CallbackList
