@@ -131,10 +131,14 @@ def read_model_file(path) -> tuple[dict, dict, dict]:
     _check_format(path, meta)
     state = {k: v for k, v in arrays.items() if not k.startswith("extra.")}
     for key, value in state.items():
-        # counters such as BatchNorm's num_batches_tracked are integers; everything else is float
-        if value.dtype.kind != "f" and not (key.endswith("num_batches_tracked") and value.dtype.kind in "iu"):
-            raise ValueError(f"{path!r}: parameter {key!r} holds {value.dtype} data, expected floating point")
+        _check_state_array(path, key, value)
     return meta["model"], state, meta
+
+
+def _check_state_array(path, key: str, value: np.ndarray) -> None:
+    # counters such as BatchNorm's num_batches_tracked are integers; everything else is float
+    if value.dtype.kind != "f" and not (key.endswith("num_batches_tracked") and value.dtype.kind in "iu"):
+        raise ValueError(f"{path!r}: parameter {key!r} holds {value.dtype} data, expected floating point")
 
 
 _OPTIM_KEY = re.compile(r"state\.(0|[1-9][0-9]{0,8})\.[A-Za-z_][A-Za-z0-9_]*")
@@ -214,8 +218,7 @@ def load_training_checkpoint(path) -> TrainingState:
                 raise ValueError(f"{path!r}: unexpected optimizer array {key!r} ({value.dtype})")
             optimizer_state[name] = value
         elif not key.startswith("extra."):
-            if value.dtype.kind != "f":
-                raise ValueError(f"{path!r}: parameter {key!r} holds {value.dtype} data, expected floating point")
+            _check_state_array(path, key, value)
             model_state[key] = value
     hist = t.get("history", {})
     return TrainingState(

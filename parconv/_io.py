@@ -114,13 +114,16 @@ def atomic_open(path, mode: str = "wb"):
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        temporary = isinstance(exc.filename, str) and os.path.basename(exc.filename).startswith(TMP_PREFIX) \
-            if isinstance(exc, OSError) else False
-        if isinstance(exc, OSError) and exc.errno is not None and (exc.filename is None or temporary):
+        if isinstance(exc, OSError) and exc.errno is not None and _names_temporary_or_nothing(exc):
             # name the file being written, not its temporary
             raise OSError(exc.errno, exc.strerror, path) from None
         raise
     _fsync_directory(directory)
+
+
+def _names_temporary_or_nothing(exc: OSError) -> bool:
+    name = exc.filename
+    return name is None or (isinstance(name, str) and os.path.basename(name).startswith(TMP_PREFIX))
 
 
 def _make_directory(directory: str) -> None:

@@ -463,3 +463,16 @@ def test_check_writable_target(tmp_path):
         _io.check_writable_target(tmp_path / "file" / "ck.npz")
     with pytest.raises(IsADirectoryError):
         _io.check_writable_target(tmp_path)
+
+
+def test_training_checkpoint_with_an_integer_counter_resumes(tmp_path):
+    """BatchNorm's num_batches_tracked is an integer array: a checkpoint holding it is not hostile."""
+    model = pc.Sequential(pc.Flatten(), pc.Linear(4, 3, rng=0), pc.BatchNorm1d(3), pc.Linear(3, 2, rng=1),
+                          backend="numpy")
+    x = np.random.default_rng(0).standard_normal((8, 1, 2, 2)).astype(np.float32)
+    path = tmp_path / "bn.npz"
+    model.fit(x, np.arange(8) % 2, batch_size=4, optimizer=pc.optim.SGD(model.parameters(), lr=0.1),
+              verbose=False, checkpoint=path)
+    state = _checkpoint.load_training_checkpoint(path)
+    assert state.model_state["2.num_batches_tracked"].dtype.kind in "iu"
+    assert pc.load(path)[2].num_features == 3
