@@ -1,5 +1,5 @@
 # Shape legend: optimizer updates are elementwise over a parameter taken flat:
-# p (parameter), g (gradient), v / m (state) all (n,) float32, updated in place.
+# p (parameter), g (gradient), v / m / sq / buf (state) all (n,) float32, updated in place.
 """SGD, Adam/AdamW and RMSprop updates, in place, in PyTorch's formulation, and gradient norms.
 
 Scalars are rounded to float32 once, here, exactly as NumPy rounds a Python
@@ -11,6 +11,7 @@ matches it bit for bit.
 import math
 
 from cython.parallel cimport prange
+from libc.math cimport INFINITY, isnan, pow as c_pow
 from libc.stdlib cimport malloc, free
 
 cdef extern from "pc_common.h":
@@ -123,8 +124,6 @@ cdef extern from "pc_optim.h":
     double pc_absmax(const float *g, Py_ssize_t n, double best) noexcept nogil
     void pc_scale(float *x, Py_ssize_t n, float factor) noexcept nogil
 
-from libc.math cimport INFINITY, isnan, pow as c_pow
-
 cdef enum:
     NORM_BLOCK = 16384  # elements per partial of a norm: fixed, so the sum does not depend on the threads
 
@@ -162,7 +161,7 @@ cdef int _flat_init(Flat *f, str where, list ps, list gs, list s1, list s2, str 
     if f.start == NULL or f.a == NULL or f.g == NULL or f.s1 == NULL or f.s2 == NULL:
         raise MemoryError()
     for name, lst in (("gradient", gs), (s1_name, s1), (s2_name, s2)):
-        if lst is not None and len(lst) != k and ps is not None:
+        if lst is not None and len(lst) != k:
             raise ValueError(f"{where}: got {k} parameters and {len(lst)} {name}s")
     f.start[0] = 0
     for i in range(k):
