@@ -308,7 +308,7 @@ def _input_shape(text):
 def cmd_export(args) -> int:
     import parconv as pc
 
-    model = pc.load(args.model, backend="numpy")
+    model = pc.load(args.model, backend="numpy").eval()  # an export is for inference
     try:
         pc.onnx.export(model, args.out, args.input_shape)
     except ImportError as exc:
