@@ -373,6 +373,9 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
     from .optim import SGD, Optimizer
 
     where = f"{type(model).__name__}.fit"
+    if distributed is not None and distributed is not False and not _REDUCER_FACTORIES:
+        # start MPI and its abort hook before the checks below: a bad input on one rank must end the job
+        importlib.import_module("parconv.distributed")
     epochs = check_int(epochs, "epochs", where, 1)
     loader = x if _is_loader(x) else None
     if loader is None:

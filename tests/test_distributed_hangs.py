@@ -1,8 +1,9 @@
 """A distributed job never hangs: ranks that disagree, or one rank that exits, end every rank promptly.
 
 Each case is a small script run under ``mpiexec -n 2`` with a timeout. Every rank prints ``READY``
-with the wall-clock time once ``parconv.distributed`` is imported and both ranks have met, so the
-time the job takes to end is measured from there (MPI and NumPy start-up excluded). A case passes
+with the wall-clock time once ``parconv.distributed`` is imported and both ranks have met (or, in
+the script that leaves MPI to ``fit``, once ``parconv`` is imported), so the time the job takes to
+end is measured from there (interpreter and import start-up excluded). A case passes
 when the job exits non-zero within :data:`END_WITHIN` seconds of that point, never reaches its
 last line, and shows the error of every rank that raised one.
 
@@ -124,6 +125,25 @@ JOB = """
     print(f"rank {rank} finished", flush=True)
 """
 
+# the script never imports parconv.distributed: fit(distributed=True) starts MPI itself
+JOB_WITHOUT_IMPORT = """
+    import os
+    import time
+
+    import numpy as np
+
+    import parconv as pc
+
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    print(f"READY {time.time():.6f}", flush=True)
+    x = np.random.default_rng(0).standard_normal((200, 1, 4, 4)).astype(np.float32)
+    if rank == 1:
+        x[5, 0, 1, 1] = np.nan
+    model = pc.Sequential(pc.Flatten(), pc.Linear(16, 3, rng=1), backend="numpy")
+    model.fit(x, np.zeros(200, np.int64), epochs=1, batch_size=50, verbose=False, distributed=True)
+    print(f"rank {rank} finished", flush=True)
+"""
+
 ARG_ERROR = "parconv.distributed.DistributedArgumentError: Sequential.fit: every rank must pass the same"
 
 # case -> {rank: message that rank must print}
@@ -140,13 +160,14 @@ CASES = {
                                      for r in (0, 1)},
     "loader_seed_per_rank": {r: "they differ in loader seed (pass DataLoader(seed=...)): rank 0 has 0, rank 1 has 1"
                              for r in (0, 1)},
+    "bad_input_on_one_rank_before_mpi": {1: "ValueError: Sequential.fit: x holds nan at index (5, 0, 1, 1)"},
 }
 
 
 def _run(tmp_path, case):
     """Run the job for ``case``; returns (returncode, output, seconds from READY to the end)."""
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(JOB))
+    script.write_text(textwrap.dedent(JOB_WITHOUT_IMPORT if case.endswith("before_mpi") else JOB))
     cmd = [_mpiexec(), "-n", "2", sys.executable, str(script), case]
     # a session of its own, so a hung job is killed with every rank it started
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
