@@ -8,11 +8,15 @@ Shapes: ``N`` batch, ``C`` in-channels, ``O`` filters, ``H, W`` input,
 ``P, Q`` output, ``K`` kernel; ``R`` ranks.
 
 Failure behaviour: every collective entry point here runs under
-:func:`abort_on_error`, so an exception on one rank prints its traceback with
-the rank and calls ``comm.Abort(1)`` -- the other ranks, which would otherwise
-wait forever in a collective, are ended too. :func:`install_excepthook` does
-the same for exceptions raised in user code (``python -m mpi4py script.py``
-is equivalent).
+:func:`abort_on_error`, so an exception on one rank -- or an exit, even
+``sys.exit(0)`` -- prints its traceback with the rank and calls
+``comm.Abort(1)``: the other ranks, which would otherwise wait forever in a
+collective, are ended too. Importing this module under more than one rank
+installs :func:`install_excepthook`, which does the same for exceptions raised
+in user code (``python -m mpi4py script.py`` is equivalent). A distributed
+``fit`` first compares its arguments over the ranks (sample count, batch size,
+epochs, resuming, ...) and raises :class:`DistributedArgumentError` on every
+rank alike when they differ.
 """
 
 from __future__ import annotations
