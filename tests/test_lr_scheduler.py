@@ -71,6 +71,8 @@ CASES = [
     ("OneCycleLR", dict(max_lr=0.05, total_steps=13, pct_start=0.4, anneal_strategy="linear", div_factor=10,
                         final_div_factor=100), "adam", 12),
     ("OneCycleLR", dict(max_lr=0.05, total_steps=11, cycle_momentum=False), "rmsprop", 11),
+    ("OneCycleLR", dict(max_lr=0.2, epochs=3, steps_per_epoch=5), "sgd", 15),
+    ("OneCycleLR", dict(max_lr=0.2, total_steps=21, three_phase=True, pct_start=0.25), "adamw", 21),
 ]
 
 
@@ -178,6 +180,7 @@ ROUND_TRIP = [
     (ls.CosineAnnealingLR, dict(T_max=4, eta_min=1e-3), "adam"),
     (ls.LinearLR, dict(total_iters=8), "rmsprop"),
     (ls.OneCycleLR, dict(max_lr=0.3, total_steps=16), "adamw"),
+    (ls.OneCycleLR, dict(max_lr=0.3, total_steps=16, three_phase=True, anneal_strategy="linear"), "rmsprop"),
     (ls.ReduceLROnPlateau, dict(patience=1, cooldown=1, factor=0.5), "sgd"),
 ]
 
@@ -231,6 +234,10 @@ def test_scheduler_argument_errors():
         ls.OneCycleLR(opt, max_lr=0.1, total_steps=10, anneal_strategy="exp")
     with pytest.raises(ValueError, match="total_steps must be >= 2"):
         ls.OneCycleLR(opt, max_lr=0.1, total_steps=1)
+    with pytest.raises(ValueError, match="give total_steps, or epochs and steps_per_epoch"):
+        ls.OneCycleLR(opt, max_lr=0.1, epochs=3)
+    with pytest.raises(ValueError, match="not both"):
+        ls.OneCycleLR(opt, max_lr=0.1, total_steps=10, epochs=3, steps_per_epoch=2)
     with pytest.raises(ValueError, match="mode must be 'min' or 'max'"):
         ls.ReduceLROnPlateau(opt, mode="up")
     with pytest.raises(ValueError, match="factor must be < 1.0"):

@@ -294,6 +294,8 @@ class OneCycleLR(LRScheduler):
         one set at construction and ``total_steps - 1`` steps. As PyTorch, one more
         ``step()`` is allowed (it extrapolates the last phase; a negative learning rate is
         set to 0) and stepping further raises ``ValueError``.
+    epochs, steps_per_epoch : int, optional
+        In place of ``total_steps``: ``total_steps = epochs * steps_per_epoch``.
     pct_start : float, default 0.3
         Fraction of the cycle spent rising, in ``(0, 1)``.
     anneal_strategy : {"cos", "linear"}, default "cos"
@@ -303,18 +305,29 @@ class OneCycleLR(LRScheduler):
         ``> 0``.
     final_div_factor : float, default 1e4
         ``> 0``.
+    three_phase : bool, default False
+        PyTorch's three-phase variant: back down to ``max_lr / div_factor`` symmetrically,
+        then annihilate to the final rate.
     """
 
     per_batch = True
-    _state_keys = ("total_steps", "pct_start", "anneal_strategy", "cycle_momentum", "base_momentum", "max_momentum",
-                   "initial_lr", "max_lr", "min_lr")
+    _state_keys = ("total_steps", "pct_start", "anneal_strategy", "cycle_momentum", "three_phase", "base_momentum",
+                   "max_momentum", "initial_lr", "max_lr", "min_lr")
 
-    def __init__(self, optimizer, max_lr: float, total_steps: int, pct_start: float = 0.3,
-                 anneal_strategy: str = "cos", cycle_momentum: bool = True, base_momentum: float = 0.85,
-                 max_momentum: float = 0.95, div_factor: float = 25.0, final_div_factor: float = 1e4):
+    def __init__(self, optimizer, max_lr: float, total_steps: int | None = None, epochs: int | None = None,
+                 steps_per_epoch: int | None = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
+                 cycle_momentum: bool = True, base_momentum: float = 0.85, max_momentum: float = 0.95,
+                 div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False):
         where = "OneCycleLR"
         optimizer = _check_optimizer(optimizer, where)
         self.max_lr = check_float(max_lr, "max_lr", where, 0.0, min_inclusive=False)
+        if total_steps is None:
+            if epochs is None or steps_per_epoch is None:
+                raise ValueError(f"{where}: give total_steps, or epochs and steps_per_epoch")
+            total_steps = _check_int(epochs, "epochs", where, 1) * _check_int(steps_per_epoch, "steps_per_epoch",
+                                                                             where, 1)
+        elif epochs is not None or steps_per_epoch is not None:
+            raise ValueError(f"{where}: give total_steps or epochs and steps_per_epoch, not both")
         self.total_steps = _check_int(total_steps, "total_steps", where, 2)
         self.pct_start = check_float(pct_start, "pct_start", where, 0.0, 1.0, min_inclusive=False,
                                      max_inclusive=False)
@@ -324,6 +337,9 @@ class OneCycleLR(LRScheduler):
         if not isinstance(cycle_momentum, bool):
             raise TypeError(f"{where}: cycle_momentum must be a bool, got {type(cycle_momentum).__name__}")
         self.cycle_momentum = cycle_momentum
+        if not isinstance(three_phase, bool):
+            raise TypeError(f"{where}: three_phase must be a bool, got {type(three_phase).__name__}")
+        self.three_phase = three_phase
         self.base_momentum = check_float(base_momentum, "base_momentum", where, 0.0, 1.0, max_inclusive=False)
         self.max_momentum = check_float(max_momentum, "max_momentum", where, 0.0, 1.0, max_inclusive=False)
         div_factor = check_float(div_factor, "div_factor", where, 0.0, min_inclusive=False)
@@ -359,6 +375,13 @@ class OneCycleLR(LRScheduler):
         return (end - start) * pct + start
 
     def _phases(self):
+        """``(end_step, start_lr, end_lr, start_momentum, end_momentum)`` of each phase, as PyTorch's."""
+        if self.three_phase:
+            return [(float(self.pct_start * self.total_steps) - 1, self.initial_lr, self.max_lr, self.max_momentum,
+                     self.base_momentum),
+                    (float(2 * self.pct_start * self.total_steps) - 2, self.max_lr, self.initial_lr,
+                     self.base_momentum, self.max_momentum),
+                    (self.total_steps - 1, self.initial_lr, self.min_lr, self.max_momentum, self.max_momentum)]
         return [(float(self.pct_start * self.total_steps) - 1, self.initial_lr, self.max_lr, self.max_momentum,
                  self.base_momentum),
                 (self.total_steps - 1, self.max_lr, self.min_lr, self.base_momentum, self.max_momentum)]
@@ -395,8 +418,9 @@ class OneCycleLR(LRScheduler):
             out[key] = check_float(values[key], key, where, 0.0)
         if values["anneal_strategy"] not in ("cos", "linear"):
             raise ValueError(f"{where}: anneal_strategy must be 'cos' or 'linear', got {values['anneal_strategy']!r}")
-        if not isinstance(values["cycle_momentum"], bool):
-            raise TypeError(f"{where}: cycle_momentum must be a bool, got {values['cycle_momentum']!r}")
+        for key in ("cycle_momentum", "three_phase"):
+            if not isinstance(values[key], bool):
+                raise TypeError(f"{where}: {key} must be a bool, got {values[key]!r}")
         return out
 
 
