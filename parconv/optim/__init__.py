@@ -39,6 +39,11 @@ class Optimizer:
 
     Hyper-parameters are attributes (``opt.lr = 0.01``) checked on assignment; a
     learning-rate scheduler sets ``lr`` (and ``momentum`` or ``betas``) between steps.
+
+    A subclass sets ``self._hyper = self._validate({...})`` in ``__init__``, implements
+    ``_validate(hyper) -> dict`` (the checked hyper-parameters, raising on a bad one) and
+    ``_apply(todo)`` (update the parameters at those indices, typically one backend call
+    per group of :meth:`_groups`), and lists its buffer names in ``_state_names``.
     """
 
     _state_names: tuple = ()
