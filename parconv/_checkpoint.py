@@ -49,11 +49,16 @@ class TrainingState:
     correct: int = 0
     history: dict = field(default_factory=dict)
     fit: dict = field(default_factory=dict)
+    scheduler_state: dict | None = None
 
 
 def save_training_checkpoint(path, model, optimizer, *, epoch: int, step: int, global_step: int, rng_state: dict,
-                             loss_sum: float = 0.0, correct: int = 0, history=None, fit: dict | None = None) -> None:
-    """Write a training checkpoint to ``path`` atomically (a kill mid-write keeps the previous file)."""
+                             loss_sum: float = 0.0, correct: int = 0, history=None, fit: dict | None = None,
+                             scheduler_state: dict | None = None) -> None:
+    """Write a training checkpoint to ``path`` atomically (a kill mid-write keeps the previous file).
+
+    ``scheduler_state`` is a learning-rate scheduler's JSON-able ``state_dict()``.
+    """
     from . import __version__
 
     arrays = model.state_dict()
@@ -80,6 +85,8 @@ def save_training_checkpoint(path, model, optimizer, *, epoch: int, step: int, g
             "fit": dict(fit or {}),
         },
     }
+    if scheduler_state is not None:
+        meta["training"]["scheduler"] = _jsonable(scheduler_state)
     save_npz(path, arrays, meta)
 
 
@@ -235,7 +242,16 @@ def load_training_checkpoint(path) -> TrainingState:
         history={"epochs": list(hist.get("epochs", [])),
                  "history": {str(k): list(v) for k, v in hist.get("history", {}).items()}},
         fit=dict(t.get("fit", {})),
+        scheduler_state=_scheduler_state(path, t.get("scheduler")),
     )
+
+
+def _scheduler_state(path, value):
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _fail(path, f"'scheduler' must be a JSON object, got {value!r:.80}")
+    return dict(value)
 
 
 def apply_training_state(state: TrainingState, model, optimizer, rng: np.random.Generator, history) -> None:

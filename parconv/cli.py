@@ -97,13 +97,18 @@ def _resume_differences(args) -> tuple[list, list]:
 
     state = _checkpoint.load_training_checkpoint(args.resume)
     hyper = state.optimizer_state.get("hyper", {})
-    optimizer = {"SGD": "sgd", "Adam": "adam"}.get(state.optimizer_type, state.optimizer_type)
+    optimizer = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RMSprop": "rmsprop"}.get(
+        state.optimizer_type, state.optimizer_type)
     adjustable, fixed = [], []
     if optimizer != args.optimizer:
         fixed.append(("--optimizer", optimizer, args.optimizer))
-    if "n" in state.fit and state.fit["n"] != args.train_size:
+    if args.train_size is not None and "n" in state.fit and state.fit["n"] != args.train_size:
         fixed.append(("--train-size", state.fit["n"], args.train_size))
     wanted = [("--lr", "lr", args.lr), ("--weight-decay", "weight_decay", args.weight_decay)]
+    if state.scheduler_state:
+        # a schedule moves the optimizer's lr (and OneCycleLR its momentum) step by step: the
+        # checkpoint's values are the schedule's, restored with it, not settings to compare
+        hyper = {k: v for k, v in hyper.items() if k not in ("lr", "momentum", "betas")}
     if args.optimizer == "sgd":
         wanted.insert(1, ("--momentum", "momentum", args.momentum))
     for option, key, value in wanted:
@@ -153,24 +158,100 @@ def build_cnn(filters: int = 32, kernel_size: int = 3, image_size: int = 28, n_c
     )
 
 
+#: --dataset name -> (loader name in parconv.datasets, what it is)
+DATASETS = {
+    "mnist-sample": (None, "bundled MNIST sample (10,000 real test-set images)"),
+    "mnist": ("load_mnist", "MNIST"),
+    "fashion-mnist": ("load_fashion_mnist", "Fashion-MNIST"),
+    "cifar10": ("load_cifar10", "CIFAR-10"),
+}
+
+
 def _load_data(args):
+    """``(train, test, source)``: host arrays normalised with the training set's per-channel statistics."""
     import parconv as pc
 
-    if args.data is None:
-        x, y = pc.datasets.load_mnist("test")
-        source = "bundled MNIST sample (10,000 real test-set images)"
+    if args.dataset == "mnist-sample":
+        if args.data is None:
+            x, y = pc.datasets.load_mnist("test")
+            source = DATASETS["mnist-sample"][1]
+        else:  # MNIST IDX files in a directory, one split of them divided as the sample is
+            x, y = pc.datasets.load_mnist(args.split, path=args.data)
+            source = f"{args.data} ({args.split})"
+        n_train = 8000 if args.train_size is None else args.train_size
+        if n_train >= x.shape[0]:
+            raise SystemExit(f"parconv train: --train-size {n_train} leaves no test images out of {x.shape[0]}")
+        # one fixed permutation so the held-out split is the same for every run and seed
+        order = np.random.default_rng(1234).permutation(x.shape[0])
+        tr, te = order[:n_train], order[n_train:]
+        xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
     else:
-        x, y = pc.datasets.load_mnist(args.split, path=args.data)
-        source = f"{args.data} ({args.split})"
-    n_train = args.train_size
-    if n_train >= x.shape[0]:
-        raise SystemExit(f"parconv train: --train-size {n_train} leaves no test images out of {x.shape[0]}")
-    # one fixed permutation so the held-out split is the same for every run and seed
-    order = np.random.default_rng(1234).permutation(x.shape[0])
-    tr, te = order[:n_train], order[n_train:]
-    mean, std = float(x[tr].mean()), float(x[tr].std())
-    x = (x - mean) / std
-    return (x[tr], y[tr]), (x[te], y[te]), source
+        loader_name, what = DATASETS[args.dataset]
+        load = getattr(pc.datasets, loader_name)
+        try:
+            xtr, ytr = load("train", path=args.data, download=args.download)
+            xte, yte = load("test", path=args.data, download=args.download)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"parconv train: --dataset {args.dataset} needs the {what} files: pass --data PATH "
+                             f"(a directory holding them) or --download to fetch them ({exc})") from None
+        if args.train_size is not None:
+            if args.train_size > len(xtr):
+                raise SystemExit(f"parconv train: --train-size {args.train_size} is more than the "
+                                 f"{len(xtr)} training images of {what}")
+            xtr, ytr = xtr[:args.train_size], ytr[:args.train_size]
+        source = f"{what} ({len(xtr) + len(xte):,} images" + (f" from {args.data})" if args.data else ")")
+    axes = (0, 2, 3) if xtr.ndim == 4 else (0,)
+    mean = xtr.mean(axis=axes, keepdims=True, dtype=np.float64).astype(np.float32)[:1]
+    std = xtr.std(axis=axes, keepdims=True, dtype=np.float64).astype(np.float32)[:1]
+    std[std == 0] = 1.0
+    return ((xtr - mean) / std, ytr), ((xte - mean) / std, yte), source
+
+
+def _build_model(args, input_shape, backend):
+    import parconv as pc
+
+    rng = np.random.default_rng(args.seed)
+    if args.model == "cnn-mnist":
+        c, h, _ = input_shape
+        return pc.models.cnn_mnist(args.filters, in_channels=c, image_size=h, backend=backend, rng=rng)
+    return pc.models.build(args.model, input_shape, backend=backend, rng=rng)
+
+
+def _make_optimizer(args, model):
+    import parconv as pc
+
+    params = model.parameters()
+    if args.optimizer == "sgd":
+        return pc.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if args.optimizer == "adam":
+        return pc.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay)
+    if args.optimizer == "adamw":
+        return pc.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    return pc.optim.RMSprop(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
+def _make_scheduler(args, opt, steps_per_epoch: int):
+    from parconv.optim import lr_scheduler as sched
+
+    if args.scheduler == "none":
+        return None
+    if args.scheduler == "step":
+        return sched.StepLR(opt, step_size=max(1, args.epochs // 3), gamma=0.1)
+    if args.scheduler == "cosine":
+        return sched.CosineAnnealingLR(opt, T_max=args.epochs)
+    if args.scheduler == "onecycle":
+        return sched.OneCycleLR(opt, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch)
+    return sched.ReduceLROnPlateau(opt, mode="min", factor=0.1, patience=2)
+
+
+def _augmentation(args, shape):
+    """Random crop with 4 pixels of padding, plus horizontal flips for natural images (not digits)."""
+    from parconv.data import transforms as T
+
+    steps = [T.RandomCrop(shape[1:], padding=4 if shape[1] >= 32 else 2)]
+    if args.dataset == "cifar10":
+        steps.append(T.RandomHorizontalFlip())
+    return T.Compose(steps)
 
 
 def cmd_train(args) -> int:
@@ -208,38 +289,58 @@ def _train(args, comm) -> int:
         # before any training, not when the first epoch's checkpoint is written
         _on_rank0(comm, lambda: check_writable_target(args.checkpoint))
     (xtr, ytr), (xte, yte), source = _load_data(args)
-    model = build_cnn(args.filters, backend=backend, seed=args.seed)
+    model = _build_model(args, xtr.shape[1:], backend)
     if comm is not None:
         dp = dist.DataParallel(model, comm)
-    if args.optimizer == "sgd":
-        opt = pc.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    else:
-        opt = pc.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = _make_optimizer(args, model)
+    validation = None
+    if args.early_stopping is not None or args.scheduler == "plateau":
+        # the test images stay unseen: the last tenth of the training images is held out for validation
+        n_val = max(1, len(xtr) // 10)
+        validation = (xtr[-n_val:], ytr[-n_val:])
+        xtr, ytr = xtr[:-n_val], ytr[:-n_val]
+    train_data = xtr
+    if args.augment:
+        train_data = pc.data.DataLoader(xtr, ytr, batch_size=args.batch_size, shuffle=True,
+                                        transform=_augmentation(args, xtr.shape[1:]), seed=args.seed)
+    scheduler = _make_scheduler(args, opt, -(-len(xtr) // args.batch_size))
+    callbacks = []
+    if args.early_stopping is not None:
+        callbacks.append(pc.callbacks.EarlyStopping(monitor="val_loss", patience=args.early_stopping,
+                                                    restore_best_weights=True))
     threads = pc.get_num_threads() if backend.name == "openmp" else None
     say(f"parconv {pc.__version__} | backend {backend.name}"
         + (f" | {_plural(size, 'MPI rank')}" if comm is not None else "")
         + (f" | {_plural(threads, 'thread')}" + (" per rank" if comm is not None else "") if threads else "")
         + f" | data: {source}")
-    say(f"model: conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[4].in_features}->10 "
-        f"({model.num_parameters():,} parameters) | {args.optimizer} lr {args.lr} | batch {args.batch_size}"
-        + (" (global)" if comm is not None else "") + f" | {len(xtr)} train / {len(xte)} test images")
+    what = (f"conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[4].in_features}->10"
+            if args.model == "cnn-mnist" else args.model)
+    say(f"model: {what} ({model.num_parameters():,} parameters) | {args.optimizer} lr {args.lr}"
+        + (f", {args.scheduler} schedule" if args.scheduler != "none" else "") + f" | batch {args.batch_size}"
+        + (" (global)" if comm is not None else "") + f" | {len(xtr)} train"
+        + (f" / {len(validation[0])} validation" if validation is not None else "") + f" / {len(xte)} test images"
+        + (" | augmented" if args.augment else ""))
     if args.resume:
         say(f"resuming from {args.resume}")
     checkpoint = args.checkpoint or None
     t0 = time.perf_counter()
-    history = model.fit(xtr, ytr, epochs=args.epochs, batch_size=args.batch_size, optimizer=opt,
+    history = model.fit(train_data, ytr, epochs=args.epochs, batch_size=args.batch_size, optimizer=opt,
                         seed=args.seed, verbose=not args.quiet, distributed=dp if dp is not None else False,
                         checkpoint=checkpoint, checkpoint_every=args.checkpoint_every if checkpoint else None,
-                        resume=args.resume)
+                        resume=args.resume, validation_data=validation, scheduler=scheduler,
+                        callbacks=callbacks)
     train_time = time.perf_counter() - t0
     result = dp.evaluate(xte, yte) if dp is not None else model.evaluate(xte, yte)
     total = time.perf_counter() - t0
     final_loss = f"{history['loss'][-1]:.4f}" if history.epochs else "n/a"
     say(f"test accuracy: {100 * result['accuracy']:.2f}% on {len(xte)} held-out images "
         f"(test loss {result['loss']:.4f}, final train loss {final_loss})")
+    if args.early_stopping is not None and len(history.epochs) < args.epochs:
+        say(f"early stopping: no better validation loss for {_plural(args.early_stopping, 'epoch')}; stopped "
+            f"after epoch {history.epochs[-1]} and kept the best epoch's weights")
     if not args.resume:
-        images = args.epochs * len(xtr)
-        say(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {_plural(args.epochs, 'epoch')})")
+        images = len(history.epochs) * len(xtr)
+        say(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {_plural(len(history.epochs), 'epoch')})")
     elif history.epochs:
         say(f"throughput: {history['samples_per_s'][-1]:,.0f} images/s training (last epoch)")
     say(f"wall time: {total:.1f} s" + (f" | checkpoint: {checkpoint}" if checkpoint else ""))
@@ -339,18 +440,35 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--distributed", action="store_true",
                      help="data-parallel over MPI ranks: run under mpiexec -n N")
     data = t.add_argument_group("model and data")
-    data.add_argument("--filters", type=_positive_int, default=32, help="convolution filters d")
-    data.add_argument("--data", default=None, help="directory with MNIST IDX files (default: the bundled sample)")
-    data.add_argument("--split", choices=("train", "test"), default="test", help="which files to read from --data")
-    data.add_argument("--train-size", type=_positive_int, default=8000,
+    data.add_argument("--model", choices=("cnn-mnist", "lenet5", "vgg-small", "resnet20", "mobilenet-small"),
+                      default="cnn-mnist", help="the network (pc.models); every one adapts to the data's channels")
+    data.add_argument("--filters", type=_positive_int, default=32, help="convolution filters d of cnn-mnist")
+    data.add_argument("--dataset", choices=tuple(DATASETS), default="mnist-sample",
+                      help="training data; all but mnist-sample need --data PATH or --download")
+    data.add_argument("--data", default=None, metavar="PATH",
+                      help="directory holding the dataset's files (mnist-sample: MNIST IDX files to use instead "
+                           "of the bundled sample)")
+    data.add_argument("--download", action="store_true",
+                      help="fetch the dataset's official files (checksum-verified, cached in the user cache dir)")
+    data.add_argument("--split", choices=("train", "test"), default="test",
+                      help="mnist-sample with --data: which IDX files to read")
+    data.add_argument("--augment", action="store_true",
+                      help="random crops (and horizontal flips on cifar10), applied on a background thread")
+    data.add_argument("--train-size", type=_positive_int, default=None,
                       help="images used for training; the rest are held out for the test accuracy")
     opt = t.add_argument_group("training")
     opt.add_argument("--epochs", type=_positive_int, default=10, help="passes over the training images")
     opt.add_argument("--batch-size", type=_positive_int, default=50,
                      help="images per optimizer step, over all ranks with --distributed")
-    opt.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="update rule")
+    opt.add_argument("--optimizer", choices=("sgd", "adam", "adamw", "rmsprop"), default="sgd", help="update rule")
+    opt.add_argument("--scheduler", choices=("none", "step", "cosine", "onecycle", "plateau"), default="none",
+                     help="learning-rate schedule: step (x0.1 every third of the epochs), cosine, onecycle "
+                          "(per batch, peaking at --lr), plateau (x0.1 when the validation loss stalls 2 epochs)")
+    opt.add_argument("--early-stopping", type=_positive_int, default=None, metavar="N",
+                     help="stop when the validation loss has not improved for N epochs (a tenth of the training "
+                          "images is held out for it) and keep the best weights")
     opt.add_argument("--lr", type=_positive_float, default=0.02, help="learning rate")
-    opt.add_argument("--momentum", type=_nonneg_float, default=0.9, help="SGD momentum; adam ignores it")
+    opt.add_argument("--momentum", type=_nonneg_float, default=0.9, help="SGD/RMSprop momentum; adam(w) ignores it")
     opt.add_argument("--weight-decay", type=_nonneg_float, default=0.0,
                      help="L2 penalty: weight_decay * w is added to every weight's gradient")
     opt.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the shuffling")

@@ -473,7 +473,13 @@ class _FitRun:
         history = History()
         n = loader.num_samples if loader is not None else self.x.shape[0]
         batch_size = self.batch_size
-        steps_per_epoch = len(loader) if loader is not None else math.ceil(n / batch_size)
+        if n is None:  # a DataLoader over a generator: its length is known only once it is exhausted
+            if self.resume is not None or self.checkpoint_every:
+                raise ValueError(f"{where}: resume and checkpoint_every need a DataLoader over arrays (a batch "
+                                 "generator cannot be replayed to the same position)")
+            steps_per_epoch = None
+        else:
+            steps_per_epoch = len(loader) if loader is not None else math.ceil(n / batch_size)
         fit_info = {"n": n, "batch_size": batch_size, "shuffle": bool(self.shuffle)}
         start_epoch, start_step, global_step, carried = 1, 0, 0, (0.0, 0)
         optimizer, scheduler = self.optimizer, self.scheduler
@@ -532,13 +538,13 @@ class _FitRun:
                         scheduler.step()
                     if bar is not None:
                         bar.update(1)
-                        if step % 10 == 0 or step == steps_per_epoch - 1:
+                        if step % 10 == 0 or step == (steps_per_epoch or 0) - 1:
                             bar.set_postfix(loss=f"{step_loss / count:.4f}", refresh=False)
                     if batch_hooks and len(self.callbacks):
                         self.callbacks.on_batch_end(global_step - 1, {"loss": step_loss / count,
                                                                       "lr": optimizer.lr})
                     if (self.checkpoint_every and global_step % self.checkpoint_every == 0
-                            and step < steps_per_epoch - 1):
+                            and step < (steps_per_epoch or 0) - 1):
                         save(epoch, step + 1, epoch_rng_state, total_loss, correct)
             finally:
                 if bar is not None:

@@ -62,11 +62,11 @@ def _env():
     return env
 
 
-def _train_cmd(data_dir, checkpoint, resume=None, mpi_ranks=0):
+def _train_cmd(data_dir, checkpoint, resume=None, mpi_ranks=0, extra=()):
     cmd = [sys.executable, "-P", "-m", "parconv.cli", "train", "--data", str(data_dir), "--split", "test",
            "--train-size", str(N_TRAIN), "--epochs", "2", "--batch-size", "16", "--filters", "6",
            "--checkpoint", str(checkpoint), "--checkpoint-every", "3", "--seed", "7", "--quiet",
-           "--backend", BACKEND]
+           "--backend", BACKEND, *extra]
     if resume is not None:
         cmd += ["--resume", str(resume)]
     if mpi_ranks:
@@ -142,16 +142,16 @@ def _run_and_kill(cmd, cwd, checkpoint, epoch):
         proc.stdout.close()
 
 
-def _check_kill_and_resume(tmp_path, data_dir, ranks):
+def _check_kill_and_resume(tmp_path, data_dir, ranks, extra=()):
     ref = tmp_path / "ref.npz"
-    _run(_train_cmd(data_dir, ref, mpi_ranks=ranks), tmp_path)
+    _run(_train_cmd(data_dir, ref, mpi_ranks=ranks, extra=extra), tmp_path)
 
     ck = tmp_path / "run.npz"
-    first = _run_and_kill(_train_cmd(data_dir, ck, mpi_ranks=ranks), tmp_path, ck, epoch=1)
+    first = _run_and_kill(_train_cmd(data_dir, ck, mpi_ranks=ranks, extra=extra), tmp_path, ck, epoch=1)
     # resume, and kill the resumed run too, mid-way through the second epoch
-    second = _run_and_kill(_train_cmd(data_dir, ck, resume=ck, mpi_ranks=ranks), tmp_path, ck, epoch=2)
+    second = _run_and_kill(_train_cmd(data_dir, ck, resume=ck, mpi_ranks=ranks, extra=extra), tmp_path, ck, epoch=2)
     assert second > first
-    _run(_train_cmd(data_dir, ck, resume=ck, mpi_ranks=ranks), tmp_path)
+    _run(_train_cmd(data_dir, ck, resume=ck, mpi_ranks=ranks, extra=extra), tmp_path)
 
     want = _checkpoint.load_training_checkpoint(ref)
     got = _checkpoint.load_training_checkpoint(ck)
@@ -164,10 +164,18 @@ def _check_kill_and_resume(tmp_path, data_dir, ranks):
     assert got.optimizer_state["step"] == want.optimizer_state["step"] == 80
     np.testing.assert_allclose(got.history["history"]["loss"], want.history["history"]["loss"], rtol=1e-12)
     assert got.rng_state == want.rng_state
+    assert got.scheduler_state == want.scheduler_state
+    assert got.optimizer_state["hyper"] == want.optimizer_state["hyper"]
 
 
 def test_kill_and_resume_serial(tmp_path, data_dir):
     _check_kill_and_resume(tmp_path, data_dir, ranks=0)
+
+
+def test_kill_and_resume_with_scheduler_and_augmenting_loader(tmp_path, data_dir):
+    """A per-batch schedule (OneCycleLR), SGD momentum and a shuffling, augmenting DataLoader:
+    the resumed run's weights, optimizer state and schedule are bit-identical too."""
+    _check_kill_and_resume(tmp_path, data_dir, ranks=0, extra=("--scheduler", "onecycle", "--augment"))
 
 
 @pytest.mark.mpi
