@@ -76,13 +76,20 @@ __kernel void leaky_relu_backward(__global const float* restrict x,    /* IN  (n
     dx[i] = x[i] > 0.0f ? dy[i] : dy[i] * negative_slope;
 }
 
+/* tanh as the openmp kernel computes it: Cephes' odd polynomial below |x| = 0.625,
+ * (1 - e) / (1 + e) with e = exp(-2|x|) above (some runtimes' tanh misses +-1 at +-inf). */
 __kernel void tanh_forward(__global const float* restrict x,   /* IN  (n,) */
                            __global float* restrict y,         /* OUT (n,) */
                            const int n)
 {
     const int i = get_global_id(0);
     if (i >= n) return;
-    y[i] = tanh(x[i]);
+    const float v = x[i], a = fabs(v), z = a * a;
+    const float p = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z
+                      + 1.33314422036e-1f) * z - 3.33332819422e-1f) * z * a + a;
+    const float e = exp(-2.0f * a);
+    const float r = (1.0f - e) / (1.0f + e);
+    y[i] = copysign(a < 0.625f ? p : r, v);
 }
 
 /* dx = dy * (1 - y * y) */

@@ -37,6 +37,17 @@ def test_tanh_matches_oracle(backend, oracle, shape, seed, scale):
     assert_close(F.tanh_backward(y_ref, dy, backend=backend), oracle.tanh_backward(y_ref, dy), what="dx")
 
 
+def test_tanh_is_accurate_over_its_whole_range(backend):
+    x = np.concatenate([np.linspace(-20, 20, 200_001), np.geomspace(1e-30, 0.7, 2001),
+                        -np.geomspace(1e-30, 0.7, 2001)]).astype(np.float32)
+    y = host(F.tanh(x, backend=backend))
+    np.testing.assert_allclose(y, np.tanh(x.astype(np.float64)), rtol=1e-6, atol=0)
+    special = np.array([np.inf, -np.inf, np.nan, -0.0], np.float32)
+    y = host(F.tanh(special, backend=backend))
+    np.testing.assert_array_equal(y[:2], [1.0, -1.0])
+    assert np.isnan(y[2]) and y[3] == 0 and np.signbit(y[3])
+
+
 @given(data=st.data(), shape=shapes, seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1.0, 30.0]))
 def test_softmax_matches_oracle(backend, oracle, data, shape, seed, scale):
     dim = _dim(data, shape)

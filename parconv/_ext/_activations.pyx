@@ -88,7 +88,7 @@ def sigmoid_backward(const float[::1] y,   # IN  (n,) forward output
 # leaky_relu, tanh, add (flat, n elements) and softmax: x viewed as (O, D, I), the
 # softmax running along D for each of the O * I lines (stride I between its elements).
 # ----------------------------------------------------------------------------------
-from libc.math cimport expf, tanhf
+from libc.math cimport copysignf, expf, fabsf
 
 
 def leaky_relu_forward(const float[::1] x,  # IN  (n,)
@@ -118,6 +118,22 @@ def leaky_relu_backward(const float[::1] x,   # IN  (n,) forward input
                 dx[k] = dy[k] if x[k] > 0 else dy[k] * negative_slope
 
 
+cdef extern from "pc_common.h":
+    float pc_exp_nonpos(float t) noexcept nogil
+
+
+cdef inline float _tanh(float v) noexcept nogil:
+    """tanh in a form that vectorises (libm's tanhf is a call per element, about 50x slower here):
+    Cephes' odd polynomial below |v| = 0.625, (1 - e) / (1 + e) with e = exp(-2|v|) above (no
+    cancellation there); within 3 ulp. NaN propagates, +-inf gives +-1."""
+    cdef float a = fabsf(v), z = a * a, e, r, p
+    p = ((((<float>-5.70498872745e-3 * z + <float>2.06390887954e-2) * z - <float>5.37397155531e-2) * z
+          + <float>1.33314422036e-1) * z - <float>3.33332819422e-1) * z * a + a
+    e = pc_exp_nonpos(<float>-2.0 * a)
+    r = (<float>1.0 - e) / (<float>1.0 + e)
+    return copysignf(p if a < <float>0.625 else r, v)
+
+
 def tanh_forward(const float[::1] x,  # IN  (n,)
                  float[::1] y,        # OUT (n,), overwritten
                  int num_threads):
@@ -127,7 +143,7 @@ def tanh_forward(const float[::1] x,  # IN  (n,)
     with nogil:
         for i in prange(nc, schedule="static", num_threads=nc):
             for k in range(n * i // nc, n * (i + 1) // nc):
-                y[k] = tanhf(x[k])
+                y[k] = _tanh(x[k])
 
 
 def tanh_backward(const float[::1] y,   # IN  (n,) forward output
@@ -156,11 +172,48 @@ def add(const float[::1] a,  # IN  (n,)
                 out[k] = a[k] + b[k]
 
 
+cdef inline double _sum_lanes(const float *v, Py_ssize_t n) noexcept nogil:
+    """Sum of n contiguous floats in double, four lanes added in a fixed order."""
+    cdef double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0
+    cdef Py_ssize_t d = 0
+    while d + 4 <= n:
+        s0 += v[d]
+        s1 += v[d + 1]
+        s2 += v[d + 2]
+        s3 += v[d + 3]
+        d += 4
+    while d < n:
+        s0 += v[d]
+        d += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+cdef inline void _softmax_row(const float *x, float *y, Py_ssize_t D) noexcept nogil:
+    """Softmax of D contiguous values: the exp, the sum and the division in separate loops, so
+    the first and the last vectorise (pc_exp_nonpos instead of libm's expf; below -87.3, where
+    it stops following exp, the result is 0 as exp's would round to)."""
+    cdef Py_ssize_t d
+    cdef float m = x[0], t, e
+    for d in range(1, D):
+        if x[d] > m:
+            m = x[d]
+    for d in range(D):
+        t = x[d] - m
+        e = pc_exp_nonpos(t)
+        y[d] = e if t >= <float>-87.3 else <float>0.0
+    e = <float>_sum_lanes(y, D)
+    for d in range(D):
+        y[d] = y[d] / e
+
+
 cdef inline void _softmax_line(const float *x, float *y, Py_ssize_t D, Py_ssize_t s) noexcept nogil:
     """Stable softmax of the D values x[0], x[s], x[2 s], ...; the sum in double."""
     cdef Py_ssize_t d
     cdef float m = x[0], e
     cdef double total = 0.0
+    if s == 1:
+        _softmax_row(x, y, D)
+        return
     for d in range(1, D):
         if x[d * s] > m:
             m = x[d * s]
@@ -177,10 +230,21 @@ cdef inline void _softmax_bwd_line(const float *y, const float *dy, float *dx, P
                                    Py_ssize_t s) noexcept nogil:
     """dx = y * (dy - sum(dy * y)) along one line; the sum in double."""
     cdef Py_ssize_t d
-    cdef double total = 0.0
+    cdef double t0 = 0.0, t1 = 0.0, total
     cdef float dot
-    for d in range(D):
-        total += dy[d * s] * y[d * s]
+    if s == 1:  # two independent chains
+        d = 0
+        while d + 2 <= D:
+            t0 += dy[d] * y[d]
+            t1 += dy[d + 1] * y[d + 1]
+            d += 2
+        if d < D:
+            t0 += dy[d] * y[d]
+        total = t0 + t1
+    else:
+        total = 0.0
+        for d in range(D):
+            total += dy[d * s] * y[d * s]
     dot = <float>total
     for d in range(D):
         dx[d * s] = y[d * s] * (dy[d * s] - dot)
