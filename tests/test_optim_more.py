@@ -316,3 +316,37 @@ def test_load_state_dict_checks_before_changing_anything():
         for key in good:
             if key.startswith("state."):
                 np.testing.assert_array_equal(after[key], good[key])
+
+
+def test_many_updates_equal_one_by_one_bitwise(backend):
+    """The one-call updates (8 parameters per launch on OpenCL, one loop on openmp) write the
+    same bits as the one-parameter updates, so SGD's results do not depend on the path."""
+    rng = np.random.default_rng(13)
+    sizes = [1, 5000, 3, 0, 40000, 7, 8, 9, 10, 11, 12]
+    ps, gs = [rand(rng, n) for n in sizes], [rand(rng, n) for n in sizes]
+    s1, s2 = [np.abs(rand(rng, n)) for n in sizes], [np.abs(rand(rng, n)) for n in sizes]
+
+    def arrays(host):
+        return [backend.asarray(a.copy()) for a in host]
+
+    for name in ("sgd", "adamw", "rmsprop"):
+        one = [arrays(ps), arrays(s1), arrays(s2)]
+        many = [arrays(ps), arrays(s1), arrays(s2)]
+        G = arrays(gs)
+        for i in range(len(sizes)):
+            p, a, b = one[0][i], one[1][i], one[2][i]
+            if name == "sgd":
+                backend.sgd_update(p, G[i], a, 0.1, 0.9, 1e-3, True)
+            elif name == "adamw":
+                backend.adam_update(p, G[i], a, b, 1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True)
+            else:
+                backend.rmsprop_update(p, G[i], a, b, 1e-2, 0.99, 1e-8, 1e-3, 0.9)
+        if name == "sgd":
+            backend.sgd_update_many(many[0], G, many[1], 0.1, 0.9, 1e-3, True)
+        elif name == "adamw":
+            backend.adam_update_many(many[0], G, many[1], many[2], 1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True)
+        else:
+            backend.rmsprop_update_many(many[0], G, many[1], many[2], 1e-2, 0.99, 1e-8, 1e-3, 0.9)
+        for k in range(3):
+            for i in range(len(sizes)):
+                np.testing.assert_array_equal(pc.to_numpy(many[k][i]), pc.to_numpy(one[k][i]), err_msg=f"{name} {k} {i}")
