@@ -118,6 +118,8 @@ def test_conv2d_general_matches_torch(backend, case):
 NAMED = {
     "depthwise": ((2, 6, 9, 9), (6, 1, 3, 3), dict(padding=1, groups=6)),
     "depthwise-x2-stride2": ((2, 4, 9, 8), (8, 1, 3, 3), dict(stride=2, padding=1, groups=4)),
+    "depthwise-x3-dilated-same": ((2, 4, 9, 8), (12, 1, 3, 2), dict(padding="same", dilation=2, groups=4)),
+    "depthwise-wide-padding": ((2, 3, 6, 6), (3, 1, 3, 3), dict(padding=(3, 2), groups=3)),
     "grouped": ((2, 4, 7, 7), (6, 2, 3, 3), dict(padding=1, groups=2)),
     "dilated": ((2, 3, 11, 10), (4, 3, 3, 3), dict(padding=2, dilation=2)),
     "rectangular-stride21": ((2, 3, 9, 7), (5, 3, 3, 1), dict(stride=(2, 1), padding=(1, 0))),

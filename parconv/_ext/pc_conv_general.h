@@ -149,7 +149,9 @@ static inline void pcg_dw_backward_input_plane(const float *restrict dy, const f
 }
 
 /* Depthwise weight gradient of one (image, output plane): dw (KH, KW) += the correlation of
- * dy (P, Q) with x (H, W); each tap's sum is a float row sum added in row order. */
+ * dy (P, Q) with x (H, W). Each tap sums its rows in 8 independent lanes plus a tail (a vector's
+ * work, not one long chain of dependent adds), kept in registers across the rows; the lanes are
+ * added in a fixed order once per tap and plane, in double into dw. */
 static inline void pcg_dw_backward_weight_plane(const float *restrict x, const float *restrict dy, int H, int W,
                                                 int KH, int KW, int SH, int SW, int DH, int DW, int PT, int PL,
                                                 int P, int Q, double *restrict dw)
@@ -161,19 +163,113 @@ static inline void pcg_dw_backward_weight_plane(const float *restrict x, const f
             int q_lo, q_hi;
             const int off = kw * DW - PL;
             pcg_valid(W, Q, SW, off, &q_lo, &q_hi);
-            double s = 0.0;
+            float l0 = 0.0f, l1 = 0.0f, l2 = 0.0f, l3 = 0.0f, l4 = 0.0f, l5 = 0.0f, l6 = 0.0f, l7 = 0.0f;
+            float tail = 0.0f;
             for (int p = p_lo; p < p_hi; p++) {
                 const float *g = dy + (pc_idx)p * Q;
                 const float *xr = x + (pc_idx)(p * SH + kh * DH - PT) * W + off;
-                float acc = 0.0f;
+                int q = q_lo;
                 if (SW == 1) {
-                    for (int q = q_lo; q < q_hi; q++) acc += g[q] * xr[q];
-                } else {
-                    for (int q = q_lo; q < q_hi; q++) acc += g[q] * xr[(pc_idx)q * SW];
+                    for (; q + 8 <= q_hi; q += 8) {
+                        l0 = PC_FMAF(g[q], xr[q], l0);
+                        l1 = PC_FMAF(g[q + 1], xr[q + 1], l1);
+                        l2 = PC_FMAF(g[q + 2], xr[q + 2], l2);
+                        l3 = PC_FMAF(g[q + 3], xr[q + 3], l3);
+                        l4 = PC_FMAF(g[q + 4], xr[q + 4], l4);
+                        l5 = PC_FMAF(g[q + 5], xr[q + 5], l5);
+                        l6 = PC_FMAF(g[q + 6], xr[q + 6], l6);
+                        l7 = PC_FMAF(g[q + 7], xr[q + 7], l7);
+                    }
                 }
-                s += acc;
+                for (; q < q_hi; q++) tail = PC_FMAF(g[q], xr[(pc_idx)q * SW], tail);
             }
-            dw[kh * KW + kw] += s;
+            dw[kh * KW + kw] += (double)((((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))) + tail);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- stride-1 depthwise on flat planes
+ * A stride-1 tap reads the zero-padded plane (Hp x Wp) at a fixed offset kh DH Wp + kw DW from
+ * output position s = p Wp + q of a grid Wp wide, so each tap is one contiguous loop over
+ * L = (P - 1) Wp + Q grid positions: long vector loops instead of P short rows per tap. The
+ * Wp - Q columns past each row are computed and dropped. */
+
+/* xp (Hp, Wp) = x (H, W) with PT, PB rows and PL, PR columns of zeros around it. */
+static inline void pcg_pad_plane(const float *restrict x, int H, int W, int PT, int PB, int PL, int PR,
+                                 float *restrict xp)
+{
+    const int Wp = W + PL + PR;
+    memset(xp, 0, sizeof(float) * (size_t)PT * Wp);
+    float *row = xp + (pc_idx)PT * Wp;
+    for (int h = 0; h < H; h++, row += Wp) {
+        for (int i = 0; i < PL; i++) row[i] = 0.0f;
+        memcpy(row + PL, x + (pc_idx)h * W, sizeof(float) * (size_t)W);
+        for (int i = PL + W; i < Wp; i++) row[i] = 0.0f;
+    }
+    memset(row, 0, sizeof(float) * (size_t)PB * Wp);
+}
+
+/* out (P, Q) = bias + sum over the nin input planes i (H, W, in + i * in_stride) of their stride-1
+ * correlation with kernel i (KH, KW, k + i * k_stride; rotated by 180 degrees when flip), taps
+ * in row order. Padding PT, PB, PL, PR >= 0 with P = H + PT + PB - DH (KH - 1), Q likewise.
+ * Scratch: xp (Hp Wp floats), grid (P Wp floats). */
+static inline void pcg_dw_flat_plane(const float *restrict in, pc_idx in_stride, const float *restrict k,
+                                     pc_idx k_stride, int nin, int flip, float bias, int H, int W, int KH, int KW,
+                                     int DH, int DW, int PT, int PB, int PL, int PR, int P, int Q,
+                                     float *restrict xp, float *restrict grid, float *restrict out)
+{
+    const int Wp = W + PL + PR;
+    const pc_idx L = (pc_idx)(P - 1) * Wp + Q;
+    for (pc_idx s = 0; s < L; s++) grid[s] = bias;
+    for (int i = 0; i < nin; i++) {
+        const float *ki = k + (pc_idx)i * k_stride;
+        pcg_pad_plane(in + (pc_idx)i * in_stride, H, W, PT, PB, PL, PR, xp);
+        for (int kh = 0; kh < KH; kh++) {
+            for (int kw = 0; kw < KW; kw++) {
+                const float kv = flip ? ki[(KH - 1 - kh) * KW + (KW - 1 - kw)] : ki[kh * KW + kw];
+                const float *src = xp + (pc_idx)kh * DH * Wp + (pc_idx)kw * DW;
+                PC_SIMD
+                for (pc_idx s = 0; s < L; s++) grid[s] = PC_FMAF(kv, src[s], grid[s]);
+            }
+        }
+    }
+    for (int p = 0; p < P; p++) memcpy(out + (pc_idx)p * Q, grid + (pc_idx)p * Wp, sizeof(float) * (size_t)Q);
+}
+
+/* dw (KH, KW) += the stride-1 correlation of dy (P, Q) with x (H, W): x padded into xp, dy laid on
+ * the Wp-wide grid with zeros past column Q, then one dot product of length L per tap in 8 lanes
+ * plus a tail, added in a fixed order, in double into dw. Scratch: xp (Hp Wp), dyg (P Wp). */
+static inline void pcg_dw_flat_weight_plane(const float *restrict x, const float *restrict dy, int H, int W,
+                                            int KH, int KW, int DH, int DW, int PT, int PB, int PL, int PR,
+                                            int P, int Q, float *restrict xp, float *restrict dyg,
+                                            double *restrict dw)
+{
+    const int Wp = W + PL + PR;
+    const pc_idx L = (pc_idx)(P - 1) * Wp + Q;
+    pcg_pad_plane(x, H, W, PT, PB, PL, PR, xp);
+    for (int p = 0; p < P; p++) {
+        float *row = dyg + (pc_idx)p * Wp;
+        memcpy(row, dy + (pc_idx)p * Q, sizeof(float) * (size_t)Q);
+        for (int q = Q; q < Wp; q++) row[q] = 0.0f;
+    }
+    for (int kh = 0; kh < KH; kh++) {
+        for (int kw = 0; kw < KW; kw++) {
+            const float *src = xp + (pc_idx)kh * DH * Wp + (pc_idx)kw * DW;
+            float l0 = 0.0f, l1 = 0.0f, l2 = 0.0f, l3 = 0.0f, l4 = 0.0f, l5 = 0.0f, l6 = 0.0f, l7 = 0.0f;
+            float tail = 0.0f;
+            pc_idx s = 0;
+            for (; s + 8 <= L; s += 8) {
+                l0 = PC_FMAF(dyg[s], src[s], l0);
+                l1 = PC_FMAF(dyg[s + 1], src[s + 1], l1);
+                l2 = PC_FMAF(dyg[s + 2], src[s + 2], l2);
+                l3 = PC_FMAF(dyg[s + 3], src[s + 3], l3);
+                l4 = PC_FMAF(dyg[s + 4], src[s + 4], l4);
+                l5 = PC_FMAF(dyg[s + 5], src[s + 5], l5);
+                l6 = PC_FMAF(dyg[s + 6], src[s + 6], l6);
+                l7 = PC_FMAF(dyg[s + 7], src[s + 7], l7);
+            }
+            for (; s < L; s++) tail = PC_FMAF(dyg[s], src[s], tail);
+            dw[kh * KW + kw] += (double)((((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))) + tail);
         }
     }
 }
