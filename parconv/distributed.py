@@ -97,13 +97,16 @@ def _report_and_abort(comm, exc_type, exc, tb, where: str) -> None:
     """Print the traceback naming the rank, then end every rank of ``comm``."""
     prefix = _rank_prefix(comm)
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    lines = "".join(f"[{prefix}] {line}\n" for line in text.rstrip("\n").split("\n"))
+    lines = [f"parconv.distributed: {prefix} failed in {where}; aborting all ranks\n"]
+    lines += [f"[{prefix}] {line}\n" for line in text.rstrip("\n").split("\n")]
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001
         pass
-    sys.stderr.write(f"parconv.distributed: {prefix} failed in {where}; aborting all ranks\n{lines}")
-    sys.stderr.flush()
+    # one write per line: a pipe keeps short writes whole, so ranks failing together never split a line
+    for line in lines:
+        sys.stderr.write(line)
+        sys.stderr.flush()
     # give mpiexec a moment to forward this output: the abort tears down the forwarding too
     time.sleep(0.3)
     _abort(comm, 1)

@@ -14,6 +14,7 @@ mpi4py and an ``mpiexec``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,7 @@ def _env():
 
 
 JOB = """
+    import os
     import sys
     import time
 
@@ -67,7 +69,7 @@ JOB = """
     rank = comm.rank
     case = sys.argv[1]
     comm.Barrier()
-    print(f"READY {time.time():.6f}", flush=True)
+    os.write(1, f"READY {time.time():.6f}\\n".encode())  # one write: the ranks' lines never mix
 
     if case == "exception_before_any_collective":
         # no parconv collective has run: only the hook installed at import can end rank 0's Barrier
@@ -135,7 +137,7 @@ JOB_WITHOUT_IMPORT = """
     import parconv as pc
 
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    print(f"READY {time.time():.6f}", flush=True)
+    os.write(1, f"READY {time.time():.6f}\\n".encode())  # one write: the ranks' lines never mix
     x = np.random.default_rng(0).standard_normal((200, 1, 4, 4)).astype(np.float32)
     if rank == 1:
         x[5, 0, 1, 1] = np.nan
@@ -180,7 +182,7 @@ def _run(tmp_path, case):
         pytest.fail(f"{case}: the job hung (killed after {JOB_TIMEOUT} s):\n{stdout}\n{stderr}")
     ended = time.time()
     out = stdout + stderr
-    ready = [float(line.split()[1]) for line in stdout.splitlines() if line.startswith("READY ")]
+    ready = [float(t) for t in re.findall(r"READY (\d+\.\d+)", stdout)]
     assert len(ready) == 2, f"{case}: the ranks did not both start:\n{out}"
     return proc.returncode, out, ended - max(ready)
 
