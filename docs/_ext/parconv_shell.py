@@ -1,6 +1,11 @@
-"""``sh("parconv info")``: run a command as a reader would type it and print a terminal transcript.
+"""``shell("parconv info")``: run a command as a reader would type it and show a terminal transcript.
 
-Used by the executed tutorials. ``parconv``, ``mpiexec``, ``python``, ``pip``
+Used by the executed tutorials, from cells whose input is hidden: the page
+shows the command and its captured output as one shell block (``$ command``
+then the output), rendered from a Markdown output of the cell. ``sh`` prints
+the same transcript as plain text or returns it. Leading ``NAME=value``
+words set environment variables for the command, as in a shell (``$VAR`` in
+the value is expanded). ``parconv``, ``mpiexec``, ``python``, ``pip``
 and ``pytest`` resolve to the environment running the notebook (the
 directory of ``sys.executable``), so the build does not depend on ``PATH``;
 where the ``parconv`` script is not installed (an in-place build of the docs)
@@ -11,6 +16,7 @@ final state.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -18,6 +24,7 @@ import sys
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _OPTIONS_WITH_VALUE = {"-n", "-np", "-hosts", "-host", "-ppn", "-f", "-hostfile", "-genv", "-env"}
 
 
@@ -71,9 +78,14 @@ def sh(cmd: str, timeout: float = 110, check: bool = True, cwd=None, env: dict |
     ``RuntimeError`` (unless ``check=False``), which fails the docs build.
     """
     # no PYTHONUNBUFFERED: buffered ranks write whole lines, so mpiexec does not interleave them mid-line
-    full_env = dict(os.environ, COLUMNS="100", **(env or {}))
+    argv = shlex.split(cmd)
+    assigned = {}
+    while argv and _ASSIGNMENT.match(argv[0]):
+        name, value = argv.pop(0).split("=", 1)
+        assigned[name] = os.path.expandvars(value)
+    full_env = dict(os.environ, COLUMNS="100", **(env or {}), **assigned)
     full_env.pop("PYTHONUNBUFFERED", None)
-    proc = subprocess.run(resolve(shlex.split(cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run(resolve(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           timeout=timeout, cwd=cwd, env=full_env)
     text = _final_states(proc.stdout.decode("utf-8", "replace"))
     if show:
@@ -82,3 +94,19 @@ def sh(cmd: str, timeout: float = 110, check: bool = True, cwd=None, env: dict |
     if check and proc.returncode != 0:
         raise RuntimeError(f"`{cmd}` exited with status {proc.returncode}:\n{text}")
     return None if show else text
+
+
+def console(transcript) -> None:
+    """Show ``[(command, output), ...]`` as one shell block: ``$ command`` lines, each followed by its output."""
+    from IPython.display import Markdown, display
+
+    body = "\n".join(f"$ {cmd}\n{out}" if out else f"$ {cmd}" for cmd, out in transcript)
+    fence = "```"
+    while fence in body:
+        fence += "`"
+    display(Markdown(f"{fence}console\n{body}\n{fence}"))
+
+
+def shell(cmd: str, timeout: float = 110, check: bool = True, cwd=None, env: dict | None = None) -> None:
+    """Run ``cmd`` (see :func:`sh`) and show it with its captured output as a shell block."""
+    console([(cmd, sh(cmd, timeout=timeout, check=check, cwd=cwd, env=env, show=False))])
