@@ -113,6 +113,11 @@ META_CASES = {
     "optimizer-null": dict(training__optimizer=None),
     "optimizer-step-string": dict(training__optimizer__step="2"),
     "optimizer-hyper-list": dict(training__optimizer__hyper=[0.1]),
+    "optimizer-lr-string": dict(training__optimizer__hyper__lr="fast"),
+    "optimizer-lr-negative": dict(training__optimizer__hyper__lr=-1.0),
+    "optimizer-momentum-list": dict(training__optimizer__hyper__momentum=[0.9]),
+    "optimizer-hyper-unknown": dict(training__optimizer__hyper__betas=[0.9, 0.99]),
+    "optimizer-type-other": dict(training__optimizer__type="Adam"),
     "training-list": dict(training=[]),
     "fit-string": dict(training__fit="n=8"),
     "loss-sum-string": dict(training__loss_sum="0"),
@@ -476,3 +481,20 @@ def test_training_checkpoint_with_an_integer_counter_resumes(tmp_path):
     state = _checkpoint.load_training_checkpoint(path)
     assert state.model_state["2.num_batches_tracked"].dtype.kind in "iu"
     assert pc.load(path)[2].num_features == 3
+
+
+@pytest.mark.parametrize("betas", [5, "x", [0.9], [0.9, 0.99, 0.999], [2.0, 0.9], None])
+def test_altered_adam_hyperparameters(tmp_path, betas):
+    model = pc.Sequential(pc.Flatten(), pc.Linear(4, 2, rng=0), backend="numpy")
+    x, y = np.zeros((8, 1, 2, 2), np.float32), np.arange(8) % 2
+    path = tmp_path / "adam.npz"
+    model.fit(x, y, batch_size=4, optimizer=pc.optim.Adam(model.parameters(), lr=0.01), verbose=False,
+              checkpoint=path)
+    with zipfile.ZipFile(path) as zf:
+        members = {name: zf.read(name) for name in zf.namelist()}
+    meta = json.loads(np.lib.format.read_array(io.BytesIO(members[META])).tobytes())
+    _write_zip(path, _with_meta(members, _altered(meta, training__optimizer__hyper__betas=betas)))
+    fresh = pc.Sequential(pc.Flatten(), pc.Linear(4, 2, rng=1), backend="numpy")
+    with pytest.raises(ValueError, match=r"adam\.npz"):
+        fresh.fit(x, y, batch_size=4, epochs=2, optimizer=pc.optim.Adam(fresh.parameters(), lr=0.01),
+                  verbose=False, resume=path)
