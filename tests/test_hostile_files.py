@@ -498,3 +498,21 @@ def test_altered_adam_hyperparameters(tmp_path, betas):
     with pytest.raises(ValueError, match=r"adam\.npz"):
         fresh.fit(x, y, batch_size=4, epochs=2, optimizer=pc.optim.Adam(fresh.parameters(), lr=0.01),
                   verbose=False, resume=path)
+
+
+@pytest.mark.parametrize("case", ["weight-shape", "int-weights", "huge-shape", "bad-optimizer-key"])
+def test_hostile_members_on_every_backend(tmp_path, checkpoint, backend, case):
+    """The checks run before any array reaches a backend: the same error wherever the model would live."""
+    src, members, meta = checkpoint
+    assert pc.load(src, backend=backend.name)[1].backend.name == backend.name
+    path = tmp_path / f"{case}.npz"
+    _write_zip(path, _hostile_archives(members, meta)[case])
+    model = pc.Sequential(pc.Flatten(), pc.Linear(4, 2, rng=1), backend=backend.name)
+    x, y = np.zeros((8, 1, 2, 2), np.float32), np.arange(8) % 2
+    with pytest.raises(ValueError, match=rf"{case}\.npz"):
+        if case == "bad-optimizer-key":
+            model.fit(x, y, batch_size=4, epochs=2, optimizer=pc.optim.SGD(model.parameters(), lr=0.1,
+                                                                            momentum=0.9),
+                      verbose=False, resume=path)
+        else:
+            pc.load(path, backend=backend.name)
