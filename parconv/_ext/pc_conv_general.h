@@ -236,9 +236,42 @@ static inline void pcg_dw_flat_plane(const float *restrict in, pc_idx in_stride,
     for (int p = 0; p < P; p++) memcpy(out + (pc_idx)p * Q, grid + (pc_idx)p * Wp, sizeof(float) * (size_t)Q);
 }
 
+/* sum over s < n of a[s] b[s]: 32 lanes (four 8-float vectors where the compiler has vector
+ * extensions, so the multiply-adds are independent vector operations instead of one chain of
+ * dependent scalar adds) plus a scalar tail, added in a fixed order: the same bits every run. */
+#if defined(__GNUC__) || defined(__clang__)
+typedef float pcg_v8 __attribute__((vector_size(32)));
+static inline float pcg_dot32(const float *restrict a, const float *restrict b, pc_idx n)
+{
+    pcg_v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, va, vb;
+    pc_idx i = 0;
+    for (; i + 32 <= n; i += 32) {
+        memcpy(&va, a + i, 32); memcpy(&vb, b + i, 32); s0 += va * vb;
+        memcpy(&va, a + i + 8, 32); memcpy(&vb, b + i + 8, 32); s1 += va * vb;
+        memcpy(&va, a + i + 16, 32); memcpy(&vb, b + i + 16, 32); s2 += va * vb;
+        memcpy(&va, a + i + 24, 32); memcpy(&vb, b + i + 24, 32); s3 += va * vb;
+    }
+    pcg_v8 t = (s0 + s1) + (s2 + s3);
+    float tail = 0.0f;
+    for (; i < n; i++) tail += a[i] * b[i];
+    return (((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]))) + tail;
+}
+#else
+static inline float pcg_dot32(const float *restrict a, const float *restrict b, pc_idx n)
+{
+    float l[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    pc_idx i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) l[j] += a[i + j] * b[i + j];
+    float tail = 0.0f;
+    for (; i < n; i++) tail += a[i] * b[i];
+    return (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))) + tail;
+}
+#endif
+
 /* dw (KH, KW) += the stride-1 correlation of dy (P, Q) with x (H, W): x padded into xp, dy laid on
- * the Wp-wide grid with zeros past column Q, then one dot product of length L per tap in 8 lanes
- * plus a tail, added in a fixed order, in double into dw. Scratch: xp (Hp Wp), dyg (P Wp). */
+ * the Wp-wide grid with zeros past column Q, then one dot product of length L per tap
+ * (pcg_dot32), in double into dw. Scratch: xp (Hp Wp), dyg (P Wp). */
 static inline void pcg_dw_flat_weight_plane(const float *restrict x, const float *restrict dy, int H, int W,
                                             int KH, int KW, int DH, int DW, int PT, int PB, int PL, int PR,
                                             int P, int Q, float *restrict xp, float *restrict dyg,
@@ -252,26 +285,9 @@ static inline void pcg_dw_flat_weight_plane(const float *restrict x, const float
         memcpy(row, dy + (pc_idx)p * Q, sizeof(float) * (size_t)Q);
         for (int q = Q; q < Wp; q++) row[q] = 0.0f;
     }
-    for (int kh = 0; kh < KH; kh++) {
-        for (int kw = 0; kw < KW; kw++) {
-            const float *src = xp + (pc_idx)kh * DH * Wp + (pc_idx)kw * DW;
-            float l0 = 0.0f, l1 = 0.0f, l2 = 0.0f, l3 = 0.0f, l4 = 0.0f, l5 = 0.0f, l6 = 0.0f, l7 = 0.0f;
-            float tail = 0.0f;
-            pc_idx s = 0;
-            for (; s + 8 <= L; s += 8) {
-                l0 = PC_FMAF(dyg[s], src[s], l0);
-                l1 = PC_FMAF(dyg[s + 1], src[s + 1], l1);
-                l2 = PC_FMAF(dyg[s + 2], src[s + 2], l2);
-                l3 = PC_FMAF(dyg[s + 3], src[s + 3], l3);
-                l4 = PC_FMAF(dyg[s + 4], src[s + 4], l4);
-                l5 = PC_FMAF(dyg[s + 5], src[s + 5], l5);
-                l6 = PC_FMAF(dyg[s + 6], src[s + 6], l6);
-                l7 = PC_FMAF(dyg[s + 7], src[s + 7], l7);
-            }
-            for (; s < L; s++) tail = PC_FMAF(dyg[s], src[s], tail);
-            dw[kh * KW + kw] += (double)((((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))) + tail);
-        }
-    }
+    for (int kh = 0; kh < KH; kh++)
+        for (int kw = 0; kw < KW; kw++)
+            dw[kh * KW + kw] += (double)pcg_dot32(dyg, xp + (pc_idx)kh * DH * Wp + (pc_idx)kw * DW, L);
 }
 
 #endif /* PARCONV_PC_CONV_GENERAL_H */
