@@ -61,8 +61,13 @@ class DistributedArgumentError(ValueError):
     """The ranks of a distributed call were given different arguments (raised on every rank alike)."""
 
 
-def _comm(comm):
-    return MPI.COMM_WORLD if comm is None else comm
+def _comm(comm, where: str):
+    if comm is None:
+        return MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"{where}: comm must be an mpi4py communicator (e.g. MPI.COMM_WORLD) or None, "
+                        f"got {type(comm).__name__}")
+    return comm
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -137,7 +142,7 @@ def abort_on_error(comm=None, where: str = "a distributed call", passthrough: tu
     >>> with dist.abort_on_error(where="my step"):
     ...     pass
     """
-    comm = _comm(comm)
+    comm = _comm(comm, "abort_on_error")
     try:
         yield
     except BaseException as exc:  # noqa: BLE001 - any failure must end the job
@@ -155,7 +160,7 @@ def install_excepthook(comm=None) -> None:
 
     Chains the previous ``sys.excepthook``; installing twice is harmless.
     """
-    comm = _comm(comm)
+    comm = _comm(comm, "install_excepthook")
     key = id(comm)
     if key in _hooked_comms:
         return
@@ -178,7 +183,7 @@ def default_threads(comm=None) -> int:
 
     Collective over ``comm`` (it counts the ranks sharing this node).
     """
-    comm = _comm(comm)
+    comm = _comm(comm, "default_threads")
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         local = node.Get_size()
@@ -195,7 +200,7 @@ def configure_threads(comm=None, threads: int | None = None) -> int:
     sharing a node do not oversubscribe its cores. Collective over ``comm``.
     Returns the thread count.
     """
-    comm = _comm(comm)
+    comm = _comm(comm, "configure_threads")
     auto = default_threads(comm)  # collective: every rank calls it whatever it decides
     if threads is None:
         explicit = _config._num_threads if _config._num_threads is not None else _config._threads_from_env()
@@ -308,7 +313,7 @@ class DataParallel:
         if not isinstance(model, Sequential):
             raise TypeError(f"DataParallel: model must be a parconv Sequential, got {type(model).__name__}")
         self.model = model
-        self.comm = _comm(comm)
+        self.comm = _comm(comm, "DataParallel")
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.bucket_cap_bytes = int(check_float(bucket_cap_mb, "bucket_cap_mb", "DataParallel", 0.0,
@@ -673,7 +678,7 @@ class FilterParallelConv2d(Layer):
             raise ValueError(f"FilterParallelConv2d: assemble must be 'allgatherv' or 'p2p', got {assemble!r}")
         self.assemble = assemble
         self._p2p_comm = None
-        self.comm = _comm(comm)
+        self.comm = _comm(comm, "FilterParallelConv2d")
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.abort_on_error = bool(abort_on_error)
@@ -895,6 +900,8 @@ def _reducer_for(model, distributed):
             raise ValueError("fit: distributed= is a DataParallel wrapping another model")
         dp = distributed
     else:
+        if distributed is not True and not isinstance(distributed, MPI.Comm):
+            return None  # fit then names what it accepts
         comm = MPI.COMM_WORLD if distributed is True else distributed
         dp = getattr(model, "_dp_cache", None)
         if dp is None or dp.comm is not comm:

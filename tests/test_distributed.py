@@ -487,6 +487,24 @@ def test_sequential_of_filter_parallel_conv2d_state_round_trip(backend):
 
 @needs_mpi_run
 @pytest.mark.mpi
+def test_distributed_and_comm_arguments_are_checked():
+    """A wrong ``distributed=`` or ``comm=`` is a TypeError naming it on every rank, before any collective."""
+    model = make_cnn("numpy", seed=0)
+    x, y = data(8)
+    for bad in ("yes", 1, "COMM_WORLD"):
+        with pytest.raises(TypeError, match="distributed must be True, an MPI communicator or a DataParallel"):
+            model.fit(x, y, epochs=1, batch_size=4, verbose=False, distributed=bad)
+    with pytest.raises(TypeError, match="DataParallel: comm must be an mpi4py communicator.*got str"):
+        dist.DataParallel(model, comm="world")
+    with pytest.raises(TypeError, match="FilterParallelConv2d: comm must be an mpi4py communicator.*got int"):
+        dist.FilterParallelConv2d(2, 3, 3, comm=0)
+    with pytest.raises(TypeError, match="configure_threads: comm must be"):
+        dist.configure_threads(comm=[COMM])
+    COMM.Barrier()
+
+
+@needs_mpi_run
+@pytest.mark.mpi
 def test_helpers():
     assert dist.split_sizes(5, 2) == [3, 2]
     assert dist.split_sizes(1, 3) == [1, 0, 0]
