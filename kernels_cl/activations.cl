@@ -104,6 +104,30 @@ __kernel void tanh_backward(__global const float* restrict y,    /* IN  (n,) for
     dx[i] = dy[i] * (1.0f - t * t);
 }
 
+/* y = x where x > 0, else alpha * (exp(x) - 1) */
+__kernel void elu_forward(__global const float* restrict x,   /* IN  (n,) */
+                          __global float* restrict y,         /* OUT (n,) */
+                          const int n,
+                          const float alpha)
+{
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    const float v = x[i];
+    y[i] = v > 0.0f ? v : alpha * expm1(v);
+}
+
+/* dx = dy where y > 0, else dy * (y + alpha): the derivative from the forward output */
+__kernel void elu_backward(__global const float* restrict y,    /* IN  (n,) forward output */
+                           __global const float* restrict dy,   /* IN  (n,) */
+                           __global float* restrict dx,         /* OUT (n,) */
+                           const int n,
+                           const float alpha)
+{
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    dx[i] = y[i] > 0.0f ? dy[i] : dy[i] * (y[i] + alpha);
+}
+
 __kernel void add_forward(__global const float* restrict a,   /* IN  (n,) */
                           __global const float* restrict b,   /* IN  (n,) */
                           __global float* restrict out,       /* OUT (n,) */

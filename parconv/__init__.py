@@ -14,27 +14,9 @@ from . import backends, datasets, functional, optim  # noqa: E402
 from . import callbacks, data  # noqa: E402
 from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
 from .backends import available as available_backends  # noqa: E402
-from .layers import (  # noqa: E402
-    AdaptiveAvgPool2d,
-    AvgPool2d,
-    BatchNorm1d,
-    BatchNorm2d,
-    Conv2d,
-    Dropout,
-    Flatten,
-    Identity,
-    Layer,
-    LeakyReLU,
-    Linear,
-    MaxPool2d,
-    Parameter,
-    ReLU,
-    Residual,
-    Sigmoid,
-    Softmax,
-    Tanh,
-    manual_seed,
-)
+from .layers import *  # noqa: E402,F403  (every layer, by layers.__all__)
+from .layers import Layer, Parameter, manual_seed  # noqa: E402
+from . import layers as _layers  # noqa: E402
 from .losses import BCELoss, MSELoss, SoftmaxCrossEntropy  # noqa: E402
 from .model import History, Sequential, TrainingDivergedError, load  # noqa: E402
 from . import models  # noqa: E402  (the zoo builds on Sequential)
@@ -79,30 +61,11 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "num_threads",
-    "manual_seed",
     "to_numpy",
     "Sequential",
     "History",
     "load",
     "TrainingDivergedError",
-    "Layer",
-    "Parameter",
-    "Conv2d",
-    "MaxPool2d",
-    "Linear",
-    "ReLU",
-    "Sigmoid",
-    "Flatten",
-    "AvgPool2d",
-    "AdaptiveAvgPool2d",
-    "BatchNorm1d",
-    "BatchNorm2d",
-    "Dropout",
-    "LeakyReLU",
-    "Tanh",
-    "Softmax",
-    "Identity",
-    "Residual",
     "SoftmaxCrossEntropy",
     "BCELoss",
     "MSELoss",
@@ -115,3 +78,4 @@ __all__ = [
     "callbacks",
     "data",
 ]
+__all__ += [name for name in _layers.__all__ if name not in __all__]

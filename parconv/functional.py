@@ -23,6 +23,8 @@ Examples
 
 from __future__ import annotations
 
+import math
+import weakref
 import numpy as np
 
 from . import backends as _backends
@@ -250,7 +252,20 @@ def maxpool2d(x, kernel_size, stride=None, padding=0, *, return_indices: bool = 
         y, argmax = be.maxpool2d_forward(x, kernel[0], stride[0])
     else:
         y, argmax = be.maxpool2d_general_forward(x, kernel, stride, pads)
-    return (y, argmax) if return_indices else y
+    return (y, _produced(argmax)) if return_indices else y
+
+
+#: argmax arrays our forward ops returned, by id: their backward skips the range scan
+_PRODUCED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _produced(argmax):
+    """Mark ``argmax`` as written by a forward op here (so trusted by the backward) and return it."""
+    try:
+        _PRODUCED[id(argmax)] = argmax
+    except TypeError:  # an array type without weak references is simply checked every time
+        pass
+    return argmax
 
 
 def _check_argmax(argmax, shape, plane: int, be, where: str, made_by: str) -> None:
@@ -266,6 +281,8 @@ def _check_argmax(argmax, shape, plane: int, be, where: str, made_by: str) -> No
                         f"{made_by}, got {getattr(argmax, 'dtype', type(argmax).__name__)}")
     if shape_of(argmax) != tuple(shape):
         raise ValueError(f"{where}: argmax shape {shape_of(argmax)} must equal {tuple(shape)}")
+    if _PRODUCED.get(id(argmax)) is argmax:
+        return  # written by one of our forward ops: in range by construction, no scan
     if getattr(be, "host_arrays", False) and isinstance(argmax, np.ndarray) and argmax.size:
         lo, hi = int(argmax.min()), int(argmax.max())
         if lo < 0 or hi >= plane:
@@ -384,7 +401,9 @@ def conv2d_relu_maxpool2d(x, weight, bias=None, stride: int = 1, padding: int = 
     maxpool2d_output_shape(conv_shape, pool_kernel, pool_stride, "conv2d_relu_maxpool2d")
     b = _bias(bias, w.shape[0], be, "conv2d_relu_maxpool2d")
     pool_stride = pool_kernel if pool_stride is None else pool_stride
-    return be.conv2d_relu_maxpool2d_forward(x, w, b, int(stride), int(padding), int(pool_kernel), int(pool_stride))
+    y, argmax = be.conv2d_relu_maxpool2d_forward(x, w, b, int(stride), int(padding), int(pool_kernel),
+                                                 int(pool_stride))
+    return y, _produced(argmax)
 
 
 def conv2d_relu_maxpool2d_backward(x, weight, y, argmax, dy, stride: int = 1, padding: int = 0, *,
@@ -438,6 +457,71 @@ def linear_backward(x, weight, dy, *, need_dx: bool = True, need_db: bool = True
     _check_linear(shape_of(x), shape_of(w), "linear_backward")
     check_grad_shape(shape_of(dy), (x.shape[0], w.shape[0]), "linear_backward")
     return be.linear_backward(x, w, dy, bool(need_dx), bool(need_db))
+
+
+# ------------------------------------------- fused conv+relu+maxpool+flatten+linear
+def fuses_linear_head(in_features: int, out_features: int, *, backend=None) -> bool:
+    """Whether ``backend`` runs :func:`conv2d_relu_maxpool2d_linear` as one kernel for this head size."""
+    return bool(_backends.get(backend).fuses_linear_head(int(in_features), int(out_features)))
+
+
+def conv2d_relu_maxpool2d_linear(x, weight, bias, head_weight, head_bias=None, stride: int = 1, padding: int = 0,
+                                 pool_kernel: int = 2, pool_stride: int | None = None, *, backend=None):
+    """``linear(flatten(maxpool2d(relu(conv2d(x)))))`` in one pass; returns ``(y, argmax, logits)``.
+
+    ``y`` and ``argmax`` are the pooled activations and their indices (as
+    :func:`conv2d_relu_maxpool2d` returns them); ``logits`` (N, G) the head's output.
+    """
+    be = _backends.get(backend)
+    where = "conv2d_relu_maxpool2d_linear"
+    x = to_backend_array(x, be, "x", where)
+    w = to_backend_array(weight, be, "weight", where)
+    wl = to_backend_array(head_weight, be, "head_weight", where)
+    conv_shape = conv2d_output_shape(shape_of(x), shape_of(w), stride, padding, where)
+    pooled = maxpool2d_output_shape(conv_shape, pool_kernel, pool_stride, where)
+    _check_linear((pooled[0], pooled[1] * pooled[2] * pooled[3]), shape_of(wl), where)
+    b = _bias(bias, w.shape[0], be, where)
+    bl = _bias(head_bias, wl.shape[0], be, where)
+    pool_stride = pool_kernel if pool_stride is None else pool_stride
+    y, argmax, logits = be.conv2d_relu_maxpool2d_linear_forward(x, w, b, int(stride), int(padding),
+                                                                int(pool_kernel), int(pool_stride), wl, bl)
+    return y, _produced(argmax), logits
+
+
+def conv2d_relu_maxpool2d_linear_backward(x, weight, y, argmax, head_weight, dlogits, stride: int = 1,
+                                          padding: int = 0, *, need_dx: bool = True, need_db: bool = True,
+                                          need_head_db: bool = True, backend=None):
+    """Gradients of :func:`conv2d_relu_maxpool2d_linear` from the head's output gradient.
+
+    Returns ``(dx, dw, db, head_dw, head_db)`` (overwritten, not accumulated).
+    """
+    be = _backends.get(backend)
+    where = "conv2d_relu_maxpool2d_linear_backward"
+    x = to_backend_array(x, be, "x", where)
+    w = to_backend_array(weight, be, "weight", where)
+    wl = to_backend_array(head_weight, be, "head_weight", where)
+    dlogits = to_backend_array(dlogits, be, "dlogits", where)
+    N, O, P, Q = conv2d_output_shape(shape_of(x), shape_of(w), stride, padding, where)
+    ys = shape_of(y)
+    check_ndim(ys, 4, "y", where, "(N, O, PP, QQ)")
+    if ys[:2] != (N, O) or ys[2] > P or ys[3] > Q:
+        raise ValueError(f"{where}: y shape {ys} is not a pooled output of the ({N}, {O}, {P}, {Q}) convolution")
+    _check_linear((ys[0], ys[1] * ys[2] * ys[3]), shape_of(wl), where)
+    check_grad_shape(shape_of(dlogits), (ys[0], wl.shape[0]), where)
+    _check_argmax(argmax, ys, P * Q, be, where, "conv2d_relu_maxpool2d_linear")
+    return be.conv2d_relu_maxpool2d_linear_backward(x, w, y, argmax, wl, dlogits, int(stride), int(padding),
+                                                    bool(need_dx), bool(need_db), bool(need_head_db))
+
+
+# ----------------------------------------------------------------------- shapes
+def reshape(x, shape, *, backend=None):
+    """``x`` viewed with ``shape`` (same number of elements); no copy where the backend can avoid one."""
+    be = _backends.get(backend)
+    x = to_backend_array(x, be, "x", "reshape")
+    shape = tuple(int(s) for s in shape)
+    if math.prod(shape) != math.prod(shape_of(x)):
+        raise ValueError(f"reshape: cannot view an array of shape {shape_of(x)} as {shape}")
+    return be.reshape(x, shape)
 
 
 # ------------------------------------------------------------------ activations
@@ -782,6 +866,23 @@ def tanh_backward(y, dy, *, backend=None):
     dy = to_backend_array(dy, be, "dy", "tanh_backward")
     check_grad_shape(shape_of(dy), shape_of(y), "tanh_backward")
     return be.tanh_backward(y, dy)
+
+
+def elu(x, alpha: float = 1.0, *, backend=None):
+    """ELU elementwise: ``x`` where ``x > 0``, else ``alpha * (exp(x) - 1)``."""
+    be = _backends.get(backend)
+    alpha = check_float(alpha, "alpha", "elu")
+    return be.elementwise_forward("elu", _elementwise("elu", x, be), (alpha,))
+
+
+def elu_backward(y, dy, alpha: float = 1.0, *, backend=None):
+    """Gradient of :func:`elu` from its output ``y``: ``dy`` where ``y > 0``, else ``dy * (y + alpha)``."""
+    be = _backends.get(backend)
+    alpha = check_float(alpha, "alpha", "elu_backward")
+    y = to_backend_array(y, be, "y", "elu_backward")
+    dy = to_backend_array(dy, be, "dy", "elu_backward")
+    check_grad_shape(shape_of(dy), shape_of(y), "elu_backward")
+    return be.elementwise_backward("elu", y, dy, (alpha,))
 
 
 def _softmax_dim(dim, ndim: int, where: str) -> int:

@@ -27,8 +27,8 @@ from ._validation import Where, check_float, check_int, shape_of, state_array, t
 
 __all__ = [
     "Parameter", "Layer", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "Linear", "BatchNorm1d",
-    "BatchNorm2d", "Dropout", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "Softmax", "Flatten", "Identity", "Residual",
-    "manual_seed", "layer_from_spec",
+    "BatchNorm2d", "Dropout", "ReLU", "LeakyReLU", "ELU", "Sigmoid", "Tanh", "Softmax", "Flatten", "Identity",
+    "Residual", "manual_seed",
 ]
 
 _global_rng = np.random.default_rng()
@@ -805,6 +805,29 @@ class LeakyReLU(Layer):
         x = self._cached()
         dy = self._check_dy(dy, shape_of(x))
         return F.leaky_relu_backward(x, dy, self.negative_slope, backend=self.backend)
+
+
+class ELU(Layer):
+    """Exponential linear unit: ``x`` where ``x > 0``, else ``alpha * (exp(x) - 1)``."""
+
+    def __init__(self, alpha: float = 1.0, backend=None):
+        super().__init__(backend)
+        self.alpha = check_float(alpha, "alpha", "ELU")
+
+    def config(self):
+        return dict(alpha=self.alpha)
+
+    def macs(self, x_shape) -> int:
+        return math.prod(x_shape)
+
+    def forward(self, x):
+        y = F.elu(self._input(x), self.alpha, backend=self.backend)
+        self._cache = y
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        y = self._cached()
+        return F.elu_backward(y, self._check_dy(dy, shape_of(y)), self.alpha, backend=self.backend)
 
 
 class Softmax(Layer):

@@ -614,6 +614,17 @@ def _check_more_activations(ck, ref, rng, shape):
               lambda: {"y": _f64(x) + _f64(other)}, tag)
 
 
+def _check_elu(ck, ref, rng, shape):
+    be = ck.be
+    x, dy = _f32(rng, *shape, scale=3.0), _f32(rng, *shape)
+    y32 = ref.elu_forward(_f64(x), 1.5).astype(np.float32)
+    _run_pair(ck, "elu",
+              lambda: {"y": be.elementwise_forward("elu", be.asarray(x), (1.5,)),
+                       "dx": be.elementwise_backward("elu", be.asarray(y32), be.asarray(dy), (1.5,))},
+              lambda: {"y": ref.elu_forward(_f64(x), 1.5), "dx": ref.elu_backward(_f64(y32), _f64(dy), 1.5)},
+              f"{shape} alpha=1.5")
+
+
 def _check_more_losses(ck, ref, rng, case):
     n, g = case
     be = ck.be
@@ -700,6 +711,9 @@ OPS: tuple = (
            ("leaky_relu_forward", "leaky_relu_backward", "tanh_forward", "tanh_backward", "softmax_forward",
             "softmax_backward", "add"), ("LeakyReLU", "Tanh", "Softmax", "Residual"), _check_more_activations,
            tuple(_FIXED_ACT), _rand_shape),
+    OpSpec("elu", "ELU: forward, dx (an elementwise op found by name on every backend)",
+           ("elu_forward", "elu_backward", "elementwise_forward", "elementwise_backward"),
+           ("ELU",), _check_elu, tuple(_FIXED_ACT), _rand_shape),
     OpSpec("losses", "softmax cross-entropy, binary cross-entropy, accuracy counts",
            ("softmax_cross_entropy_forward", "softmax_cross_entropy_backward", "bce_forward", "bce_backward",
             "count_correct"), ("SoftmaxCrossEntropy", "BCELoss"), _check_losses, tuple(_FIXED_LOSS), _rand_loss),

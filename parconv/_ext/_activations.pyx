@@ -9,6 +9,7 @@ than the loop.
 """
 
 from cython.parallel cimport prange
+from libc.math cimport expm1f
 
 cdef extern from "pc_common.h":
     void pc_relu_fwd(const float *x, float *y, Py_ssize_t n) noexcept nogil
@@ -157,6 +158,33 @@ def tanh_backward(const float[::1] y,   # IN  (n,) forward output
         for i in prange(nc, schedule="static", num_threads=nc):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 dx[k] = dy[k] * (<float>1.0 - y[k] * y[k])
+
+
+def elu_forward(const float[::1] x,  # IN  (n,)
+                float[::1] y,        # OUT (n,), overwritten
+                float alpha,
+                int num_threads):
+    """``y = x`` where ``x > 0``, else ``alpha * (exp(x) - 1)``."""
+    cdef Py_ssize_t n = x.shape[0], i, k
+    cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for k in range(n * i // nc, n * (i + 1) // nc):
+                y[k] = x[k] if x[k] > 0 else alpha * expm1f(x[k])
+
+
+def elu_backward(const float[::1] y,   # IN  (n,) forward output
+                 const float[::1] dy,  # IN  (n,)
+                 float[::1] dx,        # OUT (n,), overwritten
+                 float alpha,
+                 int num_threads):
+    """``dx = dy`` where ``y > 0``, else ``dy * (y + alpha)`` (the derivative from the output)."""
+    cdef Py_ssize_t n = y.shape[0], i, k
+    cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=nc):
+            for k in range(n * i // nc, n * (i + 1) // nc):
+                dx[k] = dy[k] if y[k] > 0 else dy[k] * (y[k] + alpha)
 
 
 def add(const float[::1] a,  # IN  (n,)

@@ -314,63 +314,6 @@ class Backend:
                                                          padding, need_dx, need_db)
         return dx, dw, db, dwl, dbl
 
-    # ------------------------------------ general convolution and pooling ops
-    # functional sends the square-kernel, int-argument cases to the methods above
-    # (their outputs stay bit for bit), everything else here. Pads are
-    # (top, bottom, left, right) for convolutions and symmetric (ph, pw) for pooling.
-    def conv2d_general_forward(self, x, w, b, stride: tuple, pads: tuple, dilation: tuple, groups: int):
-        """Grouped, dilated, strided cross-correlation with a rectangular kernel and asymmetric padding.
-
-        x (N, C, H, W), w (O, C/groups, kH, kW), b (O,) or None -> y (N, O, P, Q) with
-        ``P = (H + top + bottom - dh (kH - 1) - 1) // sh + 1`` (Q likewise,
-        :func:`parconv._shapes.out_size`). Filter ``o`` reads the channels of its group
-        ``o // (O / groups)``. ``stride=(sh, sw)``, ``pads=(top, bottom, left, right)``,
-        ``dilation=(dh, dw)``.
-        """
-        raise self._missing("conv2d_general_forward")
-
-    def conv2d_general_backward(self, x, w, dy, stride: tuple, pads: tuple, dilation: tuple, groups: int,
-                                need_dx: bool = True, need_db: bool = True):
-        """Gradients of :meth:`conv2d_general_forward`: ``(dx, dw, db)``, all overwritten.
-
-        dx (N, C, H, W) or None when not ``need_dx``, dw (O, C/groups, kH, kW), db (O,)
-        or None when not ``need_db``.
-        """
-        raise self._missing("conv2d_general_backward")
-
-    def maxpool2d_general_forward(self, x, kernel: tuple, stride: tuple, pads: tuple):
-        """Max pooling with ``kernel=(kh, kw)``, ``stride=(sh, sw)`` and symmetric ``pads=(ph, pw)``.
-
-        Padded positions count as -inf (never selected; ``ph <= kh // 2`` so every window
-        holds an input). Returns ``(y, argmax)`` as :meth:`maxpool2d_forward` (argmax the
-        flat index ``h * W + w`` in the unpadded plane, first maximum on ties);
-        :meth:`maxpool2d_backward` takes it.
-        """
-        raise self._missing("maxpool2d_general_forward")
-
-    def avgpool2d_forward(self, x, kernel: tuple, stride: tuple, pads: tuple):
-        """Average pooling, zero padding counted (each window divided by ``kh * kw``), floor mode.
-
-        x (N, C, H, W) -> y (N, C, P, Q); arguments as :meth:`maxpool2d_general_forward`.
-        """
-        raise self._missing("avgpool2d_forward")
-
-    def avgpool2d_backward(self, dy, x_shape, kernel: tuple, stride: tuple, pads: tuple):
-        """Gradient of :meth:`avgpool2d_forward`: dx of ``x_shape`` (overwritten)."""
-        raise self._missing("avgpool2d_backward")
-
-    def adaptive_avgpool2d_forward(self, x, output_size: tuple):
-        """Adaptive average pooling to ``output_size=(P, Q)``.
-
-        Output ``(i, j)`` averages rows ``floor(i H / P)`` to ``ceil((i + 1) H / P)``
-        (exclusive) and the columns likewise, as PyTorch. x (N, C, H, W) -> y (N, C, P, Q).
-        """
-        raise self._missing("adaptive_avgpool2d_forward")
-
-    def adaptive_avgpool2d_backward(self, dy, x_shape, output_size: tuple):
-        """Gradient of :meth:`adaptive_avgpool2d_forward`: dx of ``x_shape`` (overwritten)."""
-        raise self._missing("adaptive_avgpool2d_backward")
-
     # ------------------------------------------------------------ batch norm
     # x is (N, C), (N, C, L) or (N, C, H, W); the statistics run over every dim but 1
     # (M = N * L or N * H * W values per channel). weight/bias (C,) or None (no affine);
@@ -444,6 +387,26 @@ class Backend:
         """``dx = y * (dy - sum(dy * y, dim))`` from the forward output y."""
         raise self._missing("softmax_backward")
 
+    # ------------------------------------------------- elementwise ops by name
+    # An elementwise op ``name`` is a pair ``{name}_forward(x, *params) -> y`` and
+    # ``{name}_backward(saved, dy, *params) -> dx`` (``saved`` is the forward's input or
+    # output, whichever the gradient needs). Compiled backends find their kernels by those
+    # names (openmp: ``parconv._ext._activations``; opencl: ``kernels_cl/activations.cl``),
+    # so a new elementwise op needs no edit of the backend classes.
+    def elementwise_forward(self, op: str, x, params: tuple = ()):
+        """``{op}_forward(x, *params)``: a new array of x's shape."""
+        method = getattr(self, f"{op}_forward", None)
+        if method is None:
+            raise self._missing(f"{op}_forward")
+        return method(x, *params)
+
+    def elementwise_backward(self, op: str, saved, dy, params: tuple = ()):
+        """``{op}_backward(saved, dy, *params)``: dx of dy's shape (overwritten)."""
+        method = getattr(self, f"{op}_backward", None)
+        if method is None:
+            raise self._missing(f"{op}_backward")
+        return method(saved, dy, *params)
+
     def add(self, a, b):
         """``a + b`` for two arrays of equal shape, as a new array."""
         raise self._missing("add")
@@ -469,3 +432,60 @@ class Backend:
     def softmax_cross_entropy_smoothed_backward(self, probs, labels, label_smoothing: float):
         """``dlogits = (probs - (1 - s) onehot(labels) - s / G) / N`` (overwritten)."""
         raise self._missing("softmax_cross_entropy_smoothed_backward")
+
+    # ------------------------------------ general convolution and pooling ops
+    # functional sends the square-kernel, int-argument cases to the methods above
+    # (their outputs stay bit for bit), everything else here. Pads are
+    # (top, bottom, left, right) for convolutions and symmetric (ph, pw) for pooling.
+    def conv2d_general_forward(self, x, w, b, stride: tuple, pads: tuple, dilation: tuple, groups: int):
+        """Grouped, dilated, strided cross-correlation with a rectangular kernel and asymmetric padding.
+
+        x (N, C, H, W), w (O, C/groups, kH, kW), b (O,) or None -> y (N, O, P, Q) with
+        ``P = (H + top + bottom - dh (kH - 1) - 1) // sh + 1`` (Q likewise,
+        :func:`parconv._shapes.out_size`). Filter ``o`` reads the channels of its group
+        ``o // (O / groups)``. ``stride=(sh, sw)``, ``pads=(top, bottom, left, right)``,
+        ``dilation=(dh, dw)``.
+        """
+        raise self._missing("conv2d_general_forward")
+
+    def conv2d_general_backward(self, x, w, dy, stride: tuple, pads: tuple, dilation: tuple, groups: int,
+                                need_dx: bool = True, need_db: bool = True):
+        """Gradients of :meth:`conv2d_general_forward`: ``(dx, dw, db)``, all overwritten.
+
+        dx (N, C, H, W) or None when not ``need_dx``, dw (O, C/groups, kH, kW), db (O,)
+        or None when not ``need_db``.
+        """
+        raise self._missing("conv2d_general_backward")
+
+    def maxpool2d_general_forward(self, x, kernel: tuple, stride: tuple, pads: tuple):
+        """Max pooling with ``kernel=(kh, kw)``, ``stride=(sh, sw)`` and symmetric ``pads=(ph, pw)``.
+
+        Padded positions count as -inf (never selected; ``ph <= kh // 2`` so every window
+        holds an input). Returns ``(y, argmax)`` as :meth:`maxpool2d_forward` (argmax the
+        flat index ``h * W + w`` in the unpadded plane, first maximum on ties);
+        :meth:`maxpool2d_backward` takes it.
+        """
+        raise self._missing("maxpool2d_general_forward")
+
+    def avgpool2d_forward(self, x, kernel: tuple, stride: tuple, pads: tuple):
+        """Average pooling, zero padding counted (each window divided by ``kh * kw``), floor mode.
+
+        x (N, C, H, W) -> y (N, C, P, Q); arguments as :meth:`maxpool2d_general_forward`.
+        """
+        raise self._missing("avgpool2d_forward")
+
+    def avgpool2d_backward(self, dy, x_shape, kernel: tuple, stride: tuple, pads: tuple):
+        """Gradient of :meth:`avgpool2d_forward`: dx of ``x_shape`` (overwritten)."""
+        raise self._missing("avgpool2d_backward")
+
+    def adaptive_avgpool2d_forward(self, x, output_size: tuple):
+        """Adaptive average pooling to ``output_size=(P, Q)``.
+
+        Output ``(i, j)`` averages rows ``floor(i H / P)`` to ``ceil((i + 1) H / P)``
+        (exclusive) and the columns likewise, as PyTorch. x (N, C, H, W) -> y (N, C, P, Q).
+        """
+        raise self._missing("adaptive_avgpool2d_forward")
+
+    def adaptive_avgpool2d_backward(self, dy, x_shape, output_size: tuple):
+        """Gradient of :meth:`adaptive_avgpool2d_forward`: dx of ``x_shape`` (overwritten)."""
+        raise self._missing("adaptive_avgpool2d_backward")

@@ -858,6 +858,24 @@ class OpenCLBackend(Backend):
         self._elementwise(name, dy.size, y.data, dy.data, dx.data, _i32(dy.size))
         return dx
 
+    def elementwise_forward(self, op, x, params=()):
+        # kernels follow one signature: {op}_forward(x, y, n, *float params)
+        name = f"{op}_forward"
+        if name not in self._k:
+            return super().elementwise_forward(op, x, params)
+        y = self.empty(x.shape)
+        self._elementwise(name, x.size, x.data, y.data, _i32(x.size), *(_f32(p) for p in params))
+        return y
+
+    def elementwise_backward(self, op, saved, dy, params=()):
+        # {op}_backward(saved, dy, dx, n, *float params)
+        name = f"{op}_backward"
+        if name not in self._k:
+            return super().elementwise_backward(op, saved, dy, params)
+        dx = self.empty(dy.shape)
+        self._elementwise(name, dy.size, saved.data, dy.data, dx.data, _i32(dy.size), *(_f32(p) for p in params))
+        return dx
+
     def relu_forward(self, x):
         return self._unary("relu_forward", x)
 

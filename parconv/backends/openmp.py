@@ -601,6 +601,28 @@ class OpenMPBackend(HostArrays, Backend):
             kernel(y.reshape(-1), dy.reshape(-1), dx.reshape(-1), get_num_threads())
         return dx
 
+    def elementwise_forward(self, op, x, params=()):
+        # kernels follow one signature: {op}_forward(x, y, *params, threads)
+        kernel = getattr(_activations, f"{op}_forward", None)
+        if kernel is None:
+            return super().elementwise_forward(op, x, params)
+        x = _f32(x)
+        y = self._empty(x.shape)
+        if x.size:
+            kernel(x.reshape(-1), y.reshape(-1), *params, get_num_threads())
+        return y
+
+    def elementwise_backward(self, op, saved, dy, params=()):
+        # {op}_backward(saved, dy, dx, *params, threads)
+        kernel = getattr(_activations, f"{op}_backward", None)
+        if kernel is None:
+            return super().elementwise_backward(op, saved, dy, params)
+        saved, dy = _f32(saved), _f32(dy)
+        dx = self._empty(dy.shape)
+        if dy.size:
+            kernel(saved.reshape(-1), dy.reshape(-1), dx.reshape(-1), *params, get_num_threads())
+        return dx
+
     def relu_forward(self, x):
         return self._unary(_activations.relu_forward, x)
 
