@@ -570,6 +570,14 @@ class _Loader:
                 self._bad_attr(node, key, value, "value, value_float(s), value_int(s)")
             self.consts[node.outputs[0]] = np.asarray(value, dtype=np.int64 if "int" in key else None)
             return
+        try:
+            self.consts[node.outputs[0]] = np.asarray(self._evaluate(node))
+        except ValueError as exc:
+            if str(exc).startswith(repr(self.path)):
+                raise
+            self.fail(node, f"cannot evaluate this constant subgraph: {exc}")
+
+    def _evaluate(self, node):
         ins = []
         for t in node.inputs:
             if t == "":
@@ -635,19 +643,19 @@ class _Loader:
                 out = (np.trunc(x / y)).astype(np.result_type(x, y))
             else:
                 out = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}[op](x, y)
-        self.consts[node.outputs[0]] = np.asarray(out)
+        return out
 
     # ---------------------------------------------------------------- the walk
-    def reach(self, node) -> frozenset:
-        """Indices of the live nodes reachable from ``node`` (itself included)."""
-        got = self._reach.get(node.idx)
-        if got is None:
-            got = {node.idx}
-            for t in node.outputs:
-                for c in self.consumers.get(t, []):
-                    got |= self.reach(c)
-            got = self._reach[node.idx] = frozenset(got)
-        return got
+    def reach(self, node) -> int:
+        """The live nodes reachable from ``node`` (itself included), as a bit set of node indices."""
+        if not self._reach:  # ONNX nodes are topologically sorted: consumers come later
+            for n in reversed(self.nodes):
+                bits = 1 << n.idx
+                for t in n.outputs:
+                    for c in self.consumers.get(t, []):
+                        bits |= self._reach[c.idx]
+                self._reach[n.idx] = bits
+        return self._reach[node.idx]
 
     def chain(self, start: str, stop: str, first, rank):
         """Specs of the layers from tensor ``start`` to tensor ``stop``; returns ``(specs, rank)``."""
@@ -677,7 +685,7 @@ class _Loader:
         common = self.reach(cons[0]) & self.reach(cons[1])
         if not common:
             raise ValueError(f"{self.path!r}: the branches from {cur!r} never join")
-        join = node_by_idx[min(common)]
+        join = node_by_idx[(common & -common).bit_length() - 1]  # the first node both branches reach
         data_in = [t for t in join.inputs if t in self.producer or t == self.x0]
         if join.op not in ("Add", "Sum") or len(join.inputs) != 2 or len(data_in) != 2:
             self.fail(join, f"joins the branches from {cur!r}; parconv loads only an Add of two branches "
@@ -687,7 +695,7 @@ class _Loader:
             if t == cur:
                 branches.append((t, None))
                 continue
-            owners = [c for c in cons if self.producer[t].idx in self.reach(c)]
+            owners = [c for c in cons if self.reach(c) >> self.producer[t].idx & 1]
             if len(owners) != 1 or self.consumers.get(t) != [join]:
                 self.fail(join, f"adds branches from {cur!r} that are not separate chains")
             branches.append((t, owners[0]))
@@ -1036,15 +1044,19 @@ def load(path, backend=None):
         specs, _ = loader.chain(loader.x0, loader.out, None, loader.rank0)
     except (KeyError, IndexError, TypeError, AttributeError, np.exceptions.AxisError) as exc:
         raise ValueError(f"{path!r}: malformed ONNX graph: {type(exc).__name__}: {exc}") from None
+    except ValueError as exc:  # NumPy's, on initializers of the wrong shape: name the file too
+        if str(exc).startswith(repr(path)):
+            raise
+        raise ValueError(f"{path!r}: malformed ONNX graph: {exc}") from None
     if not specs:
         specs = [_spec("Identity")]
-    model, state = _build(specs, backend)
-    full = model.state_dict()
-    full.update(state)
-    try:
+    try:  # a layer refuses what the graph asks of it (e.g. pooling padding over half the kernel)
+        model, state = _build(specs, backend)
+        full = model.state_dict()
+        full.update(state)
         model.load_state_dict(full)
-    except ValueError as exc:
-        raise ValueError(f"{path!r}: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path!r}: the graph does not make a valid parconv model: {exc}") from None
     if callable(getattr(model, "eval", None)):
         model.eval()
     return model
