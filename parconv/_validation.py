@@ -74,7 +74,15 @@ def to_host_labels(y, name: str, where: str) -> np.ndarray:
 
 def check_ndim(shape: tuple, ndim: int, name: str, where: str, layout: str) -> None:
     if len(shape) != ndim:
-        raise ValueError(f"{where}: {name} must be {ndim}-D {layout}, got shape {shape}")
+        hint = ""
+        if name == "x" and layout == "(N, C, H, W)" and len(shape) == 3:
+            # the two usual mistakes: one (C, H, W) image, or an (N, H, W) batch of grey images
+            hint = (f" (one image of shape (C, H, W)? pass x[None] for shape {(1,) + tuple(shape)}; a batch of "
+                    f"single-channel images (N, H, W)? pass x[:, None] for shape "
+                    f"{(shape[0], 1) + tuple(shape[1:])})")
+        elif name == "x" and layout == "(N, C, H, W)" and len(shape) == 2:
+            hint = " (a flat (N, features) batch? a convolution needs images: reshape to (N, C, H, W))"
+        raise ValueError(f"{where}: {name} must be {ndim}-D {layout}, got shape {shape}{hint}")
 
 
 def check_nonempty(shape: tuple, name: str, where: str) -> None:
