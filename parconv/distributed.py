@@ -743,6 +743,9 @@ class FilterParallelConv2d(Layer):
             be = self.backend
             plane = P * Q
             t0 = time.perf_counter()
+            self._check_same_shape(shape_of(x))
+            self.timings["comm"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
             if self._local_filters:
                 b = self.bias.data if self.bias is not None else None
                 y_local = _host_copy(be, be.conv2d_forward(x, self.weight.data, b, self.stride, self.padding))
@@ -769,6 +772,21 @@ class FilterParallelConv2d(Layer):
             self.timings["comm"] += time.perf_counter() - t1
             self._cache = x
             return be.asarray(y)
+
+    def _check_same_shape(self, shape) -> None:
+        """Raise on every rank alike unless ``x`` has the same shape on every rank (one small Allreduce).
+
+        Blocks of different sizes would be gathered into a partly unwritten output, silently.
+        """
+        if self.size == 1:
+            return
+        bounds = np.array([*shape, *(-d for d in shape)], dtype=np.int64)  # max of -d is -min
+        self.comm.Allreduce(MPI.IN_PLACE, [bounds, MPI.INT64_T], op=MPI.MAX)
+        largest, smallest = tuple(int(d) for d in bounds[:4]), tuple(int(-d) for d in bounds[4:])
+        if largest != smallest:
+            raise DistributedArgumentError(
+                f"FilterParallelConv2d.forward: x must be the same on every rank; its shape is {tuple(shape)} on "
+                f"rank {self.rank}, and over the ranks ranges from {smallest} to {largest}")
 
     def _exchange_blocks(self, y_local, y, N, plane) -> None:
         """The Allgatherv done pairwise: ``Isend`` the local block to every rank, ``Irecv`` each

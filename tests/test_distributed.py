@@ -413,6 +413,20 @@ def test_filter_parallel_load_state_dict_checks_shapes():
         conv.load_state_dict({"weight": np.zeros((5, 2, 3, 3))})
 
 
+@needs_mpi_run
+@pytest.mark.mpi
+def test_filter_parallel_forward_refuses_different_shapes_per_rank():
+    """Inputs of different batch sizes would be gathered into a partly unwritten output: every rank raises."""
+    conv = dist.FilterParallelConv2d(2, 5, 3, backend="numpy", abort_on_error=False)
+    x = np.zeros((3 + RANK, 2, 6, 6), np.float32)
+    with pytest.raises(dist.DistributedArgumentError,
+                       match=rf"its shape is \({3 + RANK}, 2, 6, 6\) on rank {RANK}, and over the ranks ranges "
+                             rf"from \(3, 2, 6, 6\) to \({2 + SIZE}, 2, 6, 6\)"):
+        conv(x)
+    y = conv(np.ones((2, 2, 6, 6), np.float32))  # the layer still works once the ranks agree
+    assert pc.to_numpy(y).shape == (2, 5, 4, 4)
+
+
 LOAD_WITHOUT_MPI = """
 import sys
 import numpy as np
