@@ -90,6 +90,8 @@ def test_batch_norm_oracle_gradient_matches_finite_differences(oracle, training,
 
     if relu and np.abs(forward(False)[0]).min() < 1e-3:
         return  # an output too close to the ReLU's kink for central differences
+    if training and x.reshape(shape[0], C, -1).transpose(1, 0, 2).reshape(C, -1).std(axis=1).min() < 0.05:
+        return  # a channel of nearly equal values: its normalisation is too curved for the step
     y, mean, invstd = forward()
     dx, dw, db = oracle.batch_norm_backward(x, w, r, mean, invstd, y if relu else None, training)
     f = lambda: float((forward()[0] * r).sum())  # noqa: E731
