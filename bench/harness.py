@@ -171,8 +171,7 @@ def wait_own_threads_idle(max_wait_s: float = 0.5, threshold: float = 0.1, windo
     """Sleep until this process's own threads use fewer than ``threshold`` cores (at most ``max_wait_s``).
 
     Runtimes keep their idle workers spinning after a parallel call: libgomp
-    for a few milliseconds, OpenBLAS for about 2**28 cycles (~0.1 s measured
-    here). A sample timed while another runtime's worker still spins loses a
+    for a few milliseconds, OpenBLAS for about 2**28 cycles. A sample timed while another runtime's worker still spins loses a
     core to it, so the harness waits for this process to go quiet between
     configs. Returns the seconds waited.
     """

@@ -402,13 +402,11 @@ cdef extern from "pc_winograd.h":
 
 
 cdef enum:
-    # transformed input + GEMM output of one block of tiles (bytes); 256 KiB to 2 MiB
-    # measured on a Zen 4 (1 MiB L2): 512 KiB was fastest on conv-small and conv-large
+    # transformed input + GEMM output of one block of tiles (bytes): about half an L2
     WINOGRAD_BLOCK_BYTES = 1 << 19
-    # where F(2x2, 3x3) beat the direct micro-kernels on the same machine: at least 64
-    # channels, 32 filters and 36 tiles (12x12 outputs) per image, and tiles x filters
-    # >= 2048 (100x64x13x13 images: 64 filters 1.1x faster, 32 filters 1.35x slower).
-    # Narrower layers or fewer tiles leave the 16 GEMMs too small for the transforms
+    # where F(2x2, 3x3) beats the direct micro-kernels: at least 64 channels, 32 filters and
+    # 36 tiles (12x12 outputs) per image, and tiles x filters >= 2048. Narrower layers or
+    # fewer tiles leave the 16 GEMMs too small for the transforms
     WINOGRAD_MIN_C = 64
     WINOGRAD_MIN_O = 32
     WINOGRAD_MIN_TILES = 36
@@ -470,8 +468,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     ldxm = _wino_plane_stride(O, ldt)
     with nogil, parallel(num_threads=nt):
         # V, M and the scratch start on a cache line (ldxv, ldxm are multiples of 16 floats),
-        # so no 16-float store of a transform splits across two lines (the output transform
-        # of conv-large on one thread: 1.8 -> 1.2 ms)
+        # so no 16-float store of a transform splits across two lines
         Vraw = <float *>malloc(sizeof(float) * (16 * <size_t>(ldxv + ldxm) + pcw_scratch_floats(tW, rb)
                                                 + pcw_filter_scratch_floats(C)) + 64)
         V = <float *>pc_align64(Vraw)
@@ -507,12 +504,8 @@ cdef enum:
     # same bits at every thread count
     WINOGRAD_DW_GROUPS = 16
     WINOGRAD_DW_PARTIAL_BYTES = 64 << 20
-    # V and dM of one block of the Winograd weight gradient (bytes), and where it pays: on a
-    # 2-core Zen 4 (ms direct / Winograd, one thread; two threads alike) 64x128x32x32 through
-    # 64 filters 103 / 69, 32x64x56x56 through 64 75 / 65, 16x128x28x28 through 128 37 / 31,
-    # 100x64x26x26 through 64 52 / 46; slower for 32 filters (100x64x26x26: 26.5 / 29),
-    # rows of 7 tiles (100x64x13x13 through 64: 14.4 / 15.5) and GEMMs 64 tiles deep
-    # (8x256x16x16 through 256: 28 / 39)
+    # V and dM of one block of the Winograd weight gradient (bytes), and where it pays: it
+    # loses for 32 filters, rows of 7 tiles and GEMMs 64 tiles deep
     WINOGRAD_DW_BLOCK_BYTES = 1 << 21
     WINOGRAD_DW_MIN_O = 64
     WINOGRAD_DW_MIN_DEPTH = 96
@@ -1087,10 +1080,8 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
 
 
 cdef enum:
-    # extra multiply-adds the busiest thread may take so that the fused forward keeps whole images.
-    # One image on two threads of a Zen 4 (the extra work is half the image), fused on one thread
-    # against composed on two: 28x28 through 128 filters (0.39 M extra) 66 against 88 us, 56x56x3
-    # through 16 filters (0.63 M) 76 against 90 us; 112x112x3 through 64 (10 M) 1172 against 528 us
+    # extra multiply-adds the busiest thread may take so that the fused forward keeps whole images:
+    # below it, one fused thread beats the composed ops on two
     FUSED_FWD_UNEVEN_MACS = 1 << 20
 
 
@@ -1122,12 +1113,8 @@ cdef enum:
     # FUSED_BWD_MIN_BLOCKS and at most FUSED_BWD_IMAGE_BLOCKS (fewer when the batch is smaller or
     # their partial sums would pass FUSED_BWD_PARTIAL_BYTES). Fixed by the shape, so every thread
     # count gives the same bits; handed out dynamically, each block reads every image's planes as
-    # one contiguous run. Ranges of filters instead (4 per thread) took 12.5 against 9.6 ms on
-    # two threads of a Zen 4 at 32 filters, batch 1000: every range restarts its strided walk
-    # over the planes of every image. Blocks of four images at batch 100 (25 blocks instead of
-    # 16) shorten the last block two threads wait on: two-thread speedup 1.84 -> 1.90 at 128
-    # filters, 1.82 -> 1.86 at 32, 1.81 -> 1.84 at 256; batch 250 in 32 blocks 1.87 -> 1.91;
-    # batch 500 and 1000 the same within noise (paired medians of 9-31 rounds).
+    # one contiguous run (ranges of filters instead restart a strided walk over the planes of
+    # every image). Blocks of four images shorten the last block two threads wait on.
     FUSED_BWD_IMAGE_BLOCKS = 32
     FUSED_BWD_MIN_BLOCKS = 16
     FUSED_BWD_BLOCK_IMAGES = 4

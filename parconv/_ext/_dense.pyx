@@ -31,10 +31,7 @@ cdef enum:
     NARROW_RUNS_PER_THREAD = 4
     # the same for the backward without dx (a fused first layer's head: dw alone): one run per
     # thread, each thread's columns one contiguous range. Where a thread's blocks interleave with
-    # the other's, both cores prefetch into each other's rows: on two threads of an Intel Xeon
-    # (2 MB L2 per core), 10 x 5408..43264 heads over 100..1000 rows, two-thread speedups of
-    # 1.70-2.01 with four runs per thread, 1.80-2.06 with one, and 1.33-1.82 with a run per block
-    # (paired medians of 15 rounds)
+    # the other's, both cores prefetch into each other's rows
     NARROW_DW_RUNS_PER_THREAD = 1
 
 cdef int _dw_runs = NARROW_DW_RUNS_PER_THREAD

@@ -21,8 +21,8 @@ def omp_max_threads():
 
 # --- one-thread BLAS around the kernels that call sgemm ----------------------
 # The OpenMP backend limits the BLAS to one thread while a kernel calls sgemm
-# from inside its own parallel region. Through threadpoolctl that costs 3-6 µs
-# per op, more than a small linear layer takes, so where the BLAS is OpenBLAS
+# from inside its own parallel region. Through threadpoolctl that costs more per
+# op than a small linear layer takes, so where the BLAS is OpenBLAS
 # with its own pthreads pool the backend hands over the addresses of
 # ``openblas_get_num_threads`` / ``openblas_set_num_threads`` and the limit is
 # two C calls. Callers hold the GIL, which serialises the counter below.

@@ -34,9 +34,8 @@ typedef ptrdiff_t pc_idx;
 
 /* a * b + c with one rounding where the hardware has a fused multiply-add (x86 FMA3, AArch64),
  * else a product and a sum: without the instruction, fmaf is a libm call that emulates the
- * single rounding, and the fused backward's tap loop ran 17x slower on x86-64 without FMA
- * (34 against 2.0 ms at 32 filters, batch 100). The rounding then differs from build to build,
- * never between thread counts or between the code paths of one build. */
+ * single rounding, far slower than the loop around it. The rounding then differs from build to
+ * build, never between thread counts or between the code paths of one build. */
 #if defined(__FMA__) || defined(__FP_FAST_FMAF) || defined(FP_FAST_FMAF) || defined(__ARM_FEATURE_FMA)
 #define PC_FMAF(a, b, c) fmaf((a), (b), (c))
 #else

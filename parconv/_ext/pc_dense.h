@@ -21,14 +21,11 @@
  *
  * Without dx (the head of a fused first layer, whose pooled gradient the
  * fused backward computes itself with pcd_linear_dx_rows), dw takes rows in
- * fours, loading and storing each accumulator once per four rows: 5408
- * inputs x 1000 rows, 2.7 against 2.0 ms on one Zen 4 core, the same bits.
+ * fours, loading and storing each accumulator once per four rows (the same bits).
  *
  * Both backward walks read 1 KB of each row and jump F floats to the next, a
  * run too short for the hardware prefetcher; where x is larger than the L2s
- * (PCD_DW_PF_FLOATS) they prefetch the rows PCD_DW_PF ahead. Inside cnn-mnist
- * training steps on a 2-core Zen 4, the head's dw pass took 0.69-0.84x the
- * time without (d = 32 to 256, batch 100 to 1000; paired medians).
+ * (PCD_DW_PF_FLOATS) they prefetch the rows PCD_DW_PF ahead.
  */
 #ifndef PARCONV_PC_DENSE_H
 #define PARCONV_PC_DENSE_H

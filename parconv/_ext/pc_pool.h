@@ -58,10 +58,8 @@ static inline void pc_pool_bases(int W, int S, int P, int Q, int *restrict base)
  * 32 floats in masked loads, split into the windows' four taps by two permutes each, then the
  * selects of PC_POOL_SELECT in the same order, so y and am are the generic loop's bits. am is
  * uint16_t when am16, else int. AVX2 (without AVX-512) takes the same steps 8 windows at a time.
- * Per 26x26 / 32x32 / 64x64 plane on one Xeon core, against the generic loops below (which gather
- * for rows of fewer than 16 outputs and go tap by tap along longer rows) in the same build:
- * AVX-512 0.083 / 0.099 / 0.456 us against 0.153 / 1.253 / 3.69 us, AVX2 0.193 / 0.253 / 0.930 us
- * against 0.290 / 1.377 / 4.04 us. */
+ * The generic loops below gather for rows of fewer than 16 outputs and go tap by tap along longer
+ * rows, several times slower per plane. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PC_POOL22_SIMD 1
@@ -124,7 +122,7 @@ static inline void pc_pool22_avx2(const float *restrict x, int W, int P, int Q, 
         const float *r0 = x + (pc_idx)(2 * p) * W, *r1 = r0 + W;
         for (int q0 = 0; q0 < Q; q0 += 8) {
             /* a whole chunk reads 16 floats of each row, all inside the 2Q <= W the windows cover,
-             * so only the last, partial chunk of a row needs masks (slow stores on Zen 4) */
+             * so only the last, partial chunk of a row needs masks (masked stores are slow on some CPUs) */
             const int n = Q - q0 < 8 ? Q - q0 : 8, w2 = 2 * n;
             __m256 a0, a1, b0, b1;
             __m256i mn = _mm256_setzero_si256();

@@ -185,8 +185,7 @@ static inline pcw_idx pcw_scratch_floats(int tW, int rb)
 
 /* How many channels ahead pcw_input prefetches. A block reads a few rows of each channel
  * plane, the planes H W floats apart: the hardware prefetchers do not follow that, so
- * every channel waited on DRAM (64x128x32x32 input on a Zen 4, one thread, whole
- * batch: 7.9 ms without, 6.0 / 5.7 / 5.7 ms at 2 / 4 / 8 channels ahead). */
+ * without it every channel waits on DRAM (measurements: docs/performance-internals.md). */
 #ifndef PCW_PREFETCH_CHANNELS
 #define PCW_PREFETCH_CHANNELS 4
 #endif

@@ -45,11 +45,7 @@ CONV_BACKWARD_TILE_BYTES = 1 << 22
 
 #: The fused conv+ReLU+maxpool backward runs only for layers with at most this many input
 #: channels whose dx is not wanted (a network's first layer); the unfused ops compose
-#: otherwise. Fused / composed milliseconds on a 2-core Zen 4, 3x3 pad 1, pool 2, one thread
-#: (two threads alike): 100x1x28x28 through 32 filters, no dx: 2.1 / 2.5, with dx: 10.0 / 7.2;
-#: 100x2x28x28 through 32 filters, no dx: 3.3 / 2.9 (two threads 1.8 / 2.5), through 128:
-#: 12.5 / 13.4; 100x3x32x32 through 32 filters, no dx: 6.2 / 4.9; 100x16x28x28: 17.7 / 10.4;
-#: 64x128x32x32 through 64 filters with dx: 712 / 154 (Winograd dx).
+#: otherwise: with more channels, or with dx, the composed ops (Winograd dx among them) win.
 FUSED_BWD_MAX_CHANNELS = 2
 
 #: ``Conv2d -> ReLU -> MaxPool2d -> Flatten -> Linear`` runs as one op (the fused layer computes
@@ -57,11 +53,7 @@ FUSED_BWD_MAX_CHANNELS = 2
 #: gradient from the logits' gradient where it is used) when the head is narrow (at most
 #: ``_dense.NARROW_MAX_G`` outputs over at least ``NARROW_MIN_FEATURES`` inputs) and its weights
 #: fit this many bytes: every four images a thread pools read all of them (from a core's L2 where
-#: they fit next to the convolution's scratch; from d = 128, 865 KB, they stream from L3).
-#: Whole training steps on a 2-core Zen 4 (10 classes over 169 * d features, d = 32 to 256, weights
-#: 216 KB to 1.7 MB) took 0.78-0.93x the time of the unfused head on two threads, 0.85-0.99x on one.
-#: The fused forward alone at batch 100, d = 128 and 256: 0.91-0.93x the unfused on two threads,
-#: 0.94-0.97x on one (paired medians of 25-41 rounds; images in pairs instead of fours: 0.98x).
+#: they fit next to the convolution's scratch; larger heads stream from L3).
 HEAD_MAX_WEIGHT_BYTES = 1 << 22
 
 
@@ -179,9 +171,7 @@ BLAS_LIMIT_MIN_MACS = 1 << 16
 
 #: A linear layer with at most ``_dense.NARROW_MAX_G`` (16) outputs and at least this many
 #: inputs runs on the narrow kernels of pc_dense.h, which stream x once (and compute dx and dw
-#: in one pass): 1.3-2x faster than sgemm from 2048 features up (a 10-class head over 5408 to
-#: 43264 features, 100 to 1000 rows). Below it the results were mixed (e.g. 2048 x 512 with one output:
-#: faster on one thread, slower on two; 100 x 1000 with ten outputs: slower), so sgemm keeps those.
+#: in one pass): faster than sgemm from about 2048 features up; below it sgemm keeps the layer.
 NARROW_MIN_FEATURES = 2048
 
 
@@ -263,7 +253,7 @@ class _BufferPool:
         """An uninitialised array, from the pool when it has ``min_bytes`` or more (or ``any_size``)."""
         dtype = np.dtype(dtype)
         shape = tuple(map(int, shape))
-        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow, ~40x faster than np.prod
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow, and cheaper than np.prod
         if (nbytes < self.min_bytes and not any_size) or nbytes > self.max_bytes:
             return np.empty(shape, dtype=dtype)
         with self._lock:
