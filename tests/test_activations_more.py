@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import parconv as pc
 import parconv.functional as F
 from conftest import assert_close, host, needs_torch, numeric_grad, rand
 
@@ -59,6 +60,20 @@ def test_softmax_matches_oracle(backend, oracle, data, shape, seed, scale):
     np.testing.assert_allclose(host(y).sum(axis=dim), 1.0, rtol=1e-5)
     dx_ref = oracle.softmax_backward(y_ref, dy, dim % len(shape))
     assert_close(F.softmax_backward(y_ref, dy, dim, backend=backend), dx_ref, rtol=1e-4, atol=1e-5, what="dx")
+
+
+@pytest.mark.parametrize("shape,dim", [((2, 3, 700), 1), ((3, 600), 1), ((5, 1000), 0), ((4, 7, 33, 20), 1),
+                                       ((50, 40, 30), 2)])
+def test_softmax_matches_oracle_on_large_inputs(backend, oracle, shape, dim):
+    """Several column tiles per block (openmp takes 256 columns at once) and two threads."""
+    rng = np.random.default_rng(len(shape) + dim)
+    x, dy = rand(rng, *shape, scale=4.0), rand(rng, *shape)
+    with pc.num_threads(2):
+        y = F.softmax(x, dim, backend=backend)
+        dx = F.softmax_backward(y, dy, dim, backend=backend)
+    y_ref = oracle.softmax_forward(x, dim)
+    assert_close(y, y_ref, rtol=1e-4, atol=1e-6, what="y")
+    assert_close(dx, oracle.softmax_backward(host(y), dy, dim), rtol=1e-4, atol=1e-5, what="dx")
 
 
 def test_softmax_is_stable_for_large_inputs(backend):

@@ -89,7 +89,7 @@ def sigmoid_backward(const float[::1] y,   # IN  (n,) forward output
 # leaky_relu, tanh, add (flat, n elements) and softmax: x viewed as (O, D, I), the
 # softmax running along D for each of the O * I lines (stride I between its elements).
 # ----------------------------------------------------------------------------------
-from libc.math cimport copysignf, expf, fabsf
+from libc.math cimport copysignf, fabsf
 
 
 def leaky_relu_forward(const float[::1] x,  # IN  (n,)
@@ -234,74 +234,120 @@ cdef inline void _softmax_row(const float *x, float *y, Py_ssize_t D) noexcept n
         y[d] = y[d] / e
 
 
-cdef inline void _softmax_line(const float *x, float *y, Py_ssize_t D, Py_ssize_t s) noexcept nogil:
-    """Stable softmax of the D values x[0], x[s], x[2 s], ...; the sum in double."""
-    cdef Py_ssize_t d
-    cdef float m = x[0], e
-    cdef double total = 0.0
-    if s == 1:
-        _softmax_row(x, y, D)
-        return
+cdef enum:
+    SOFTMAX_COLS = 256  # columns of an (O, D, I) block taken at once when the softmax runs along D
+
+
+cdef void _softmax_cols(const float *x, float *y, Py_ssize_t D, Py_ssize_t I, Py_ssize_t w) noexcept nogil:
+    """Softmax along D of w adjacent columns (x[d * I + k], k < w) of a (D, I) block: every loop
+    runs along the contiguous columns, so each vectorises; the column sums in double."""
+    cdef float m[SOFTMAX_COLS]
+    cdef double total[SOFTMAX_COLS]
+    cdef const float *row
+    cdef float *out
+    cdef float t, e
+    cdef Py_ssize_t d, k
+    for k in range(w):
+        m[k] = x[k]
+        total[k] = 0.0
     for d in range(1, D):
-        if x[d * s] > m:
-            m = x[d * s]
+        row = x + d * I
+        for k in range(w):
+            m[k] = row[k] if row[k] > m[k] else m[k]
     for d in range(D):
-        e = expf(x[d * s] - m)
-        y[d * s] = e
-        total += e
-    e = <float>total
+        row = x + d * I
+        out = y + d * I
+        for k in range(w):
+            t = row[k] - m[k]
+            e = pc_exp_nonpos(t)
+            e = e if t >= <float>-87.3 else <float>0.0
+            out[k] = e
+            total[k] += e
+    for k in range(w):
+        m[k] = <float>total[k]
     for d in range(D):
-        y[d * s] = y[d * s] / e
+        out = y + d * I
+        for k in range(w):
+            out[k] = out[k] / m[k]
 
 
-cdef inline void _softmax_bwd_line(const float *y, const float *dy, float *dx, Py_ssize_t D,
-                                   Py_ssize_t s) noexcept nogil:
-    """dx = y * (dy - sum(dy * y)) along one line; the sum in double."""
-    cdef Py_ssize_t d
-    cdef double t0 = 0.0, t1 = 0.0, total
+cdef void _softmax_bwd_row(const float *y, const float *dy, float *dx, Py_ssize_t D) noexcept nogil:
+    """dx = y * (dy - sum(dy * y)) along D contiguous values; the sum in double, two chains."""
+    cdef Py_ssize_t d = 0
+    cdef double t0 = 0.0, t1 = 0.0
     cdef float dot
-    if s == 1:  # two independent chains
-        d = 0
-        while d + 2 <= D:
-            t0 += dy[d] * y[d]
-            t1 += dy[d + 1] * y[d + 1]
-            d += 2
-        if d < D:
-            t0 += dy[d] * y[d]
-        total = t0 + t1
-    else:
-        total = 0.0
-        for d in range(D):
-            total += dy[d * s] * y[d * s]
-    dot = <float>total
+    while d + 2 <= D:
+        t0 += dy[d] * y[d]
+        t1 += dy[d + 1] * y[d + 1]
+        d += 2
+    if d < D:
+        t0 += dy[d] * y[d]
+    dot = <float>(t0 + t1)
     for d in range(D):
-        dx[d * s] = y[d * s] * (dy[d * s] - dot)
+        dx[d] = y[d] * (dy[d] - dot)
+
+
+cdef void _softmax_bwd_cols(const float *y, const float *dy, float *dx, Py_ssize_t D, Py_ssize_t I,
+                            Py_ssize_t w) noexcept nogil:
+    """The backward of _softmax_cols over w adjacent columns."""
+    cdef double total[SOFTMAX_COLS]
+    cdef float dot[SOFTMAX_COLS]
+    cdef Py_ssize_t d, k
+    for k in range(w):
+        total[k] = 0.0
+    for d in range(D):
+        for k in range(w):
+            total[k] += dy[d * I + k] * y[d * I + k]
+    for k in range(w):
+        dot[k] = <float>total[k]
+    for d in range(D):
+        for k in range(w):
+            dx[d * I + k] = y[d * I + k] * (dy[d * I + k] - dot[k])
 
 
 def softmax_forward(const float[:, :, ::1] x,  # IN  (O, D, I)
                     float[:, :, ::1] y,        # OUT (O, D, I), overwritten
                     int num_threads):
-    """Softmax along axis 1 of each (O, D, I) line, one contiguous range of lines per thread."""
-    cdef Py_ssize_t O = x.shape[0], D = x.shape[1], I = x.shape[2], lines = O * I, l, i
-    cdef int nc = _chunks(lines * D, SERIAL_BELOW_EXP, num_threads)
-    if nc > lines:
-        nc = <int>lines
+    """Softmax along axis 1. The work units are the O rows when I == 1, else the (D, SOFTMAX_COLS)
+    column tiles of each of the O blocks; one contiguous range of units per thread."""
+    cdef Py_ssize_t O = x.shape[0], D = x.shape[1], I = x.shape[2], u, i, o, i0
+    cdef Py_ssize_t tiles = (I + SOFTMAX_COLS - 1) // SOFTMAX_COLS, units = O * tiles
+    cdef int nc = _chunks(O * D * I, SERIAL_BELOW_EXP, num_threads)
+    cdef const float *xp = &x[0, 0, 0]
+    cdef float *yp = &y[0, 0, 0]
+    if nc > units:
+        nc = <int>units
     with nogil:
         for i in prange(nc, schedule="static", num_threads=nc):
-            for l in range(lines * i // nc, lines * (i + 1) // nc):
-                _softmax_line(&x[l // I, 0, l % I], &y[l // I, 0, l % I], D, I)
+            for u in range(units * i // nc, units * (i + 1) // nc):
+                o = u // tiles
+                i0 = (u - o * tiles) * SOFTMAX_COLS
+                if I == 1:
+                    _softmax_row(xp + o * D, yp + o * D, D)
+                else:
+                    _softmax_cols(xp + o * D * I + i0, yp + o * D * I + i0, D, I, min(SOFTMAX_COLS, I - i0))
 
 
 def softmax_backward(const float[:, :, ::1] y,   # IN  (O, D, I) forward output
                      const float[:, :, ::1] dy,  # IN  (O, D, I)
                      float[:, :, ::1] dx,        # OUT (O, D, I), overwritten
                      int num_threads):
-    """``dx = y * (dy - sum(dy * y, axis=1))``."""
-    cdef Py_ssize_t O = y.shape[0], D = y.shape[1], I = y.shape[2], lines = O * I, l, i
-    cdef int nc = _chunks(lines * D, SERIAL_BELOW, num_threads)
-    if nc > lines:
-        nc = <int>lines
+    """``dx = y * (dy - sum(dy * y, axis=1))``, over the work units of ``softmax_forward``."""
+    cdef Py_ssize_t O = y.shape[0], D = y.shape[1], I = y.shape[2], u, i, o, i0, at
+    cdef Py_ssize_t tiles = (I + SOFTMAX_COLS - 1) // SOFTMAX_COLS, units = O * tiles
+    cdef int nc = _chunks(O * D * I, SERIAL_BELOW, num_threads)
+    cdef const float *yp = &y[0, 0, 0]
+    cdef const float *dyp = &dy[0, 0, 0]
+    cdef float *dxp = &dx[0, 0, 0]
+    if nc > units:
+        nc = <int>units
     with nogil:
         for i in prange(nc, schedule="static", num_threads=nc):
-            for l in range(lines * i // nc, lines * (i + 1) // nc):
-                _softmax_bwd_line(&y[l // I, 0, l % I], &dy[l // I, 0, l % I], &dx[l // I, 0, l % I], D, I)
+            for u in range(units * i // nc, units * (i + 1) // nc):
+                o = u // tiles
+                i0 = (u - o * tiles) * SOFTMAX_COLS
+                at = o * D * I + i0
+                if I == 1:
+                    _softmax_bwd_row(yp + at, dyp + at, dxp + at, D)
+                else:
+                    _softmax_bwd_cols(yp + at, dyp + at, dxp + at, D, I, min(SOFTMAX_COLS, I - i0))
