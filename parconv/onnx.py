@@ -15,11 +15,15 @@ parconv`` never imports it, and this module imports it on first use.
 
 Examples
 --------
->>> import numpy as np, parconv as pc
->>> model = pc.Sequential(pc.Flatten(), pc.Linear(4, 3), backend="numpy")
->>> pc.onnx.export(model, "mlp.onnx", input_shape=(1, 1, 2, 2))  # doctest: +SKIP
->>> pc.onnx.load("mlp.onnx")(np.ones((5, 1, 2, 2))).shape  # doctest: +SKIP
+>>> import os, tempfile, numpy as np, parconv as pc
+>>> model = pc.Sequential(pc.Flatten(), pc.Linear(4, 3), backend="numpy").eval()
+>>> path = os.path.join(tempfile.mkdtemp(), "mlp.onnx")
+>>> pc.onnx.export(model, path, input_shape=(1, 1, 2, 2))
+>>> loaded = pc.onnx.load(path, backend="numpy")
+>>> loaded(np.ones((5, 1, 2, 2))).shape
 (5, 3)
+>>> [type(layer).__name__ for layer in loaded]
+['Flatten', 'Linear']
 """
 
 from __future__ import annotations

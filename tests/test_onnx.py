@@ -3,6 +3,7 @@ PyTorch exporters load into parconv and give PyTorch's outputs on every backend.
 
 from __future__ import annotations
 
+import doctest
 import os
 import subprocess
 import sys
@@ -516,6 +517,11 @@ def test_corrupt_and_truncated_files_are_clear_errors(tmp_path, exported):
 
 
 # ------------------------------------------------------------------ packaging, CLI
+def test_docstring_examples():
+    result = doctest.testmod(pox, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, report=True)
+    assert result.attempted > 0 and result.failed == 0
+
+
 def test_import_parconv_does_not_import_onnx():
     code = "import sys, parconv; assert 'onnx' not in sys.modules; parconv.onnx; assert 'onnx' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
