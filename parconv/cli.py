@@ -56,6 +56,11 @@ class _HelpFormatter(argparse.HelpFormatter):
             return text
         return f"{text} (default: %(default)s)"
 
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:  # a table (the recipes): keep its lines
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
 
 class _OnEveryRank(Exception):
     """An error found on rank 0 before training and raised on every rank at the same point.
@@ -207,6 +212,34 @@ def _load_data(args):
     return ((xtr - mean) / std, ytr), ((xte - mean) / std, yte), source
 
 
+#: each model's training recipe: what --epochs, --batch-size, --lr, --scheduler, --weight-decay and
+#: --augment default to (SGD with momentum 0.9 unless --optimizer says otherwise)
+RECIPES = {
+    "cnn-mnist": dict(epochs=10, batch_size=50, lr=0.02, scheduler="none", weight_decay=0.0, augment=False),
+    "lenet5": dict(epochs=12, batch_size=64, lr=0.1, scheduler="onecycle", weight_decay=0.0, augment=True),
+    "vgg-small": dict(epochs=8, batch_size=64, lr=0.05, scheduler="onecycle", weight_decay=5e-4, augment=True),
+    "resnet20": dict(epochs=8, batch_size=64, lr=0.1, scheduler="onecycle", weight_decay=5e-4, augment=True),
+    "mobilenet-small": dict(epochs=8, batch_size=64, lr=0.1, scheduler="onecycle", weight_decay=5e-4,
+                            augment=True),
+}
+
+
+def _apply_recipe(args) -> None:
+    """Fill the training options the command line left out from the model's recipe."""
+    for key, value in RECIPES[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def _recipes_epilog() -> str:
+    lines = ["training recipes (what the options default to, per --model):"]
+    for name, r in RECIPES.items():
+        lines.append(f"  {name:16s} {r['epochs']} epochs, batch {r['batch_size']}, lr {r['lr']}, "
+                     f"{r['scheduler']} schedule, weight decay {r['weight_decay']:g}"
+                     + (", augmented" if r["augment"] else ""))
+    return "\n".join(lines)
+
+
 def _build_model(args, input_shape, backend):
     import parconv as pc
 
@@ -255,6 +288,7 @@ def _augmentation(args, shape):
 
 
 def cmd_train(args) -> int:
+    _apply_recipe(args)
     if not args.distributed:
         return _train(args, None)
     try:
@@ -429,9 +463,10 @@ def _add_export_parser(sub) -> None:
 
 
 def _add_train_parser(sub) -> argparse.ArgumentParser:
-    t = sub.add_parser("train", help="train the cnn-mnist network on the bundled MNIST sample",
-                       description="Train the cnn-mnist network (conv 3x3, ReLU, maxpool 2, FC) and report its "
-                                   "accuracy on held-out images.", formatter_class=_HelpFormatter)
+    t = sub.add_parser("train", help="train a network (cnn-mnist by default) on the bundled MNIST sample",
+                       description="Train a network of the model zoo (by default cnn-mnist: conv 3x3, ReLU, maxpool "
+                                   "2, FC) and report its accuracy on held-out images.",
+                       epilog=_recipes_epilog(), formatter_class=_HelpFormatter)
     run = t.add_argument_group("where it runs")
     run.add_argument("--backend", default=None,
                      help="numpy, openmp, opencl or a plugin's name (default: $PARCONV_BACKEND, else openmp)")
@@ -452,25 +487,30 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
                       help="fetch the dataset's official files (checksum-verified, cached in the user cache dir)")
     data.add_argument("--split", choices=("train", "test"), default="test",
                       help="mnist-sample with --data: which IDX files to read")
-    data.add_argument("--augment", action="store_true",
-                      help="random crops (and horizontal flips on cifar10), applied on a background thread")
+    data.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
+                      help="random crops (and horizontal flips on cifar10), applied on a background thread "
+                           "(default: the model's recipe)")
     data.add_argument("--train-size", type=_positive_int, default=None,
                       help="images used for training; the rest are held out for the test accuracy")
     opt = t.add_argument_group("training")
-    opt.add_argument("--epochs", type=_positive_int, default=10, help="passes over the training images")
-    opt.add_argument("--batch-size", type=_positive_int, default=50,
-                     help="images per optimizer step, over all ranks with --distributed")
+    opt.add_argument("--epochs", type=_positive_int, default=None,
+                     help="passes over the training images (default: the model's recipe)")
+    opt.add_argument("--batch-size", type=_positive_int, default=None,
+                     help="images per optimizer step, over all ranks with --distributed (default: the model's recipe)")
     opt.add_argument("--optimizer", choices=("sgd", "adam", "adamw", "rmsprop"), default="sgd", help="update rule")
-    opt.add_argument("--scheduler", choices=("none", "step", "cosine", "onecycle", "plateau"), default="none",
+    opt.add_argument("--scheduler", choices=("none", "step", "cosine", "onecycle", "plateau"), default=None,
                      help="learning-rate schedule: step (x0.1 every third of the epochs), cosine, onecycle "
-                          "(per batch, peaking at --lr), plateau (x0.1 when the validation loss stalls 2 epochs)")
+                          "(per batch, peaking at --lr), plateau (x0.1 when the validation loss stalls 2 epochs) "
+                          "(default: the model's recipe)")
     opt.add_argument("--early-stopping", type=_positive_int, default=None, metavar="N",
                      help="stop when the validation loss has not improved for N epochs (a tenth of the training "
                           "images is held out for it) and keep the best weights")
-    opt.add_argument("--lr", type=_positive_float, default=0.02, help="learning rate")
+    opt.add_argument("--lr", type=_positive_float, default=None,
+                     help="learning rate; the peak with onecycle (default: the model's recipe)")
     opt.add_argument("--momentum", type=_nonneg_float, default=0.9, help="SGD/RMSprop momentum; adam(w) ignores it")
-    opt.add_argument("--weight-decay", type=_nonneg_float, default=0.0,
-                     help="L2 penalty: weight_decay * w is added to every weight's gradient")
+    opt.add_argument("--weight-decay", type=_nonneg_float, default=None,
+                     help="L2 penalty: weight_decay * w is added to every weight's gradient (default: the model's "
+                          "recipe)")
     opt.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the shuffling")
     opt.add_argument("--quiet", action="store_true", help="no progress bar")
     ck = t.add_argument_group("checkpoints")

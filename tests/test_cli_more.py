@@ -57,7 +57,10 @@ def test_train_help_shows_defaults_in_the_text(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     out = re.sub(r"\s+", " ", out)
-    for fragment in ("passes over the training images (default: 10)", "learning rate (default: 0.02)",
+    # the training options default to the model's recipe, listed once below the options
+    for fragment in ("passes over the training images (default: the model's recipe)",
+                     "cnn-mnist 10 epochs, batch 50, lr 0.02, none schedule",
+                     "lenet5 12 epochs, batch 64, lr 0.1, onecycle schedule",
                      "(default: $PARCONV_BACKEND, else openmp)", "--force", "--version" and "--seed"):
         assert fragment in out, fragment
 
@@ -193,5 +196,7 @@ def test_quickstart_states_the_default_epoch_count():
         pytest.skip("documentation sources not present")
     with open(quickstart, encoding="utf-8") as f:
         text = re.sub(r"\s+", " ", f.read())
-    default = _subparser("train").get_default("epochs")
+    from parconv.cli import RECIPES
+
+    default = RECIPES["cnn-mnist"]["epochs"]  # what `parconv train` (the cnn-mnist default) trains for
     assert f"by default for {_plural(default, 'epoch')}" in text
