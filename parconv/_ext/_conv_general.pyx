@@ -31,19 +31,15 @@ cdef extern from "pc_conv_general.h":
                     int PT, int PL, int P, int Q, float *cols) noexcept nogil
     void pcg_col2im(const float *dcols, int Cg, int H, int W, int KH, int KW, int SH, int SW, int DH, int DW,
                     int PT, int PL, int P, int Q, float *dx) noexcept nogil
-    void pcg_dw_forward_plane(const float *x, const float *w, float bias, int H, int W, int KH, int KW, int SH,
-                              int SW, int DH, int DW, int PT, int PL, int P, int Q, float *y) noexcept nogil
     void pcg_dw_backward_input_plane(const float *dy, const float *w, int M, int H, int W, int KH, int KW,
                                      int SH, int SW, int DH, int DW, int PT, int PL, int P, int Q,
                                      float *dx) noexcept nogil
-    void pcg_dw_backward_weight_plane(const float *x, const float *dy, int H, int W, int KH, int KW, int SH,
-                                      int SW, int DH, int DW, int PT, int PL, int P, int Q,
-                                      double *dw) noexcept nogil
+    Py_ssize_t pcg_flat_scratch(int P, int Q, int KH, int KW, int SH, int SW, int DH, int DW) noexcept nogil
     void pcg_dw_flat_plane(const float *inp, Py_ssize_t in_stride, const float *k, Py_ssize_t k_stride, int nin,
-                           int flip, float bias, int H, int W, int KH, int KW, int DH, int DW, int PT, int PB,
-                           int PL, int PR, int P, int Q, float *xp, float *grid, float *out) noexcept nogil
-    void pcg_dw_flat_weight_plane(const float *x, const float *dy, int H, int W, int KH, int KW, int DH, int DW,
-                                  int PT, int PB, int PL, int PR, int P, int Q, float *xp, float *dyg,
+                           int flip, float bias, int H, int W, int KH, int KW, int SH, int SW, int DH, int DW,
+                           int PT, int PL, int P, int Q, float *scratch, float *out) noexcept nogil
+    void pcg_dw_flat_weight_plane(const float *x, const float *dy, int H, int W, int KH, int KW, int SH, int SW,
+                                  int DH, int DW, int PT, int PL, int P, int Q, float *scratch,
                                   double *dw) noexcept nogil
 
 cdef enum:
@@ -88,35 +84,23 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef const float *bp = NULL if b is None else &b[0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i, n, o
-    cdef bint flat = SH == 1 and SW == 1
-    cdef int PB = P + DH * (KH - 1) - H - PT, PR = Q + DW * (KW - 1) - W - PL
-    cdef Py_ssize_t Wp = W + PL + PR
     cdef float *scratch = NULL
     cdef int failed[1]
     failed[0] = 0
-    if flat:
-        # stride 1: whole-plane taps on a padded copy (pc_conv_general.h)
-        with nogil, parallel(num_threads=nt):
-            scratch = <float *>malloc(sizeof(float) * <size_t>((H + PT + PB) * Wp + P * Wp))
-            for i in prange(planes, schedule="static"):
-                if scratch == NULL:
-                    failed[0] = 1
-                    continue
-                n = i // O
-                o = i - n * O
-                pcg_dw_flat_plane(xp + (n * C + o // M) * HW, 0, wp + o * KK, 0, 1, 0,
-                                  0.0 if bp == NULL else bp[o], H, W, KH, KW, DH, DW, PT, PB, PL, PR, P, Q,
-                                  scratch, scratch + (H + PT + PB) * Wp, yp + i * PQ)
-            free(scratch)
-        if failed[0]:
-            raise MemoryError("depthwise_forward: could not allocate scratch")
-        return
-    with nogil:
-        for i in prange(planes, schedule="static", num_threads=nt):
+    # every stride: whole-plane taps on the padded plane's phases (pc_conv_general.h)
+    with nogil, parallel(num_threads=nt):
+        scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
+        for i in prange(planes, schedule="static"):
+            if scratch == NULL:
+                failed[0] = 1
+                continue
             n = i // O
             o = i - n * O
-            pcg_dw_forward_plane(xp + (n * C + o // M) * HW, wp + o * KK, 0.0 if bp == NULL else bp[o],
-                                 H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, yp + i * PQ)
+            pcg_dw_flat_plane(xp + (n * C + o // M) * HW, 0, wp + o * KK, 0, 1, 0, 0.0 if bp == NULL else bp[o],
+                              H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, scratch, yp + i * PQ)
+        free(scratch)
+    if failed[0]:
+        raise MemoryError("depthwise_forward: could not allocate scratch")
 
 
 def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
@@ -141,30 +125,23 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef int failed[1]
     failed[0] = 0
     cdef int nt = _threads(<Py_ssize_t>N * O * PQ * KK, O, num_threads)
-    cdef bint flat = SH == 1 and SW == 1
-    cdef int PB = P + DH * (KH - 1) - H - PT, PR = Q + DW * (KW - 1) - W - PL
+    # the bottom/right padding the taps reach (floor mode may leave input rows unread)
+    cdef int PB = (P - 1) * SH + DH * (KH - 1) + 1 - H - PT, PR = (Q - 1) * SW + DW * (KW - 1) + 1 - W - PL
     # dx as the stride-1 correlation of dy with the flipped kernels needs these paddings >= 0
     cdef int TT = DH * (KH - 1) - PT, TB = DH * (KH - 1) - PB, TL = DW * (KW - 1) - PL, TR = DW * (KW - 1) - PR
-    cdef bint flat_dx = flat and TT >= 0 and TB >= 0 and TL >= 0 and TR >= 0
-    cdef Py_ssize_t Wp = W + PL + PR, Hp = H + PT + PB, Qt = Q + TL + TR
+    cdef bint flat_dx = SH == 1 and SW == 1 and TT >= 0 and TB >= 0 and TL >= 0 and TR >= 0
     cdef float *scratch = NULL
     with nogil, parallel(num_threads=nt):
         acc = <double *>malloc(sizeof(double) * KK)
-        scratch = NULL
-        if flat:
-            scratch = <float *>malloc(sizeof(float) * <size_t>(Hp * Wp + P * Wp))
+        scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
         for o in prange(O, schedule="static"):
-            if acc == NULL or (flat and scratch == NULL):
+            if acc == NULL or scratch == NULL:
                 failed[0] = 1
                 continue
             memset(acc, 0, sizeof(double) * KK)
             for n in range(N):
-                if flat:
-                    pcg_dw_flat_weight_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, KH, KW,
-                                             DH, DW, PT, PB, PL, PR, P, Q, scratch, scratch + Hp * Wp, acc)
-                else:
-                    pcg_dw_backward_weight_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, KH,
-                                                 KW, SH, SW, DH, DW, PT, PL, P, Q, acc)
+                pcg_dw_flat_weight_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, KH, KW, SH, SW,
+                                         DH, DW, PT, PL, P, Q, scratch, acc)
             for k in range(KK):
                 dwp[o * KK + k] = <float>acc[k]
         free(acc)
@@ -174,7 +151,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if dxp != NULL and flat_dx:
         nt = _threads(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
         with nogil, parallel(num_threads=nt):
-            scratch = <float *>malloc(sizeof(float) * <size_t>((P + TT + TB) * Qt + H * Qt))
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(H, W, KH, KW, 1, 1, DH, DW))
             for i in prange(<Py_ssize_t>N * C, schedule="static"):
                 if scratch == NULL:
                     failed[0] = 1
@@ -182,8 +159,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                 n = i // C
                 c = i - n * C
                 pcg_dw_flat_plane(dyp + (n * O + c * M) * PQ, PQ, wp + c * M * KK, KK, M, 1, 0.0, P, Q, KH, KW,
-                                  DH, DW, TT, TB, TL, TR, H, W, scratch, scratch + (P + TT + TB) * Qt,
-                                  dxp + i * HW)
+                                  1, 1, DH, DW, TT, TL, H, W, scratch, dxp + i * HW)
             free(scratch)
         if failed[0]:
             raise MemoryError("depthwise_backward: could not allocate scratch")

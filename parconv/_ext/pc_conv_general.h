@@ -86,36 +86,6 @@ static inline void pcg_col2im(const float *restrict dcols, int Cg, int H, int W,
     }
 }
 
-/* Depthwise forward of one output plane: y (P, Q) = bias + sum over taps of w[kh, kw] * x (H, W)
- * shifted; taps are added in row order, the whole row at a time (vectorises along q). */
-static inline void pcg_dw_forward_plane(const float *restrict x, const float *restrict w, float bias, int H,
-                                        int W, int KH, int KW, int SH, int SW, int DH, int DW, int PT, int PL,
-                                        int P, int Q, float *restrict y)
-{
-    const pc_idx PQ = (pc_idx)P * Q;
-    for (pc_idx i = 0; i < PQ; i++) y[i] = bias;
-    for (int kh = 0; kh < KH; kh++) {
-        int p_lo, p_hi;
-        pcg_valid(H, P, SH, kh * DH - PT, &p_lo, &p_hi);
-        for (int kw = 0; kw < KW; kw++) {
-            int q_lo, q_hi;
-            const int off = kw * DW - PL;
-            const float wv = w[kh * KW + kw];
-            pcg_valid(W, Q, SW, off, &q_lo, &q_hi);
-            for (int p = p_lo; p < p_hi; p++) {
-                float *yr = y + (pc_idx)p * Q;
-                const float *xr = x + (pc_idx)(p * SH + kh * DH - PT) * W + off;
-                if (SW == 1) {
-                    PC_SIMD
-                    for (int q = q_lo; q < q_hi; q++) yr[q] = PC_FMAF(wv, xr[q], yr[q]);
-                } else {
-                    for (int q = q_lo; q < q_hi; q++) yr[q] = PC_FMAF(wv, xr[(pc_idx)q * SW], yr[q]);
-                }
-            }
-        }
-    }
-}
-
 /* Depthwise input gradient of one input plane: dx (H, W) += the M output planes dy (M, P, Q) of
  * this channel through their filters w (M, KH, KW). dx must be zeroed by the caller. */
 static inline void pcg_dw_backward_input_plane(const float *restrict dy, const float *restrict w, int M, int H,
@@ -148,92 +118,81 @@ static inline void pcg_dw_backward_input_plane(const float *restrict dy, const f
     }
 }
 
-/* Depthwise weight gradient of one (image, output plane): dw (KH, KW) += the correlation of
- * dy (P, Q) with x (H, W). Each tap sums its rows in 8 independent lanes plus a tail (a vector's
- * work, not one long chain of dependent adds), kept in registers across the rows; the lanes are
- * added in a fixed order once per tap and plane, in double into dw. */
-static inline void pcg_dw_backward_weight_plane(const float *restrict x, const float *restrict dy, int H, int W,
-                                                int KH, int KW, int SH, int SW, int DH, int DW, int PT, int PL,
-                                                int P, int Q, double *restrict dw)
+/* ------------------------------------------------------------------ depthwise on flat planes
+ * The zero-padded plane (Hp x Wp, Hp = (P - 1) SH + DH (KH - 1) + 1 rows, Wp likewise: exactly the
+ * extent the taps read) is split into SH x SW phase planes X[r][c] (i, j) = xp(i SH + r, j SW + c),
+ * each Hh = ceil(Hp / SH) by Wh = ceil(Wp / SW). Tap (kh, kw) of output (p, q) then reads phase
+ * (kh DH % SH, kw DW % SW) at (p + kh DH / SH, q + kw DW / SW): on a grid Wh wide, position
+ * s = p Wh + q, a fixed offset for the whole plane. So each tap is one contiguous loop over
+ * L = (P - 1) Wh + Q grid positions (long vector loops instead of P short rows per tap); the
+ * Wh - Q columns past each row are computed and dropped. Stride 1 has one phase: the padded plane. */
+
+/* The phase planes of x (H, W) padded by PT above and PL to the left, cut to Hp x Wp (the bottom
+ * and right padding may be negative: rows and columns no tap reads are left out). */
+static inline void pcg_pad_phases(const float *restrict x, int H, int W, int PT, int PL, int Hp, int Wp, int SH,
+                                  int SW, int Hh, int Wh, float *restrict X)
 {
-    for (int kh = 0; kh < KH; kh++) {
-        int p_lo, p_hi;
-        pcg_valid(H, P, SH, kh * DH - PT, &p_lo, &p_hi);
-        for (int kw = 0; kw < KW; kw++) {
-            int q_lo, q_hi;
-            const int off = kw * DW - PL;
-            pcg_valid(W, Q, SW, off, &q_lo, &q_hi);
-            float l0 = 0.0f, l1 = 0.0f, l2 = 0.0f, l3 = 0.0f, l4 = 0.0f, l5 = 0.0f, l6 = 0.0f, l7 = 0.0f;
-            float tail = 0.0f;
-            for (int p = p_lo; p < p_hi; p++) {
-                const float *g = dy + (pc_idx)p * Q;
-                const float *xr = x + (pc_idx)(p * SH + kh * DH - PT) * W + off;
-                int q = q_lo;
-                if (SW == 1) {
-                    for (; q + 8 <= q_hi; q += 8) {
-                        l0 = PC_FMAF(g[q], xr[q], l0);
-                        l1 = PC_FMAF(g[q + 1], xr[q + 1], l1);
-                        l2 = PC_FMAF(g[q + 2], xr[q + 2], l2);
-                        l3 = PC_FMAF(g[q + 3], xr[q + 3], l3);
-                        l4 = PC_FMAF(g[q + 4], xr[q + 4], l4);
-                        l5 = PC_FMAF(g[q + 5], xr[q + 5], l5);
-                        l6 = PC_FMAF(g[q + 6], xr[q + 6], l6);
-                        l7 = PC_FMAF(g[q + 7], xr[q + 7], l7);
-                    }
-                }
-                for (; q < q_hi; q++) tail = PC_FMAF(g[q], xr[(pc_idx)q * SW], tail);
-            }
-            dw[kh * KW + kw] += (double)((((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))) + tail);
+    const int h1 = H < Hp - PT ? H : Hp - PT, w1 = W < Wp - PL ? W : Wp - PL;
+    memset(X, 0, sizeof(float) * (size_t)SH * SW * Hh * Wh);
+    if (h1 <= 0 || w1 <= 0) return;  /* padding so wide that no tap reads an input */
+    if (SH == 1 && SW == 1) {
+        for (int h = 0; h < h1; h++) memcpy(X + (pc_idx)(h + PT) * Wh + PL, x + (pc_idx)h * W, sizeof(float) * (size_t)w1);
+        return;
+    }
+    for (int h = 0; h < h1; h++) {
+        const int hp = h + PT;
+        float *rowbase = X + ((pc_idx)(hp % SH) * SW * Hh + hp / SH) * Wh;
+        const float *xr = x + (pc_idx)h * W;
+        for (int c = 0; c < SW; c++) {
+            /* phase c holds padded columns j SW + c: inputs w = j SW + c - PL in [0, w1) */
+            float *dst = rowbase + (pc_idx)c * Hh * Wh;
+            int j0 = PL - c > 0 ? (PL - c + SW - 1) / SW : 0;
+            for (int j = j0, w = j0 * SW + c - PL; w < w1; j++, w += SW) dst[j] = xr[w];
         }
     }
 }
 
-/* ---------------------------------------------------------------- stride-1 depthwise on flat planes
- * A stride-1 tap reads the zero-padded plane (Hp x Wp) at a fixed offset kh DH Wp + kw DW from
- * output position s = p Wp + q of a grid Wp wide, so each tap is one contiguous loop over
- * L = (P - 1) Wp + Q grid positions: long vector loops instead of P short rows per tap. The
- * Wp - Q columns past each row are computed and dropped. */
-
-/* xp (Hp, Wp) = x (H, W) with PT, PB rows and PL, PR columns of zeros around it. */
-static inline void pcg_pad_plane(const float *restrict x, int H, int W, int PT, int PB, int PL, int PR,
-                                 float *restrict xp)
+/* Offset of tap (kh, kw) in the phase planes, as a flat index of X. */
+static inline pc_idx pcg_tap_offset(int kh, int kw, int DH, int DW, int SH, int SW, int Hh, int Wh)
 {
-    const int Wp = W + PL + PR;
-    memset(xp, 0, sizeof(float) * (size_t)PT * Wp);
-    float *row = xp + (pc_idx)PT * Wp;
-    for (int h = 0; h < H; h++, row += Wp) {
-        for (int i = 0; i < PL; i++) row[i] = 0.0f;
-        memcpy(row + PL, x + (pc_idx)h * W, sizeof(float) * (size_t)W);
-        for (int i = PL + W; i < Wp; i++) row[i] = 0.0f;
-    }
-    memset(row, 0, sizeof(float) * (size_t)PB * Wp);
+    const int rh = kh * DH, rw = kw * DW;
+    return ((pc_idx)((rh % SH) * SW + rw % SW) * Hh + rh / SH) * Wh + rw / SW;
 }
 
-/* out (P, Q) = bias + sum over the nin input planes i (H, W, in + i * in_stride) of their stride-1
- * correlation with kernel i (KH, KW, k + i * k_stride; rotated by 180 degrees when flip), taps
- * in row order. Padding PT, PB, PL, PR >= 0 with P = H + PT + PB - DH (KH - 1), Q likewise.
- * Scratch: xp (Hp Wp floats), grid (P Wp floats). */
+/* Scratch floats pcg_dw_flat_plane and pcg_dw_flat_weight_plane need: the phase planes and the grid. */
+static inline pc_idx pcg_flat_scratch(int P, int Q, int KH, int KW, int SH, int SW, int DH, int DW)
+{
+    const int Hp = (P - 1) * SH + DH * (KH - 1) + 1, Wp = (Q - 1) * SW + DW * (KW - 1) + 1;
+    const pc_idx Hh = (Hp + SH - 1) / SH, Wh = (Wp + SW - 1) / SW;
+    return (pc_idx)SH * SW * Hh * Wh + (pc_idx)P * Wh;
+}
+
+/* out (P, Q) = bias + sum over the nin input planes i (H, W, in + i * in_stride) of their
+ * correlation with kernel i (KH, KW, k + i * k_stride; rotated by 180 degrees when flip) at
+ * strides SH, SW, taps in row order. scratch: pcg_flat_scratch floats. */
 static inline void pcg_dw_flat_plane(const float *restrict in, pc_idx in_stride, const float *restrict k,
                                      pc_idx k_stride, int nin, int flip, float bias, int H, int W, int KH, int KW,
-                                     int DH, int DW, int PT, int PB, int PL, int PR, int P, int Q,
-                                     float *restrict xp, float *restrict grid, float *restrict out)
+                                     int SH, int SW, int DH, int DW, int PT, int PL, int P, int Q,
+                                     float *restrict scratch, float *restrict out)
 {
-    const int Wp = W + PL + PR;
-    const pc_idx L = (pc_idx)(P - 1) * Wp + Q;
+    const int Hp = (P - 1) * SH + DH * (KH - 1) + 1, Wp = (Q - 1) * SW + DW * (KW - 1) + 1;
+    const int Hh = (Hp + SH - 1) / SH, Wh = (Wp + SW - 1) / SW;
+    float *X = scratch, *grid = scratch + (pc_idx)SH * SW * Hh * Wh;
+    const pc_idx L = (pc_idx)(P - 1) * Wh + Q;
     for (pc_idx s = 0; s < L; s++) grid[s] = bias;
     for (int i = 0; i < nin; i++) {
         const float *ki = k + (pc_idx)i * k_stride;
-        pcg_pad_plane(in + (pc_idx)i * in_stride, H, W, PT, PB, PL, PR, xp);
+        pcg_pad_phases(in + (pc_idx)i * in_stride, H, W, PT, PL, Hp, Wp, SH, SW, Hh, Wh, X);
         for (int kh = 0; kh < KH; kh++) {
             for (int kw = 0; kw < KW; kw++) {
                 const float kv = flip ? ki[(KH - 1 - kh) * KW + (KW - 1 - kw)] : ki[kh * KW + kw];
-                const float *src = xp + (pc_idx)kh * DH * Wp + (pc_idx)kw * DW;
+                const float *src = X + pcg_tap_offset(kh, kw, DH, DW, SH, SW, Hh, Wh);
                 PC_SIMD
                 for (pc_idx s = 0; s < L; s++) grid[s] = PC_FMAF(kv, src[s], grid[s]);
             }
         }
     }
-    for (int p = 0; p < P; p++) memcpy(out + (pc_idx)p * Q, grid + (pc_idx)p * Wp, sizeof(float) * (size_t)Q);
+    for (int p = 0; p < P; p++) memcpy(out + (pc_idx)p * Q, grid + (pc_idx)p * Wh, sizeof(float) * (size_t)Q);
 }
 
 /* sum over s < n of a[s] b[s]: 32 lanes (four 8-float vectors where the compiler has vector
@@ -269,25 +228,26 @@ static inline float pcg_dot32(const float *restrict a, const float *restrict b, 
 }
 #endif
 
-/* dw (KH, KW) += the stride-1 correlation of dy (P, Q) with x (H, W): x padded into xp, dy laid on
- * the Wp-wide grid with zeros past column Q, then one dot product of length L per tap
- * (pcg_dot32), in double into dw. Scratch: xp (Hp Wp), dyg (P Wp). */
+/* dw (KH, KW) += the correlation of dy (P, Q) with x (H, W) at strides SH, SW: x split into its
+ * phase planes, dy laid on the Wh-wide grid with zeros past column Q, then one dot product of
+ * length L per tap (pcg_dot32), in double into dw. scratch: pcg_flat_scratch floats. */
 static inline void pcg_dw_flat_weight_plane(const float *restrict x, const float *restrict dy, int H, int W,
-                                            int KH, int KW, int DH, int DW, int PT, int PB, int PL, int PR,
-                                            int P, int Q, float *restrict xp, float *restrict dyg,
-                                            double *restrict dw)
+                                            int KH, int KW, int SH, int SW, int DH, int DW, int PT, int PL,
+                                            int P, int Q, float *restrict scratch, double *restrict dw)
 {
-    const int Wp = W + PL + PR;
-    const pc_idx L = (pc_idx)(P - 1) * Wp + Q;
-    pcg_pad_plane(x, H, W, PT, PB, PL, PR, xp);
+    const int Hp = (P - 1) * SH + DH * (KH - 1) + 1, Wp = (Q - 1) * SW + DW * (KW - 1) + 1;
+    const int Hh = (Hp + SH - 1) / SH, Wh = (Wp + SW - 1) / SW;
+    float *X = scratch, *dyg = scratch + (pc_idx)SH * SW * Hh * Wh;
+    const pc_idx L = (pc_idx)(P - 1) * Wh + Q;
+    pcg_pad_phases(x, H, W, PT, PL, Hp, Wp, SH, SW, Hh, Wh, X);
     for (int p = 0; p < P; p++) {
-        float *row = dyg + (pc_idx)p * Wp;
+        float *row = dyg + (pc_idx)p * Wh;
         memcpy(row, dy + (pc_idx)p * Q, sizeof(float) * (size_t)Q);
-        for (int q = Q; q < Wp; q++) row[q] = 0.0f;
+        for (int q = Q; q < Wh; q++) row[q] = 0.0f;
     }
     for (int kh = 0; kh < KH; kh++)
         for (int kw = 0; kw < KW; kw++)
-            dw[kh * KW + kw] += (double)pcg_dot32(dyg, xp + (pc_idx)kh * DH * Wp + (pc_idx)kw * DW, L);
+            dw[kh * KW + kw] += (double)pcg_dot32(dyg, X + pcg_tap_offset(kh, kw, DH, DW, SH, SW, Hh, Wh), L);
 }
 
 #endif /* PARCONV_PC_CONV_GENERAL_H */
