@@ -527,6 +527,14 @@ def test_import_parconv_does_not_import_onnx():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_without_onnx_the_error_says_what_to_install():
+    code = ("import sys; sys.modules['onnx'] = None\n"  # as if onnx were not installed
+            "import parconv as pc\n"
+            "try:\n    pc.onnx.load('m.onnx')\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert 'pip install "parconv[onnx]"' in out
+
+
 def test_cli_export(tmp_path):
     from parconv.cli import main
 
