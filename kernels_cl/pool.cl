@@ -197,3 +197,19 @@ __kernel void adaptive_avgpool2d_backward(__global const float* restrict dy,  /*
     }
     dx[i] = s;
 }
+
+/* Global average pooling (adaptive to 1 x 1): one work-group of RED_WG per plane, each
+ * work-item summing its share of the plane, then a fixed-order tree.
+ * Launch: local (RED_WG,), global (NC * RED_WG,). */
+__kernel void global_avgpool2d_forward(__global const float* restrict x,   /* IN  (N, C, H, W) */
+                                       __global float* restrict y,         /* OUT (N, C, 1, 1) */
+                                       const int HW)
+{
+    __local float scratch[RED_WG];
+    const int plane = get_group_id(0), lid = get_local_id(0);
+    __global const float* xp = x + (size_t)plane * HW;
+    float s = 0.0f;
+    RED_FOR(i, lid, RED_WG, HW) s += xp[i];
+    s = wg_sum_float(scratch, s);
+    if (lid == 0) y[plane] = s / (float)HW;
+}

@@ -264,3 +264,22 @@ def test_pooling_backward_checks_shapes(backend):
         F.avgpool2d_backward(np.zeros((1, 2, 3, 3)), (2, 6, 6), 2, backend=backend)
     with pytest.raises(TypeError, match=r"x_shape must be a tuple"):
         F.adaptive_avgpool2d_backward(np.zeros((1, 2, 3, 3)), 6, 3, backend=backend)
+
+
+def test_opencl_gpu_style_configuration_runs_the_pool_kernels():
+    """The wide work-groups (RED_WG up to 256) of a GPU-style configuration, on this device."""
+    if "opencl" not in pc.available_backends():
+        pytest.skip("no OpenCL backend here")
+    from parconv.backends import opencl as ocl
+
+    be = ocl.OpenCLBackend(config=ocl.device_config(pc.backends.get("opencl").device, kind="gpu"))
+    rng = np.random.default_rng(6)
+    x = rand(rng, 3, 5, 17, 12)
+    for out in (1, (1, 1), (3, 5)):
+        assert_close(F.adaptive_avgpool2d(x, out, backend=be), adaptive_reference(x.astype(np.float64), out),
+                     what=f"adaptive {out}")
+    kwargs = dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 1))
+    assert_close(F.avgpool2d(x, **kwargs, backend=be), avgpool_reference(x.astype(np.float64), **kwargs),
+                 what="avgpool")
+    y, am = F.maxpool2d(x, **kwargs, return_indices=True, backend=be)
+    np.testing.assert_array_equal(pc.to_numpy(am), maxpool_reference(x, **kwargs)[1])
