@@ -374,7 +374,8 @@ def _train(args, comm) -> int:
             f"after epoch {history.epochs[-1]} and kept the best epoch's weights")
     if not args.resume:
         images = len(history.epochs) * len(xtr)
-        say(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {_plural(len(history.epochs), 'epoch')})")
+        epochs_run = _plural(len(history.epochs), "epoch")
+        say(f"throughput: {images / train_time:,.0f} images/s training ({train_time:.1f} s for {epochs_run})")
     elif history.epochs:
         say(f"throughput: {history['samples_per_s'][-1]:,.0f} images/s training (last epoch)")
     say(f"wall time: {total:.1f} s" + (f" | checkpoint: {checkpoint}" if checkpoint else ""))

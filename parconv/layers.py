@@ -722,8 +722,10 @@ class Dropout(Layer):
         super().__init__(backend)
         self.p = check_float(p, "p", "Dropout", 0.0, 1.0)
         parent = _rng(rng)
-        self._gen = np.random.default_rng(parent.integers(0, 2**63)) if rng is None or isinstance(rng, np.random.Generator) \
-            else parent
+        # a generator of its own, spawned from the given (or the global) one: masks do not shift
+        # the draws of the layers built after it
+        seeded = rng is not None and not isinstance(rng, np.random.Generator)
+        self._gen = parent if seeded else np.random.default_rng(parent.integers(0, 2**63))
 
     def config(self):
         return dict(p=self.p)

@@ -410,6 +410,12 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
             xv = as_host_float(validation_data[0], "validation x", where)
             check_finite(xv, "validation x", where)
             yv = host_targets(validation_data[1], xv.shape[0], loss, "validation y", where)
+    if checkpoint is not None and (distributed is None or distributed is False):
+        from ._io import check_writable_target
+
+        # a read-only or unusable directory fails now, not after an epoch (distributed: rank 0 writes,
+        # and the command line checks there)
+        check_writable_target(checkpoint)
     dp = _reducer(model, distributed)
     run = _FitRun(model, x, y, loader, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose,
                   callbacks, scheduler, dp, checkpoint, checkpoint_every, resume)
@@ -491,7 +497,11 @@ class _FitRun:
                                      f"{key}={state.fit[key]!r}, this run has {key}={value!r}")
             _checkpoint.apply_training_state(state, model, optimizer, rng, history)
             if scheduler is not None and getattr(state, "scheduler_state", None):
-                scheduler.load_state_dict(state.scheduler_state)
+                try:
+                    scheduler.load_state_dict(state.scheduler_state)
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise ValueError(f"{state.path!r}: the learning-rate scheduler's state does not fit "
+                                     f"{type(scheduler).__name__}: {exc}") from None
             start_epoch, start_step, global_step = state.epoch, state.step, state.global_step
             carried = (state.loss_sum, state.correct)
 
