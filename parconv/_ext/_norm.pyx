@@ -86,7 +86,7 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
                              double momentum, double eps, bint relu, int num_threads):
     """Normalise with the batch statistics (M = N * L > 1); see ``Backend.batch_norm_forward_train``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
-    cdef Py_ssize_t planes = N * C, M = N * L, j, c, a, b
+    cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
@@ -95,7 +95,6 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef float *shift
     cdef const float *xp = &x[0, 0, 0]
     cdef float *yp = &y[0, 0, 0]
-    cdef float v
     if part == NULL:
         raise MemoryError()
     m64 = part + nc * C
@@ -152,7 +151,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
                             double eps, bint relu, int num_threads):
     """Normalise with the running statistics; see ``Backend.batch_norm_forward_eval``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
-    cdef Py_ssize_t planes = N * C, j, c
+    cdef Py_ssize_t planes = N * C, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift
@@ -198,7 +197,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     to dy by the caller first (a separate vectorised pass: inside these loops the data-dependent
     select becomes a mispredicted branch per element)."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
-    cdef Py_ssize_t planes = N * C, M = N * L, j, c, k
+    cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
