@@ -70,3 +70,25 @@ def test_save_and_load_an_opencl_model(tmp_path):
     np.testing.assert_allclose(pc.to_numpy(loaded(x)), ref, rtol=1e-6)
     on_cpu = pc.load(tmp_path / "m.npz", backend="numpy")
     np.testing.assert_allclose(on_cpu(x), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["resnet20", "mobilenet-small", "vgg-small"])
+def test_zoo_training_steps_stay_on_the_device(name):
+    """BatchNorm (with its running statistics), Dropout, residual adds, depthwise and strided
+    convolutions, adaptive pooling: a training step brings back only the loss, and uploads only
+    the batch (and the optimizer's zero state once)."""
+    be = pc.backends.get("opencl")
+    model = pc.models.build(name, (3, 16, 16), backend="opencl", rng=0)
+    opt = pc.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = pc.SoftmaxCrossEntropy()
+    rng = np.random.default_rng(1)
+    batches = [(rng.standard_normal((4, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(2)]
+    with be.transfers.recording():
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            model.backward(loss_fn.backward())
+            opt.step()
+            opt.zero_grad()
+    assert be.transfers.d2h_reasons() == ["softmax_cross_entropy_forward"] * 2
+    params = sum(p.size for p in model.parameters())
+    assert be.transfers.h2d_bytes < 2 * (4 * 3 * 16 * 16 * 4 + 4 * 4) + 4 * params + 4096
