@@ -311,31 +311,33 @@ if HAVE_TORCH:
                             strict=True)
         return net.eval(), shape
 
-    @pytest.fixture(scope="module")
-    def torch_exported(tmp_path_factory):
-        cache = {}
 
-        def get(name, dynamo, fold=True):
-            key = (name, dynamo, fold)
-            if key not in cache:
-                net, shape = torch_model(name)
-                path = tmp_path_factory.mktemp("torch") / f"{name}-{'dynamo' if dynamo else 'ts'}-{fold}.onnx"
-                example = (torch.from_numpy(batch(shape, n=2, seed=5)),)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    if dynamo:
-                        pytest.importorskip("onnxscript", reason="the default torch.onnx exporter needs onnxscript")
-                        torch.onnx.export(net, example, str(path), dynamo=True,
-                                          dynamic_shapes=({0: torch.export.Dim("N", min=2, max=64)},),
-                                          verbose=False)
-                    else:
-                        torch.onnx.export(net, example, str(path), dynamo=False, opset_version=17,
-                                          do_constant_folding=fold, input_names=["input"], output_names=["output"],
-                                          dynamic_axes={"input": {0: "N"}, "output": {0: "N"}})
-                cache[key] = (net, path, shape)
-            return cache[key]
+@pytest.fixture(scope="module")
+def torch_exported(tmp_path_factory):
+    """PyTorch twins of the test models exported once per (model, exporter, folding)."""
+    cache = {}
 
-        return get
+    def get(name, dynamo, fold=True):
+        key = (name, dynamo, fold)
+        if key not in cache:
+            net, shape = torch_model(name)
+            path = tmp_path_factory.mktemp("torch") / f"{name}-{'dynamo' if dynamo else 'ts'}-{fold}.onnx"
+            example = (torch.from_numpy(batch(shape, n=2, seed=5)),)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if dynamo:
+                    pytest.importorskip("onnxscript", reason="the default torch.onnx exporter needs onnxscript")
+                    torch.onnx.export(net, example, str(path), dynamo=True,
+                                      dynamic_shapes=({0: torch.export.Dim("N", min=2, max=64)},),
+                                      verbose=False)
+                else:
+                    torch.onnx.export(net, example, str(path), dynamo=False, opset_version=17,
+                                      do_constant_folding=fold, input_names=["input"], output_names=["output"],
+                                      dynamic_axes={"input": {0: "N"}, "output": {0: "N"}})
+            cache[key] = (net, path, shape)
+        return cache[key]
+
+    return get
 
 
 @needs_torch
