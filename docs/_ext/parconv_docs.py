@@ -33,6 +33,9 @@ PUBLIC_MODULES = (
     "parconv.callbacks",
     "parconv.data",
     "parconv.data.transforms",
+    "parconv.models",
+    "parconv.training",
+    "parconv.optable",
 )
 
 
