@@ -142,6 +142,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--filters", type=_int_list, default=None, help="cnn-mnist filter sweep (default 32,64,128,256)")
     p.add_argument("--batches", type=_int_list, default=None, help="cnn-mnist batch sweep (default 100,250,500,1000)")
     p.add_argument("--no-amdahl", action="store_true", help="skip the Amdahl analysis")
+    p.add_argument("--no-memory", action="store_true",
+                   help="with the nets workload: skip the peak-memory comparison of a resnet20 training step "
+                        "(bench/peak_memory.py)")
     p.add_argument("--target-backend", default="openmp", help="backend the targets are evaluated for")
     p.add_argument("--out", default=os.path.join(HERE, "out"), help="output directory (results.json, PNGs)")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
@@ -300,6 +303,8 @@ def resolve_impls(args, progress_print) -> tuple[list, list]:
 def configs_for(workload, impls, threads) -> list[Config]:
     out = []
     for impl in impls:
+        if impl.name == "numpy" and not workload.numpy_timed:
+            continue  # the small-size oracle only
         if (impl.kind == "parconv" and not impl.backend.host_arrays) or impl.device != "cpu":
             out.append(Config(impl.name, 0))  # a device: its own threads, one config
             continue
@@ -321,9 +326,10 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
     by_name = {i.name: i for i in impls}
     kinds = _kinds(impls)
     numpy_impl = W.Impl("numpy", "parconv", pc.backends.get("numpy"))
+    tol = case.extra.get("tol") or harness.DEFAULT_TOL
     res = {"name": case.name, "params": case.params, "check_params": case.check_params, "note": case.note,
            "flops": case.flops, "items": case.items, "item_unit": case.item_unit, "checks": [], "skipped": [],
-           "results": [], "full_size_reference": None}
+           "results": [], "full_size_reference": None, "tolerance": tol}
 
     def skip(c, reason):
         res["skipped"].append({"config": c.label, "reason": reason})
@@ -351,7 +357,7 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
             res["checks"].append({"config": c.label, "size": "small", "ok": False, "max_err": None,
                                   "message": f"raised {type(exc).__name__}: {exc}"})
             continue
-        cmp = compare_answers(ans, oracle_ans)
+        cmp = compare_answers(ans, oracle_ans, tol)
         res["checks"].append({"config": c.label, "size": "small", "reference": "numpy oracle", **cmp})
         if cmp["ok"]:
             good.append(c)
@@ -390,7 +396,7 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
             ref_ans, ref_label = ans, c.label
             res["full_size_reference"] = ref_label
             continue
-        cmp = compare_answers(ans, ref_ans)
+        cmp = compare_answers(ans, ref_ans, tol)
         res["checks"].append({"config": c.label, "size": "full", "reference": ref_label, **cmp})
         if not cmp["ok"]:
             skip(c, f"full-size answer differs from {ref_label}: {cmp['message']}")
@@ -514,6 +520,19 @@ def run_mpi(names, args, log) -> dict:
     for name in names:
         out.setdefault(name, {"title": W.MPI_TITLES.get(name, name), "skipped": "mpi_bench returned nothing for it"})
     return out
+
+
+def run_memory(args, threads, with_torch: bool, log) -> dict:
+    """Peak memory of a resnet20 training step, parconv's target backend and PyTorch, each in a fresh process."""
+    import peak_memory
+
+    n = targets_mod.THREADS if targets_mod.THREADS in threads else max(threads)
+    size = 16 if args.quick else None
+    batch, steps = (4, 1) if args.quick else (W.NETS_TRAIN_BATCH, 5)
+    res = peak_memory.run("resnet20", batch, steps, n, args.target_backend, size,
+                          peak_memory.FRAMEWORKS if with_torch else ("parconv",))
+    log(peak_memory.format_result(res) + "\n")
+    return res
 
 
 def _mpi_rank() -> int:
@@ -641,6 +660,8 @@ def main(argv=None) -> int:
             results["amdahl"] = run_amdahl(amdahl_cases, parconv_impls, threads, args, progress)
     finally:
         progress.close()
+    if "nets" in local_names and not args.no_memory:
+        results["memory"] = run_memory(args, threads, "torch" in kinds, print)
 
     if args.quick:
         results["targets_note"] = "not evaluated in --quick mode (tiny shapes; timings mean nothing)"

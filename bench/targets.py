@@ -34,6 +34,23 @@ def _entry(target, workload, case, value, threshold, config):
             "threshold": threshold, "ok": None if value is None else bool(value >= threshold)}
 
 
+#: ``nets``: training step at batch 128 and inference at batch 1 vs PyTorch, per zoo network
+NETS_TRAIN_128 = {"lenet5": 1.5, "vgg-small": 1.5, "resnet20": 1.5, "mobilenet-small": 1.0}
+NETS_INFER_1 = 1.5
+#: ``nets``: MLP 784-512-512-10 training step vs PyTorch at these batches
+NETS_MLP_BATCHES = (1, 64, 256)
+NETS_MLP = 1.0
+
+
+def _nets_target(net: str, mode: str, n: int) -> float | None:
+    """The ``vs torch`` threshold of one ``nets`` case (None: no target)."""
+    if net == "mlp":
+        return NETS_MLP if mode == "train" and n in NETS_MLP_BATCHES else None
+    if mode == "train":
+        return NETS_TRAIN_128.get(net) if n == 128 else None
+    return NETS_INFER_1 if n == 1 else None
+
+
 def evaluate(results: dict, backend: str = "openmp", threads: int = THREADS) -> list[dict]:
     """One entry per (target, case): ``value``, ``threshold`` and ``ok`` (None when not measured)."""
     out = []
@@ -75,6 +92,20 @@ def evaluate(results: dict, backend: str = "openmp", threads: int = THREADS) -> 
                 e["ok"] = True
                 e["within_noise"] = [ci[0], ci[1]]
             out.append(e)
+    for case in _cases(results, "nets"):
+        pr = case["params"]
+        need = _nets_target(pr["net"], pr["mode"], pr["N"])
+        if need is not None:
+            what = "training step" if pr["mode"] == "train" else "inference"
+            r = _row(case, backend, threads)
+            out.append(_entry(f"{what} batch {pr['N']} >= {need}x PyTorch", "nets", case["name"],
+                              r and r.get("vs_torch"), need, cfg))
+    mem = results.get("memory")
+    if mem:
+        ratio = mem.get("ratio")
+        out.append(_entry("step memory <= PyTorch's (PyTorch / parconv >= 1)", "nets",
+                          f"{mem['net']} training step batch={mem['batch']} peak RSS",
+                          1.0 / ratio if ratio else None, 1.0, f"{backend}@{mem['threads']}"))
     for case in _cases(results, "linear"):
         if case["name"] == "forward":
             for n in sorted({r["threads"] for r in case["results"] if r["impl"] == backend}):

@@ -22,8 +22,9 @@ import numpy as np
 
 import parconv as pc
 import parconv.functional as PF
+import twins  # torch is imported by its functions, when a twin is built
 
-LOCAL_WORKLOADS = ("conv-small", "conv-large", "cnn-mnist", "cnn-5-50-100", "mlp-quadrants", "linear")
+LOCAL_WORKLOADS = ("conv-small", "conv-large", "cnn-mnist", "cnn-5-50-100", "mlp-quadrants", "linear", "nets")
 MPI_WORKLOADS = ("data-parallel", "conv-large-mpi")
 MPI_TITLES = {
     "data-parallel": "data-parallel: cnn-mnist training over MPI ranks (gradient-averaging SGD; bench/mpi_bench.py)",
@@ -487,6 +488,8 @@ class Workload:
     title = ""
     #: whether the NumPy backend is timed at every thread count (else at 1: the serial baseline)
     numpy_all_threads = False
+    #: whether the NumPy backend is timed at all (else it is only the small-size oracle)
+    numpy_timed = True
     per_layer = False
 
     def cases(self, quick: bool, opts: dict) -> list[Case]:
@@ -676,6 +679,244 @@ class MlpQuadrants(TrainingWorkload):
         return out
 
 
+# ------------------------------------------------------------------------------ nets
+# The zoo networks (pc.models.ZOO) and an MLP 784-512-512-10, each against a
+# PyTorch twin with the same weights (bench/twins.py).
+NETS_LR, NETS_MOMENTUM = 0.01, 0.9
+NETS_TRAIN_BATCH = 128
+NETS_INFER_BATCHES = (1, 64)
+MLP_BATCHES = (1, 64, 256)
+MLP_SIZES = (784, 512, 512, 10)
+#: inference logits must agree this closely (normalised max error); a training step's loss and
+#: parameter updates within harness.DEFAULT_TOL
+NETS_INFER_TOL = 1e-4
+
+
+def build_net(net: str, backend, seed: int = 5, size: int | None = None):
+    """``(model, input shape without the batch)`` of a zoo network or ``"mlp"`` on ``backend``.
+
+    ``size`` shrinks the images of the 3x32x32 networks to ``size`` x ``size`` (a multiple of 8;
+    quick mode); the MNIST-shaped networks keep 28x28.
+    """
+    if net == "mlp":
+        layers = []
+        for i, (f, g) in enumerate(zip(MLP_SIZES[:-1], MLP_SIZES[1:])):
+            layers += [pc.Linear(f, g, rng=seed + i, backend="numpy")] + ([pc.ReLU(backend="numpy")]
+                                                                       if i < len(MLP_SIZES) - 2 else [])
+        return pc.Sequential(*layers, backend=backend), (MLP_SIZES[0],)
+    builder, shape = pc.models.ZOO[net]
+    shape = tuple(shape)
+    if size is None or shape[1:] == (28, 28):
+        return builder(backend=backend, rng=seed), shape
+    extra = {"input_size": size} if net == "vgg-small" else {}
+    return builder(backend=backend, rng=seed, **extra), (shape[0], size, size)
+
+
+def _dropouts(model) -> list:
+    return [m for m in model.modules() if type(m).__name__ == "Dropout"]
+
+
+class ParconvNet(_Runner):
+    """A parconv network: a training step (forward, softmax cross-entropy, backward, SGD with momentum)
+    or, with ``inp["mode"] == "infer"``, an eval-mode forward pass.
+
+    A training runner takes one step when built, so the optimizer's momentum
+    buffers exist, and keeps that state: ``prepare`` restores the parameters,
+    buffers (BatchNorm's running statistics) and momentum buffers, so every
+    timed call is the same steady-state step. Until :meth:`answer` has been
+    called (the suite checks the first answer and times later steps), Dropout
+    runs with ``p = 0`` (two generators' masks cannot agree) and each step
+    keeps a host copy of the gradients. The answer is the loss, the weights
+    after the step and the gradients (an update smaller than a weight's float32
+    spacing is lost in the weights). The gradients are one key, so their error
+    is relative to the network's largest gradient: a BatchNorm weight whose
+    output feeds another BatchNorm has a gradient that nearly cancels (the next
+    BatchNorm undoes its scale), about 1e-3 of the others, and float32 sums
+    keep few of its digits in either framework.
+    """
+
+    def __init__(self, be, inp):
+        self.be, self.mode = be, inp["mode"]
+        self.restartable = self.mode == "train"
+        self.model, _ = build_net(inp["net"], be, size=inp["size"])
+        self.model.load_state_dict(inp["state"])
+        self.x = be.asarray(inp["x"])
+        self.out = self.loss = self._p = None
+        if self.mode == "infer":
+            self.model.eval()
+            return
+        self.model.train()
+        self._p = [(d, d.p) for d in _dropouts(self.model)]
+        for d, _ in self._p:
+            d.p = 0.0
+        self.loss_fn = pc.SoftmaxCrossEntropy()
+        self.y = self.loss_fn.prepare_target(inp["y"], inp["y"].shape[0], be)
+        self.opt = pc.optim.SGD(self.model.parameters(), lr=NETS_LR, momentum=NETS_MOMENTUM)
+        self.params = self.model.named_parameters()
+        self.run()
+        self.init = [be.copy(p.data) for _, p in self.params]
+        self.init_buffers = [b.copy() if isinstance(b, np.ndarray) else be.copy(b) for b in self.model.buffers()]
+        self.init_opt = self.opt.state_dict()
+
+    def prepare(self):
+        if self.mode == "infer":
+            return
+        for (_, p), p0 in zip(self.params, self.init):
+            self.be.copy_into(p.data, p0)
+            p.grad = None
+        for b, b0 in zip(self.model.buffers(), self.init_buffers):
+            if isinstance(b, np.ndarray) and b.dtype != np.float32:
+                np.copyto(b, b0)  # host counters (num_batches_tracked)
+            else:
+                self.be.copy_into(b, b0)
+        self.opt.load_state_dict(self.init_opt)
+
+    def run(self):
+        if self.mode == "infer":
+            self.out = self.model.forward(self.x)
+            return
+        out = self.model.forward(self.x)
+        self.loss = self.loss_fn.forward(out, self.y, backend=self.be)
+        self.model.backward(self.loss_fn.backward())
+        if self._p is not None:  # not yet checked: keep the gradients for answer()
+            self.grads = {name: _np(p.grad) for name, p in self.params}
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def sync(self):
+        self.be.synchronize()
+
+    def answer(self):
+        if self.mode == "infer":
+            return {"logits": _np(self.out)}
+        ans = {"loss": np.array([self.loss], dtype=np.float64)}
+        ans["grads"] = np.concatenate([g.ravel() for g in self.grads.values()])
+        ans.update({f"weight:{name}": _np(p.data) for name, p in self.params})
+        for d, p in self._p or ():
+            d.p = p
+        self._p = None
+        return ans
+
+
+class TorchNet(_TorchRunner):
+    """PyTorch twin of :class:`ParconvNet`: the same layers and weights (``twins.twin``), loss and SGD."""
+
+    def __init__(self, inp, device="cpu"):
+        self._setup(device)
+        torch = self.torch
+        self.mode = inp["mode"]
+        self.restartable = self.mode == "train"
+        template, _ = build_net(inp["net"], "numpy", size=inp["size"])
+        template.train(self.mode == "train")
+        self.model = twins.twin(template, inp["state"]).to(device)
+        self.x = self._tensor(inp["x"])
+        self.out = self.loss = None
+        if self.mode == "infer":
+            return
+        self._p = [(m, m.p) for m in self.model.modules() if isinstance(m, torch.nn.Dropout)]
+        for m, _ in self._p:
+            m.p = 0.0
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.y = self._tensor(inp["y"].astype(np.int64))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=NETS_LR, momentum=NETS_MOMENTUM)
+        self.params = list(self.model.named_parameters())
+        self.run()
+        self.init = [p.detach().clone() for _, p in self.params]
+        self.init_buffers = [b.detach().clone() for b in self.model.buffers()]
+        self.init_opt = _clone_state(torch, self.opt.state_dict())
+
+    def prepare(self):
+        if self.mode == "infer":
+            return
+        with self.torch.no_grad():
+            for (_, p), p0 in zip(self.params, self.init):
+                p.copy_(p0)
+            for b, b0 in zip(self.model.buffers(), self.init_buffers):
+                b.copy_(b0)
+        self.opt.load_state_dict(_clone_state(self.torch, self.init_opt))
+        self.opt.zero_grad(set_to_none=True)
+
+    def run(self):
+        if self.mode == "infer":
+            with self.torch.inference_mode():
+                self.out = self.model(self.x)
+            return
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        self.loss = loss.item()
+
+    def answer(self):
+        if self.mode == "infer":
+            return {"logits": _host(self.out)}
+        ans = {"loss": np.array([self.loss], dtype=np.float64)}
+        ans["grads"] = np.concatenate([_host(p.grad).ravel() for _, p in self.params])
+        ans.update({f"weight:{name}": _host(p) for name, p in self.params})
+        for m, p in self._p:
+            m.p = p
+        self._p = []
+        return ans
+
+
+def _clone_state(torch, state):
+    """A deep copy of an optimizer state dict (its tensors cloned)."""
+    if isinstance(state, dict):
+        return {k: _clone_state(torch, v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_clone_state(torch, v) for v in state]
+    return state.clone() if isinstance(state, torch.Tensor) else state
+
+
+class Nets(Workload):
+    """The zoo networks and an MLP against PyTorch twins: training steps and inference."""
+
+    name = "nets"
+    title = ("nets: the zoo networks' training step (SGD with momentum) at batch 128 and inference at batch 1 "
+             "and 64, and an MLP 784-512-512-10 training step, against PyTorch twins with the same weights")
+    numpy_timed = False
+
+    def cases(self, quick, opts):
+        train_n, infer_ns, mlp_ns, size = (4, (1, 2), (1, 4), 16) if quick else \
+            (NETS_TRAIN_BATCH, NETS_INFER_BATCHES, MLP_BATCHES, None)
+        out = []
+        for net in pc.models.ZOO:
+            out.append(self._case(net, "train", train_n, size))
+            out += [self._case(net, "infer", n, size) for n in infer_ns]
+        out += [self._case("mlp", "train", n, size) for n in mlp_ns]
+        return out
+
+    def _case(self, net, mode, n, size=None):
+        model, shape = build_net(net, "numpy", size=size)
+        macs = model.macs((n,) + shape)
+        # a training step: forward, dx and dw of every layer (~3x the forward's multiply-adds)
+        flops = 2.0 * macs * (3 if mode == "train" else 1)
+        p = dict(net=net, mode=mode, N=n, size=size)
+        chk = dict(p, N=min(n, 2))
+        tol = NETS_INFER_TOL if mode == "infer" else None
+        return Case(self, f"{net} {'training step' if mode == 'train' else 'inference'} batch={n}", p, chk,
+                    flops, n, "samples" if net == "mlp" else "images",
+                    note=f"{net} input {'x'.join(map(str, shape))}", extra={"tol": tol} if tol else {})
+
+    def inputs(self, p):
+        model, shape = build_net(p["net"], "numpy", size=p["size"])
+        n = p["N"]
+        if shape in ((1, 28, 28), (784,)):  # the MNIST-shaped networks see real MNIST
+            x, y = mnist_batch(n)
+            x = x.reshape((n,) + shape)
+        else:
+            rng = np.random.default_rng(6)
+            x = rng.standard_normal((n,) + shape).astype(np.float32)
+            y = rng.integers(0, 10, n).astype(np.int32)
+        return {"net": p["net"], "mode": p["mode"], "size": p["size"], "x": np.ascontiguousarray(x), "y": y,
+                "state": model.state_dict()}
+
+    def runner(self, impl, p, inp):
+        if impl.kind == "torch":
+            return TorchNet(inp, impl.device)
+        return ParconvNet(impl.backend, inp)
+
+
 WORKLOADS = {
     "conv-small": ConvWorkload("conv-small", 1, "conv-small: one conv layer, batch 1"),
     "conv-large": ConvWorkload("conv-large", 64, "conv-large: one conv layer, batch 64"),
@@ -683,4 +924,5 @@ WORKLOADS = {
     "cnn-5-50-100": Cnn55010(),
     "mlp-quadrants": MlpQuadrants(),
     "linear": LinearWorkload(),
+    "nets": Nets(),
 }

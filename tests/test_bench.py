@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import parconv as pc
@@ -36,7 +37,7 @@ def quick_run(tmp_path_factory):
                + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--threads", "1,2", "--out", str(out),
-         "--no-progress"],
+         "--no-progress", "--workloads", ",".join(LOCAL_WORKLOADS)],  # nets: its own tests below
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     )
     return proc, out
@@ -313,3 +314,113 @@ def test_negative_wait_cores_is_refused(tmp_path):
     proc = _run_bench(["--workloads", "linear", "--wait-cores", "-1"], tmp_path)
     assert proc.returncode != 0
     assert "--wait-cores >= 0" in proc.stderr
+
+
+# ------------------------------------------------------------------------------ nets
+# The nets workload at tiny sizes (quick mode: 16x16 images for the 3x32x32 networks, batch <= 4):
+# every backend and the PyTorch twin agree with the NumPy oracle before anything would be timed.
+NETS_CASES = ("lenet5 training step", "resnet20 training step", "vgg-small training step",
+              "mobilenet-small inference batch=2", "mlp training step batch=1")
+_NETS_ORACLE: dict = {}
+
+
+def _nets_cases():
+    W = _bench_module("workloads")
+    cases = [c for c in W.WORKLOADS["nets"].cases(True, {}) if c.name.startswith(NETS_CASES)]
+    assert len(cases) == len(NETS_CASES)
+    return W, cases
+
+
+def _nets_check(W, case, impl):
+    harness = _bench_module("harness")
+    if case.name not in _NETS_ORACLE:
+        inp = case.inputs(case.check_params)
+        ref = case.runner(W.Impl("numpy", "parconv", pc.backends.get("numpy")), case.check_params, inp)
+        ref.prepare()
+        ref.run()
+        _NETS_ORACLE[case.name] = (inp, ref.answer())
+    inp, oracle = _NETS_ORACLE[case.name]
+    r = case.runner(impl, case.check_params, inp)
+    r.prepare()
+    r.run()
+    r.sync()
+    got = r.answer()
+    assert set(got) == set(oracle), case.name
+    cmp = harness.compare_answers(got, oracle, case.extra.get("tol") or harness.DEFAULT_TOL)
+    assert cmp["ok"], f"{case.name} on {impl.name}: {cmp['message']}"
+    return r, got
+
+
+def test_nets_cases_agree_with_the_oracle_on_every_backend(backend):
+    W, cases = _nets_cases()
+    for case in cases:
+        _nets_check(W, case, W.Impl(backend.name, "parconv", backend))
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch not installed (optional oracle)")
+def test_nets_torch_twins_agree_with_the_oracle():
+    W, cases = _nets_cases()
+    for case in cases:
+        _nets_check(W, case, W.Impl("torch", "torch"))
+
+
+def test_nets_training_step_is_the_same_step_every_call_and_restores_dropout():
+    W, cases = _nets_cases()
+    case = next(c for c in cases if c.name.startswith("vgg-small"))
+    r, first = _nets_check(W, case, W.Impl("openmp", "parconv", pc.backends.get("openmp")))
+    assert r.restartable
+    dropouts = [m for m in r.model.modules() if type(m).__name__ == "Dropout"]
+    assert dropouts and all(d.p == 0.5 for d in dropouts)  # checked with p = 0, timed with the real p
+    for d in dropouts:
+        d.p = 0.0
+    r._p = [(d, 0.5) for d in dropouts]  # one more checked step: prepare() must restore the start state
+    r.prepare()
+    r.run()
+    again = r.answer()
+    for key in first:
+        np.testing.assert_array_equal(again[key], first[key], err_msg=key)
+
+
+def test_nets_targets_follow_the_acceptance_table():
+    targets = _bench_module("targets")
+
+    def case(net, mode, n, vs_torch):
+        return {"name": f"{net} {mode} batch={n}", "params": {"net": net, "mode": mode, "N": n},
+                "results": [{"impl": "openmp", "threads": 2, "vs_torch": vs_torch}]}
+
+    cases = [case("resnet20", "train", 128, 1.6), case("mobilenet-small", "train", 128, 0.9),
+             case("lenet5", "infer", 1, 1.4), case("lenet5", "infer", 64, 0.5), case("mlp", "train", 256, 1.2)]
+    results = {"workloads": {"nets": {"cases": cases}},
+               "memory": {"net": "resnet20", "batch": 128, "threads": 2, "ratio": 0.8}}
+    got = {e["case"]: (e["threshold"], e["ok"]) for e in targets.evaluate(results) if e["workload"] == "nets"
+           and "never slower" not in e["target"]}
+    assert got == {"resnet20 train batch=128": (1.5, True), "mobilenet-small train batch=128": (1.0, False),
+                   "lenet5 infer batch=1": (1.5, False), "mlp train batch=256": (1.0, True),
+                   "resnet20 training step batch=128 peak RSS": (1.0, True)}
+
+
+def test_peak_memory_of_a_tiny_training_step():
+    peak_memory = _bench_module("peak_memory")
+    frameworks = peak_memory.FRAMEWORKS if HAVE_TORCH else ("parconv",)
+    res = peak_memory.run("resnet20", batch=2, steps=1, threads=1, size=16, frameworks=frameworks, timeout=300)
+    assert [r["framework"] for r in res["rows"]] == list(frameworks)
+    for r in res["rows"]:
+        assert "error" not in r, r
+        assert r["baseline_mib"] > 0 and r["peak_mib"] >= r["baseline_mib"] and r["step_mib"] >= 0
+        assert np.isfinite(r["last_loss"])
+    assert (res["ratio"] is not None) == HAVE_TORCH
+    assert "peak memory | resnet20" in peak_memory.format_result(res)
+
+
+def test_compare_revisions_drives_two_builds_in_lockstep(tmp_path):
+    import argparse
+
+    cr = _bench_module("compare_revisions")
+    tree = os.path.dirname(os.path.dirname(pc.__file__))  # the same build on both sides: plumbing only
+    args = argparse.Namespace(workloads=["mlp-quadrants"], quick=True, threads=[1], backend="openmp", repeat=2,
+                              warmup=1, min_time=0.0, gap=0.0, idle_wait=0.0, wait_cores=0.0, threshold=0.0)
+    res = cr.compare(tree, tree, args, lambda text: None)
+    assert [r["case"] for r in res["rows"]] == ["hidden=16 batch=32", "hidden=4 batch=8, small"]
+    for r in res["rows"]:
+        assert r["check_ok"] and r["ok"], r
+        assert len(r["times_old_s"]) == len(r["times_new_s"]) == 2 and r["ratio"] > 0
