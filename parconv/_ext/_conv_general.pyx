@@ -5,10 +5,12 @@
 
 Two paths (``pc_conv_general.h``):
 
-* depthwise (``Cg == 1``: every filter reads one channel, O = C * multiplier): direct
-  loops over planes, no im2col. Forward and dx run one plane per chunk; dw runs one
-  filter per chunk and adds the images in order, in double, so its bits do not depend
-  on the thread count.
+* depthwise (``Cg == 1``: every filter reads one channel, O = C * multiplier): no
+  im2col. Each plane is zero-padded (and split into its stride phases) in thread-private
+  scratch, so every tap is one contiguous vector loop over the plane. Forward and dx run
+  one plane per chunk (dx of a strided layer on direct row loops); dw runs one filter per
+  chunk and adds the images in order, in double, so its bits do not depend on the thread
+  count.
 * everything else: per (image, group) an im2col matrix in thread-private scratch and
   ``scipy.linalg.cython_blas.sgemm`` (row-major matrices go to the column-major BLAS as
   their transposes); dx is the col2im of ``w^T @ dy``. dw partial sums live in per-thread

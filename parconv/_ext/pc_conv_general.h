@@ -1,5 +1,5 @@
 /* General convolution helpers: im2col / col2im with rectangular kernels, (h, w) strides, dilation
- * and asymmetric padding, and the direct depthwise kernels.
+ * and asymmetric padding, and the depthwise kernels (whole-plane taps on padded stride phases).
  *
  * Shape legend: N batch, C in-channels, O out-channels, G groups (Cg = C / G, Og = O / G),
  * H, W input, P, Q output, KH x KW kernel, SH, SW strides, DH, DW dilation, PT, PL the padding
