@@ -486,6 +486,19 @@ def test_unsupported_ops_and_attributes_are_refused(tmp_path, node, inits, match
     assert "bad.onnx" in str(err.value)
 
 
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "VALID"])
+def test_conv_auto_pad(tmp_path, auto_pad):
+    # the TorchScript exporter writes padding="same" with dilation as auto_pad=SAME_UPPER
+    w = np.random.default_rng(3).standard_normal((2, 3, 4, 4)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], auto_pad=auto_pad, dilations=[2, 1])
+    path = make_model([node], {"w": w}, ["N", 3, 9, 8], ["N", 2, "P", "Q"], path=tmp_path / "c.onnx")
+    conv = pc.Conv2d(3, 2, 4, padding="same" if auto_pad == "SAME_UPPER" else "valid", dilation=(2, 1), bias=False,
+                     backend="numpy")
+    conv.load_state_dict({"weight": w})
+    x = batch((1, 3, 9, 8), n=2)
+    assert_close(parconv_out(pox.load(path, backend="numpy"), x), parconv_out(conv, x), RTOL, ATOL)
+
+
 def test_a_join_other_than_add_is_refused(tmp_path):
     nodes = [helper.make_node("Relu", ["x"], ["a"], name="r"), helper.make_node("Sigmoid", ["x"], ["b"], name="s"),
              helper.make_node("MatMul", ["a", "b"], ["y"], name="gram")]
