@@ -69,6 +69,9 @@ def workload_table(name: str, wl: dict, target_backend: str) -> list[str]:
     if tmax:
         tb = f"{target_backend}@{tmax}"
         extra = [f"{tb} GFLOP/s", f"{tb} speedup", f"{tb} vs torch", f"{tb} vs numpy"]
+    with_numpy = any(r["impl"] == "numpy" for c in cases for r in c["results"])
+    if not with_numpy:
+        extra = extra[:-1]  # NumPy was the small-size oracle only
     rows = []
     for c in cases:
         by = {r["config"]: r for r in c["results"]}
@@ -79,8 +82,8 @@ def workload_table(name: str, wl: dict, target_backend: str) -> list[str]:
                                                                              else ""))
         if tmax:
             r = by.get(f"{target_backend}@{tmax}") or {}
-            row += [_f(r.get("gflops"), ".3g"), _f(r.get("speedup"), ".2f"), _f(r.get("vs_torch"), ".2f"),
-                    _f(r.get("vs_numpy"), ".3g")]
+            row += [_f(r.get("gflops"), ".3g"), _f(r.get("speedup"), ".2f"), _f(r.get("vs_torch"), ".2f")]
+            row += [_f(r.get("vs_numpy"), ".3g")] if with_numpy else []
         if bg:
             row.append(_f(c.get("background_cores"), ".2f"))
         rows.append(row)
@@ -142,6 +145,66 @@ def target_table(entries: list) -> list[str]:
     rows = [[{True: "✅ met", False: "❌ missed", None: "n/a"}[e["ok"]], e["workload"], e["case"], e["target"],
              e["config"], measured(e)] for e in entries]
     return _md_table(["", "workload", "case", "target", "config", "measured"], rows, left=5)
+
+
+def memory_section(mem: dict) -> list[str]:
+    """The peak-memory comparison of bench/peak_memory.py (run by the nets workload)."""
+    lines = ["### Peak memory", "",
+             f"{mem['net']} training step at batch {mem['batch']} ({mem['steps']} steps, {mem['threads']} threads), "
+             "each framework in a fresh process: resident set size after the imports and the model, optimizer "
+             "and input are built (baseline), and its high-water mark after the steps. *Step* is the difference: "
+             "the memory a training step needs on top of the model (`python bench/peak_memory.py`).", ""]
+    rows = []
+    for r in mem.get("rows", []):
+        if "error" in r:
+            rows.append([r["framework"], "failed: " + r["error"], "", "", ""])
+            continue
+        name = r["framework"] + (f" ({r['backend']})" if r.get("backend") else "")
+        rows.append([name, _f(r["baseline_mib"], ".1f"), _f(r["peak_mib"], ".1f"), _f(r["step_mib"], ".1f"),
+                     r.get("method", "")])
+    lines += _md_table(["framework", "baseline MiB", "peak MiB", "step MiB", "measured by"], rows)
+    if mem.get("ratio") is not None:
+        lines += ["", f"parconv's step memory is {mem['ratio']:.2f}x PyTorch's."]
+    return lines + [""]
+
+
+def revisions_section(rev: dict) -> list[str]:
+    """The no-regression comparison of bench/compare_revisions.py."""
+    st = rev.get("settings", {})
+    lines = ["## Revision comparison", "",
+             f"Old revision `{rev['old'][:12]}` against new {('`' + rev['new'][:12] + '`') if rev.get('new') else rev.get('new_label')}, "
+             f"both built in place under the same flags and timed by the same benchmark code in two worker "
+             f"processes driven in lockstep: {st.get('repeat')} interleaved (old, new) pairs per row after "
+             f"{st.get('warmup')} warm-up call(s), each sample after an untimed settling call. *old/new* is the "
+             f"median of the per-pair ratios (> 1: the new revision is faster); a row passes at "
+             f"{st.get('threshold')}. Load average at the start "
+             + "/".join(f"{v:.2f}" for v in rev.get("load_average") or [])
+             + (", at the end " + "/".join(f"{v:.2f}" for v in rev["load_average_end"])
+                if rev.get("load_average_end") else "") + ".", "",
+             "```bash", "python bench/compare_revisions.py --old " + rev["old"][:7]
+             + (" --threads " + ",".join(map(str, st["threads"])) if st.get("threads") else "")
+             + f" --repeat {st.get('repeat')}" + (f" --wait-cores {st['wait_cores']:g}" if st.get("wait_cores")
+                                                  else ""), "```", ""]
+    rows = []
+    for r in rev.get("rows", []):
+        if "ratio" not in r:
+            rows.append([r["workload"], r["case"], f"{r['backend']}@{r['threads']}", "–", "–",
+                         "answers differ: " + r["check"], "❌"])
+            continue
+        ci = r.get("ratio_ci")
+        rows.append([r["workload"], r["case"], f"{r['backend']}@{r['threads']}", _f(r["old_ms"], ".3g"),
+                     _f(r["new_ms"], ".3g"),
+                     _f(r["ratio"], ".3f") + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else ""),
+                     "✅" if r.get("ok") else "❌"])
+    lines += _md_table(["workload", "case", "config", "old ms", "new ms", "old/new (95% interval)", ""], rows,
+                       left=3)
+    return lines + [""]
+
+
+def nets_targets(entries: list) -> list[str]:
+    """The targets of the nets workload, shown with its table."""
+    mine = [e for e in entries if e["workload"] == "nets" and "never slower" not in e["target"]]
+    return ["", "Targets of this workload:", ""] + target_table(mine) if mine else []
 
 
 def render(results: dict, plots: list[str]) -> str:
@@ -256,11 +319,17 @@ def render(results: dict, plots: list[str]) -> str:
             lines += ["Shapes: " + "; ".join(notes) + ".", ""]
         lines += workload_table(name, wl, tb)
         lines += layer_table(wl)
+        if name == "nets":
+            lines += nets_targets(results.get("targets") or [])
         for p in plots:
             base = os.path.basename(p)
             if base.endswith(f"_{name}.png") or (name in base and "throughput" in base):
                 lines += ["", f"![{base}]({STATIC}/{base})"]
         lines.append("")
+    if results.get("memory"):
+        lines += memory_section(results["memory"])
+    if results.get("revisions"):
+        lines += revisions_section(results["revisions"])
     if results.get("amdahl"):
         lines += ["## Amdahl analysis", "",
                   "A proxy backend times every kernel call of a training step (the parallel part); the rest of "
@@ -298,14 +367,79 @@ def write_docs(results: dict, out_dir: str, docs_dir: str = os.path.join(ROOT, "
     return page
 
 
+def _sections(text: str) -> list[tuple[str, list[str]]]:
+    """``[(heading, lines), ...]`` of a page split before every ``## `` and ``### `` heading."""
+    out = [("", [])]
+    for line in text.splitlines():
+        if line.startswith(("## ", "### ")):
+            out.append((line, []))
+        out[-1][1].append(line)
+    return out
+
+
+def splice(page_text: str, results: dict, plots: list[str]) -> str:
+    """``page_text`` with the sections ``results`` renders (its workloads, peak memory, revision comparison)
+    put in place of the sections of the same heading, or added at the end of "## Results".
+
+    For a run of some workloads only (``--workloads nets``) or a revision comparison alone: the
+    rest of the page, from an earlier full run, stays as it was.
+    """
+    fresh = [(h, body) for h, body in _sections(render(results, plots))
+             if h.startswith("### ") or h == "## Revision comparison"]
+    m = results.get("machine", {})
+    if m:
+        # the rest of the page describes another run: say when and how this section was measured
+        where = (f"*Measured separately from the rest of this page: {m.get('date', '?')}, "
+                 f"`{results.get('command', 'python bench/run.py')}`"
+                 + (f", commit {m['git_commit']}" if m.get("git_commit") else "")
+                 + (", load average at the start " + "/".join(f"{x:.2f}" for x in m["load_average"])
+                    if m.get("load_average") else "") + ".*")
+        fresh = [(h, body[:1] + ["", where] + body[1:]) if h.startswith("### ") else (h, body) for h, body in fresh]
+    old = _sections(page_text)
+    for h, body in fresh:
+        heads = [x for x, _ in old]
+        if body[-1] != "":
+            body = body + [""]
+        if h in heads:
+            old[heads.index(h)] = (h, body)
+            continue
+        if h.startswith("### ") and "## Results" in heads:  # a new workload: at the end of "## Results"
+            after = heads.index("## Results") + 1
+            at = next((i for i in range(after, len(heads)) if heads[i].startswith("## ")), len(heads))
+        else:
+            at = heads.index("## Targets") if "## Targets" in heads else len(heads)
+        old.insert(at, (h, body))
+    return "\n".join(line for _, body in old for line in body).rstrip() + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Regenerate docs/benchmarks.md from a bench/run.py results.json")
-    p.add_argument("results", nargs="?", default=os.path.join(HERE, "out", "results.json"))
+    p.add_argument("results", nargs="?", default=os.path.join(HERE, "out", "results.json"),
+                   help="a bench/run.py results.json ('-': none, with --revisions)")
     p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"))
+    p.add_argument("--revisions", default=None, help="a bench/compare_revisions.py JSON to add to the page")
+    p.add_argument("--splice", action="store_true",
+                   help="replace only the sections these results render in the existing page (a run of some "
+                        "workloads, or a revision comparison alone), keeping the rest")
     args = p.parse_args(argv)
-    with open(args.results, encoding="utf-8") as f:
-        results = json.load(f)
-    page = write_docs(results, os.path.dirname(os.path.abspath(args.results)), args.docs_dir)
+    results, out_dir = {}, HERE
+    if args.results != "-":
+        with open(args.results, encoding="utf-8") as f:
+            results = json.load(f)
+        out_dir = os.path.dirname(os.path.abspath(args.results))
+    if args.revisions:
+        with open(args.revisions, encoding="utf-8") as f:
+            results["revisions"] = json.load(f)
+    if not args.splice:
+        if not results.get("workloads"):
+            raise SystemExit("make_docs.py: a full page needs a bench/run.py results.json (or use --splice)")
+        page = write_docs(results, out_dir, args.docs_dir)
+    else:
+        page = os.path.join(args.docs_dir, "benchmarks.md")
+        with open(page, encoding="utf-8") as f:
+            text = f.read()
+        with atomic_open(page, "wb") as f:
+            f.write(splice(text, results, []).encode("utf-8"))
     print(f"wrote {page}")
     return 0
 

@@ -424,3 +424,27 @@ def test_compare_revisions_drives_two_builds_in_lockstep(tmp_path):
     for r in res["rows"]:
         assert r["check_ok"] and r["ok"], r
         assert len(r["times_old_s"]) == len(r["times_new_s"]) == 2 and r["ratio"] > 0
+
+
+def test_make_docs_splices_a_revision_comparison_and_a_workload_into_an_existing_page():
+    make_docs = _bench_module("make_docs")
+    page = ("# Benchmarks\n\n## Results\n\n### conv-small\n\nold table\n\n### nets\n\nstale\n\n"
+            "## Targets\n\nold targets\n")
+    rev = {"old": "5db3609" + "0" * 33, "new": "abcdef1" + "0" * 33, "load_average": [0.5, 0.4, 0.3],
+           "settings": {"threads": [2], "repeat": 7, "warmup": 2, "threshold": 0.97, "wait_cores": 5.0},
+           "rows": [{"workload": "conv-large", "case": "forward", "backend": "openmp", "threads": 2,
+                     "old_ms": 25.0, "new_ms": 24.0, "ratio": 1.04, "ratio_ci": [0.99, 1.08], "ok": True,
+                     "check": "max normalised error 0.00e+00 (y)", "check_ok": True}]}
+    case = {"name": "resnet20 training step batch=128", "params": {"net": "resnet20", "mode": "train", "N": 128},
+            "note": "resnet20 input 3x32x32", "checks": [],
+            "results": [{"config": "openmp@2", "impl": "openmp", "threads": 2, "median": 0.1, "vs_torch": 1.6},
+                        {"config": "torch@2", "impl": "torch", "threads": 2, "median": 0.16}]}
+    results = {"workloads": {"nets": {"title": "nets", "cases": [case]}}, "revisions": rev,
+               "machine": {"date": "today", "load_average": [1.0, 1.0, 1.0]}}
+    out = make_docs.splice(page, results, [])
+    assert "old table" in out and "old targets" in out and "stale" not in out
+    assert out.index("### nets") < out.index("## Revision comparison") < out.index("## Targets")
+    assert "| conv-large | forward | openmp@2 | 25 | 24 | 1.040 (0.990–1.080) | ✅ |" in out
+    assert "*Measured separately from the rest of this page: today" in out
+    assert "| resnet20 training step batch=128 | 100 | 160 |" in out
+    assert make_docs.splice(out, results, []) == out  # splicing again changes nothing
