@@ -603,11 +603,13 @@ class DataParallel:
             lo, hi = self.shard(x.shape[0])
             if hi > lo:
                 ev = evaluate_host(self.model, x[lo:hi], y[lo:hi], loss, batch_size)
-                local = [ev["loss"] * (hi - lo), ev["accuracy"] * (hi - lo)]
+                local = [ev["loss"] * (hi - lo), ev.get("accuracy", 0.0) * (hi - lo)]
             else:
                 local = [0.0, 0.0]
             total = self.allreduce_sum(local)
             n = x.shape[0]
+            if not getattr(loss, "reports_accuracy", True):
+                return {"loss": float(total[0] / n)}
             return {"loss": float(total[0] / n), "accuracy": float(round(total[1]) / n)}
 
 

@@ -183,6 +183,9 @@ class MSELoss(Loss):
     [[0.0, -2.0]]
     """
 
+    #: regression: ``fit`` and ``evaluate`` report no accuracy for it
+    reports_accuracy = False
+
     def forward(self, pred, target, backend=None) -> float:
         be = _backends.get(backend) if backend is not None else _infer_backend(pred)
         pred = to_backend_array(pred, be, "pred", "MSELoss")

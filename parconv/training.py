@@ -184,7 +184,7 @@ def evaluate_host(model, x, y, loss, batch_size: int) -> dict:
         total += loss.forward(out, yb, backend=be) * len(yb_host)
         correct += loss.count_correct(out, yb)
     _release(model)
-    return {"loss": total / x.shape[0], "accuracy": correct / x.shape[0]}
+    return _metrics(loss, total / x.shape[0], correct / x.shape[0])
 
 
 def _evaluate_loader(model, loader, loss) -> dict:
@@ -198,7 +198,14 @@ def _evaluate_loader(model, loader, loss) -> dict:
         correct += loss.count_correct(out, yb)
         n += len(yb_host)
     _release(model)
-    return {"loss": total / max(n, 1), "accuracy": correct / max(n, 1)}
+    return _metrics(loss, total / max(n, 1), correct / max(n, 1))
+
+
+def _metrics(loss, mean_loss: float, accuracy: float) -> dict:
+    """``{"loss", "accuracy"}``, without accuracy for a regression loss (MSE)."""
+    if getattr(loss, "reports_accuracy", True):
+        return {"loss": mean_loss, "accuracy": accuracy}
+    return {"loss": mean_loss}
 
 
 def _release(model) -> None:
@@ -210,7 +217,8 @@ def _release(model) -> None:
 def evaluate(model, x, y=None, batch_size: int = 256, loss: Loss | None = None) -> dict:
     """Mean loss and accuracy over ``(x, y)`` (or a DataLoader ``x``) in eval mode.
 
-    Returns ``{"loss": float, "accuracy": float}``; the model's mode is restored.
+    Returns ``{"loss": float, "accuracy": float}`` (no accuracy for ``MSELoss``); the model's mode is
+    restored.
     """
     where = f"{type(model).__name__}.evaluate"
     batch_size = check_int(batch_size, "batch_size", where, 1)
@@ -563,7 +571,7 @@ class _FitRun:
             elapsed = time.perf_counter() - t0
             done = seen if loader is not None else n - min(n, skip * batch_size)
             denom = n if loader is None else max(seen + (skip * batch_size if epoch == start_epoch else 0), 1)
-            metrics = {"loss": total_loss / denom, "accuracy": correct / denom}
+            metrics = _metrics(self.loss, total_loss / denom, correct / denom)
             if self.xv is not None:
                 with _eval_mode(model):
                     if _is_loader(self.xv):
@@ -572,7 +580,9 @@ class _FitRun:
                         ev = evaluate_host(model, self.xv, self.yv, self.loss, max(batch_size, 256))
                     else:
                         ev = dp.evaluate(self.xv, self.yv, max(batch_size, 256), self.loss)
-                metrics["val_loss"], metrics["val_accuracy"] = ev["loss"], ev["accuracy"]
+                metrics["val_loss"] = ev["loss"]
+                if "accuracy" in ev:
+                    metrics["val_accuracy"] = ev["accuracy"]
             metrics["lr"] = optimizer.lr
             metrics["time"] = elapsed
             metrics["samples_per_s"] = done / elapsed if elapsed > 0 else float("inf")

@@ -186,3 +186,15 @@ def test_public_namespace_is_clean():
     lazy = {"distributed", "onnx"}  # imported on first use: they need mpi4py / onnx
     for name in set(pc.__all__) - lazy:
         assert hasattr(pc, name), name
+
+
+def test_regression_with_mse_reports_no_accuracy(backend):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 3)).astype(np.float32)
+    y = (x @ rng.standard_normal((3, 2))).astype(np.float32)
+    model = pc.Sequential(pc.Linear(3, 8, rng=0), pc.Tanh(), pc.Linear(8, 2, rng=1), backend=backend)
+    history = model.fit(x, y, epochs=3, batch_size=8, loss=pc.MSELoss(), verbose=False, validation_data=(x, y),
+                        optimizer=pc.optim.SGD(model.parameters(), lr=0.05))
+    assert "accuracy" not in history and "val_accuracy" not in history
+    assert history["loss"][-1] < history["loss"][0]
+    assert set(model.evaluate(x, y, loss=pc.MSELoss())) == {"loss"}
