@@ -424,6 +424,11 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
         # a read-only or unusable directory fails now, not after an epoch (distributed: rank 0 writes,
         # and the command line checks there)
         check_writable_target(checkpoint)
+    verify = getattr(model.backend, "verify", None)
+    if verify is not None:
+        # a device that computes wrong results must fail here, not train to chance accuracy (once per
+        # device and configuration per process)
+        verify()
     dp = _reducer(model, distributed)
     run = _FitRun(model, x, y, loader, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose,
                   callbacks, scheduler, dp, checkpoint, checkpoint_every, resume)

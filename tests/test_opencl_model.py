@@ -34,6 +34,7 @@ def test_fit_step_residency():
     x, y = pc.datasets.load_mnist("test")
     model = pc.Sequential(pc.Conv2d(1, 4, 3), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(), pc.Linear(4 * 13 * 13, 10),
                           backend="opencl")
+    be.verify()  # fit checks the device once per process first; its own copies are not the step's
     with be.transfers.recording():
         model.fit(x[:30], y[:30], epochs=1, batch_size=10, verbose=False, shuffle=False)
     reasons = be.transfers.d2h_reasons()
@@ -92,3 +93,19 @@ def test_zoo_training_steps_stay_on_the_device(name):
     assert be.transfers.d2h_reasons() == ["softmax_cross_entropy_forward"] * 2
     params = sum(p.size for p in model.parameters())
     assert be.transfers.h2d_bytes < 2 * (4 * 3 * 16 * 16 * 4 + 4 * 4) + 4 * params + 4096
+
+
+def test_fit_refuses_a_device_that_computes_wrong_results(monkeypatch):
+    be = pc.backends.get("opencl")
+    model = pc.Sequential(pc.Flatten(), pc.Linear(16, 3), backend="opencl")
+
+    def broken():
+        raise RuntimeError(f"{be!r} computes linear wrongly")
+
+    monkeypatch.setattr(be, "verify", broken)
+    x, y = np.zeros((4, 1, 4, 4), np.float32), np.zeros(4, np.int64)
+    before = model.state_dict()
+    with pytest.raises(RuntimeError, match="computes linear wrongly"):
+        model.fit(x, y, verbose=False, optimizer=pc.optim.SGD(model.parameters(), lr=0.1))
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(v, before[k])
