@@ -43,7 +43,7 @@ _IR_VERSION = 8
 
 #: ops :func:`load` turns into layers (constant subgraphs of other ops are folded first; see ``_FOLDABLE``)
 SUPPORTED_OPS = (
-    "Conv", "BatchNormalization", "Gemm", "MatMul", "Add", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Softmax",
+    "Conv", "BatchNormalization", "Gemm", "MatMul", "Add", "Relu", "LeakyRelu", "Elu", "Sigmoid", "Tanh", "Softmax",
     "MaxPool", "AveragePool", "GlobalAveragePool", "ReduceMean", "Flatten", "Reshape", "Squeeze", "Dropout",
     "Identity",
 )
@@ -227,6 +227,10 @@ def _export_leaky(g, layer, x, prefix, x_shape):
     return g.node("LeakyRelu", [x], prefix, alpha=float(layer.negative_slope))
 
 
+def _export_elu(g, layer, x, prefix, x_shape):
+    return g.node("Elu", [x], prefix, alpha=float(layer.alpha))
+
+
 def _export_softmax(g, layer, x, prefix, x_shape):
     dim = getattr(layer, "dim", 1)
     return g.node("Softmax", [x], prefix, axis=int(1 if dim is None else dim))
@@ -266,6 +270,7 @@ _EXPORTERS = {
     "AdaptiveAvgPool2d": _export_adaptive,
     "ReLU": _unary("Relu"),
     "LeakyReLU": _export_leaky,
+    "ELU": _export_elu,
     "Sigmoid": _unary("Sigmoid"),
     "Tanh": _unary("Tanh"),
     "Softmax": _export_softmax,
@@ -358,7 +363,7 @@ def export(model, path, input_shape) -> None:
         Any parconv model of the layers in ``parconv.onnx.SUPPORTED_LAYERS``:
         Conv2d (groups, dilation, asymmetric ``"same"`` padding), Linear,
         BatchNorm1d/2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d (output 1, or a
-        size that divides the input), ReLU, LeakyReLU, Sigmoid, Tanh, Softmax,
+        size that divides the input), ReLU, LeakyReLU, ELU, Sigmoid, Tanh, Softmax,
         Flatten, Dropout, Identity, Residual and nested Sequential. A model in
         training mode is written in eval form (running BatchNorm statistics,
         no Dropout), with a warning; its mode is left as it was.
@@ -875,6 +880,10 @@ class _Loader:
         specs.append(_spec("LeakyReLU", negative_slope=float(a.get("alpha", 0.01))))
         return rank
 
+    def _op_Elu(self, node, a, specs, rank):
+        specs.append(_spec("ELU", alpha=float(a.get("alpha", 1.0))))
+        return rank
+
     def _op_Softmax(self, node, a, specs, rank):
         axis = int(a.get("axis", -1 if self.opset >= 13 else 1))
         if rank is None:
@@ -983,22 +992,23 @@ class _Loader:
 
 def _build(specs: list, backend):
     """Layers from specs; returns ``(Sequential, state dict entries)``."""
-    import parconv as pc
+    from . import layers as _layers
+    from .model import Sequential
 
     layers, state = [], {}
     for i, spec in enumerate(specs):
         if spec["type"] == "Residual":
             body, body_state = _build(spec["body"], backend)
             short, short_state = (None, {}) if spec["shortcut"] is None else _build(spec["shortcut"], backend)
-            layer = pc.Residual(body, short)
+            layer = _layers.Residual(body, short)
             sub = {f"body.{k}": v for k, v in body_state.items()}
             sub.update({f"shortcut.{k}": v for k, v in short_state.items()})
         else:
-            layer = getattr(pc, spec["type"])(**spec["kwargs"], backend=backend)
+            layer = getattr(_layers, spec["type"])(**spec["kwargs"], backend=backend)
             sub = {k: v for k, v in spec["params"].items() if v is not None}
         layers.append(layer)
         state.update({f"{i}.{k}": v for k, v in sub.items()})
-    return pc.Sequential(*layers, backend=backend), state
+    return Sequential(*layers, backend=backend), state
 
 
 def load(path, backend=None):

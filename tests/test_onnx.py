@@ -57,7 +57,7 @@ def parconv_out(model, x):
 
 def mlp():
     return pc.Sequential(pc.Linear(20, 32), pc.ReLU(), pc.Dropout(0.3), pc.Linear(32, 16), pc.Tanh(),
-                         pc.Linear(16, 4), pc.Softmax(dim=1))
+                         pc.Linear(16, 8), pc.layers.ELU(0.5), pc.Linear(8, 4), pc.Softmax(dim=1))
 
 
 def cnn():
@@ -281,7 +281,7 @@ if HAVE_TORCH:
         """The PyTorch model with parconv's test model's structure (state-dict keys match)."""
         if name == "mlp":
             return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 16), nn.Tanh(),
-                                 nn.Linear(16, 4), nn.Softmax(dim=1))
+                                 nn.Linear(16, 8), nn.ELU(0.5), nn.Linear(8, 4), nn.Softmax(dim=1))
         if name == "cnn":
             return nn.Sequential(nn.Conv2d(1, 6, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(150, 10))
         if name == "resnet_like":
