@@ -5,7 +5,8 @@
 
     python bench/compare_revisions.py                       # 5db3609 (before the refactor) vs HEAD
     python bench/compare_revisions.py --old v0.1 --new HEAD --threads 1,2 --repeat 9 --wait-cores 5
-    python bench/compare_revisions.py --new-tree .          # HEAD's parent vs this checkout's in-place build
+    python bench/compare_revisions.py --new-tree .          # 5db3609 vs this checkout's in-place build
+    python bench/compare_revisions.py --wait-cores 5 --docs # and put the table into docs/benchmarks.md
 
 Each revision is exported with ``git archive`` into its own directory under
 ``--workdir`` (nothing in the repository or its work tree changes) and built
@@ -328,6 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--threshold", type=float, default=THRESHOLD)
     p.add_argument("--quick", action="store_true", help="tiny shapes, checks and plumbing only (tests)")
     p.add_argument("--out", default=os.path.join(HERE, "out", "revisions.json"), help="JSON output")
+    p.add_argument("--docs", action="store_true",
+                   help="after the run, put the table into docs/benchmarks.md (its 'Revision comparison' section)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -365,6 +368,10 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")
+    if args.docs:
+        from make_docs import splice_docs
+
+        print(f"wrote {splice_docs({'revisions': res})}")
     return 0 if all(r.get("ok") for r in res["rows"]) else 1
 
 

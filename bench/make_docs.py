@@ -412,6 +412,16 @@ def splice(page_text: str, results: dict, plots: list[str]) -> str:
     return "\n".join(line for _, body in old for line in body).rstrip() + "\n"
 
 
+def splice_docs(results: dict, docs_dir: str = os.path.join(ROOT, "docs")) -> str:
+    """Rewrite ``docs_dir/benchmarks.md`` with :func:`splice` (plots are not copied); the page's path."""
+    page = os.path.join(docs_dir, "benchmarks.md")
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    with atomic_open(page, "wb") as f:
+        f.write(splice(text, results, []).encode("utf-8"))
+    return page
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Regenerate docs/benchmarks.md from a bench/run.py results.json")
     p.add_argument("results", nargs="?", default=os.path.join(HERE, "out", "results.json"),
@@ -435,11 +445,7 @@ def main(argv=None) -> int:
             raise SystemExit("make_docs.py: a full page needs a bench/run.py results.json (or use --splice)")
         page = write_docs(results, out_dir, args.docs_dir)
     else:
-        page = os.path.join(args.docs_dir, "benchmarks.md")
-        with open(page, encoding="utf-8") as f:
-            text = f.read()
-        with atomic_open(page, "wb") as f:
-            f.write(splice(text, results, []).encode("utf-8"))
+        page = splice_docs(results, args.docs_dir)
     print(f"wrote {page}")
     return 0
 

@@ -11,6 +11,7 @@ Examples
     python bench/run.py --docs                           # full run, then regenerate docs/benchmarks.md
     python bench/run.py --passes 3 --repeat 9            # 3 passes over the suite, 3 repetitions each
     python bench/run.py --wait-cores 5                   # a VM: time n threads only when they get n cores
+    python bench/run.py --workloads nets --threads 1,2 --docs   # the zoo vs PyTorch; updates its docs section
     mpiexec -n 4 python bench/run.py --workloads data-parallel,conv-large-mpi
 
 For every case the suite checks each implementation against the NumPy oracle
@@ -149,7 +150,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=os.path.join(HERE, "out"), help="output directory (results.json, PNGs)")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
     p.add_argument("--docs", action="store_true",
-                   help="after the run, regenerate docs/benchmarks.md and docs/_static/bench/ from it")
+                   help="after the run, regenerate docs/benchmarks.md and docs/_static/bench/ from it (a run of "
+                        "some workloads only replaces their sections of the page)")
     p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"), help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -688,9 +690,13 @@ def main(argv=None) -> int:
         json.dump(results, f, indent=1, default=_json_default)
     print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else "") + f" ({results['elapsed_s']:.0f} s)")
     if args.docs:
-        from make_docs import write_docs
+        from make_docs import splice_docs, write_docs
 
-        page = write_docs(results, args.out, args.docs_dir)
+        if set(local_names) >= set(W.LOCAL_WORKLOADS) or not os.path.exists(
+                os.path.join(args.docs_dir, "benchmarks.md")):
+            page = write_docs(results, args.out, args.docs_dir)
+        else:  # some workloads only: their sections replace those of the page, the rest stays
+            page = splice_docs(results, args.docs_dir)
         print(f"wrote {page}")
     if any_failed:
         print("FAILED: some answers disagree with the NumPy oracle (see CHECK FAILED above)", file=sys.stderr)

@@ -687,8 +687,8 @@ NETS_TRAIN_BATCH = 128
 NETS_INFER_BATCHES = (1, 64)
 MLP_BATCHES = (1, 64, 256)
 MLP_SIZES = (784, 512, 512, 10)
-#: inference logits must agree this closely (normalised max error); a training step's loss and
-#: parameter updates within harness.DEFAULT_TOL
+#: inference logits must agree this closely (normalised max error); a training step's loss,
+#: gradients and weights within harness.DEFAULT_TOL
 NETS_INFER_TOL = 1e-4
 
 
