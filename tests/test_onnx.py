@@ -148,6 +148,14 @@ def test_exported_file_loads_back_on_every_backend(exported, name, backend):
     assert_close(parconv_out(loaded, x), parconv_out(model, x), RTOL, ATOL, f"{name} loaded on {backend.name}")
 
 
+def test_export_from_every_backend(tmp_path, backend):
+    model, shape = build("resnet_like", seed=6)
+    model.to(backend)
+    pox.export(model, tmp_path / "m.onnx", shape)
+    x = batch(shape, n=2, seed=3)
+    assert_close(run_ort(tmp_path / "m.onnx", x), parconv_out(model, x), RTOL, ATOL, backend.name)
+
+
 def test_graph_names_keep_the_layer_structure(exported):
     model, path, _ = exported("resnet_like")
     proto = onnx.load(str(path))
