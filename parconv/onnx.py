@@ -1030,8 +1030,8 @@ def load(path, backend=None):
         In eval mode (an ONNX graph is an inference graph). Weights and
         BatchNorm statistics come from the initializers; an ``Add`` of two
         branches forked from one tensor becomes ``Residual(body, shortcut)``
-        (the longer branch is the body; an identity branch the ``None``
-        shortcut); a constant subgraph (shape arithmetic, a transposed
+        (each branch a Sequential; the longer branch is the body, an identity
+        branch the ``None`` shortcut); a constant subgraph (shape arithmetic, a transposed
         weight) is folded first.
 
     Raises
