@@ -225,6 +225,9 @@ def render(results: dict, plots: list[str]) -> str:
         "python bench/run.py --docs            # add e.g. --threads 1,2,4,8 --backends openmp",
         "python bench/run.py --docs --passes 3 --repeat 9   # on a shared machine: repetitions spread over the run",
         "python bench/run.py --docs --passes 3 --repeat 9 --wait-cores 5   # a VM whose host moves its vCPUs",
+        "python bench/run.py --docs --workloads nets --threads 1,2 --backends openmp --wait-cores 5"
+        "   # only the nets section",
+        "python bench/compare_revisions.py --docs --wait-cores 5   # the revision comparison section",
         "```",
         "",
     ]
