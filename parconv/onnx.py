@@ -180,17 +180,24 @@ def _export_linear(g, layer, x, prefix, x_shape):
 
 
 def _export_batchnorm(g, layer, x, prefix, x_shape):
-    kind = type(layer).__name__
-    if not getattr(layer, "track_running_stats", True) or getattr(layer, "running_mean", None) is None:
-        raise ValueError(f"onnx.export: {kind} {prefix!r} has track_running_stats=False, so it normalizes with "
-                         f"the batch's statistics even in eval mode; ONNX BatchNormalization needs running "
-                         f"statistics (build the layer with track_running_stats=True)")
     c = int(layer.num_features)
     w, b = _param(layer, "weight"), _param(layer, "bias")
     scale = g.init(_key(prefix, "weight"), w) if w is not None else g.init(_key(prefix, "scale_ones"),
                                                                             np.ones(c, np.float32))
     bias = g.init(_key(prefix, "bias"), b) if b is not None else g.init(_key(prefix, "bias_zeros"),
                                                                          np.zeros(c, np.float32))
+    if getattr(layer, "running_mean", None) is None:
+        # without running statistics the layer normalises with the batch's, in eval mode too:
+        # (x - mean) / sqrt(var + eps) over every axis but the channels, then the affine part
+        axes = [0] + list(range(2, len(x_shape)))
+        mean = g.node("ReduceMean", [x], prefix, axes=axes, keepdims=1)
+        d = g.node("Sub", [x, mean], prefix)
+        var = g.node("ReduceMean", [g.node("Mul", [d, d], prefix)], prefix, axes=axes, keepdims=1)
+        eps = g.init(f"{prefix}/eps", np.array(layer.eps, np.float32))
+        xhat = g.node("Div", [d, g.node("Sqrt", [g.node("Add", [var, eps], prefix)], prefix)], prefix)
+        zeros = g.init(f"{prefix}/zeros", np.zeros(c, np.float32))
+        ones = g.init(f"{prefix}/ones", np.ones(c, np.float32))
+        return g.node("BatchNormalization", [xhat, scale, bias, zeros, ones], prefix, epsilon=0.0)
     mean = g.init(_key(prefix, "running_mean"), _param(layer, "running_mean"))
     var = g.init(_key(prefix, "running_var"), _param(layer, "running_var"))
     # ONNX's momentum weighs the old statistic, PyTorch's the new one; it only matters for training

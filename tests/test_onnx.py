@@ -249,10 +249,16 @@ def test_adaptive_pool_sizes(tmp_path):
     assert not (tmp_path / "bad.onnx").exists()
 
 
-def test_batchnorm_without_running_stats_is_refused(tmp_path):
-    model = pc.Sequential(pc.Conv2d(1, 2, 1), pc.BatchNorm2d(2, track_running_stats=False), backend="numpy")
-    with pytest.raises(ValueError, match="track_running_stats=False"):
-        pox.export(model.eval(), tmp_path / "m.onnx", (1, 1, 4, 4))
+def test_batchnorm_without_running_stats_normalises_with_the_batch(tmp_path):
+    pc.manual_seed(2)
+    model = randomize_state(pc.Sequential(
+        pc.Conv2d(2, 3, 3), pc.BatchNorm2d(3, track_running_stats=False), pc.Flatten(), pc.Linear(48, 5),
+        pc.BatchNorm1d(5, affine=False, track_running_stats=False), backend="numpy")).eval()
+    pox.export(model, tmp_path / "m.onnx", (2, 2, 6, 6))  # batch statistics need a batch of 2 or more
+    x = batch((1, 2, 6, 6), n=4)
+    assert_close(run_ort(tmp_path / "m.onnx", x), parconv_out(model, x), RTOL, ATOL)
+    with pytest.raises(ValueError, match="'ReduceMean'|not supported"):  # load takes running statistics only
+        pox.load(tmp_path / "m.onnx")
 
 
 @pytest.mark.parametrize("shape, error", [((1, 20, 0), ValueError), ((20,), ValueError), ("1,20", TypeError),
