@@ -42,6 +42,9 @@ from ._validation import (
 )
 
 __all__ = [
+    "conv2d_output_shape",
+    "pool2d_output_shape",
+    "maxpool2d_output_shape",
     "conv2d",
     "conv2d_backward",
     "maxpool2d",
@@ -54,6 +57,10 @@ __all__ = [
     "conv2d_relu_maxpool2d_backward",
     "linear",
     "linear_backward",
+    "fuses_linear_head",
+    "conv2d_relu_maxpool2d_linear",
+    "conv2d_relu_maxpool2d_linear_backward",
+    "reshape",
     "relu",
     "relu_backward",
     "sigmoid",
@@ -62,9 +69,8 @@ __all__ = [
     "softmax_cross_entropy_backward",
     "binary_cross_entropy",
     "binary_cross_entropy_backward",
-    "conv2d_output_shape",
-    "maxpool2d_output_shape",
-    "pool2d_output_shape",
+    "elu",
+    "elu_backward",
 ]
 
 BCE_EPS = 1e-7
