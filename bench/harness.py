@@ -85,15 +85,20 @@ def thread_scope(impl_kind: str, n: int):
 
 
 # ----------------------------------------------------------------------------- answers
-def compare_answers(got: dict, ref: dict, tol: float = DEFAULT_TOL) -> dict:
+def compare_answers(got: dict, ref: dict, tol: float | dict = DEFAULT_TOL) -> dict:
     """Compare two answers (dicts of arrays) key by key.
 
     The error of a key is ``max |got - ref| / max(max |ref|, 1e-12)``; an
     answer passes when every key is present with the reference's shape and
-    an error of at most ``tol``. Returns ``{"ok", "max_err", "worst_key",
-    "message"}``.
+    an error of at most its tolerance: ``tol``, or ``tol[key]`` when ``tol`` is
+    a dict (keys it lacks get :data:`DEFAULT_TOL`). Returns ``{"ok",
+    "max_err", "worst_key", "message"}``; the worst key is the one furthest
+    over (or least under) its tolerance.
     """
-    worst, worst_key = 0.0, None
+    def key_tol(key):
+        return tol.get(key, DEFAULT_TOL) if isinstance(tol, dict) else tol
+
+    worst, worst_key, worst_share = 0.0, None, -1.0
     for key, r in ref.items():
         if key not in got:
             return {"ok": False, "max_err": float("inf"), "worst_key": key, "message": f"missing output {key!r}"}
@@ -106,10 +111,12 @@ def compare_answers(got: dict, ref: dict, tol: float = DEFAULT_TOL) -> dict:
             return {"ok": False, "max_err": float("inf"), "worst_key": key, "message": f"{key}: non-finite values"}
         scale = max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-12)
         err = float(np.max(np.abs(a - b))) / scale if a.size else 0.0
-        if err > worst or worst_key is None:
-            worst, worst_key = err, key
-    ok = worst <= tol
-    msg = f"max normalised error {worst:.2e} ({worst_key})" + ("" if ok else f" > tolerance {tol:g}")
+        share = err / key_tol(key) if key_tol(key) > 0 else (0.0 if err == 0 else float("inf"))
+        if share > worst_share:
+            worst, worst_key, worst_share = err, key, share
+    t = key_tol(worst_key)
+    ok = worst <= t
+    msg = f"max normalised error {worst:.2e} ({worst_key})" + ("" if ok else f" > tolerance {t:g}")
     return {"ok": ok, "max_err": worst, "worst_key": worst_key, "message": msg}
 
 

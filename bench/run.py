@@ -329,9 +329,10 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
     kinds = _kinds(impls)
     numpy_impl = W.Impl("numpy", "parconv", pc.backends.get("numpy"))
     tol = case.extra.get("tol") or harness.DEFAULT_TOL
+    full_tol = case.extra.get("full_tol") or tol
     res = {"name": case.name, "params": case.params, "check_params": case.check_params, "note": case.note,
            "flops": case.flops, "items": case.items, "item_unit": case.item_unit, "checks": [], "skipped": [],
-           "results": [], "full_size_reference": None, "tolerance": tol}
+           "results": [], "full_size_reference": None, "tolerance": tol, "full_size_tolerance": full_tol}
 
     def skip(c, reason):
         res["skipped"].append({"config": c.label, "reason": reason})
@@ -398,7 +399,7 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
             ref_ans, ref_label = ans, c.label
             res["full_size_reference"] = ref_label
             continue
-        cmp = compare_answers(ans, ref_ans, tol)
+        cmp = compare_answers(ans, ref_ans, full_tol)
         res["checks"].append({"config": c.label, "size": "full", "reference": ref_label, **cmp})
         if not cmp["ok"]:
             skip(c, f"full-size answer differs from {ref_label}: {cmp['message']}")

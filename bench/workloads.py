@@ -690,6 +690,11 @@ MLP_SIZES = (784, 512, 512, 10)
 #: inference logits must agree this closely (normalised max error); a training step's loss,
 #: gradients and weights within harness.DEFAULT_TOL
 NETS_INFER_TOL = 1e-4
+#: a training step at the timed size, against PyTorch: the loss and weights as above, the gradients
+#: looser. At batch 128 the gradient sums of the deeper BatchNorm networks cancel (the softmax
+#: gradient sums to zero per sample), and PyTorch's float32 CPU gradients then stray from a float64
+#: computation by more than parconv's do; the small-size check against the oracle keeps 1e-3.
+NETS_TRAIN_FULL_TOL = {"loss": 1e-3, "weights": 1e-3, "grads": 5e-2}
 
 
 def build_net(net: str, backend, seed: int = 5, size: int | None = None):
@@ -728,11 +733,12 @@ class ParconvNet(_Runner):
     runs with ``p = 0`` (two generators' masks cannot agree) and each step
     keeps a host copy of the gradients. The answer is the loss, the weights
     after the step and the gradients (an update smaller than a weight's float32
-    spacing is lost in the weights). The gradients are one key, so their error
-    is relative to the network's largest gradient: a BatchNorm weight whose
+    spacing is lost in the weights). Weights and gradients are one key each, so
+    their error is relative to the network's largest: a BatchNorm weight whose
     output feeds another BatchNorm has a gradient that nearly cancels (the next
     BatchNorm undoes its scale), about 1e-3 of the others, and float32 sums
-    keep few of its digits in either framework.
+    keep few of its digits in either framework; a BatchNorm bias starts at 0,
+    so on its own it would compare the update only.
     """
 
     def __init__(self, be, inp):
@@ -791,7 +797,7 @@ class ParconvNet(_Runner):
             return {"logits": _np(self.out)}
         ans = {"loss": np.array([self.loss], dtype=np.float64)}
         ans["grads"] = np.concatenate([g.ravel() for g in self.grads.values()])
-        ans.update({f"weight:{name}": _np(p.data) for name, p in self.params})
+        ans["weights"] = np.concatenate([_np(p.data).ravel() for _, p in self.params])
         for d, p in self._p or ():
             d.p = p
         self._p = None
@@ -852,7 +858,7 @@ class TorchNet(_TorchRunner):
             return {"logits": _host(self.out)}
         ans = {"loss": np.array([self.loss], dtype=np.float64)}
         ans["grads"] = np.concatenate([_host(p.grad).ravel() for _, p in self.params])
-        ans.update({f"weight:{name}": _host(p) for name, p in self.params})
+        ans["weights"] = np.concatenate([_host(p).ravel() for _, p in self.params])
         for m, p in self._p:
             m.p = p
         self._p = []
@@ -893,10 +899,10 @@ class Nets(Workload):
         flops = 2.0 * macs * (3 if mode == "train" else 1)
         p = dict(net=net, mode=mode, N=n, size=size)
         chk = dict(p, N=min(n, 2))
-        tol = NETS_INFER_TOL if mode == "infer" else None
+        extra = {"tol": NETS_INFER_TOL} if mode == "infer" else {"full_tol": NETS_TRAIN_FULL_TOL}
         return Case(self, f"{net} {'training step' if mode == 'train' else 'inference'} batch={n}", p, chk,
                     flops, n, "samples" if net == "mlp" else "images",
-                    note=f"{net} input {'x'.join(map(str, shape))}", extra={"tol": tol} if tol else {})
+                    note=f"{net} input {'x'.join(map(str, shape))}", extra=extra)
 
     def inputs(self, p):
         model, shape = build_net(p["net"], "numpy", size=p["size"])

@@ -448,3 +448,14 @@ def test_make_docs_splices_a_revision_comparison_and_a_workload_into_an_existing
     assert "*Measured separately from the rest of this page: today" in out
     assert "| resnet20 training step batch=128 | 100 | 160 |" in out
     assert make_docs.splice(out, results, []) == out  # splicing again changes nothing
+
+
+def test_compare_answers_takes_a_tolerance_per_key():
+    harness = _bench_module("harness")
+    ref = {"loss": np.array([1.0]), "grads": np.array([1.0, -2.0])}
+    got = {"loss": np.array([1.0005]), "grads": np.array([1.02, -2.0])}
+    assert not harness.compare_answers(got, ref)["ok"]  # grads 1e-2 over the default 1e-3
+    res = harness.compare_answers(got, ref, {"grads": 5e-2})
+    assert res["ok"] and res["worst_key"] == "loss"  # loss uses half its default, grads a fifth of theirs
+    res = harness.compare_answers(got, ref, {"grads": 5e-2, "loss": 1e-4})
+    assert not res["ok"] and res["worst_key"] == "loss" and "tolerance 0.0001" in res["message"]
