@@ -182,9 +182,13 @@ def revisions_section(rev: dict) -> list[str]:
              + (", at the end " + "/".join(f"{v:.2f}" for v in rev["load_average_end"])
                 if rev.get("load_average_end") else "") + ".", "",
              "```bash", "python bench/compare_revisions.py --old " + rev["old"][:7]
+             + (f" --new {rev['new'][:7]}" if rev.get("new") else "")
              + (" --threads " + ",".join(map(str, st["threads"])) if st.get("threads") else "")
+             + (" --quick" if st.get("quick") else "")
              + f" --repeat {st.get('repeat')}" + (f" --wait-cores {st['wait_cores']:g}" if st.get("wait_cores")
                                                   else ""), "```", ""]
+    if st.get("quick"):
+        lines += ["```{warning}", "Quick mode: tiny shapes, timings mean nothing.", "```", ""]
     rows = []
     for r in rev.get("rows", []):
         if "ratio" not in r:
