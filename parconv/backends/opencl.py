@@ -303,9 +303,9 @@ _verified: set = set()
 
 
 # -------------------------------------------------------------------- program cache
-# context -> {(family, options): (program, kernels)}. Weak keys: a context's programs go
-# with the last reference to it (a backend and its arrays), so backends created and
-# dropped in a loop do not pile up compiled programs.
+# context -> {(family, options): (program, kernels)}. Backends share one context per device
+# (_device_resources), so a program is built once per device and options; the keys are weak
+# so a context made outside that sharing still takes its programs with it.
 _program_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _program_lock = threading.Lock()
 
@@ -359,21 +359,22 @@ def build_program(context, family: str, options: tuple[str, ...]):
         return program, kernels
 
 
-def _forget_context(context) -> None:
-    """Drop ``context`` from pyopencl's per-context kernel caches (``Array.fill``, ``astype``...).
+#: device -> (context, queue, memory pool), shared by every backend on that device: a context, its
+#: queue and its built programs are made once per process, so creating and dropping backends costs
+#: no native memory (a context per backend leaked inside the driver and pyopencl on every cycle),
+#: and arrays of one backend on a device are valid for another on the same device
+_DEVICE_RESOURCES: dict = {}
 
-    Those caches hold their contexts strongly; without this a dropped backend's
-    context, and with it the programs cached for it, would live until the process ends.
-    """
-    try:
-        from pyopencl.tools import _first_arg_dependent_caches
-    except ImportError:  # a pyopencl without these caches holds nothing to drop
-        return
-    for cache in list(_first_arg_dependent_caches):
-        try:
-            cache.pop(context, None)
-        except (AttributeError, TypeError):
-            continue
+
+def _device_resources(cl, device):
+    key = (device.platform.int_ptr, device.int_ptr)
+    res = _DEVICE_RESOURCES.get(key)
+    if res is None:
+        context = cl.Context([device])
+        queue = cl.CommandQueue(context)
+        res = (context, queue, cl.tools.MemoryPool(cl.tools.ImmediateAllocator(queue)))
+        _DEVICE_RESOURCES[key] = res
+    return res
 
 
 # ------------------------------------------------------------------------ helpers
@@ -417,9 +418,7 @@ class OpenCLBackend(Backend):
         cl = _import_pyopencl()
         self._cl = cl
         self.device = select_device(device)
-        self.context = cl.Context([self.device])
-        self.queue = cl.CommandQueue(self.context)
-        self.pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
+        self.context, self.queue, self.pool = _device_resources(cl, self.device)
         if config is None:
             kind = os.environ.get("PARCONV_OPENCL_CONFIG", "").strip().lower() or None
             if kind not in (None, "cpu", "gpu"):
@@ -431,7 +430,6 @@ class OpenCLBackend(Backend):
         self.transfers = TransferLog()
         self._build_within_limits()
         self._dummy_f = self.empty((1,), np.float32)  # stands in for absent optional buffers
-        weakref.finalize(self, _forget_context, self.context)
 
     def __repr__(self) -> str:
         return f"<parconv backend 'opencl' on {self.device.name.strip()!r}>"
