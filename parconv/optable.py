@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._shapes import out_size
+
 __all__ = ["OpSpec", "OPS", "get_op", "ops_markdown_table", "RTOL", "ATOL"]
 
 #: the agreement every check asks of a backend (see the module docstring)
@@ -390,7 +392,7 @@ def _random_conv(rng, fused=False):
         case = (n, c, o, h, w, k, s, p, bool(rng.integers(0, 2)))
         if not fused:
             return case
-        P, Q = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+        P, Q = out_size(h, k, s, p), out_size(w, k, s, p)
         pk = int(rng.integers(1, 4))
         if pk > min(P, Q):
             continue

@@ -32,7 +32,6 @@ __all__ = [
     "get",
     "available",
     "registered",
-    "resolve",
 ]
 
 
@@ -203,8 +202,3 @@ def _best_cpu_backend() -> str:
         return "openmp"
     except Exception:  # noqa: BLE001
         return "numpy"
-
-
-def resolve(backend: str | Backend | None) -> Backend:
-    """Alias of :func:`get` used inside the library."""
-    return get(backend)
