@@ -403,6 +403,28 @@ def test_zoo_twins_exported_by_pytorch_load_and_match(tmp_path_factory, name, ba
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("PARCONV_SLOW_TESTS"),
                     reason="the default exporter takes ~20 s on resnet20; set PARCONV_SLOW_TESTS=1 to run it")
+@pytest.mark.parametrize("name", zoo_params())
+def test_zoo_from_the_default_exporter(tmp_path, name):
+    """Every zoo network's PyTorch twin through the default (torch.export-based) exporter."""
+    pytest.importorskip("onnxscript", reason="the default torch.onnx exporter needs onnxscript")
+    torch_twin = pytest.importorskip("torch_twin", reason="tests/torch_twin.py builds the zoo's PyTorch twins")
+    model, shape = build(name, seed=5)
+    net = torch_twin.twin(model).eval()
+    x = batch(shape, n=2, seed=9)
+    with torch.no_grad():
+        expected = net(torch.from_numpy(x)).numpy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.from_numpy(x),), str(tmp_path / "net.onnx"), dynamo=True, verbose=False)
+    for be in pc.available_backends():
+        assert_close(parconv_out(pox.load(tmp_path / "net.onnx", backend=be), x), expected, RTOL, ATOL,
+                     f"{name} on {be}")
+
+
+@needs_torch
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PARCONV_SLOW_TESTS"),
+                    reason="the default exporter takes ~20 s on resnet20; set PARCONV_SLOW_TESTS=1 to run it")
 def test_zoo_resnet20_from_the_default_exporter(tmp_path):
     pytest.importorskip("onnxscript", reason="the default torch.onnx exporter needs onnxscript")
     torch_twin = pytest.importorskip("torch_twin", reason="tests/torch_twin.py builds the zoo's PyTorch twins")
