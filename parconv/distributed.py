@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from . import _config
 from .layers import Conv2d, Layer, Parameter
-from .training import TrainingDivergedError, register_reducer_factory
+from .training import register_reducer_factory
 from ._validation import check_float, check_int, shape_of, state_array
 
 __all__ = [

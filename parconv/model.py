@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import backends as _backends
 from . import _fusion
 from ._checkpoint import FORMAT_VERSION, read_model_file
 from ._io import save_npz

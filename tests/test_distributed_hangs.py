@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,35 +23,19 @@ import time
 
 import pytest
 
-import parconv as pc
 
 pytest.importorskip("mpi4py")
 
-MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
-UNDER_MPI = any(v in os.environ for v in MPI_ENV_VARS)
+from test_distributed import UNDER_MPI, _env, _mpiexec  # the launcher's environment, shared
+
 END_WITHIN = 10.0  # seconds from both ranks being ready to the end of the job
 JOB_TIMEOUT = 60  # seconds for a whole job, start-up included: only a hang reaches it
-
-
-def _mpiexec():
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return here if os.path.exists(here) else shutil.which("mpiexec")
 
 
 pytestmark = [
     pytest.mark.mpi,
     pytest.mark.skipif(UNDER_MPI or _mpiexec() is None, reason="needs mpiexec, and not already running under MPI"),
 ]
-
-
-def _env():
-    env = dict(os.environ)
-    # the ranks import the same parconv as this process (installed or in place)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(pc.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for v in MPI_ENV_VARS:
-        env.pop(v, None)
-    return env
 
 
 JOB = """
