@@ -255,7 +255,6 @@ def _check_losses(ck, ref, rng, case):
         d = be.softmax_cross_entropy_backward(probs, Y)
         ck.close("softmax_xent.dlogits", d, ref.softmax_cross_entropy_backward(probs_ref, labels), tag)
         ck.equal("count_correct", be.count_correct(L, Y), ref.count_correct(logits, labels), tag)
-        ck.equal("argmax_rows", be.argmax_rows(L), ref.argmax_rows(logits), tag)
     except Exception as exc:  # noqa: BLE001
         ck.fail("softmax_xent.loss", tag, exc)
     # BCE on probabilities, a few of them exactly 0 or 1 so the clip is exercised
@@ -346,18 +345,11 @@ def _check_arrays(ck, ref, rng, case):
         ck.close("arrays.asarray", a, x, tag)
         ck.close("arrays.reshape", be.reshape(a, (12, 5)), x.reshape(12, 5), tag)
         c = be.copy(a)
-        be.fill(a, 2.5)
+        be.copy_into(a, be.zeros(x.shape))
         ck.close("arrays.copy", c, x, tag)
-        ck.close("arrays.fill", a, np.full_like(x, 2.5), tag)
+        ck.close("arrays.zeros", a, np.zeros_like(x), tag)
         be.copy_into(a, c)
         ck.close("arrays.copy_into", a, x, tag)
-        ck.close("arrays.zeros", be.zeros((2, 3)), np.zeros((2, 3)), tag)
-        ck.equal("arrays.all_finite", be.all_finite(a), True, tag)
-        bad = x.copy()
-        bad[1, 2, 3] = np.nan
-        ck.equal("arrays.all_finite", be.all_finite(be.asarray(bad)), False, tag + " with NaN")
-        bad[1, 2, 3] = np.inf
-        ck.equal("arrays.all_finite", be.all_finite(be.asarray(bad)), False, tag + " with inf")
     except Exception as exc:  # noqa: BLE001
         ck.fail("arrays.asarray", tag, exc)
 
@@ -674,8 +666,8 @@ def _rand_optim(rng):
 
 # ---------------------------------------------------------------------- the table
 OPS: tuple = (
-    OpSpec("arrays", "array plumbing: asarray, reshape, copy, fill, copy_into, zeros, all_finite",
-           ("asarray", "to_numpy", "reshape", "copy", "copy_into", "fill", "zeros", "all_finite"), ("every layer",),
+    OpSpec("arrays", "array plumbing: asarray, reshape, copy, copy_into, zeros",
+           ("asarray", "to_numpy", "reshape", "copy", "copy_into", "zeros"), ("every layer",),
            _check_arrays, fixed=("array ops",)),
     OpSpec("conv2d", "2-D convolution, square kernel, int stride and padding: forward, dx, dw, db",
            ("conv2d_forward", "conv2d_backward"), ("Conv2d",), _check_conv2d, tuple(_FIXED_CONV), _random_conv),

@@ -81,14 +81,6 @@ class Backend:
         """``dst[...] = src`` for two arrays of this backend with equal shapes."""
         raise self._missing("copy_into")
 
-    def fill(self, a, value: float) -> None:
-        """Set every element of ``a`` to ``value`` in place."""
-        raise self._missing("fill")
-
-    def all_finite(self, a) -> bool:
-        """Whether every element of ``a`` is finite (one scalar comes back)."""
-        raise self._missing("all_finite")
-
     def synchronize(self) -> None:
         """Wait for queued work to finish (no-op for synchronous backends)."""
 
@@ -184,10 +176,6 @@ class Backend:
     def count_correct(self, logits, labels) -> int:
         """Number of rows whose argmax equals the label (one scalar comes back)."""
         raise self._missing("count_correct")
-
-    def argmax_rows(self, logits):
-        """Row argmax of (N, G) logits as an int32 backend array (N,)."""
-        raise self._missing("argmax_rows")
 
     # --------------------------------------------------------------- optimizer
     def sgd_update(self, p, g, v, lr: float, momentum: float, weight_decay: float, nesterov: bool) -> None:
