@@ -27,6 +27,8 @@ class Where:
 
 
 def shape_of(a) -> tuple:
+    if type(a) is np.ndarray:
+        return a.shape  # already a tuple of Python ints
     return tuple(map(int, a.shape))
 
 
@@ -37,7 +39,11 @@ def to_backend_array(x, backend, name: str, where: str):
     int, non-contiguous views); complex, string and object data raise
     ``TypeError``. An array already on ``backend`` must be float32.
     """
-    if backend.is_array(x) and not isinstance(x, np.ndarray):
+    if type(x) is np.ndarray:
+        # the common case on host backends: already a C-contiguous float32 array, used as it is
+        if x.dtype == np.float32 and backend.host_arrays and x.flags.c_contiguous:
+            return x
+    elif backend.is_array(x) and not isinstance(x, np.ndarray):
         if x.dtype != np.float32:
             raise TypeError(f"{where}: {name} must be float32, got {x.dtype}")
         return x

@@ -752,15 +752,13 @@ class _Activation(Layer):
     _fwd = _bwd = ""
 
     def forward(self, x):
-        x = self._input(x)
-        y = getattr(F, self._fwd)(x, backend=self.backend)
+        y = getattr(F, self._fwd)(x, backend=self.backend)  # functional converts and checks x
         self._cache = y
         return y
 
     def backward(self, dy, need_dx: bool = True):
-        y = self._cached()
-        dy = self._check_dy(dy, shape_of(y))
-        return getattr(F, self._bwd)(y, dy, backend=self.backend)
+        # functional checks dy against the cached output's shape
+        return getattr(F, self._bwd)(self._cached(), dy, backend=self.backend)
 
     def macs(self, x_shape) -> int:
         return math.prod(x_shape)
