@@ -119,7 +119,8 @@ class BuildExt(build_ext):
             ext.depends = list(ext.depends) + ["parconv/_ext/pc_common.h", "parconv/_ext/pc_conv.h",
                                                 "parconv/_ext/pc_winograd.h", "parconv/_ext/pc_fused.h",
                                                 "parconv/_ext/pc_dense.h", "parconv/_ext/pc_optim.h",
-                                                "parconv/_ext/pc_pool.h", "parconv/_ext/pc_conv_general.h"]
+                                                "parconv/_ext/pc_pool.h", "parconv/_ext/pc_conv_general.h",
+                                                "parconv/_ext/pc_pool.pxd", "parconv/_ext/pc_helpers.pxd"]
             ext.extra_link_args = ext.extra_link_args + lflags
             ext.define_macros = ext.define_macros + [("PARCONV_OPENMP", "1" if flags else "0")]
         super().build_extensions()

@@ -11,6 +11,8 @@ than the loop.
 from cython.parallel cimport prange
 from libc.math cimport expm1f
 
+from .pc_helpers cimport pc_sum_lanes
+
 cdef extern from "pc_common.h":
     void pc_relu_fwd(const float *x, float *y, Py_ssize_t n) noexcept nogil
     void pc_relu_bwd(const float *y, const float *dy, float *dx, Py_ssize_t n) noexcept nogil
@@ -200,21 +202,6 @@ def add(const float[::1] a,  # IN  (n,)
                 out[k] = a[k] + b[k]
 
 
-cdef inline double _sum_lanes(const float *v, Py_ssize_t n) noexcept nogil:
-    """Sum of n contiguous floats in double, four lanes added in a fixed order."""
-    cdef double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0
-    cdef Py_ssize_t d = 0
-    while d + 4 <= n:
-        s0 += v[d]
-        s1 += v[d + 1]
-        s2 += v[d + 2]
-        s3 += v[d + 3]
-        d += 4
-    while d < n:
-        s0 += v[d]
-        d += 1
-    return (s0 + s1) + (s2 + s3)
-
 
 cdef inline void _softmax_row(const float *x, float *y, Py_ssize_t D) noexcept nogil:
     """Softmax of D contiguous values: the exp, the sum and the division in separate loops, so
@@ -229,7 +216,7 @@ cdef inline void _softmax_row(const float *x, float *y, Py_ssize_t D) noexcept n
         t = x[d] - m
         e = pc_exp_nonpos(t)
         y[d] = e if t >= <float>-87.3 else <float>0.0
-    e = <float>_sum_lanes(y, D)
+    e = <float>pc_sum_lanes(y, D)
     for d in range(D):
         y[d] = y[d] / e
 

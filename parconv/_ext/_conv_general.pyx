@@ -24,6 +24,7 @@ from cython.parallel cimport parallel, prange, threadid
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
 from scipy.linalg.cython_blas cimport sgemm
+from .pc_helpers cimport pc_threads_for
 
 cdef extern from "pc_common.h":
     double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
@@ -44,25 +45,12 @@ cdef extern from "pc_conv_general.h":
                                   int DH, int DW, int PT, int PL, int P, int Q, float *scratch,
                                   double *dw) noexcept nogil
 
-cdef enum:
-    # below this many multiply-adds one thread is faster than waking a team
-    SERIAL_BELOW = 32768
-
-
-cdef inline int _threads(Py_ssize_t work, Py_ssize_t chunks, int num_threads) noexcept nogil:
-    cdef Py_ssize_t nt = num_threads if num_threads > 0 else 1
-    if work < SERIAL_BELOW:
-        return 1
-    if nt > chunks:
-        nt = chunks
-    return <int>(nt if nt > 0 else 1)
-
 
 cdef void _bias_sum(const float *dyp, int N, int O, Py_ssize_t PQ, float *dbp, int nt) noexcept nogil:
     """db[o] = sum over images of each dy plane's sum (double, images in order)."""
     cdef Py_ssize_t o, n
     cdef double s
-    for o in prange(O, schedule="static", num_threads=_threads(<Py_ssize_t>N * O * PQ, O, nt)):
+    for o in prange(O, schedule="static", num_threads=pc_threads_for(<Py_ssize_t>N * O * PQ, O, nt)):
         s = 0.0
         for n in range(N):
             s = s + pc_sum_f32(dyp + (n * O + o) * PQ, PQ)
@@ -80,7 +68,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int M = O // C
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t planes = <Py_ssize_t>N * O
-    cdef int nt = _threads(planes * PQ * KK, planes, num_threads)
+    cdef int nt = pc_threads_for(planes * PQ * KK, planes, num_threads)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
@@ -126,7 +114,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef Py_ssize_t i, n, c, o, k
     cdef int failed[1]
     failed[0] = 0
-    cdef int nt = _threads(<Py_ssize_t>N * O * PQ * KK, O, num_threads)
+    cdef int nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, O, num_threads)
     # the bottom/right padding the taps reach (floor mode may leave input rows unread)
     cdef int PB = (P - 1) * SH + DH * (KH - 1) + 1 - H - PT, PR = (Q - 1) * SW + DW * (KW - 1) + 1 - W - PL
     # dx as the stride-1 correlation of dy with the flipped kernels needs these paddings >= 0
@@ -151,7 +139,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if failed[0]:
         raise MemoryError("depthwise_backward: could not allocate scratch")
     if dxp != NULL and flat_dx:
-        nt = _threads(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
+        nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
         with nogil, parallel(num_threads=nt):
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(H, W, KH, KW, 1, 1, DH, DW))
             for i in prange(<Py_ssize_t>N * C, schedule="static"):
@@ -166,7 +154,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
         if failed[0]:
             raise MemoryError("depthwise_backward: could not allocate scratch")
     elif dxp != NULL:
-        nt = _threads(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
+        nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
         with nogil:
             for i in prange(<Py_ssize_t>N * C, schedule="static", num_threads=nt):
                 n = i // C
@@ -191,7 +179,7 @@ def conv2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int PQ = P * Q, CgKK = Cg * KH * KW
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, items = <Py_ssize_t>N * G
     cdef bint direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and P == H and Q == W
-    cdef int nt = _threads(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
+    cdef int nt = pc_threads_for(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
@@ -249,7 +237,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, items = <Py_ssize_t>N * G, wsize = <Py_ssize_t>O * CgKK
     cdef bint direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and P == H and Q == W
     cdef bint need_dx = dx is not None
-    cdef int nt = _threads(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
+    cdef int nt = pc_threads_for(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *dyp = &dy[0, 0, 0, 0]
@@ -315,7 +303,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if nt > 1:
         # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
         with nogil:
-            for e in prange(wsize, schedule="static", num_threads=_threads(wsize * nt, wsize, nt)):
+            for e in prange(wsize, schedule="static", num_threads=pc_threads_for(wsize * nt, wsize, nt)):
                 for j in range(nt - 1):
                     dwp[e] = dwp[e] + acc[j * wsize + e]
         free(acc)

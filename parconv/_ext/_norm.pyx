@@ -19,6 +19,7 @@ from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
+from .pc_helpers cimport pc_sum_lanes
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements: below this, waking a team costs more than the loop
@@ -32,21 +33,6 @@ cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads) noex
         return <int>units
     return num_threads
 
-
-cdef inline double _plane_sum(const float *p, Py_ssize_t n) noexcept nogil:
-    """Sum of n floats in double, four independent lanes added in a fixed order."""
-    cdef double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0
-    cdef Py_ssize_t i = 0
-    while i + 4 <= n:
-        s0 += p[i]
-        s1 += p[i + 1]
-        s2 += p[i + 2]
-        s3 += p[i + 3]
-        i += 4
-    while i < n:
-        s0 += p[i]
-        i += 1
-    return (s0 + s1) + (s2 + s3)
 
 
 cdef inline double _plane_sqdev(const float *p, Py_ssize_t n, double m) noexcept nogil:
@@ -282,7 +268,7 @@ cdef void _sum_chunk(const float *x, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C,
         return
     for j in range(j0, j1):
         if center == NULL:
-            part[c] += _plane_sum(x + j * L, L)
+            part[c] += pc_sum_lanes(x + j * L, L)
         else:
             part[c] += _plane_sqdev(x + j * L, L, center[c])
         c += 1

@@ -17,6 +17,7 @@ from cython.parallel cimport prange
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
+from .pc_helpers cimport pc_threads_for
 from .pc_pool cimport (
     PC_POOL_U16_MAX,
     pc_adaptive_avgpool_backward_plane,
@@ -36,19 +37,6 @@ ctypedef fused pool_index_t:
     int
     unsigned short
 
-cdef enum:
-    # below this much work one thread is faster than waking a team
-    SERIAL_BELOW = 32768
-
-
-cdef inline int _threads_for(Py_ssize_t work, Py_ssize_t chunks, int num_threads) noexcept nogil:
-    cdef Py_ssize_t nt = num_threads if num_threads > 0 else 1
-    if work < SERIAL_BELOW:
-        return 1
-    if nt > chunks:
-        nt = chunks
-    return <int>(nt if nt > 0 else 1)
-
 
 def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                       float[:, :, :, ::1] y,        # OUT (N, C, P, Q), overwritten
@@ -58,7 +46,7 @@ def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
-    cdef int nt = _threads_for(planes * PQ * kernel_size * kernel_size, planes, num_threads)
+    cdef int nt = pc_threads_for(planes * PQ * kernel_size * kernel_size, planes, num_threads)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef pool_index_t *ap = &argmax[0, 0, 0, 0]
@@ -87,7 +75,7 @@ def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     cdef int N = dx.shape[0], C = dx.shape[1], H = dx.shape[2], W = dx.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W
     cdef Py_ssize_t PQ = <Py_ssize_t>dy.shape[2] * dy.shape[3]
-    cdef int nt = _threads_for(planes * (HW + PQ), planes, num_threads)
+    cdef int nt = pc_threads_for(planes * (HW + PQ), planes, num_threads)
     cdef const float *dyp = &dy[0, 0, 0, 0]
     cdef const pool_index_t *ap = &argmax[0, 0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0, 0]
@@ -114,7 +102,7 @@ def maxpool2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     """Max pooling with padding (never selected) and rectangular windows; argmax int32."""
     cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
-    cdef int nt = _threads_for(planes * PQ * KH * KW, planes, num_threads)
+    cdef int nt = pc_threads_for(planes * PQ * KH * KW, planes, num_threads)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef int *ap = &argmax[0, 0, 0, 0]
@@ -130,7 +118,7 @@ def avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     """Average pooling, zero padding counted in every window's KH * KW."""
     cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
-    cdef int nt = _threads_for(planes * PQ * KH * KW, planes, num_threads)
+    cdef int nt = pc_threads_for(planes * PQ * KH * KW, planes, num_threads)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i
@@ -145,7 +133,7 @@ def avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     """Gradient of :func:`avgpool2d_forward`."""
     cdef int H = dx.shape[2], W = dx.shape[3], P = dy.shape[2], Q = dy.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
-    cdef int nt = _threads_for(planes * (HW + PQ * KH * KW), planes, num_threads)
+    cdef int nt = pc_threads_for(planes * (HW + PQ * KH * KW), planes, num_threads)
     cdef const float *dyp = &dy[0, 0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef Py_ssize_t i
@@ -160,7 +148,7 @@ def adaptive_avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     """Adaptive average pooling (PyTorch's windows); (1, 1) is one streaming sum per plane."""
     cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
-    cdef int nt = _threads_for(planes * (HW + PQ), planes, num_threads)
+    cdef int nt = pc_threads_for(planes * (HW + PQ), planes, num_threads)
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i
@@ -175,7 +163,7 @@ def adaptive_avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q
     """Gradient of :func:`adaptive_avgpool2d_forward`."""
     cdef int H = dx.shape[2], W = dx.shape[3], P = dy.shape[2], Q = dy.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
-    cdef int nt = _threads_for(planes * (HW + PQ), planes, num_threads)
+    cdef int nt = pc_threads_for(planes * (HW + PQ), planes, num_threads)
     cdef const float *dyp = &dy[0, 0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef Py_ssize_t i
