@@ -12,8 +12,6 @@ Fusions:
   op that never writes the full-size convolution output;
 * the same followed by ``Flatten -> Linear`` where the backend fuses that
   classifier head too (:func:`parconv.functional.fuses_linear_head`);
-* ``Conv2d -> BatchNorm2d`` in eval mode, on host backends: the running
-  statistics folded into the convolution's weight and bias;
 * ``BatchNorm -> ReLU`` in training mode: one normalisation pass that
   applies the ReLU as it writes.
 
@@ -21,8 +19,6 @@ Nested containers plan their own runs.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from . import functional as F
 from ._validation import shape_of, to_backend_array
@@ -130,38 +126,6 @@ class ConvReluMaxPoolHead(_Fused):
         return dx
 
 
-class ConvBatchNormFolded(_Fused):
-    """``Conv2d -> BatchNorm2d`` in eval mode: one convolution with the statistics folded in.
-
-    ``w' = w * g / sqrt(var + eps)``, ``b' = (b - mean) * g / sqrt(var + eps) + beta``,
-    recomputed from the current weights and statistics at every forward (a
-    few thousand numbers), so it can never go stale.
-    """
-
-    def __init__(self, start, conv, bn):
-        super().__init__(start, [conv, bn])
-        self.conv, self.bn = conv, bn
-
-    def forward(self, x):
-        conv, bn = self.conv, self.bn
-        be = self.backend
-        scale = 1.0 / np.sqrt(be.to_numpy(bn.running_var).astype(np.float64) + bn.eps)
-        if bn.weight is not None:
-            scale = scale * bn.weight.numpy()
-        w = conv.weight.numpy().astype(np.float64) * scale[:, None, None, None]
-        b = conv.bias.numpy().astype(np.float64) if conv.bias is not None else 0.0
-        b = (b - be.to_numpy(bn.running_mean)) * scale
-        if bn.bias is not None:
-            b = b + bn.bias.numpy()
-        y = F.conv2d(x, w.astype(np.float32), b.astype(np.float32), **conv._fargs, backend=be)
-        self._cache = None  # eval-mode folding has no backward: differentiate the layers unfused
-        return y
-
-    def backward(self, dy, need_dx: bool = True):
-        raise ValueError("Sequential.backward: the model ran in eval mode with Conv2d+BatchNorm2d folded; "
-                         "call model.train() (or build it with fuse=False) to differentiate it")
-
-
 class BatchNormReLU(_Fused):
     """``BatchNorm -> ReLU`` as one normalisation pass (training mode)."""
 
@@ -203,11 +167,6 @@ def plan(layers: list, backend, fuse: bool) -> list:
             i += 3
             continue
         nxt = layers[i + 1] if i + 1 < n else None
-        if (fuse and type(layer) is Conv2d and type(nxt) is BatchNorm2d and not layer.training
-                and not nxt.training and nxt.running_mean is not None and backend.host_arrays):
-            steps.append(PlanStep(ConvBatchNormFolded(i, layer, nxt), i, i + 2, (i + 1, i)))
-            i += 2
-            continue
         if (fuse and type(layer) in (BatchNorm1d, BatchNorm2d) and type(nxt) is ReLU and layer.training
                 and nxt.training):
             steps.append(PlanStep(BatchNormReLU(i, layer, nxt), i, i + 2, (i,)))

@@ -24,7 +24,7 @@ class Sequential(Layer):
 
     Runs of layers that a backend executes faster as one op are fused (see
     :mod:`parconv._fusion`: ``Conv2d -> ReLU -> MaxPool2d`` and its classifier
-    head, ``Conv2d -> BatchNorm2d`` folding in eval mode, ``BatchNorm -> ReLU``
+    head, ``BatchNorm -> ReLU``
     in training); ``fuse=False`` turns that off. The maths is the same.
 
     Parameters
