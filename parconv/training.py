@@ -246,7 +246,13 @@ def predict(model, x, batch_size: int = 256) -> np.ndarray:
 # ------------------------------------------------------------------ summary
 def summary_table(model, input_shape) -> str:
     """The text of ``model.summary(input_shape)``: one row per layer (nested ones indented)."""
-    shape = tuple(int(s) for s in input_shape)
+    if isinstance(input_shape, (str, bytes)) or not hasattr(input_shape, "__iter__"):
+        raise TypeError(f"summary: input_shape must be a tuple of ints such as (1, 28, 28), got {input_shape!r}")
+    shape = tuple(input_shape)
+    if not shape or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s > 0 for s in shape):
+        raise ValueError(f"summary: input_shape must hold positive ints, e.g. (1, 28, 28) for one sample or "
+                         f"(N, 1, 28, 28) for a batch, got {input_shape!r}")
+    shape = tuple(int(s) for s in shape)
     if len(shape) in (1, 3):  # one sample: add a batch of 1
         shape = (1,) + shape
     rows: list[tuple] = []

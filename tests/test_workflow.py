@@ -179,6 +179,10 @@ def test_summary_counts_shapes_parameters_and_multiply_adds():
     conv_macs = 2 * 4 * 4 * 9
     assert f"{conv_macs:,}" in text
     assert f"forward multiply-adds: {conv_macs + 32 + 32 * 3:,}" in text
+    with pytest.raises(TypeError, match="input_shape must be a tuple of ints"):
+        model.summary("1,6,6")
+    with pytest.raises(ValueError, match=r"input_shape must hold positive ints.*got \(1, 0, 6\)"):
+        model.summary((1, 0, 6))
 
 
 def test_public_namespace_is_clean():
