@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 from Cython.Build import cythonize
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 EXT_NAMES = ["_threads", "_conv", "_pool", "_dense", "_activations", "_losses", "_optim", "_norm", "_conv_general"]
@@ -154,12 +154,6 @@ setup(
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExt},
     package_dir={"parconv.kernels_cl": "kernels_cl"},
-    packages=[
-        "parconv",
-        "parconv.backends",
-        "parconv.optim",
-        "parconv._ext",
-        "parconv.datasets",
-        "parconv.kernels_cl",
-    ],
+    # Every package under parconv/ ships; a hand-written list silently dropped new ones.
+    packages=find_packages(include=["parconv", "parconv.*"]) + ["parconv.kernels_cl"],
 )
