@@ -228,7 +228,7 @@ def test_csv_logger_survives_a_kill(tmp_path):
             log.on_epoch_end(epoch, {{"loss": 1.0 / epoch}})
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True)
     assert proc.returncode == -9
     assert path.read_text().splitlines() == ["epoch,loss", "1,1.0", "2,0.5", f"3,{1 / 3!r}"]
 

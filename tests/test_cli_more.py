@@ -182,7 +182,7 @@ def test_distributed_resume_refusal_is_one_line_on_every_rank_without_an_abort(o
     if any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
         pytest.skip("starts its own MPI job: run it without mpiexec")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pc.__file__)))
-    out = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "parconv.cli", "train", "--distributed",
+    out = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-P", "-m", "parconv.cli", "train", "--distributed",
                           "--epochs", "1", "--resume", str(one_epoch_checkpoint), "--lr", "0.5", "--checkpoint", "",
                           *SMALL], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2, out.stderr

@@ -476,7 +476,7 @@ def test_sequential_of_filter_parallel_conv2d_state_round_trip(backend):
     if RANK == 0 and backend == BACKENDS[0]:  # the file is the same whatever the backend: load it once
         np.savez(os.path.join(directory, "full.npz"), **full)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPIR_"))}
-        child = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_MPI, path, os.path.join(directory, "full.npz")],
+        child = subprocess.run([sys.executable, "-P", "-c", LOAD_WITHOUT_MPI, path, os.path.join(directory, "full.npz")],
                                env=env, capture_output=True, text=True, timeout=120)
     if RANK == 0:
         shutil.rmtree(directory, ignore_errors=True)
