@@ -1,6 +1,7 @@
 """linear on every backend against the oracle and PyTorch; oracle against finite differences."""
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,6 +29,25 @@ def test_linear_matches_oracle(backend, oracle, case):
     assert_close(dw, dw_ref, atol=1e-4, what="linear dw")
     if bias:
         assert_close(db, db_ref, atol=1e-4, what="linear db")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,f,g", [(1, 1500, 700), (3, 1500, 1), (1, 1, 900), (1, 2047, 1), (2, 1, 3)])
+def test_linear_vector_shapes_match_oracle(backend, oracle, n, f, g, threads):
+    """Batch 1 (matrix-vector products), one output and one input feature: the openmp
+    backend's sgemv and outer-product paths, large enough to split over threads."""
+    import parconv as pc
+
+    rng = np.random.default_rng(n * 7 + f + g)
+    x, w, b, dy = rand(rng, n, f), rand(rng, g, f, scale=1.0 / np.sqrt(f)), rand(rng, g), rand(rng, n, g)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731 - oracle in float64
+    with pc.num_threads(threads):
+        y = backend.linear_forward(backend.asarray(x), backend.asarray(w), backend.asarray(b))
+        dx, dw, db = backend.linear_backward(backend.asarray(x), backend.asarray(w), backend.asarray(dy))
+    assert_close(y, oracle.linear_forward(f64(x), f64(w), f64(b)), atol=1e-4, what="linear y")
+    for got, want, what in zip((dx, dw, db), oracle.linear_backward(f64(x), f64(w), f64(dy), True, True),
+                               ("dx", "dw", "db")):
+        assert_close(got, want, atol=1e-4, what=f"linear {what}")
 
 
 @given(st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(1, 5), st.integers(0, 2**31 - 1)))

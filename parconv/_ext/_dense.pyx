@@ -12,7 +12,7 @@ The caller limits the BLAS library to one thread around these calls.
 """
 
 from cython.parallel cimport prange
-from scipy.linalg.cython_blas cimport sgemm
+from scipy.linalg.cython_blas cimport sgemm, sgemv
 
 cdef extern from "pc_dense.h":
     int PCD_NARROW_G, PCD_BWD_FB
@@ -64,6 +64,14 @@ cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int 
     cdef float *c
     if <double>m * n * k < SERIAL_BELOW_MACS:
         nt = 1
+    if n == 1 or m == 1:
+        # a matrix-vector product (batch 1): sgemm would pack the whole matrix for one column
+        _par_sgemv(ta, tb, m, n, k, A, lda, B, ldb, C, ldc, nt)
+        return
+    if k == 1:
+        # an outer product (the weight gradient at batch 1): no packing, one pass over C
+        _par_outer(m, n, A, 1 if ta == b'N' else lda, B, ldb if tb == b'N' else 1, C, ldc, nt)
+        return
     if nt > extent:
         nt = extent
     if nt < 1:
@@ -84,6 +92,63 @@ cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int 
             a = A + (s0 if ta == b'N' else <Py_ssize_t>s0 * lda)
             c = C + s0
             sgemm(&ta, &tb, &cnt, &n, &k, &one, <float *>a, &lda, <float *>B, &ldb, &zero, c, &ldc)
+
+
+cdef void _par_sgemv(char ta, char tb, int m, int n, int k, const float *A, int lda,
+                     const float *B, int ldb, float *C, int ldc, int nt) noexcept nogil:
+    """``_par_sgemm`` where C is one column (n == 1) or one row (m == 1), as sgemv on each
+    thread's block of C's elements."""
+    cdef float one = 1.0, zero = 0.0
+    cdef char tr
+    cdef int i, s0, s1, cnt, rows, inc, incy, extent = m if n == 1 else n
+    cdef const float *mat
+    cdef const float *vec
+    cdef int ld
+    if n == 1:
+        # C (m) = op(A) (m x k) @ op(B) (k); A is stored m x k ('N') or k x m ('T')
+        mat, ld, tr, rows = A, lda, ta, (m if ta == b'N' else k)
+        vec, inc, incy = B, (1 if tb == b'N' else ldb), 1
+    else:
+        # C^T (n) = op(B)^T (n x k) @ op(A)^T (k); B is stored k x n ('N') or n x k ('T')
+        mat, ld, tr, rows = B, ldb, (b'T' if tb == b'N' else b'N'), (k if tb == b'N' else n)
+        vec, inc, incy = A, (lda if ta == b'N' else 1), ldc
+    if nt > extent:
+        nt = extent
+    if nt < 1:
+        nt = 1
+    for i in prange(nt, schedule="static", num_threads=nt):
+        s0 = <int>((<long>extent * i) // nt)
+        s1 = <int>((<long>extent * (i + 1)) // nt)
+        cnt = s1 - s0
+        if cnt <= 0:
+            continue
+        if tr == b'N':  # this thread's rows of the stored matrix
+            sgemv(&tr, &cnt, &k, &one, <float *>(mat + s0), &ld, <float *>vec, &inc, &zero,
+                  C + <Py_ssize_t>s0 * incy, &incy)
+        else:  # this thread's columns of the stored matrix
+            sgemv(&tr, &rows, &cnt, &one, <float *>(mat + <Py_ssize_t>s0 * ld), &ld, <float *>vec, &inc,
+                  &zero, C + <Py_ssize_t>s0 * incy, &incy)
+
+
+cdef void _par_outer(int m, int n, const float *a, int inca, const float *b, int incb,
+                     float *C, int ldc, int nt) noexcept nogil:
+    """Column-major ``C (m x n) = a b^T``, C's columns split over threads."""
+    cdef int i, j
+    cdef float bj
+    cdef float *c
+    if nt > n:
+        nt = n
+    if nt < 1:
+        nt = 1
+    for j in prange(n, schedule="static", num_threads=nt):
+        bj = b[<Py_ssize_t>j * incb]
+        c = C + <Py_ssize_t>j * ldc
+        if inca == 1:
+            for i in range(m):
+                c[i] = a[i] * bj
+        else:
+            for i in range(m):
+                c[i] = a[<Py_ssize_t>i * inca] * bj
 
 
 def linear_forward(const float[:, ::1] x,  # IN  (N, F)
