@@ -51,6 +51,19 @@ def _set_narrow_dw_runs_per_thread(int n):
 NARROW_MAX_G = PCD_NARROW_G
 
 
+cdef inline int _team(int nt, int extent) noexcept nogil:
+    """Threads for ``extent`` blocks: ``nt`` clamped to [1, extent]."""
+    if nt > extent:
+        nt = extent
+    return nt if nt > 0 else 1
+
+
+cdef inline int _block(int extent, int nt, int i, int *s0) noexcept nogil:
+    """Start (in s0) and length of thread i's contiguous block of ``extent`` items split nt ways."""
+    s0[0] = <int>((<long>extent * i) // nt)
+    return <int>((<long>extent * (i + 1)) // nt) - s0[0]
+
+
 cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int lda,
                      const float *B, int ldb, float *C, int ldc, int num_threads) noexcept nogil:
     """Column-major ``C (m x n) = op(A) @ op(B)``, C's columns (or rows) split over threads."""
@@ -58,7 +71,7 @@ cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int 
     cdef int nt = num_threads if num_threads > 0 else 1
     cdef bint by_cols = n >= m
     cdef int extent = n if by_cols else m
-    cdef int i, s0, s1, cnt
+    cdef int i, s0, cnt
     cdef const float *a
     cdef const float *b
     cdef float *c
@@ -72,14 +85,9 @@ cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int 
         # an outer product (the weight gradient at batch 1): no packing, one pass over C
         _par_outer(m, n, A, 1 if ta == b'N' else lda, B, ldb if tb == b'N' else 1, C, ldc, nt)
         return
-    if nt > extent:
-        nt = extent
-    if nt < 1:
-        nt = 1
+    nt = _team(nt, extent)
     for i in prange(nt, schedule="static", num_threads=nt):
-        s0 = <int>((<long>extent * i) // nt)
-        s1 = <int>((<long>extent * (i + 1)) // nt)
-        cnt = s1 - s0
+        cnt = _block(extent, nt, i, &s0)
         if cnt <= 0:
             continue
         if by_cols:
@@ -100,7 +108,7 @@ cdef void _par_sgemv(char ta, char tb, int m, int n, int k, const float *A, int 
     thread's block of C's elements."""
     cdef float one = 1.0, zero = 0.0
     cdef char tr
-    cdef int i, s0, s1, cnt, rows, inc, incy, extent = m if n == 1 else n
+    cdef int i, s0, cnt, rows, inc, incy, extent = m if n == 1 else n
     cdef const float *mat
     cdef const float *vec
     cdef int ld
@@ -112,14 +120,9 @@ cdef void _par_sgemv(char ta, char tb, int m, int n, int k, const float *A, int 
         # C^T (n) = op(B)^T (n x k) @ op(A)^T (k); B is stored k x n ('N') or n x k ('T')
         mat, ld, tr, rows = B, ldb, (b'T' if tb == b'N' else b'N'), (k if tb == b'N' else n)
         vec, inc, incy = A, (lda if ta == b'N' else 1), ldc
-    if nt > extent:
-        nt = extent
-    if nt < 1:
-        nt = 1
+    nt = _team(nt, extent)
     for i in prange(nt, schedule="static", num_threads=nt):
-        s0 = <int>((<long>extent * i) // nt)
-        s1 = <int>((<long>extent * (i + 1)) // nt)
-        cnt = s1 - s0
+        cnt = _block(extent, nt, i, &s0)
         if cnt <= 0:
             continue
         if tr == b'N':  # this thread's rows of the stored matrix
@@ -136,10 +139,7 @@ cdef void _par_outer(int m, int n, const float *a, int inca, const float *b, int
     cdef int i, j
     cdef float bj
     cdef float *c
-    if nt > n:
-        nt = n
-    if nt < 1:
-        nt = 1
+    nt = _team(nt, n)
     for j in prange(n, schedule="static", num_threads=nt):
         bj = b[<Py_ssize_t>j * incb]
         c = C + <Py_ssize_t>j * ldc
