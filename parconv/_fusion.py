@@ -12,8 +12,8 @@ Fusions:
   op that never writes the full-size convolution output;
 * the same followed by ``Flatten -> Linear`` where the backend fuses that
   classifier head too (:func:`parconv.functional.fuses_linear_head`);
-* ``BatchNorm -> ReLU`` in training mode: one normalisation pass that
-  applies the ReLU as it writes.
+* ``BatchNorm -> ReLU`` in training and eval mode: one normalisation pass
+  that applies the ReLU as it writes.
 
 Nested containers plan their own runs.
 """
@@ -127,7 +127,7 @@ class ConvReluMaxPoolHead(_Fused):
 
 
 class BatchNormReLU(_Fused):
-    """``BatchNorm -> ReLU`` as one normalisation pass (training mode)."""
+    """``BatchNorm -> ReLU`` as one normalisation pass (training and eval mode)."""
 
     def __init__(self, start, bn, relu):
         super().__init__(start, [bn, relu])
@@ -167,8 +167,7 @@ def plan(layers: list, backend, fuse: bool) -> list:
             i += 3
             continue
         nxt = layers[i + 1] if i + 1 < n else None
-        if (fuse and type(layer) in (BatchNorm1d, BatchNorm2d) and type(nxt) is ReLU and layer.training
-                and nxt.training):
+        if fuse and type(layer) in (BatchNorm1d, BatchNorm2d) and type(nxt) is ReLU:
             steps.append(PlanStep(BatchNormReLU(i, layer, nxt), i, i + 2, (i,)))
             i += 2
             continue

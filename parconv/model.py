@@ -24,8 +24,7 @@ class Sequential(Layer):
 
     Runs of layers that a backend executes faster as one op are fused (see
     :mod:`parconv._fusion`: ``Conv2d -> ReLU -> MaxPool2d`` and its classifier
-    head, ``BatchNorm -> ReLU``
-    in training); ``fuse=False`` turns that off. The maths is the same.
+    head, ``BatchNorm -> ReLU``); ``fuse=False`` turns that off. The maths is the same.
 
     Parameters
     ----------

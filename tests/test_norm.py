@@ -268,3 +268,37 @@ def test_openmp_batch_norm_chunks_agree_with_the_oracle(oracle, shape):
             grads = F.batch_norm_backward(x, w, dy, s, backend=be)
             for got, want in zip(grads, F.batch_norm_backward(x, w, dy, s_ref, backend=oracle)):
                 assert_close(got, want, atol=1e-5 * (float(np.abs(want).max()) + 1.0))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_fused_batch_norm_relu_matches_the_layers_in_both_modes(backend, training):
+    """Sequential fuses BatchNorm2d -> ReLU in training and in eval mode: same output, input
+    gradient, parameter gradients and running statistics as the unfused layers."""
+    from parconv._fusion import count_fused
+
+    def build(fuse):
+        pc.manual_seed(11)
+        model = pc.Sequential(pc.Conv2d(3, 4, 3, padding=1), pc.BatchNorm2d(4), pc.ReLU(), pc.Flatten(),
+                              pc.Linear(4 * 5 * 5, 3), backend=backend, fuse=fuse)
+        rng = np.random.default_rng(2)
+        model[1].running_mean = backend.asarray(rand(rng, 4))
+        model[1].running_var = backend.asarray(rng.uniform(0.5, 2.0, 4).astype(np.float32))
+        return model.train(training)
+
+    rng = np.random.default_rng(5)
+    x, dy = rand(rng, 2, 3, 5, 5), rand(rng, 2, 3)
+    fused, plain = build(True), build(False)
+    outs = []
+    for model in (fused, plain):
+        y = model.forward(backend.asarray(x))
+        dx = model.backward(backend.asarray(dy), need_dx=True)
+        outs.append((host(y), host(dx), {k: host(p.grad) for k, p in model.named_parameters()},
+                     {k: host(b) for k, b in model.named_buffers()}))
+    assert count_fused(fused.plan()) == 1 and count_fused(plain.plan()) == 0
+    (y1, dx1, g1, b1), (y2, dx2, g2, b2) = outs
+    assert_close(y1, y2, what="y")
+    assert_close(dx1, dx2, what="dx")
+    for k in g2:
+        assert_close(g1[k], g2[k], what=f"grad {k}")
+    for k in b2:
+        assert_close(b1[k], b2[k], what=f"buffer {k}")
