@@ -180,14 +180,18 @@ def wait_own_threads_idle(max_wait_s: float = 0.5, threshold: float = 0.1, windo
     Runtimes keep their idle workers spinning after a parallel call: libgomp
     for a few milliseconds, OpenBLAS for about 2**28 cycles. A sample timed while another runtime's worker still spins loses a
     core to it, so the harness waits for this process to go quiet between
-    configs. Returns the seconds waited.
+    configs. Quiet means two windows in a row: on a virtual machine a
+    spinning worker's vCPU can be descheduled for one window. Returns the
+    seconds waited.
     """
     t0 = time.perf_counter()
+    quiet = 0
     while True:
         c0, w0 = _own_cpu_s(), time.perf_counter()
         time.sleep(window_s)
         c1, w1 = _own_cpu_s(), time.perf_counter()
-        if (c1 - c0) < threshold * (w1 - w0) or w1 - t0 >= max_wait_s:
+        quiet = quiet + 1 if (c1 - c0) < threshold * (w1 - w0) else 0
+        if quiet >= 2 or w1 - t0 >= max_wait_s:
             return w1 - t0
 
 

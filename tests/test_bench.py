@@ -172,7 +172,9 @@ def test_idle_wait_returns_when_quiet_and_gives_up_on_a_busy_thread():
     worker = threading.Thread(target=spin, daemon=True)
     worker.start()
     try:
-        assert harness.wait_own_threads_idle(max_wait_s=0.1) >= 0.1  # still busy: waits the whole budget
+        # still busy: waits the whole budget. A loaded host can starve the spinner for two windows
+        # in a row, which reads as quiet, so one of three tries must wait it out
+        assert max(harness.wait_own_threads_idle(max_wait_s=0.1) for _ in range(3)) >= 0.1
     finally:
         stop.set()
         worker.join()
