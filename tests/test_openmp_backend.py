@@ -301,6 +301,23 @@ def test_conv2d_backward_winograd_dx_only_where_it_applies():
     assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 5, 5), 1, 2)  # 5x5
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("N,C,O,H", [(4, 64, 128, 8), (5, 128, 128, 7), (6, 96, 160, 8)])
+def test_conv2d_winograd_small_maps_in_a_batch_match_reference(N, C, O, H, threads):
+    """Maps of 16 tiles (8x8 or 7x7 outputs) run Winograd from a batch of 4 images: forward and dx."""
+    rng = np.random.default_rng(N + C + O + H)
+    x = uniform(rng, (N, C, H, H))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    b = uniform(rng, (O,))
+    dy = uniform(rng, (N, O, H, H))
+    assert omp._winograd(C, O, 3, 1, H, H, N) and omp._winograd_dx(x.shape, w.shape, 1, 1) == (C >= 32 and O >= 64
+                                                                                               and 16 * C >= 2048)
+    with num_threads(threads):
+        close(omp.conv2d_forward(x, w, b, 1, 1), ref.conv2d_forward(x, w, b, 1, 1))
+        for got, want in zip(omp.conv2d_backward(x, w, dy, 1, 1), ref.conv2d_backward(x, w, dy, 1, 1)):
+            close(got, want)
+
+
 def test_conv2d_winograd_only_where_it_pays():
     from parconv._ext import _conv
 
@@ -309,6 +326,9 @@ def test_conv2d_winograd_only_where_it_pays():
     assert not _conv.winograd_applies(128, 64, 3, 2, 16, 16)  # strided
     assert not _conv.winograd_applies(128, 64, 5, 1, 28, 28)  # 5x5
     assert not _conv.winograd_applies(512, 512, 3, 1, 7, 7)  # 16 tiles: too few for the GEMMs
+    assert not _conv.winograd_applies(128, 128, 3, 1, 8, 8, 1)  # 16 tiles of one image: too few
+    assert _conv.winograd_applies(128, 128, 3, 1, 8, 8, 4)  # ... but a batch keeps every thread busy
+    assert not _conv.winograd_applies(64, 64, 3, 1, 8, 8, 128)  # 16 tiles x 64 filters: GEMMs too small
     assert not _conv.winograd_applies(32, 64, 3, 1, 32, 32)  # too few channels
     assert _conv.winograd_applies(128, 32, 3, 1, 32, 32)  # a 2-rank slice of conv-large's filters
     assert not _conv.winograd_applies(64, 32, 3, 1, 13, 13)  # 49 tiles x 32 filters: too little GEMM work

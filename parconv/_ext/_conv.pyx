@@ -411,13 +411,20 @@ cdef enum:
     WINOGRAD_MIN_O = 32
     WINOGRAD_MIN_TILES = 36
     WINOGRAD_MIN_TILES_X_O = 2048
+    # a batch of at least this many images takes maps of 16 tiles (8x8 outputs) too: each image
+    # is then one block, and the blocks keep every thread busy; a single small image split
+    # into blocks of tile rows does not
+    WINOGRAD_BATCH_MIN_IMAGES = 4
+    WINOGRAD_BATCH_MIN_TILES = 16
 
 
-def winograd_applies(int C, int O, int K, int stride, int P, int Q):
-    """Whether :func:`conv2d_forward` takes the Winograd F(2x2, 3x3) path for this shape."""
+def winograd_applies(int C, int O, int K, int stride, int P, int Q, int N=1):
+    """Whether :func:`conv2d_forward` takes the Winograd F(2x2, 3x3) path for this shape
+    (``N`` images in the batch)."""
     cdef long tiles = <long>((P + 1) // 2) * ((Q + 1) // 2)
+    cdef long min_tiles = WINOGRAD_BATCH_MIN_TILES if N >= WINOGRAD_BATCH_MIN_IMAGES else WINOGRAD_MIN_TILES
     return (K == 3 and stride == 1 and C >= WINOGRAD_MIN_C and O >= WINOGRAD_MIN_O
-            and tiles >= WINOGRAD_MIN_TILES and tiles * O >= WINOGRAD_MIN_TILES_X_O)
+            and tiles >= min_tiles and tiles * O >= WINOGRAD_MIN_TILES_X_O)
 
 
 cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nogil:
@@ -537,7 +544,7 @@ def winograd_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
     runs Winograd, with at least WINOGRAD_DW_MIN_O filters, rows of at least 8 tiles (the
     transforms' vectors) and GEMMs at least WINOGRAD_DW_MIN_DEPTH tiles deep."""
     cdef int ipb, rb, bpi
-    if not winograd_applies(C, O, K, stride, P, Q) or O < WINOGRAD_DW_MIN_O or (Q + 1) // 2 < 8:
+    if not winograd_applies(C, O, K, stride, P, Q, N) or O < WINOGRAD_DW_MIN_O or (Q + 1) // 2 < 8:
         return False
     return _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi) >= WINOGRAD_DW_MIN_DEPTH
 
@@ -679,7 +686,7 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int failed
     if b is not None:
         bp = &b[0]
-    if winograd and winograd_applies(C, O, K, stride, P, Q):
+    if winograd and winograd_applies(C, O, K, stride, P, Q, N):
         failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
                                 &y[0, 0, 0, 0], P, Q, nt)
     elif stride == 1:

@@ -313,8 +313,8 @@ class OpenMPBackend(HostArrays, Backend):
     def _empty(self, shape, dtype=np.float32):
         return self._pool.empty(shape, dtype)
 
-    def _winograd(self, C, O, K, stride, P, Q) -> bool:
-        return bool(self.winograd) and _conv.winograd_applies(C, O, K, stride, P, Q)
+    def _winograd(self, C, O, K, stride, P, Q, N) -> bool:
+        return bool(self.winograd) and _conv.winograd_applies(C, O, K, stride, P, Q, N)
 
     @property
     def openmp_enabled(self) -> bool:
@@ -356,7 +356,7 @@ class OpenMPBackend(HostArrays, Backend):
         N, C, H, W = x.shape
         O, _, K, _ = w.shape
         P, Q = y.shape[2], y.shape[3]
-        if self._winograd(C, O, K, stride, P, Q):
+        if self._winograd(C, O, K, stride, P, Q, N):
             with _blas_one_thread:  # Winograd's 16 GEMMs per block of tiles are sgemm calls
                 _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
         else:  # micro-kernels only, no BLAS
@@ -401,7 +401,7 @@ class OpenMPBackend(HostArrays, Backend):
         (``_conv.winograd_applies``)."""
         N, C, H, W = x_shape
         O, _, K, _ = w_shape
-        return stride == 1 and K == 3 and padding <= K - 1 and self._winograd(O, C, K, 1, H, W)
+        return stride == 1 and K == 3 and padding <= K - 1 and self._winograd(O, C, K, 1, H, W, N)
 
     def conv2d_relu_maxpool2d_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride):
         """Fused: each thread convolves whole images into private scratch and writes only the pooled maxima.
@@ -443,7 +443,7 @@ class OpenMPBackend(HostArrays, Backend):
         O, _, K, _ = w.shape
         P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
         PP, QQ = _out_size(P, pool_kernel, pool_stride), _out_size(Q, pool_kernel, pool_stride)
-        if min(N, C, O, PP, QQ) <= 0 or stride != 1 or self._winograd(C, O, K, stride, P, Q):
+        if min(N, C, O, PP, QQ) <= 0 or stride != 1 or self._winograd(C, O, K, stride, P, Q, N):
             return None
         y = self._empty((N, O, PP, QQ))
         argmax = self._empty((N, O, PP, QQ), _index_dtype(P * Q))
