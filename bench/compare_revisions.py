@@ -293,6 +293,16 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _tree_label(tree: str) -> str:
+    """How a ``--new-tree`` side is named in reports: its commit, and whether it had changes on top."""
+    try:
+        sha = _git("rev-parse", "--short=12", "HEAD", cwd=tree)
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no", cwd=tree))
+    except (subprocess.CalledProcessError, OSError):
+        return "a working tree's in-place build"
+    return f"the in-place build of a working tree at `{sha}`" + (" with uncommitted changes" if dirty else "")
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = sorted({int(v) for v in text.split(",") if v.strip()})
@@ -352,7 +362,7 @@ def main(argv=None) -> int:
     os.makedirs(args.workdir, exist_ok=True)
     old_tree = export_and_build(old, args.workdir, log)
     if args.new_tree:
-        new, new_label, new_tree = None, f"the build in {os.path.abspath(args.new_tree)}", os.path.abspath(args.new_tree)
+        new, new_label, new_tree = None, _tree_label(args.new_tree), os.path.abspath(args.new_tree)
     else:
         new = resolve(args.new)
         new_label, new_tree = new[:12], export_and_build(new, args.workdir, log)

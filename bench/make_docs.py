@@ -172,7 +172,8 @@ def revisions_section(rev: dict) -> list[str]:
     """The no-regression comparison of bench/compare_revisions.py."""
     st = rev.get("settings", {})
     lines = ["## Revision comparison", "",
-             f"Old revision `{rev['old'][:12]}` against new {('`' + rev['new'][:12] + '`') if rev.get('new') else rev.get('new_label')}, "
+             f"Old revision `{rev['old'][:12]}` against "
+             f"{('new revision `' + rev['new'][:12] + '`') if rev.get('new') else rev.get('new_label')}, "
              f"both built in place under the same flags and timed by the same benchmark code in two worker "
              f"processes driven in lockstep: {st.get('repeat')} interleaved (old, new) pairs per row after "
              f"{st.get('warmup')} warm-up call(s), each sample after an untimed settling call. *old/new* is the "
@@ -182,7 +183,7 @@ def revisions_section(rev: dict) -> list[str]:
              + (", at the end " + "/".join(f"{v:.2f}" for v in rev["load_average_end"])
                 if rev.get("load_average_end") else "") + ".", "",
              "```bash", "python bench/compare_revisions.py --old " + rev["old"][:7]
-             + (f" --new {rev['new'][:7]}" if rev.get("new") else "")
+             + (f" --new {rev['new'][:7]}" if rev.get("new") else " --new-tree .")
              + (" --threads " + ",".join(map(str, st["threads"])) if st.get("threads") else "")
              + (" --quick" if st.get("quick") else "")
              + f" --repeat {st.get('repeat')}" + (f" --wait-cores {st['wait_cores']:g}" if st.get("wait_cores")
@@ -202,6 +203,9 @@ def revisions_section(rev: dict) -> list[str]:
                      "✅" if r.get("ok") else "❌"])
     lines += _md_table(["workload", "case", "config", "old ms", "new ms", "old/new (95% interval)", ""], rows,
                        left=3)
+    # measurements made beside the run (reruns, instruction counts), kept with its JSON as "notes"
+    for note in rev.get("notes", []):
+        lines += ["", note]
     return lines + [""]
 
 
