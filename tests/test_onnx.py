@@ -399,13 +399,9 @@ def test_zoo_twins_exported_by_pytorch_load_and_match(tmp_path_factory, name, ba
     assert_close(parconv_out(pox.load(path, backend=backend), x), expected, RTOL, ATOL, f"{name} on {backend.name}")
 
 
-@needs_torch
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("PARCONV_SLOW_TESTS"),
-                    reason="the default exporter takes ~20 s on resnet20; set PARCONV_SLOW_TESTS=1 to run it")
-@pytest.mark.parametrize("name", zoo_params())
-def test_zoo_from_the_default_exporter(tmp_path, name):
-    """Every zoo network's PyTorch twin through the default (torch.export-based) exporter."""
+def _export_twin_with_default_exporter(name, path):
+    """Export zoo network ``name``'s PyTorch twin to ``path`` with the default (torch.export-based)
+    exporter; returns the input batch and the twin's logits for it."""
     pytest.importorskip("onnxscript", reason="the default torch.onnx exporter needs onnxscript")
     torch_twin = pytest.importorskip("torch_twin", reason="tests/torch_twin.py builds the zoo's PyTorch twins")
     model, shape = build(name, seed=5)
@@ -415,7 +411,18 @@ def test_zoo_from_the_default_exporter(tmp_path, name):
         expected = net(torch.from_numpy(x)).numpy()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(net, (torch.from_numpy(x),), str(tmp_path / "net.onnx"), dynamo=True, verbose=False)
+        torch.onnx.export(net, (torch.from_numpy(x),), str(path), dynamo=True, verbose=False)
+    return x, expected
+
+
+@needs_torch
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PARCONV_SLOW_TESTS"),
+                    reason="the default exporter takes ~20 s on resnet20; set PARCONV_SLOW_TESTS=1 to run it")
+@pytest.mark.parametrize("name", zoo_params())
+def test_zoo_from_the_default_exporter(tmp_path, name):
+    """Every zoo network's PyTorch twin through the default (torch.export-based) exporter."""
+    x, expected = _export_twin_with_default_exporter(name, tmp_path / "net.onnx")
     for be in pc.available_backends():
         assert_close(parconv_out(pox.load(tmp_path / "net.onnx", backend=be), x), expected, RTOL, ATOL,
                      f"{name} on {be}")
@@ -426,18 +433,7 @@ def test_zoo_from_the_default_exporter(tmp_path, name):
 @pytest.mark.skipif(not os.environ.get("PARCONV_SLOW_TESTS"),
                     reason="the default exporter takes ~20 s on resnet20; set PARCONV_SLOW_TESTS=1 to run it")
 def test_zoo_resnet20_from_the_default_exporter(tmp_path):
-    pytest.importorskip("onnxscript", reason="the default torch.onnx exporter needs onnxscript")
-    torch_twin = pytest.importorskip("torch_twin", reason="tests/torch_twin.py builds the zoo's PyTorch twins")
-    if not hasattr(getattr(pc, "models", None), "resnet20"):
-        pytest.skip("pc.models.resnet20 missing")
-    model, shape = build("resnet20", seed=5)
-    net = torch_twin.twin(model).eval()
-    x = batch(shape, n=2, seed=9)
-    with torch.no_grad():
-        expected = net(torch.from_numpy(x)).numpy()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net, (torch.from_numpy(x),), str(tmp_path / "r20.onnx"), dynamo=True, verbose=False)
+    x, expected = _export_twin_with_default_exporter("resnet20", tmp_path / "r20.onnx")
     proto = onnx.load(str(tmp_path / "r20.onnx"))
     assert {"ReduceMean", "Add"} <= {n.op_type for n in proto.graph.node}
     loaded = pox.load(tmp_path / "r20.onnx", backend="numpy")
