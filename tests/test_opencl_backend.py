@@ -485,3 +485,13 @@ def test_opencl_devices_info_lists_this_device():
     assert info and {"platform", "name", "vendor", "type", "compute_units", "global_mem_bytes",
                      "max_work_group_size", "platform_index", "device_index"} <= set(info[0])
     assert any(d["name"] == BE.device.name.strip() for d in info)
+
+
+def test_division_and_square_root_are_correctly_rounded_where_the_device_offers_it():
+    """OpenCL allows 2.5 ulp for float division and 3 ulp for sqrt by default, enough for the
+    optimizers' state to drift from the NumPy reference on a GPU; the option asks for exact ones."""
+    cl = BE._cl
+    offered = bool(int(BE.device.single_fp_config) & int(cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT))
+    assert ("-cl-fp32-correctly-rounded-divide-sqrt" in BE.build_options) == offered
+    # every family is built with the same options, so the kernels the step runs have them
+    assert all(opt in BE.build_options for opt in BE.config.build_options())

@@ -426,13 +426,27 @@ class OpenCLBackend(Backend):
             config = device_config(self.device, kind=kind)
         self.config = config
         self._compute_units = max(1, int(self.device.max_compute_units))
-        self.build_options = tuple(self.config.build_options())
+        self.build_options = self._options()
         self.transfers = TransferLog()
         self._build_within_limits()
         self._dummy_f = self.empty((1,), np.float32)  # stands in for absent optional buffers
 
     def __repr__(self) -> str:
         return f"<parconv backend 'opencl' on {self.device.name.strip()!r}>"
+
+    def _options(self) -> tuple[str, ...]:
+        """Build options: the configuration's tile sizes, and correctly rounded float division
+        and square root where the device offers them (OpenCL otherwise allows 2.5 and 3 ulp,
+        and the optimizers and norms would drift from the NumPy reference)."""
+        opts = list(self.config.build_options())
+        cl = self._cl
+        try:
+            exact = int(self.device.single_fp_config) & int(cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT)
+        except (cl.Error, AttributeError):  # an implementation that cannot report it
+            exact = 0
+        if exact:
+            opts.append("-cl-fp32-correctly-rounded-divide-sqrt")
+        return tuple(opts)
 
     def program(self, family: str):
         """``(program, kernels)`` of one op family, built once per context and options."""
@@ -452,7 +466,7 @@ class OpenCLBackend(Backend):
         self.local_mem_limit = min(int(dev.local_mem_size), self.config.local_mem or int(dev.local_mem_size))
         pow2 = lambda n: 1 << (max(1, n).bit_length() - 1)  # noqa: E731
         for _ in range(8):
-            self.build_options = tuple(self.config.build_options())
+            self.build_options = self._options()
             self._k = {}
             for family in FAMILIES:
                 self._k.update(self.program(family)[1])
