@@ -18,8 +18,7 @@ Timing follows three rules:
   sample follows one untimed *settling* call of the same config: thread pools
   resize lazily on their first parallel region, and the previous config (often
   another library) leaves caches, page tables and the allocator in its own
-  state; measured without it, a 1-thread openmp cnn-mnist step right after a
-  PyTorch step ran 2.5x slower than in steady state.
+  state, so the first call after a switch is not the steady state being measured.
 """
 
 from __future__ import annotations
@@ -204,15 +203,14 @@ def core_probe(n: int, size: int = 384, calls: int = 2) -> float | None:
     The BLAS's float32 matmul of two ``size`` x ``size`` matrices (cache
     resident, compute bound: it scales almost perfectly on idle cores) is timed
     on 1 and on ``n`` threads, fastest of ``calls`` calls each after an untimed
-    one (:func:`machine.matmul_seconds`); returns ``t(1) / t(n)``. About 5 ms
-    at the default size on one Zen 4 core. None for ``n < 2`` or where
+    one (:func:`machine.matmul_seconds`); returns ``t(1) / t(n)``. A few
+    milliseconds at the default size. None for ``n < 2`` or where
     threadpoolctl finds no BLAS to limit.
 
     On a virtual machine the host may at times run two of the guest's vCPUs
-    on the two hyperthreads of one physical core: measured on a 2-vCPU KVM
-    guest, each of two threads of fused multiply-adds then ran 1.65x slower
-    than alone, for stretches of 0.4 to 2 s, and this probe read 1.4x instead
-    of 1.9x. A multi-threaded sample timed then measures the host's placement,
+    on the two hyperthreads of one physical core for stretches of a second or
+    two; each thread then runs markedly slower than alone and this probe reads
+    well under ``n`` (docs/benchmarks.md gives the figures). A multi-threaded sample timed then measures the host's placement,
     not the code.
     """
     if n < 2:
@@ -322,8 +320,8 @@ def gc_paused():
     """Run the block with Python's cyclic garbage collector off, as ``timeit`` does.
 
     A full collection walks every object of the process (PyTorch's modules
-    and the suite's runners included): 70 to 160 ms measured here in cnn-mnist
-    and full runs, longer than a whole 50 ms sample, so whichever sample it
+    and the suite's runners included) and can last longer than a whole
+    sample, so whichever sample it
     lands in is ruined, and it lands more often in the faster configs (more
     calls, so more allocations, per sample). Collections still run, between
     samples, where the next allocation after the block triggers them.
@@ -343,8 +341,8 @@ def _one_sample(runner, inner: int) -> float:
     A restartable runner (a training step) is prepared before every call, off
     the clock: its second call in a row would otherwise time a different step
     (other weights, other activations; after a loss spike, softmax
-    probabilities so small that they are denormal numbers and a step up to
-    1.6x slower on some CPUs), and the same config would be measured on different
+    probabilities so small that they are denormal numbers and a step markedly
+    slower on some CPUs), and the same config would be measured on different
     work depending on how many calls fill ``min_time``.
     """
     if getattr(runner, "restartable", False):

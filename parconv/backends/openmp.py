@@ -13,8 +13,8 @@ SciPy from inside OpenMP parallel regions. A BLAS that spawned its own
 threads there would oversubscribe the cores, so every such call runs with
 SciPy's BLAS limited to one thread (:class:`_BlasOneThread`), per call, so
 the user's BLAS setting outside parconv is left alone. With OpenBLAS (SciPy's
-wheels) that is two direct C calls, about 0.3 µs; with another BLAS it goes
-through threadpoolctl, 3-7 µs per op as measured on a 2-core Zen 4.
+wheels) that is two direct C calls; with another BLAS it goes through
+threadpoolctl, ten times dearer per op (figures in docs/performance-internals.md).
 
 Shapes: N batch, C in-channels, O filters, H, W input, P, Q output, K kernel,
 F in-features, G out-features.
@@ -224,14 +224,10 @@ class _BufferPool:
     """Large output buffers kept for reuse once nothing references them any more.
 
     A fresh large NumPy array is a fresh ``mmap``: the kernel zeroes and maps every page on
-    first touch, about 11 ms for the 86 MB that a 1000-image batch through 128 filters writes
-    per op (measured on a 2-core Zen 4), and a training step makes several of them. Arrays of a
-    few hundred KB to a few MB pay it too wherever malloc has not raised its ``mmap`` threshold
-    past their size (glibc maps anything at or above the threshold, and raises it only when
-    a larger mapping is freed): the fused forward of 100 images through 32 filters writes two
-    2.1 MB outputs and took 2.2 / 1.6 ms on one / two threads of an Intel Xeon with fresh
-    arrays against 1.1 / 0.59 ms from the pool. The pool
-    hands out views of byte buffers it owns. A buffer is free again when its reference count
+    first touch, which costs about as much as the op that writes it, and a training step makes
+    several of them. Arrays of a few hundred KB to a few MB pay it too wherever malloc has not
+    raised its ``mmap`` threshold past their size (glibc maps anything at or above the
+    threshold, and raises it only when a larger mapping is freed). The pool hands out views of byte buffers it owns. A buffer is free again when its reference count
     is back to the pool's own reference: every view of it (and every view of a view) holds a
     reference to it, so a buffer that anyone can still read is never handed out twice.
 
@@ -410,11 +406,10 @@ class OpenMPBackend(HostArrays, Backend):
         (stride > 1, or images that do not split evenly over the threads while the busiest
         thread's extra work would exceed ``FUSED_FWD_UNEVEN_MACS``, see ``_conv.pyx``) and where
         the convolution runs Winograd F(2x2, 3x3) (``_conv.winograd_applies``): there the
-        composition was 8-20% faster than the fused direct kernel on a 2-core Zen 4
-        (64x128x32x32 with 64 filters: 50.7 ms against 58.0 ms). The composed convolution output
-        is a pooled scratch buffer whatever its size: a fresh one every call lets malloc return
-        its pages to the system and fault them in again (one 28x28 image through 256 filters on
-        two threads: 735 us against 137 us).
+        composition beats the fused direct kernel, whose saved memory pass is worth less than
+        Winograd's saved multiplies. The composed convolution output is a pooled scratch buffer
+        whatever its size: a fresh one every call lets malloc return its pages to the system and
+        fault them in again, which cost more than the op at batch 1.
         """
         x, w = _f32(x), _f32(w)
         b = None if b is None else _f32(b)
