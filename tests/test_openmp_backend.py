@@ -218,7 +218,7 @@ def test_conv2d_backward_winograd_dw_matches_reference(case):
 
 @pytest.mark.parametrize("N, C, O, H, padding", [(9, 64, 64, 34, 1),   # blocks of tile rows, 18 of them
                                                  (80, 64, 64, 16, 1),  # blocks of 4 whole images, 20
-                                                 (4, 64, 64, 7, 2)])   # dx too small for Winograd
+                                                 (4, 32, 64, 7, 2)])   # dx too small for Winograd
 def test_conv2d_backward_winograd_dw_sums_groups_of_blocks(monkeypatch, N, C, O, H, padding):
     """More blocks than groups: each group accumulates several blocks and the groups are added in
     order, so 1, 2 and 3 threads give the same bits; the backend takes this kernel for dw (and
@@ -268,7 +268,8 @@ def test_conv2d_backward_winograd_dw_only_where_it_pays():
     assert not _conv.winograd_dw_applies(100, 64, 64, 3, 1, 13, 13)  # rows of 7 tiles
     assert not _conv.winograd_dw_applies(8, 256, 256, 3, 1, 16, 16)  # GEMMs 64 tiles deep
     assert not _conv.winograd_dw_applies(64, 128, 64, 3, 2, 16, 16)  # strided
-    assert not _conv.winograd_dw_applies(64, 32, 64, 3, 1, 32, 32)  # too few channels
+    assert not _conv.winograd_dw_applies(2, 32, 64, 3, 1, 32, 32)  # too few channels for 2 images
+    assert _conv.winograd_dw_applies(64, 32, 64, 3, 1, 32, 32)  # ... enough with 64 filters in a batch
 
 
 def test_conv2d_backward_weights_winograd_checks_its_arguments():
@@ -297,15 +298,17 @@ def test_conv2d_backward_winograd_dx_only_where_it_applies():
     assert omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 1, 1)  # conv-large
     assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 2, 1)  # strided
     assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 1, 3)  # padding > K - 1
-    assert not omp._winograd_dx((64, 128, 32, 32), (32, 128, 3, 3), 1, 1)  # 32 filters: dx has 32 in-channels
+    assert not omp._winograd_dx((1, 128, 32, 32), (32, 128, 3, 3), 1, 1)  # 32 filters: dx has 32 in-channels
+    assert omp._winograd_dx((64, 128, 32, 32), (32, 128, 3, 3), 1, 1)  # ... enough for 128 outputs in a batch
+    assert not omp._winograd_dx((64, 32, 32, 32), (32, 32, 3, 3), 1, 1)  # 32 in, 32 out: never
     assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 5, 5), 1, 2)  # 5x5
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 # dx_winograd: whether the transposed convolution (O in-channels, C filters) qualifies too: it needs
-# 16 tiles x C filters >= 2048
-@pytest.mark.parametrize("N,C,O,H,dx_winograd", [(4, 64, 128, 8, False), (5, 128, 128, 7, True),
-                                                 (6, 96, 160, 8, False)])
+# 16 tiles x C filters >= 1024 in a batch
+@pytest.mark.parametrize("N,C,O,H,dx_winograd", [(4, 32, 128, 8, False), (5, 128, 128, 7, True),
+                                                 (6, 96, 160, 8, True)])
 def test_conv2d_winograd_small_maps_in_a_batch_match_reference(N, C, O, H, dx_winograd, threads):
     """Maps of 16 tiles (8x8 or 7x7 outputs) run Winograd from a batch of 4 images: forward and dx."""
     rng = np.random.default_rng(N + C + O + H)
@@ -331,8 +334,12 @@ def test_conv2d_winograd_only_where_it_pays():
     assert not _conv.winograd_applies(512, 512, 3, 1, 7, 7)  # 16 tiles: too few for the GEMMs
     assert not _conv.winograd_applies(128, 128, 3, 1, 8, 8, 1)  # 16 tiles of one image: too few
     assert _conv.winograd_applies(128, 128, 3, 1, 8, 8, 4)  # ... but a batch keeps every thread busy
-    assert not _conv.winograd_applies(64, 64, 3, 1, 8, 8, 128)  # 16 tiles x 64 filters: GEMMs too small
-    assert not _conv.winograd_applies(32, 64, 3, 1, 32, 32)  # too few channels
+    assert not _conv.winograd_applies(64, 64, 3, 1, 8, 8, 1)  # 16 tiles x 64 filters of one image
+    assert _conv.winograd_applies(64, 64, 3, 1, 8, 8, 128)  # ... in a batch: resnet20's last stage
+    assert not _conv.winograd_applies(64, 32, 3, 1, 8, 8, 128)  # 16 tiles x 32 filters: GEMMs too small
+    assert not _conv.winograd_applies(32, 64, 3, 1, 32, 32)  # too few channels for one image
+    assert _conv.winograd_applies(32, 64, 3, 1, 16, 16, 128)  # ... enough with 64 filters in a batch
+    assert not _conv.winograd_applies(32, 32, 3, 1, 16, 16, 128)  # 32 channels, 32 filters: never
     assert _conv.winograd_applies(128, 32, 3, 1, 32, 32)  # a 2-rank slice of conv-large's filters
     assert not _conv.winograd_applies(64, 32, 3, 1, 13, 13)  # 49 tiles x 32 filters: too little GEMM work
     assert _conv.winograd_applies(64, 64, 3, 1, 13, 13)
