@@ -246,9 +246,16 @@ def test_conv2d_backward_winograd_dw_sums_groups_of_blocks(monkeypatch, N, C, O,
     real_dw, real_fwd = _conv.conv2d_backward_weights_winograd, _conv.conv2d_forward
     monkeypatch.setattr(omp_mod._conv, "conv2d_backward_weights_winograd",
                         lambda *a: calls.append("dw") or real_dw(*a))
-    monkeypatch.setattr(omp_mod._conv, "conv2d_forward",
-                        lambda *a, **k: calls.append("dx winograd" if k.get("winograd", True) else "dx direct")
-                        or real_fwd(*a, **k))
+
+    def forward_path(x_, w_, b_, y_, stride_, *rest, winograd=True, **k):
+        # the kernel takes Winograd where it is allowed to and winograd_applies says so
+        N_, C_, _, _ = x_.shape
+        O_, _, K_, _ = w_.shape
+        wino = winograd and _conv.winograd_applies(C_, O_, K_, stride_, y_.shape[2], y_.shape[3], N_)
+        calls.append("dx winograd" if wino else "dx direct")
+        return real_fwd(x_, w_, b_, y_, stride_, *rest, winograd=winograd, **k)
+
+    monkeypatch.setattr(omp_mod._conv, "conv2d_forward", forward_path)
     with num_threads(2):
         got = omp.conv2d_backward(x, w, dy, 1, padding, True, True)
     dx_winograd = omp._winograd_dx(x.shape, w.shape, 1, padding)

@@ -17,7 +17,8 @@ im2col matrix:
 
 3x3 stride-1 layers with many channels and filters (``winograd_applies``)
 run the forward as Winograd F(2x2, 3x3) instead (``pc_winograd.h``): input and
-filter transforms, 16 sgemm calls per block of tiles, output transform.
+filter transforms, 16 GEMMs per block of tiles on the same micro-kernels, output
+transform. The Winograd weight gradient's GEMMs (depth: the tiles) are sgemm calls.
 
 Stride > 1: the forward runs the same micro-kernels on im2col tiles of a few
 output rows in thread-private scratch; the backward uses im2col +
@@ -463,12 +464,14 @@ cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nog
 
 cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                         const float *w, int O, const float *bias, float *y, int P, int Q, int nt) noexcept:
-    """Stride-1 3x3 forward by Winograd F(2x2, 3x3) (``pc_winograd.h``); BLAS sgemm for the 16 GEMMs.
+    """Stride-1 3x3 forward by Winograd F(2x2, 3x3) (``pc_winograd.h``).
 
     Blocks of tile rows of one image are split over threads; each thread
     transforms its block's input into private scratch, runs the 16 GEMMs and
-    transforms the result straight into y. Returns 1 when scratch could not
-    be allocated.
+    transforms the result straight into y. The GEMMs are the convolution's
+    register-blocked micro-kernels reading U and V in place: a block has a few
+    dozen tiles, and a BLAS sgemm would pack all of U[xi] for each of them.
+    Returns 1 when scratch could not be allocated.
     """
     cdef int tH = (P + 1) // 2, tW = (Q + 1) // 2
     cdef Py_ssize_t per_tile = 64 * (<Py_ssize_t>C + O)  # bytes of V and M for one tile
@@ -476,16 +479,18 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef int bpi, nblocks
     cdef Py_ssize_t ldt, ldxv, ldxm, HW = <Py_ssize_t>H * W, img_out = <Py_ssize_t>O * P * Q
     cdef float *U = <float *>malloc(sizeof(float) * 16 * <size_t>O * C)
+    cdef int *off = <int *>malloc(sizeof(int) * <size_t>C)
     cdef float *Vraw
     cdef float *V
     cdef float *M
     cdef float *scr
+    cdef float *ct
     cdef int failed[1]
-    cdef int blk, n, ty0, ty1, nb, xi, o, ldti
-    cdef char tr = b'N'
-    cdef float one = 1.0, zero = 0.0
+    cdef int blk, n, ty0, ty1, nb, xi, o, nv, mr0
     failed[0] = 0
-    if U == NULL:
+    if U == NULL or off == NULL:
+        free(U)
+        free(off)
         return 1
     rb = max(1, min(rb, tH))
     bpi = (tH + rb - 1) // rb
@@ -496,37 +501,44 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     nblocks = N * bpi
     nt = _min(nt, nblocks)
     ldt = <Py_ssize_t>rb * tW
-    ldti = <int>ldt
     ldxv = _wino_plane_stride(C, ldt)
     ldxm = _wino_plane_stride(O, ldt)
+    pcc_offsets_tile(C, <int>ldt, off)   # V[xi] row c: the micro-kernels' B(c, t) = V[xi][c * ldt + t]
     with nogil, parallel(num_threads=nt):
         # V, M and the scratch start on a cache line (ldxv, ldxm are multiples of 16 floats),
         # so no 16-float store of a transform splits across two lines
         Vraw = <float *>malloc(sizeof(float) * (16 * <size_t>(ldxv + ldxm) + pcw_scratch_floats(tW, rb)
-                                                + pcw_filter_scratch_floats(C)) + 64)
+                                                + pcw_filter_scratch_floats(C) + PCC_MR_MAX * PCC_NR) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
             failed[0] = 1
+        else:
+            # the last panel of a block reads whole vectors past its tiles: zeros, not stale floats
+            memset(V, 0, sizeof(float) * 16 * <size_t>ldxv)
         for o in prange(O, schedule="static"):
             if V != NULL:
-                pcw_filters(w, O, C, o, o + 1, U, V)
+                pcw_filters(w, O, C, o, o + 1, U, V + 16 * ldxv)
         if V != NULL:
             M = V + 16 * ldxv
-            scr = M + 16 * ldxm
+            ct = M + 16 * ldxm
+            scr = ct + PCC_MR_MAX * PCC_NR
         for blk in prange(nblocks, schedule="dynamic"):
             if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
                 n = blk // bpi
                 ty0 = (blk % bpi) * rb
                 ty1 = _min(tH, ty0 + rb)
                 nb = (ty1 - ty0) * tW
+                nv = _min(PCC_NVMAX, (nb + PCC_VEC - 1) // PCC_VEC)
+                mr0 = pcc_main_mr(nv)
                 pcw_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
                 for xi in range(16):
-                    # column-major: M[xi]^T (nb x O) = V[xi]^T (nb x C) @ U[xi]^T (C x O)
-                    sgemm(&tr, &tr, &nb, &O, &C, &one, V + xi * ldxv, &ldti, U + <Py_ssize_t>xi * O * C, &C,
-                          &zero, M + xi * ldxm, &ldti)
+                    # M[xi] (O x nb) = U[xi] (O x C) @ V[xi] (C x nb): one row of nb positions
+                    pcc_conv_panels(U + <Py_ssize_t>xi * O * C, O, C, mr0, nv, V + xi * ldxv, off,
+                                    0, nb, nb, nb, M + xi * ldxm, ldt, NULL, ct)
                 pcw_output(M, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, y + n * img_out, scr)
         free(Vraw)
     free(U)
+    free(off)
     return failed[0]
 
 
@@ -701,8 +713,7 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     """Convolution forward, parallel over images or, for small batches, tiles of output positions.
 
     3x3 stride-1 layers with enough channels (:func:`winograd_applies`) run
-    Winograd F(2x2, 3x3) with BLAS GEMMs unless ``winograd`` is false; the
-    caller must then limit the BLAS to one thread.
+    Winograd F(2x2, 3x3) unless ``winograd`` is false. No BLAS call.
     """
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], K = w.shape[2]

@@ -349,15 +349,9 @@ class OpenMPBackend(HostArrays, Backend):
         return y
 
     def _conv2d_forward_into(self, x, w, b, y, stride, padding):
-        N, C, H, W = x.shape
-        O, _, K, _ = w.shape
-        P, Q = y.shape[2], y.shape[3]
-        if self._winograd(C, O, K, stride, P, Q, N):
-            with _blas_one_thread:  # Winograd's 16 GEMMs per block of tiles are sgemm calls
-                _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES)
-        else:  # micro-kernels only, no BLAS
-            _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
-                                 winograd=False)
+        # Winograd where _winograd says so (the kernel checks the same rule); micro-kernels only, no BLAS
+        _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
+                             winograd=bool(self.winograd))
 
     def conv2d_backward(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
         x, w, dy = _f32(x), _f32(w), _f32(dy)
