@@ -216,17 +216,16 @@ def test_conv2d_backward_winograd_dw_matches_reference(case):
         assert np.array_equal(got[1], runs[0])
 
 
-@pytest.mark.parametrize("N, C, O, H, padding", [(9, 64, 64, 34, 1),   # blocks of tile rows, 18 of them
-                                                 (80, 64, 64, 16, 1),  # blocks of 4 whole images, 20
-                                                 (4, 32, 64, 7, 2)])   # dx too small for Winograd
-def test_conv2d_backward_winograd_dw_sums_groups_of_blocks(monkeypatch, N, C, O, H, padding):
+@pytest.mark.parametrize("N, C, O, H, W, padding", [(9, 64, 64, 34, 34, 1),   # blocks of tile rows, 18
+                                                    (80, 64, 64, 16, 16, 1),  # blocks of 4 whole images, 20
+                                                    (4, 32, 64, 3, 13, 2)])   # dx too small for Winograd
+def test_conv2d_backward_winograd_dw_sums_groups_of_blocks(monkeypatch, N, C, O, H, W, padding):
     """More blocks than groups: each group accumulates several blocks and the groups are added in
     order, so 1, 2 and 3 threads give the same bits; the backend takes this kernel for dw (and
     Winograd for dx only where the transposed convolution qualifies)."""
     from parconv._ext import _conv
     from parconv.backends import openmp as omp_mod
 
-    W = H + 6 if H < 10 else H
     P, Q = H + 2 * padding - 2, W + 2 * padding - 2
     rng = np.random.default_rng(21)
     x = uniform(rng, (N, C, H, W))
@@ -307,14 +306,14 @@ def test_conv2d_backward_winograd_dx_only_where_it_applies():
     assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 3, 3), 1, 3)  # padding > K - 1
     assert not omp._winograd_dx((1, 128, 32, 32), (32, 128, 3, 3), 1, 1)  # 32 filters: dx has 32 in-channels
     assert omp._winograd_dx((64, 128, 32, 32), (32, 128, 3, 3), 1, 1)  # ... enough for 128 outputs in a batch
-    assert not omp._winograd_dx((64, 32, 32, 32), (32, 32, 3, 3), 1, 1)  # 32 in, 32 out: never
+    assert not omp._winograd_dx((64, 16, 32, 32), (32, 16, 3, 3), 1, 1)  # dx with 16 filters: never
     assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 5, 5), 1, 2)  # 5x5
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 # dx_winograd: whether the transposed convolution (O in-channels, C filters) qualifies too: it needs
-# 16 tiles x C filters >= 1024 in a batch
-@pytest.mark.parametrize("N,C,O,H,dx_winograd", [(4, 32, 128, 8, False), (5, 128, 128, 7, True),
+# 32 filters and 16 tiles in a batch: as the forward with channels and filters swapped
+@pytest.mark.parametrize("N,C,O,H,dx_winograd", [(4, 32, 128, 8, True), (5, 128, 128, 7, True),
                                                  (6, 96, 160, 8, True)])
 def test_conv2d_winograd_small_maps_in_a_batch_match_reference(N, C, O, H, dx_winograd, threads):
     """Maps of 16 tiles (8x8 or 7x7 outputs) run Winograd from a batch of 4 images: forward and dx."""
@@ -343,10 +342,12 @@ def test_conv2d_winograd_only_where_it_pays():
     assert _conv.winograd_applies(128, 128, 3, 1, 8, 8, 4)  # ... but a batch keeps every thread busy
     assert not _conv.winograd_applies(64, 64, 3, 1, 8, 8, 1)  # 16 tiles x 64 filters of one image
     assert _conv.winograd_applies(64, 64, 3, 1, 8, 8, 128)  # ... in a batch: resnet20's last stage
-    assert not _conv.winograd_applies(64, 32, 3, 1, 8, 8, 128)  # 16 tiles x 32 filters: GEMMs too small
     assert not _conv.winograd_applies(32, 64, 3, 1, 32, 32)  # too few channels for one image
-    assert _conv.winograd_applies(32, 64, 3, 1, 16, 16, 128)  # ... enough with 64 filters in a batch
-    assert not _conv.winograd_applies(32, 32, 3, 1, 16, 16, 128)  # 32 channels, 32 filters: never
+    assert _conv.winograd_applies(32, 32, 3, 1, 16, 16, 128)  # ... enough in a batch
+    assert _conv.winograd_applies(32, 32, 3, 1, 8, 8, 4)
+    assert not _conv.winograd_applies(16, 16, 3, 1, 32, 32, 128)  # 16 channels: never
+    assert not _conv.winograd_applies(32, 16, 3, 1, 32, 32, 128)  # 16 filters: never
+    assert not _conv.winograd_applies(64, 64, 3, 1, 6, 6, 128)  # 9 tiles
     assert _conv.winograd_applies(128, 32, 3, 1, 32, 32)  # a 2-rank slice of conv-large's filters
     assert not _conv.winograd_applies(64, 32, 3, 1, 13, 13)  # 49 tiles x 32 filters: too little GEMM work
     assert _conv.winograd_applies(64, 64, 3, 1, 13, 13)

@@ -405,34 +405,32 @@ cdef extern from "pc_winograd.h":
 cdef enum:
     # transformed input + GEMM output of one block of tiles (bytes): about half an L2
     WINOGRAD_BLOCK_BYTES = 1 << 19
-    # where F(2x2, 3x3) beats the direct micro-kernels: at least 64 channels and 32 filters,
-    # 36 tiles (12x12 outputs) per image, and tiles x filters >= 2048. Narrower layers or
+    # where F(2x2, 3x3) beats the direct micro-kernels for one image: at least 64 channels and
+    # 32 filters, 36 tiles (12x12 outputs) and tiles x filters >= 2048. Narrower layers or
     # fewer tiles leave the 16 GEMMs too small for the transforms
     WINOGRAD_MIN_C = 64
     WINOGRAD_MIN_O = 32
-    WINOGRAD_NARROW_MIN_C = 32
-    WINOGRAD_NARROW_MIN_O = 64
     WINOGRAD_MIN_TILES = 36
     WINOGRAD_MIN_TILES_X_O = 2048
-    # a batch of at least this many images takes maps of 16 tiles (8x8 outputs), half the
-    # tiles x filters, and 32 channels where there are 64 filters (32 of each still loses):
-    # each image is then one block, the blocks keep every thread busy, and the GEMMs over a
-    # block's filters stay long enough; a single small image split into blocks of tile rows
-    # does not
+    # in a batch of at least this many images, each image is its own block and the blocks keep
+    # every thread busy: 32 channels, 32 filters and 16 tiles (8x8 outputs) are enough
+    # (16 channels into 16 filters still lose)
     WINOGRAD_BATCH_MIN_IMAGES = 4
+    WINOGRAD_BATCH_MIN_C = 32
+    WINOGRAD_BATCH_MIN_O = 32
     WINOGRAD_BATCH_MIN_TILES = 16
-    WINOGRAD_BATCH_MIN_TILES_X_O = 1024
+    WINOGRAD_BATCH_MIN_TILES_X_O = 512
 
 
-cdef int[8] _wino_limits = [WINOGRAD_MIN_C, WINOGRAD_MIN_O, WINOGRAD_NARROW_MIN_C, WINOGRAD_NARROW_MIN_O,
-                            WINOGRAD_MIN_TILES, WINOGRAD_MIN_TILES_X_O, WINOGRAD_BATCH_MIN_TILES,
+cdef int[8] _wino_limits = [WINOGRAD_MIN_C, WINOGRAD_MIN_O, WINOGRAD_MIN_TILES, WINOGRAD_MIN_TILES_X_O,
+                            WINOGRAD_BATCH_MIN_C, WINOGRAD_BATCH_MIN_O, WINOGRAD_BATCH_MIN_TILES,
                             WINOGRAD_BATCH_MIN_TILES_X_O]
 
 
 def _set_winograd_limits(limits=None):
-    """The thresholds of :func:`winograd_applies` as a tuple (min_c, min_o, narrow_min_c,
-    narrow_min_o, min_tiles, min_tiles_x_o, batch_min_tiles, batch_min_tiles_x_o); with
-    ``limits``, set them (for tuning and tests) and return the old ones."""
+    """The thresholds of :func:`winograd_applies` as a tuple (min_c, min_o, min_tiles,
+    min_tiles_x_o) for one image followed by the same four for a batch; with ``limits``, set
+    them (for tuning and tests) and return the old ones."""
     old = tuple(_wino_limits[i] for i in range(8))
     if limits is not None:
         if len(limits) != 8:
@@ -446,12 +444,9 @@ def winograd_applies(int C, int O, int K, int stride, int P, int Q, int N=1):
     """Whether :func:`conv2d_forward` takes the Winograd F(2x2, 3x3) path for this shape
     (``N`` images in the batch)."""
     cdef long tiles = <long>((P + 1) // 2) * ((Q + 1) // 2)
-    cdef bint batch = N >= WINOGRAD_BATCH_MIN_IMAGES
-    cdef long min_tiles = _wino_limits[6] if batch else _wino_limits[4]
-    cdef long min_tiles_x_o = _wino_limits[7] if batch else _wino_limits[5]
-    cdef bint wide = ((C >= _wino_limits[0] and O >= _wino_limits[1])
-                      or (batch and C >= _wino_limits[2] and O >= _wino_limits[3]))
-    return K == 3 and stride == 1 and wide and tiles >= min_tiles and tiles * O >= min_tiles_x_o
+    cdef int *lim = &_wino_limits[4] if N >= WINOGRAD_BATCH_MIN_IMAGES else &_wino_limits[0]
+    return (K == 3 and stride == 1 and C >= lim[0] and O >= lim[1] and tiles >= lim[2]
+            and tiles * O >= lim[3])
 
 
 cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nogil:
