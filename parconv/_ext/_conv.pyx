@@ -20,8 +20,11 @@ run the forward as Winograd F(2x2, 3x3) instead (``pc_winograd.h``): input and
 filter transforms, 16 GEMMs per block of tiles on the same micro-kernels, output
 transform. The Winograd weight gradient's GEMMs (depth: the tiles) are sgemm calls.
 
-Stride > 1: the forward runs the same micro-kernels on im2col tiles of a few
-output rows in thread-private scratch; the backward uses im2col +
+Stride > 1: the forward splits each image into its stride x stride phases
+(``pcc_pad_phases``), which makes it a stride-1 convolution for the same
+micro-kernels; with fewer images than threads, or a kernel narrower than the
+stride, it runs them on im2col tiles of a few output rows in thread-private
+scratch. The backward uses im2col +
 ``scipy.linalg.cython_blas.sgemm`` (row-major matrices go to the column-major
 BLAS as their transposes). The caller (``parconv.backends.openmp``) limits
 the BLAS library to one thread around those calls, since every sgemm here
@@ -66,6 +69,9 @@ cdef extern from "pc_conv.h":
                        float *xp) noexcept nogil
     void pcc_offsets_shifted(int C, int K, int Hp, int Wp, int *off) noexcept nogil
     void pcc_offsets_tile(int kdim, int ldb, int *off) noexcept nogil
+    void pcc_pad_phases(const float *x, int H, int W, int pad, int S, int Hph, int Wph, int c0, int c1,
+                        float *buf) noexcept nogil
+    void pcc_offsets_phases(int C, int K, int S, int Hph, int Wph, int *off) noexcept nogil
     void pcc_conv_panels(const float *a, int O, int kdim, int mr0, int nv, const float *b, const int *off,
                          Py_ssize_t s_begin, Py_ssize_t s_end, int Wg, int Q, float *y, Py_ssize_t ldy,
                          const float *bias, float *ct) noexcept nogil
@@ -341,6 +347,57 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     free(off)
     free(wt)
     free(pool_base)
+    return failed[0]
+
+
+cdef int _conv_phased(const float *x, int N, int C, int H, int W, int S, int pad, int K,
+                      const float *w, int O, const float *bias,
+                      float *y, int P, int Q, int nt) noexcept:
+    """Strided convolution of whole images on the stride-1 micro-kernels (``pcc_pad_phases``):
+    each thread splits the image it works on into its S x S phases in private scratch and walks
+    the outputs on the phases' wide grid. Returns 2 having done nothing where the best split
+    would cut images (the caller then runs ``_conv_tiled``), 1 when scratch could not be
+    allocated, else 0."""
+    cdef int Hph = (H + 2 * pad + S - 1) // S, Wph = (W + 2 * pad + S - 1) // S
+    cdef int kdim = C * K * K
+    cdef Py_ssize_t img = <Py_ssize_t>C * S * S * Hph * Wph, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef Py_ssize_t s_end = <Py_ssize_t>(P - 1) * Wph + Q
+    cdef int slack = PCC_NR + K + 16
+    cdef int plan[2]
+    cdef int nv = _plan_walk(N, P, Q, Wph, nt, True, kdim, plan)
+    cdef bint by_rows = plan[0]
+    cdef int mr0 = pcc_main_mr(nv)
+    cdef int failed[1]
+    cdef int *off
+    cdef float *buf = NULL
+    cdef float *ct = NULL
+    cdef int n
+    if plan[1] != 1:
+        return 2
+    off = <int *>malloc(sizeof(int) * kdim)
+    if off == NULL:
+        return 1
+    failed[0] = 0
+    pcc_offsets_phases(C, K, S, Hph, Wph, off)
+    nt = _min(nt, N)
+    with nogil, parallel(num_threads=nt):
+        buf = <float *>malloc(sizeof(float) * (img + slack))
+        ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
+        if buf == NULL or ct == NULL:
+            failed[0] = 1
+        else:
+            memset(buf + img, 0, sizeof(float) * slack)
+        for n in prange(N, schedule="dynamic"):
+            if failed[0]:
+                continue
+            pcc_pad_phases(x + n * C * HW, H, W, pad, S, Hph, Wph, 0, C, buf)
+            if by_rows:
+                pcc_conv_rows(w, O, kdim, mr0, nv, buf, off, 0, P, Wph, Q, y + n * O * PQ, PQ, bias, ct)
+            else:
+                pcc_conv_panels(w, O, kdim, mr0, nv, buf, off, 0, s_end, Wph, Q, y + n * O * PQ, PQ, bias, ct)
+        free(buf)
+        free(ct)
+    free(off)
     return failed[0]
 
 
@@ -725,8 +782,12 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
                                &y[0, 0, 0, 0], P, Q, nt)
     else:
-        failed = _conv_tiled(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
-                             &y[0, 0, 0, 0], P, Q, nt, tile_bytes)
+        # phases when every tap reads one (a kernel narrower than the stride leaves phases unread)
+        failed = _conv_phased(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
+                              &y[0, 0, 0, 0], P, Q, nt) if K >= stride else 2
+        if failed == 2:  # or too few images to give every thread whole ones
+            failed = _conv_tiled(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
+                                 &y[0, 0, 0, 0], P, Q, nt, tile_bytes)
     if failed:
         raise MemoryError("conv2d_forward: could not allocate scratch")
 

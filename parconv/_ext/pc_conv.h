@@ -340,6 +340,49 @@ static inline void pcc_offsets_shifted(int C, int K, int Hp, int Wp, int *restri
             for (int kw = 0; kw < K; kw++) off[k++] = c * Hp * Wp + kh * Wp + kw;
 }
 
+/* The S x S phases of one image for a stride-S convolution, channels [c0, c1):
+ * buf[(((c*S + a)*S + b)*Hph + i)*Wph + j] = xp[S*i + a][S*j + b], xp being x with pad zero
+ * rows and columns on every side (zeros beyond it). Tap (c, kh, kw) of output (p, q) then reads
+ * phase (kh % S, kw % S) at (p + kh / S, q + kw / S): the strided convolution is a stride-1 one
+ * on the wide grid of width Wph, with no im2col copy. */
+static inline void pcc_pad_phases(const float *restrict x, int H, int W, int pad, int S, int Hph,
+                                  int Wph, int c0, int c1, float *restrict buf)
+{
+    for (int c = c0; c < c1; c++) {
+        const float *xc = x + (pcc_idx)c * H * W;
+        for (int a = 0; a < S; a++)
+            for (int i = 0; i < Hph; i++) {
+                const int h = S * i + a - pad;
+                for (int b = 0; b < S; b++) {
+                    float *dst = buf + ((((pcc_idx)c * S + a) * S + b) * Hph + i) * Wph;
+                    if (h < 0 || h >= H) {
+                        memset(dst, 0, sizeof(float) * (size_t)Wph);
+                        continue;
+                    }
+                    /* columns j with 0 <= S j + b - pad < W: [j0, j1) */
+                    const float *src = xc + (pcc_idx)h * W + (b - pad);
+                    int j0 = pad - b > 0 ? (pad - b + S - 1) / S : 0;
+                    int j1 = (W - 1 - b + pad) / S + 1;
+                    if (j1 > Wph) j1 = Wph;
+                    if (j0 > j1) j0 = j1;
+                    for (int j = 0; j < j0; j++) dst[j] = 0.0f;
+                    for (int j = j0; j < j1; j++) dst[j] = src[(pcc_idx)S * j];
+                    for (int j = j1; j < Wph; j++) dst[j] = 0.0f;
+                }
+            }
+    }
+}
+
+/* k offsets of the phase layout (pcc_pad_phases). */
+static inline void pcc_offsets_phases(int C, int K, int S, int Hph, int Wph, int *restrict off)
+{
+    int k = 0;
+    for (int c = 0; c < C; c++)
+        for (int kh = 0; kh < K; kh++)
+            for (int kw = 0; kw < K; kw++)
+                off[k++] = (((c * S + kh % S) * S + kw % S) * Hph + kh / S) * Wph + kw / S;
+}
+
 /* k offsets of an im2col tile with leading dimension ldb. */
 static inline void pcc_offsets_tile(int kdim, int ldb, int *restrict off)
 {
