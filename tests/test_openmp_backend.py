@@ -1186,3 +1186,26 @@ def test_fused_linear_head_runs_where_it_pays(monkeypatch):
         want = ref.conv2d_relu_maxpool2d_backward(x, w, y, am, (dl @ wl).reshape(y.shape), 1, 0, need_dx, True)
         for g, e in zip((dx, dw, db, dwl, dbl), want + (dl.T @ y.reshape(3, -1), dl.sum(0))):
             close(g, e)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("N, C, O, H, W, K, stride, padding", [
+    (4, 16, 32, 32, 32, 3, 2, 1),   # resnet20's stride-2 layer
+    (3, 5, 7, 13, 10, 3, 2, 0),     # odd sizes, no padding
+    (2, 4, 6, 17, 19, 5, 3, 2),     # stride 3: nine phases
+    (2, 8, 4, 9, 9, 2, 2, 1),       # kernel equal to the stride
+])
+def test_conv2d_strided_on_phases_matches_reference(N, C, O, H, W, K, stride, padding, threads):
+    """Strided layers run forward and dw on the images' phases (whole images per thread):
+    both against the reference, and the phases hold every tap's input."""
+    rng = np.random.default_rng(N * 100 + C + K)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, K, K), 1 / np.sqrt(C * K * K))
+    b = uniform(rng, (O,))
+    y = ref.conv2d_forward(x, w, b, stride, padding)
+    dy = uniform(rng, y.shape)
+    with num_threads(threads):
+        close(omp.conv2d_forward(x, w, b, stride, padding), y)
+        for got, want in zip(omp.conv2d_backward(x, w, dy, stride, padding),
+                             ref.conv2d_backward(x, w, dy, stride, padding)):
+            close(got, want)

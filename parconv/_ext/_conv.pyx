@@ -863,21 +863,25 @@ cdef int _dw_dot(const float *x, int N, int C, int H, int W, int pad, int K,
 
 
 cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
-                     const float *dy, int O, int P, int Q, float *dw, int nt) noexcept:
+                     const float *dy, int O, int P, int Q, float *dw, int nt, int stride=1) noexcept:
     """Stride-1 weight gradient dw (O, C*K*K) (overwritten) on the wide grid of the padded images.
 
     The sums are built transposed, dw^T (kpad, Opad), by ``pcc_dw_accumulate``.
     Enough images: each thread sums its static block of images into a private
     dw^T, and the buffers are added in thread order. Fewer images than
     threads: all images are padded once and each thread owns a range of dw^T
-    rows. Returns 1 when scratch could not be allocated.
+    rows. With ``stride > 1`` the grid is that of the image's phases (``pcc_pad_phases``, as in
+    ``_conv_phased``; the kernel must be at least the stride and C*K*K above DW_DOT_MAX_KDIM).
+    Returns 1 when scratch could not be allocated.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
+    cdef int sd = stride if stride > 1 else 1
+    cdef int Hg = (Hp + sd - 1) // sd, Wg = (Wp + sd - 1) // sd   # the grid: padded image or phases
     cdef int kdim = C * K * K
     cdef int kpad = (kdim + PCC_KR_MAX - 1) // PCC_KR_MAX * PCC_KR_MAX
     cdef Py_ssize_t ldd = (O + PCC_VEC - 1) // PCC_VEC * PCC_VEC
-    cdef Py_ssize_t S = <Py_ssize_t>P * Wp
-    cdef Py_ssize_t img = <Py_ssize_t>C * Hp * Wp, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef Py_ssize_t S = <Py_ssize_t>P * Wg
+    cdef Py_ssize_t img = <Py_ssize_t>C * sd * sd * Hg * Wg, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef Py_ssize_t tsize = <Py_ssize_t>kpad * ldd, dyt_size = S * ldd
     cdef int slack = PCC_NR + K + 16
     cdef int nkb = kpad // PCC_KR_MAX
@@ -892,12 +896,15 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
     cdef int n, tid = 0, i, k0, k1, o
     cdef Py_ssize_t e, j, pl
     failed[0] = 0
-    if kdim <= DW_DOT_MAX_KDIM:
+    if kdim <= DW_DOT_MAX_KDIM and sd == 1:
         free(off)
         return _dw_dot(x, N, C, H, W, pad, K, dy, O, P, Q, dw, nt)
     if off == NULL:
         return 1
-    pcc_offsets_shifted(C, K, Hp, Wp, off)
+    if sd > 1:
+        pcc_offsets_phases(C, K, sd, Hg, Wg, off)
+    else:
+        pcc_offsets_shifted(C, K, Hp, Wp, off)
     if by_image:
         nt = _min(nt, N)
         acc = <float *>calloc(<size_t>nt * tsize, sizeof(float))
@@ -918,8 +925,11 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
             for n in prange(N, schedule="static"):
                 if failed[0]:
                     continue
-                pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
-                pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wp, ldd, dyT)
+                if sd > 1:
+                    pcc_pad_phases(x + n * C * HW, H, W, pad, sd, Hg, Wg, 0, C, buf)
+                else:
+                    pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
+                pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wg, ldd, dyT)
                 pcc_dw_accumulate(dyT, ldd, buf, off, 0, kdim, S, dwt)
             free(buf)
             free(dyT)
@@ -944,10 +954,12 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
             for pl in prange(<Py_ssize_t>N * (C + 1), schedule="static", num_threads=nt):
                 n = <int>(pl // (C + 1))
                 i = <int>(pl % (C + 1))
-                if i < C:
+                if i < C and sd > 1:
+                    pcc_pad_phases(x + n * C * HW, H, W, pad, sd, Hg, Wg, i, i + 1, shared + n * img)
+                elif i < C:
                     pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, i, i + 1, shared + n * img)
                 else:
-                    pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wp, ldd, shared + N * img + n * dyt_size)
+                    pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wg, ldd, shared + N * img + n * dyt_size)
             for i in prange(nt, schedule="static", num_threads=nt):
                 k0 = PCC_KR_MAX * <int>((<long>nkb * i) // nt)
                 k1 = _min(kdim, PCC_KR_MAX * <int>((<long>nkb * (i + 1)) // nt))
@@ -1382,7 +1394,8 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
 
     Stride 1: dw by ``_dw_shifted`` (micro-kernels on the padded images), dx
     (padding < K) by ``_conv_shifted`` on dy with the flipped, transposed
-    filters. Otherwise im2col + sgemm (``_backward_blas``). db is summed per
+    filters. Stride > 1: dw by ``_dw_shifted`` on the images' phases where the
+    kernel is at least the stride. Otherwise im2col + sgemm (``_backward_blas``). db is summed per
     filter in double, one thread per filter.
     """
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
@@ -1395,14 +1408,15 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef float *dxp = NULL
     cdef float *dwp = &dw[0, 0, 0, 0]
     cdef bint dx_by_conv = dx is not None and stride == 1 and padding <= K - 1
-    cdef bint dw_by_kernel = stride == 1
+    # stride > 1: on the phases' grid where the kernel reads every phase and the depth is not tiny
+    cdef bint dw_by_kernel = stride == 1 or (K >= stride and C * K * K > DW_DOT_MAX_KDIM)
     cdef int failed = 0
     if dx is not None:
         dxp = &dx[0, 0, 0, 0]
     if dx_by_conv:
         failed = _conv_shifted(dyp, N, O, P, Q, K - 1 - padding, K, wp, O, C, NULL, dxp, H, W, nt)
     if not failed and dw_by_kernel:
-        failed = _dw_shifted(xp, N, C, H, W, padding, K, dyp, O, P, Q, dwp, nt)
+        failed = _dw_shifted(xp, N, C, H, W, padding, K, dyp, O, P, Q, dwp, nt, stride)
     if not failed and (not dw_by_kernel or (dx is not None and not dx_by_conv)):
         failed = _backward_blas(xp, N, C, H, W, wp, O, K, dyp, P, Q, stride, padding,
                                 NULL if dx_by_conv else dxp, NULL if dw_by_kernel else dwp, nt, tile_bytes)
