@@ -271,7 +271,9 @@ def test_conv2d_backward_winograd_dw_only_where_it_pays():
     assert _conv.winograd_dw_applies(64, 128, 64, 3, 1, 32, 32)  # conv-large
     assert _conv.winograd_dw_applies(16, 128, 128, 3, 1, 28, 28)
     assert not _conv.winograd_dw_applies(100, 64, 32, 3, 1, 26, 26)  # 32 filters
-    assert not _conv.winograd_dw_applies(100, 64, 64, 3, 1, 13, 13)  # rows of 7 tiles
+    assert not _conv.winograd_dw_applies(100, 64, 64, 3, 1, 13, 13)  # rows of 7 tiles, the last half empty
+    assert _conv.winograd_dw_applies(128, 64, 64, 3, 1, 8, 8)  # rows of 4 whole tiles: resnet20's last stage
+    assert _conv.winograd_dw_applies(100, 64, 64, 3, 1, 14, 14)
     assert not _conv.winograd_dw_applies(8, 256, 256, 3, 1, 16, 16)  # GEMMs 64 tiles deep
     assert not _conv.winograd_dw_applies(64, 128, 64, 3, 2, 16, 16)  # strided
     assert not _conv.winograd_dw_applies(2, 32, 64, 3, 1, 32, 32)  # too few channels for 2 images

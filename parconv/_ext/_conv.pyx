@@ -602,7 +602,7 @@ cdef enum:
     WINOGRAD_DW_GROUPS = 16
     WINOGRAD_DW_PARTIAL_BYTES = 64 << 20
     # V and dM of one block of the Winograd weight gradient (bytes), and where it pays: it
-    # loses for 32 filters, rows of 7 tiles and GEMMs 64 tiles deep
+    # loses for 32 filters, rows of 7 tiles with a half-empty last one, and GEMMs 64 tiles deep
     WINOGRAD_DW_BLOCK_BYTES = 1 << 21
     WINOGRAD_DW_MIN_O = 64
     WINOGRAD_DW_MIN_DEPTH = 96
@@ -632,9 +632,12 @@ cdef int _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *b
 def winograd_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
     """Whether :func:`conv2d_backward_weights_winograd` pays for this layer: where the forward
     runs Winograd, with at least WINOGRAD_DW_MIN_O filters, rows of at least 8 tiles (the
-    transforms' vectors) and GEMMs at least WINOGRAD_DW_MIN_DEPTH tiles deep."""
+    transforms' vectors) or of 4 to 7 whole tiles (an even Q from 8), and GEMMs at least
+    WINOGRAD_DW_MIN_DEPTH tiles deep."""
     cdef int ipb, rb, bpi
-    if not winograd_applies(C, O, K, stride, P, Q, N) or O < WINOGRAD_DW_MIN_O or (Q + 1) // 2 < 8:
+    if not winograd_applies(C, O, K, stride, P, Q, N) or O < WINOGRAD_DW_MIN_O:
+        return False
+    if (Q + 1) // 2 < 8 and (Q & 1 or Q < 8):  # short rows with a half-empty last tile lose
         return False
     return _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi) >= WINOGRAD_DW_MIN_DEPTH
 
