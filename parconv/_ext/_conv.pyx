@@ -463,12 +463,15 @@ cdef enum:
     # transformed input + GEMM output of one block of tiles (bytes): about half an L2
     WINOGRAD_BLOCK_BYTES = 1 << 19
     # where F(2x2, 3x3) beats the direct micro-kernels for one image: at least 64 channels and
-    # 32 filters, 36 tiles (12x12 outputs) and tiles x filters >= 2048. Narrower layers or
-    # fewer tiles leave the 16 GEMMs too small for the transforms
+    # 32 filters, 36 tiles (12x12 outputs) and tiles x filters >= 2048, or 32 channels and
+    # filters over 144 tiles (24x24 outputs). Narrower layers or fewer tiles leave the 16 GEMMs
+    # too small for the transforms
     WINOGRAD_MIN_C = 64
     WINOGRAD_MIN_O = 32
     WINOGRAD_MIN_TILES = 36
     WINOGRAD_MIN_TILES_X_O = 2048
+    WINOGRAD_NARROW_MIN_C = 32
+    WINOGRAD_NARROW_MIN_TILES = 144
     # in a batch of at least this many images, each image is its own block and the blocks keep
     # every thread busy: 32 channels, 32 filters and 16 tiles (8x8 outputs) are enough
     # (16 channels into 16 filters still lose)
@@ -479,31 +482,41 @@ cdef enum:
     WINOGRAD_BATCH_MIN_TILES_X_O = 512
 
 
-cdef int[8] _wino_limits = [WINOGRAD_MIN_C, WINOGRAD_MIN_O, WINOGRAD_MIN_TILES, WINOGRAD_MIN_TILES_X_O,
-                            WINOGRAD_BATCH_MIN_C, WINOGRAD_BATCH_MIN_O, WINOGRAD_BATCH_MIN_TILES,
-                            WINOGRAD_BATCH_MIN_TILES_X_O]
+# rules (min channels, min filters, min tiles, min tiles x filters), any of which takes Winograd:
+# two for one image (wide layers; narrow ones over large maps), one for a batch
+cdef int[12] _wino_limits = [WINOGRAD_MIN_C, WINOGRAD_MIN_O, WINOGRAD_MIN_TILES, WINOGRAD_MIN_TILES_X_O,
+                             WINOGRAD_NARROW_MIN_C, WINOGRAD_MIN_O, WINOGRAD_NARROW_MIN_TILES,
+                             WINOGRAD_MIN_TILES_X_O,
+                             WINOGRAD_BATCH_MIN_C, WINOGRAD_BATCH_MIN_O, WINOGRAD_BATCH_MIN_TILES,
+                             WINOGRAD_BATCH_MIN_TILES_X_O]
 
 
 def _set_winograd_limits(limits=None):
-    """The thresholds of :func:`winograd_applies` as a tuple (min_c, min_o, min_tiles,
-    min_tiles_x_o) for one image followed by the same four for a batch; with ``limits``, set
-    them (for tuning and tests) and return the old ones."""
-    old = tuple(_wino_limits[i] for i in range(8))
+    """The thresholds of :func:`winograd_applies`: three rules of (min_c, min_o, min_tiles,
+    min_tiles_x_o), flattened; the first two for one image, the last for a batch. With
+    ``limits`` (12 numbers), set them (for tuning and tests) and return the old ones."""
+    old = tuple(_wino_limits[i] for i in range(12))
     if limits is not None:
-        if len(limits) != 8:
-            raise ValueError(f"limits must have 8 entries, got {len(limits)}")
-        for i in range(8):
+        if len(limits) != 12:
+            raise ValueError(f"limits must have 12 entries, got {len(limits)}")
+        for i in range(12):
             _wino_limits[i] = int(limits[i])
     return old
+
+
+cdef inline bint _wino_rule(const int *lim, int C, int O, long tiles) noexcept nogil:
+    return C >= lim[0] and O >= lim[1] and tiles >= lim[2] and tiles * O >= lim[3]
 
 
 def winograd_applies(int C, int O, int K, int stride, int P, int Q, int N=1):
     """Whether :func:`conv2d_forward` takes the Winograd F(2x2, 3x3) path for this shape
     (``N`` images in the batch)."""
     cdef long tiles = <long>((P + 1) // 2) * ((Q + 1) // 2)
-    cdef int *lim = &_wino_limits[4] if N >= WINOGRAD_BATCH_MIN_IMAGES else &_wino_limits[0]
-    return (K == 3 and stride == 1 and C >= lim[0] and O >= lim[1] and tiles >= lim[2]
-            and tiles * O >= lim[3])
+    if K != 3 or stride != 1:
+        return False
+    if N >= WINOGRAD_BATCH_MIN_IMAGES:
+        return _wino_rule(&_wino_limits[8], C, O, tiles)
+    return _wino_rule(&_wino_limits[0], C, O, tiles) or _wino_rule(&_wino_limits[4], C, O, tiles)
 
 
 cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nogil:

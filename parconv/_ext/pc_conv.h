@@ -361,8 +361,9 @@ static inline void pcc_pad_phases(const float *restrict x, int H, int W, int pad
                     }
                     /* columns j with 0 <= S j + b - pad < W: [j0, j1) */
                     const float *src = xc + (pcc_idx)h * W + (b - pad);
+                    const int last = W - 1 - b + pad;   /* S j <= last (C division truncates: test the sign) */
                     int j0 = pad - b > 0 ? (pad - b + S - 1) / S : 0;
-                    int j1 = (W - 1 - b + pad) / S + 1;
+                    int j1 = last < 0 ? 0 : last / S + 1;
                     if (j1 > Wph) j1 = Wph;
                     if (j0 > j1) j0 = j1;
                     for (int j = 0; j < j0; j++) dst[j] = 0.0f;
