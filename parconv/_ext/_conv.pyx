@@ -22,9 +22,9 @@ transform. The Winograd weight gradient's GEMMs (depth: the tiles) are sgemm cal
 
 Stride > 1: the forward splits each image into its stride x stride phases
 (``pcc_pad_phases``), which makes it a stride-1 convolution for the same
-micro-kernels; with fewer images than threads, or a kernel narrower than the
-stride, it runs them on im2col tiles of a few output rows in thread-private
-scratch. The backward uses im2col +
+micro-kernels (``_conv_shifted`` on the phases' grid); a kernel narrower than
+the stride runs them on im2col tiles of a few output rows in thread-private
+scratch instead. The backward uses im2col +
 ``scipy.linalg.cython_blas.sgemm`` (row-major matrices go to the column-major
 BLAS as their transposes). The caller (``parconv.backends.openmp``) limits
 the BLAS library to one thread around those calls, since every sgemm here
@@ -172,8 +172,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                        const float *w, int flip_O, int O, const float *bias,
                        float *y, int P, int Q, int nt,
                        int pk=0, int ps=0, void *am=NULL, bint am16=False, bint whole_images=False,
-                       const float *hw=NULL, const float *hb=NULL, float *logits=NULL, int G=0) noexcept:
-    """Stride-1 convolution straight from zero-padded images.
+                       const float *hw=NULL, const float *hb=NULL, float *logits=NULL, int G=0,
+                       int stride=1) noexcept:
+    """Stride-1 convolution straight from zero-padded images (or, with ``stride > 1`` and a kernel
+    at least the stride, from the images' phases: ``pcc_pad_phases``; no pooling then).
 
     w is (O, C, K, K), or with ``flip_O > 0`` the (flip_O, O, K, K) filters of
     the forward whose input gradient this is. ``pad`` may be negative (the
@@ -199,12 +201,14 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     L2 next to the scratch once F reaches about 20,000.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
+    cdef int sd = stride if stride > 1 else 1
+    cdef int Wg = (Wp + sd - 1) // sd, Hg = (Hp + sd - 1) // sd   # the grid: padded image or phases
     cdef int kdim = C * K * K
-    cdef Py_ssize_t img = <Py_ssize_t>C * Hp * Wp, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
-    cdef Py_ssize_t s_end = <Py_ssize_t>(P - 1) * Wp + Q
+    cdef Py_ssize_t img = <Py_ssize_t>C * sd * sd * Hg * Wg, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef Py_ssize_t s_end = <Py_ssize_t>(P - 1) * Wg + Q
     cdef int slack = PCC_NR + K + 16
     cdef int plan[2]
-    cdef int nv = _plan_walk(N, P, Q, Wp, nt, True, kdim, plan)
+    cdef int nv = _plan_walk(N, P, Q, Wg, nt, True, kdim, plan)
     cdef bint by_rows = plan[0]
     cdef int cpi = plan[1]  # chunks (of whole rows or panels) per image
     cdef int mr0 = pcc_main_mr(nv)
@@ -231,7 +235,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
         if not whole_images:
             free(off)
             return 2
-        nv = _plan_walk(N, P, Q, Wp, 1, True, kdim, plan)  # the walk for one image per thread
+        nv = _plan_walk(N, P, Q, Wg, 1, True, kdim, plan)  # the walk for one image per thread
         by_rows, cpi = plan[0], 1
         mr0 = pcc_main_mr(nv)
         nr = nv * PCC_VEC
@@ -250,7 +254,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
         free(wt)
         free(pool_base)
         return 1
-    pcc_offsets_shifted(C, K, Hp, Wp, off)
+    if sd > 1:
+        pcc_offsets_phases(C, K, sd, Hg, Wg, off)
+    else:
+        pcc_offsets_shifted(C, K, Hp, Wp, off)
     nt = _min(nt, N * cpi)
     if cpi == 1:
         # whole images per chunk: each thread pads the image it works on into private scratch
@@ -278,13 +285,16 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
             for n in prange(N, schedule="dynamic"):
                 if failed[0]:
                     continue
-                pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
+                if sd > 1:
+                    pcc_pad_phases(x + n * C * HW, H, W, pad, sd, Hg, Wg, 0, C, buf)
+                else:
+                    pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
                 if pk > 0:
                     # conv of this image into scratch, then only the pooled maxima leave
                     if by_rows:
-                        pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wp, Q, z, PQ, bias, ct)
+                        pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wg, Q, z, PQ, bias, ct)
                     else:
-                        pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wp, Q, z, PQ, bias, ct)
+                        pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wg, Q, z, PQ, bias, ct)
                     for o in range(O):
                         if am16:
                             pc_pool_plane_u16(z + o * PQ, pool_base, Q, pk, ps, PP, QQ, y + (n * O + o) * PPQQ,
@@ -299,9 +309,9 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                             pcd_linear_fwd_rows4(y, hw, hb, logits, pend, 4, O * PPQQ, G)
                             pend[4] = 0
                 elif by_rows:
-                    pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wp, Q, y + n * O * PQ, PQ, bias, ct)
+                    pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wg, Q, y + n * O * PQ, PQ, bias, ct)
                 else:
-                    pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wp, Q, y + n * O * PQ, PQ, bias, ct)
+                    pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wg, Q, y + n * O * PQ, PQ, bias, ct)
             if pend != NULL and not failed[0] and pend[4] > 0:
                 pcd_linear_fwd_rows4(y, hw, hb, logits, pend, <int>pend[4], O * PPQQ, G)
             free(buf)
@@ -323,6 +333,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 if i < nf:
                     pcc_flip_filters(w, flip_O, O, K, <int>i, <int>i + 1, wt)
                 else:
+                    if sd > 1:
+                        pcc_pad_phases(x + ((i - nf) // C) * C * HW, H, W, pad, sd, Hg, Wg, <int>((i - nf) % C),
+                                       <int>((i - nf) % C) + 1, shared + ((i - nf) // C) * img)
+                        continue
                     pcc_pad_image(x + ((i - nf) // C) * C * HW, H, W, pad, Hp, Wp, <int>((i - nf) % C),
                                   <int>((i - nf) % C) + 1, shared + ((i - nf) // C) * img)
         with nogil, parallel(num_threads=nt):
@@ -337,67 +351,16 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 ua = <int>((<long>units * ch) // cpi)
                 ub = <int>((<long>units * (ch + 1)) // cpi)
                 if by_rows:
-                    pcc_conv_rows(a, O, kdim, mr0, nv, shared + n * img, off, ua, ub, Wp, Q,
+                    pcc_conv_rows(a, O, kdim, mr0, nv, shared + n * img, off, ua, ub, Wg, Q,
                                   y + n * O * PQ, PQ, bias, ct)
                 else:
                     pcc_conv_panels(a, O, kdim, mr0, nv, shared + n * img, off, <Py_ssize_t>ua * nr,
-                                    min(<Py_ssize_t>ub * nr, s_end), Wp, Q, y + n * O * PQ, PQ, bias, ct)
+                                    min(<Py_ssize_t>ub * nr, s_end), Wg, Q, y + n * O * PQ, PQ, bias, ct)
             free(ct)
         free(shared)
     free(off)
     free(wt)
     free(pool_base)
-    return failed[0]
-
-
-cdef int _conv_phased(const float *x, int N, int C, int H, int W, int S, int pad, int K,
-                      const float *w, int O, const float *bias,
-                      float *y, int P, int Q, int nt) noexcept:
-    """Strided convolution of whole images on the stride-1 micro-kernels (``pcc_pad_phases``):
-    each thread splits the image it works on into its S x S phases in private scratch and walks
-    the outputs on the phases' wide grid. Returns 2 having done nothing where the best split
-    would cut images (the caller then runs ``_conv_tiled``), 1 when scratch could not be
-    allocated, else 0."""
-    cdef int Hph = (H + 2 * pad + S - 1) // S, Wph = (W + 2 * pad + S - 1) // S
-    cdef int kdim = C * K * K
-    cdef Py_ssize_t img = <Py_ssize_t>C * S * S * Hph * Wph, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
-    cdef Py_ssize_t s_end = <Py_ssize_t>(P - 1) * Wph + Q
-    cdef int slack = PCC_NR + K + 16
-    cdef int plan[2]
-    cdef int nv = _plan_walk(N, P, Q, Wph, nt, True, kdim, plan)
-    cdef bint by_rows = plan[0]
-    cdef int mr0 = pcc_main_mr(nv)
-    cdef int failed[1]
-    cdef int *off
-    cdef float *buf = NULL
-    cdef float *ct = NULL
-    cdef int n
-    if plan[1] != 1:
-        return 2
-    off = <int *>malloc(sizeof(int) * kdim)
-    if off == NULL:
-        return 1
-    failed[0] = 0
-    pcc_offsets_phases(C, K, S, Hph, Wph, off)
-    nt = _min(nt, N)
-    with nogil, parallel(num_threads=nt):
-        buf = <float *>malloc(sizeof(float) * (img + slack))
-        ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
-        if buf == NULL or ct == NULL:
-            failed[0] = 1
-        else:
-            memset(buf + img, 0, sizeof(float) * slack)
-        for n in prange(N, schedule="dynamic"):
-            if failed[0]:
-                continue
-            pcc_pad_phases(x + n * C * HW, H, W, pad, S, Hph, Wph, 0, C, buf)
-            if by_rows:
-                pcc_conv_rows(w, O, kdim, mr0, nv, buf, off, 0, P, Wph, Q, y + n * O * PQ, PQ, bias, ct)
-            else:
-                pcc_conv_panels(w, O, kdim, mr0, nv, buf, off, 0, s_end, Wph, Q, y + n * O * PQ, PQ, bias, ct)
-        free(buf)
-        free(ct)
-    free(off)
     return failed[0]
 
 
@@ -797,13 +760,12 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     elif stride == 1:
         failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
                                &y[0, 0, 0, 0], P, Q, nt)
+    elif K >= stride:  # the images' phases: every tap reads one (a narrower kernel leaves phases unread)
+        failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
+                               &y[0, 0, 0, 0], P, Q, nt, 0, 0, NULL, False, False, NULL, NULL, NULL, 0, stride)
     else:
-        # phases when every tap reads one (a kernel narrower than the stride leaves phases unread)
-        failed = _conv_phased(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
-                              &y[0, 0, 0, 0], P, Q, nt) if K >= stride else 2
-        if failed == 2:  # or too few images to give every thread whole ones
-            failed = _conv_tiled(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
-                                 &y[0, 0, 0, 0], P, Q, nt, tile_bytes)
+        failed = _conv_tiled(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
+                             &y[0, 0, 0, 0], P, Q, nt, tile_bytes)
     if failed:
         raise MemoryError("conv2d_forward: could not allocate scratch")
 
