@@ -210,8 +210,8 @@ def core_probe(n: int, size: int = 384, calls: int = 2) -> float | None:
     On a virtual machine the host may at times run two of the guest's vCPUs
     on the two hyperthreads of one physical core for stretches of a second or
     two; each thread then runs markedly slower than alone and this probe reads
-    well under ``n`` (docs/benchmarks.md gives the figures). A multi-threaded sample timed then measures the host's placement,
-    not the code.
+    well under ``n`` (docs/performance-internals.md gives the figures). A
+    multi-threaded sample timed then measures the host's placement, not the code.
     """
     if n < 2:
         return None
@@ -321,10 +321,10 @@ def gc_paused():
 
     A full collection walks every object of the process (PyTorch's modules
     and the suite's runners included) and can last longer than a whole
-    sample, so whichever sample it
-    lands in is ruined, and it lands more often in the faster configs (more
-    calls, so more allocations, per sample). Collections still run, between
-    samples, where the next allocation after the block triggers them.
+    sample, so whichever sample it lands in is ruined, and it lands more often
+    in the faster configs (more calls, so more allocations, per sample).
+    Collections still run, between samples, where the next allocation after
+    the block triggers them.
     """
     was = gc.isenabled()
     gc.disable()

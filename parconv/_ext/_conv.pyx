@@ -69,9 +69,9 @@ cdef extern from "pc_conv.h":
                        float *xp) noexcept nogil
     void pcc_offsets_shifted(int C, int K, int Hp, int Wp, int *off) noexcept nogil
     void pcc_offsets_tile(int kdim, int ldb, int *off) noexcept nogil
-    void pcc_pad_phases(const float *x, int H, int W, int pad, int S, int Hph, int Wph, int c0, int c1,
-                        float *buf) noexcept nogil
-    void pcc_offsets_phases(int C, int K, int S, int Hph, int Wph, int *off) noexcept nogil
+    void pcc_pad_grid(const float *x, int H, int W, int pad, int S, int Hg, int Wg, int c0, int c1,
+                      float *buf) noexcept nogil
+    void pcc_offsets_grid(int C, int K, int S, int Hg, int Wg, int *off) noexcept nogil
     void pcc_conv_panels(const float *a, int O, int kdim, int mr0, int nv, const float *b, const int *off,
                          Py_ssize_t s_begin, Py_ssize_t s_end, int Wg, int Q, float *y, Py_ssize_t ldy,
                          const float *bias, float *ct) noexcept nogil
@@ -254,10 +254,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
         free(wt)
         free(pool_base)
         return 1
-    if sd > 1:
-        pcc_offsets_phases(C, K, sd, Hg, Wg, off)
-    else:
-        pcc_offsets_shifted(C, K, Hp, Wp, off)
+    pcc_offsets_grid(C, K, sd, Hg, Wg, off)
     nt = _min(nt, N * cpi)
     if cpi == 1:
         # whole images per chunk: each thread pads the image it works on into private scratch
@@ -285,10 +282,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
             for n in prange(N, schedule="dynamic"):
                 if failed[0]:
                     continue
-                if sd > 1:
-                    pcc_pad_phases(x + n * C * HW, H, W, pad, sd, Hg, Wg, 0, C, buf)
-                else:
-                    pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
+                pcc_pad_grid(x + n * C * HW, H, W, pad, sd, Hg, Wg, 0, C, buf)
                 if pk > 0:
                     # conv of this image into scratch, then only the pooled maxima leave
                     if by_rows:
@@ -333,11 +327,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 if i < nf:
                     pcc_flip_filters(w, flip_O, O, K, <int>i, <int>i + 1, wt)
                 else:
-                    if sd > 1:
-                        pcc_pad_phases(x + ((i - nf) // C) * C * HW, H, W, pad, sd, Hg, Wg, <int>((i - nf) % C),
-                                       <int>((i - nf) % C) + 1, shared + ((i - nf) // C) * img)
-                        continue
-                    pcc_pad_image(x + ((i - nf) // C) * C * HW, H, W, pad, Hp, Wp, <int>((i - nf) % C),
+                    pcc_pad_grid(x + ((i - nf) // C) * C * HW, H, W, pad, sd, Hg, Wg, <int>((i - nf) % C),
                                   <int>((i - nf) % C) + 1, shared + ((i - nf) // C) * img)
         with nogil, parallel(num_threads=nt):
             ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
@@ -848,8 +838,8 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
     Enough images: each thread sums its static block of images into a private
     dw^T, and the buffers are added in thread order. Fewer images than
     threads: all images are padded once and each thread owns a range of dw^T
-    rows. With ``stride > 1`` the grid is that of the image's phases (``pcc_pad_phases``, as in
-    ``_conv_phased``; the kernel must be at least the stride and C*K*K above DW_DOT_MAX_KDIM).
+    rows. With ``stride > 1`` the grid is that of the image's phases (``pcc_pad_grid``, as in
+    ``_conv_shifted``; the kernel must be at least the stride and C*K*K above DW_DOT_MAX_KDIM).
     Returns 1 when scratch could not be allocated.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
@@ -879,10 +869,7 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
         return _dw_dot(x, N, C, H, W, pad, K, dy, O, P, Q, dw, nt)
     if off == NULL:
         return 1
-    if sd > 1:
-        pcc_offsets_phases(C, K, sd, Hg, Wg, off)
-    else:
-        pcc_offsets_shifted(C, K, Hp, Wp, off)
+    pcc_offsets_grid(C, K, sd, Hg, Wg, off)
     if by_image:
         nt = _min(nt, N)
         acc = <float *>calloc(<size_t>nt * tsize, sizeof(float))
@@ -903,10 +890,7 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
             for n in prange(N, schedule="static"):
                 if failed[0]:
                     continue
-                if sd > 1:
-                    pcc_pad_phases(x + n * C * HW, H, W, pad, sd, Hg, Wg, 0, C, buf)
-                else:
-                    pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
+                pcc_pad_grid(x + n * C * HW, H, W, pad, sd, Hg, Wg, 0, C, buf)
                 pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wg, ldd, dyT)
                 pcc_dw_accumulate(dyT, ldd, buf, off, 0, kdim, S, dwt)
             free(buf)
@@ -932,10 +916,8 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
             for pl in prange(<Py_ssize_t>N * (C + 1), schedule="static", num_threads=nt):
                 n = <int>(pl // (C + 1))
                 i = <int>(pl % (C + 1))
-                if i < C and sd > 1:
-                    pcc_pad_phases(x + n * C * HW, H, W, pad, sd, Hg, Wg, i, i + 1, shared + n * img)
-                elif i < C:
-                    pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, i, i + 1, shared + n * img)
+                if i < C:
+                    pcc_pad_grid(x + n * C * HW, H, W, pad, sd, Hg, Wg, i, i + 1, shared + n * img)
                 else:
                     pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wg, ldd, shared + N * img + n * dyt_size)
             for i in prange(nt, schedule="static", num_threads=nt):

@@ -9,8 +9,8 @@ added in chunk order, so a thread count always gives the same bits.
 Softmax probabilities and their gradients below ``FLT_MIN`` (1.2e-38, the
 smallest normal float32) are flushed to zero. A confident or diverging network
 puts such denormal numbers in its loss gradient, and every multiply-add that
-takes one in the layers below is slow on many CPUs (microcode assists), so the
-steps after a loss spike ran up to 2.4 times slower without the flush. Row
+takes one in the layers below is slow on many CPUs (microcode assists), which
+slows the steps after a loss spike (figures in docs/performance-internals.md). Row
 argmax follows ``np.argmax``: the first maximum, and the first NaN if a row
 has one.
 """

@@ -384,6 +384,26 @@ static inline void pcc_offsets_phases(int C, int K, int S, int Hph, int Wph, int
                 off[k++] = (((c * S + kh % S) * S + kw % S) * Hph + kh / S) * Wph + kw / S;
 }
 
+/* One image on the grid a convolution of stride S walks: the zero-padded image for S = 1
+ * (Hg = Hp, Wg = Wp), its phases otherwise. */
+static inline void pcc_pad_grid(const float *restrict x, int H, int W, int pad, int S, int Hg, int Wg,
+                                int c0, int c1, float *restrict buf)
+{
+    if (S > 1)
+        pcc_pad_phases(x, H, W, pad, S, Hg, Wg, c0, c1, buf);
+    else
+        pcc_pad_image(x, H, W, pad, Hg, Wg, c0, c1, buf);
+}
+
+/* k offsets of that grid. */
+static inline void pcc_offsets_grid(int C, int K, int S, int Hg, int Wg, int *restrict off)
+{
+    if (S > 1)
+        pcc_offsets_phases(C, K, S, Hg, Wg, off);
+    else
+        pcc_offsets_shifted(C, K, Hg, Wg, off);
+}
+
 /* k offsets of an im2col tile with leading dimension ldb. */
 static inline void pcc_offsets_tile(int kdim, int ldb, int *restrict off)
 {
