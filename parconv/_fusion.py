@@ -13,7 +13,11 @@ Fusions:
 * the same followed by ``Flatten -> Linear`` where the backend fuses that
   classifier head too (:func:`parconv.functional.fuses_linear_head`);
 * ``BatchNorm -> ReLU`` in training and eval mode: one normalisation pass
-  that applies the ReLU as it writes.
+  that applies the ReLU as it writes;
+* ``Conv2d -> BatchNorm2d (-> ReLU)`` in eval mode (square kernel, int
+  stride/padding, one group): the running statistics folded into the
+  convolution's per-filter scale and shift, applied with the ReLU as the
+  convolution stores its output (:func:`parconv.functional.conv2d_batch_norm_eval`).
 
 Nested containers plan their own runs.
 """
@@ -143,6 +147,53 @@ class BatchNormReLU(_Fused):
         self.bn._cache = None
 
 
+class ConvBatchNormEval(_Fused):
+    """``Conv2d -> BatchNorm2d -> ReLU`` in eval mode (or without the ReLU): the running statistics
+    folded into the convolution as a per-filter scale and shift, applied with the ReLU as it stores.
+
+    The forward keeps only its input: a backward pass (rare in eval mode, e.g.
+    input gradients) reruns the layers one by one and back-propagates through them.
+    """
+
+    def __init__(self, start, conv, bn, relu=None):
+        super().__init__(start, [conv, bn] if relu is None else [conv, bn, relu])
+        self.conv, self.bn, self.relu = conv, bn, relu is not None
+        self._checked = None  # the last input shape the layers accepted
+
+    def forward(self, x):
+        conv, bn = self.conv, self.bn
+        shape = shape_of(x)
+        if shape != self._checked:
+            conv.output_shape(shape)  # the layer's own errors for a wrong input
+            self._checked = shape
+        # the layers' own arrays, shapes fixed by their constructors: straight to the backend
+        y = self.backend.conv2d_batch_norm_eval_forward(
+            x, conv.weight.data, conv.bias.data if conv.bias is not None else None,
+            bn.weight.data if bn.weight is not None else None, bn.bias.data if bn.bias is not None else None,
+            bn.running_mean, bn.running_var, bn.eps, conv._fargs["stride"], conv._fargs["padding"], self.relu)
+        self._cache = x
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        h = self._cached()
+        for layer in self.layers:
+            h = layer.forward(h)
+        dy = self._dy(dy, shape_of(h))
+        for k in range(len(self.layers) - 1, -1, -1):
+            dy = self.layers[k].backward(dy, need_dx=need_dx or k > 0)
+        for layer in self.layers:
+            layer._cache = None
+        return dy
+
+
+def _conv_bn_eval(layers, i) -> bool:
+    if i + 2 > len(layers):
+        return False
+    conv, bn = layers[i:i + 2]
+    return (type(conv) is Conv2d and type(bn) is BatchNorm2d and conv.simple and not bn._uses_batch_stats()
+            and bn.num_features == conv.out_channels)
+
+
 def _conv_pool(layers, i) -> bool:
     if i + 3 > len(layers):
         return False
@@ -165,6 +216,11 @@ def plan(layers: list, backend, fuse: bool) -> list:
                 continue
             steps.append(PlanStep(ConvReluMaxPool(i, *layers[i:i + 3]), i, i + 3, (i,)))
             i += 3
+            continue
+        if fuse and _conv_bn_eval(layers, i):
+            stop = i + 3 if i + 3 <= n and type(layers[i + 2]) is ReLU else i + 2
+            steps.append(PlanStep(ConvBatchNormEval(i, *layers[i:stop]), i, stop, (i + 1, i)))
+            i = stop
             continue
         nxt = layers[i + 1] if i + 1 < n else None
         if fuse and type(layer) in (BatchNorm1d, BatchNorm2d) and type(nxt) is ReLU:

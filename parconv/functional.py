@@ -647,6 +647,7 @@ def binary_cross_entropy_backward(p, targets, *, eps: float = BCE_EPS, backend=N
 __all__ += [
     "BatchNormSaved",
     "batch_norm",
+    "conv2d_batch_norm_eval",
     "batch_norm_backward",
     "dropout",
     "dropout_backward",
@@ -768,6 +769,57 @@ def batch_norm(x, weight, bias, running_mean, running_var, *, training, momentum
             raise ValueError(f"{where}: training=False normalises with running_mean and running_var, got None")
         y, mean, invstd = be.batch_norm_forward_eval(x, w, b, rm, rv, eps, relu)
     return y, BatchNormSaved(training, mean, invstd, y if relu else None)
+
+
+def conv2d_batch_norm_eval(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, stride: int = 1,
+                           padding: int = 0, *, eps: float = 1e-5, relu: bool = False, backend=None):
+    """``batch_norm(conv2d(x, weight, bias), training=False)``, then ReLU when ``relu``, in one op.
+
+    Eval-mode batch norm is a per-channel affine map, so it folds into the
+    convolution: ``y = conv2d(x, weight) * scale + shift`` with ``scale =
+    bn_weight / sqrt(running_var + eps)`` and ``shift = bn_bias + (bias -
+    running_mean) * scale``. The OpenMP backend applies it, and the ReLU, as the
+    convolution stores its output (one pass over y instead of three); others
+    compose the two ops. Square kernel, int stride and padding, one group; the
+    weights themselves are never modified.
+
+    Parameters
+    ----------
+    x : array-like (N, C, H, W)
+    weight : array-like (O, C, K, K); bias : (O,) or None
+        The convolution.
+    bn_weight, bn_bias : array-like (O,) or None
+        The batch norm's affine transform (None: ``affine=False``).
+    running_mean, running_var : array-like (O,)
+        The statistics to normalise with.
+    stride, padding : int
+    eps : float > 0
+    relu : bool
+    """
+    where = "conv2d_batch_norm_eval"
+    be = _backends.get(backend)
+    x = to_backend_array(x, be, "x", where)
+    w = to_backend_array(weight, be, "weight", where)
+    _check_fused_ints(shape_of(w), stride, padding, 1, None, where)
+    conv2d_output_shape(shape_of(x), shape_of(w), stride, padding, where)
+    eps = check_float(eps, "eps", where, 0.0, min_inclusive=False)
+    relu = _check_bool(relu, "relu", where)
+    O = shape_of(w)[0]
+    b = _bias(bias, O, be, where)
+    if (bn_weight is None) != (bn_bias is None):
+        raise ValueError(f"{where}: bn_weight and bn_bias must both be given or both be None (affine=False)")
+    if running_mean is None or running_var is None:
+        raise ValueError(f"{where}: running_mean and running_var are required (eval mode normalises with them)")
+    chan = []
+    for name, a in (("bn_weight", bn_weight), ("bn_bias", bn_bias), ("running_mean", running_mean),
+                    ("running_var", running_var)):
+        a = None if a is None else to_backend_array(a, be, name, where)
+        if a is not None and shape_of(a) != (O,):
+            raise ValueError(f"{where}: {name} must have shape ({O},), one entry per filter of weight "
+                             f"{shape_of(w)}, got {shape_of(a)}")
+        chan.append(a)
+    g, beta, rm, rv = chan
+    return be.conv2d_batch_norm_eval_forward(x, w, b, g, beta, rm, rv, eps, int(stride), int(padding), relu)
 
 
 def batch_norm_backward(x, weight, dy, saved, *, need_dx: bool = True, backend=None):

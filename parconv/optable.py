@@ -561,6 +561,40 @@ def _check_batch_norm(ck, ref, rng, case):
         _run_pair(ck, f"batch_norm_{mode}", run_be, run_ref, tag)
 
 
+def _check_conv_bn_eval(ck, ref, rng, case):
+    n, c, o, h, w, k, s, p, bias, affine, relu = case
+    be = ck.be
+    x = _f32(rng, n, c, h, w)
+    wt = _f32(rng, o, c, k, k, scale=1 / math.sqrt(c * k * k))
+    b = _f32(rng, o) if bias else None
+    g, beta = (_f32(rng, o) + 1.0, _f32(rng, o)) if affine else (None, None)
+    rm, rv = _f32(rng, o, scale=0.3), np.abs(_f32(rng, o)) + 0.25
+    tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p}{'' if bias else ' nobias'}{' affine' if affine else ''}" \
+          f"{' +relu' if relu else ''}"
+    B = (lambda a: None if a is None else be.asarray(a))
+
+    def run_ref():
+        z = ref.conv2d_forward(_f64(x), _f64(wt), _f64(b), s, p)
+        return {"y": ref.batch_norm_forward_eval(z, _f64(g), _f64(beta), _f64(rm), _f64(rv), 1e-5, relu)[0]}
+
+    _run_pair(ck, "conv_bn_eval",
+              lambda: {"y": be.conv2d_batch_norm_eval_forward(be.asarray(x), be.asarray(wt), B(b), B(g), B(beta),
+                                                              be.asarray(rm), be.asarray(rv), 1e-5, s, p, relu)},
+              run_ref, tag)
+
+
+def _random_conv_bn_eval(rng):
+    return _random_conv(rng) + (bool(rng.integers(0, 2)), bool(rng.integers(0, 2)))
+
+
+_FIXED_CONV_BN = (  # conv case + affine, relu: the direct, Winograd (odd width too), phase and im2col paths
+    (2, 3, 4, 8, 8, 3, 1, 1, True, True, True), (4, 32, 32, 9, 9, 3, 1, 1, False, True, True),
+    (4, 32, 40, 8, 8, 3, 1, 1, True, True, False), (1, 16, 24, 12, 12, 3, 1, 1, True, False, False),
+    (3, 4, 9, 9, 7, 3, 2, 1, True, True, True), (2, 5, 7, 11, 13, 1, 3, 0, False, True, True),
+    (1, 8, 20, 30, 30, 3, 1, 1, True, True, True),
+)
+
+
 def _random_batch_norm(rng):
     ndim = int(rng.choice([2, 3, 4]))
     shape = (int(rng.integers(2, 9)),) + tuple(int(v) for v in rng.integers(1, 7, ndim - 1))
@@ -695,6 +729,9 @@ OPS: tuple = (
            ("batch_norm_forward_train", "batch_norm_forward_eval", "batch_norm_backward"),
            ("BatchNorm1d", "BatchNorm2d", "BatchNorm+ReLU"), _check_batch_norm,
            (((4, 3, 5, 5), True, False), ((8, 6), False, True), ((3, 2, 7), True, True)), _random_batch_norm),
+    OpSpec("conv2d_batch_norm_eval", "convolution with an eval-mode batch norm (and ReLU) folded into its store",
+           ("conv2d_batch_norm_eval_forward",), ("Conv2d+BatchNorm2d(+ReLU) in eval mode",), _check_conv_bn_eval,
+           _FIXED_CONV_BN, _random_conv_bn_eval),
     OpSpec("dropout", "inverted dropout with a counter-based mask (the same on every backend)",
            ("dropout_forward", "dropout_backward"), ("Dropout",), _check_dropout,
            (((4, 100), 0.5, 12345), ((2, 3, 4, 5), 0.2, 2**62 + 7)), _random_dropout),

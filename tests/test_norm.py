@@ -302,3 +302,73 @@ def test_fused_batch_norm_relu_matches_the_layers_in_both_modes(backend, trainin
         assert_close(g1[k], g2[k], what=f"grad {k}")
     for k in b2:
         assert_close(b1[k], b2[k], what=f"buffer {k}")
+
+
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 3), c=st.integers(1, 6), o=st.integers(1, 12),
+       size=st.integers(3, 10), k=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]), bias=st.booleans(),
+       affine=st.booleans(), relu=st.booleans())
+def test_eval_conv_batch_norm_fold_matches_the_layers(backend, seed, n, c, o, size, k, stride, bias, affine, relu):
+    """In eval mode Sequential folds Conv2d -> BatchNorm2d (-> ReLU) into one op: same output as the
+    unfused layers; a backward pass after it (input gradients in eval mode) gives the layers' own
+    gradients; training mode does not fold."""
+    from parconv._fusion import ConvBatchNormEval
+
+    def build(fuse):
+        pc.manual_seed(seed % 1000)
+        layers = [pc.Conv2d(c, o, k, stride=stride, padding=k // 2, bias=bias), pc.BatchNorm2d(o, affine=affine)]
+        model = pc.Sequential(*layers, *([pc.ReLU()] if relu else []), backend=backend, fuse=fuse)
+        r = np.random.default_rng(seed)
+        model[1].running_mean = backend.asarray(rand(r, o))
+        model[1].running_var = backend.asarray(r.uniform(0.3, 2.0, o).astype(np.float32))
+        if affine:
+            model[1].weight.data = backend.asarray(r.uniform(0.5, 1.5, o).astype(np.float32))
+            model[1].bias.data = backend.asarray(rand(r, o))
+        return model.eval()
+
+    rng = np.random.default_rng(seed)
+    x = rand(rng, n, c, size, size)
+    fused, plain = build(True), build(False)
+    steps = fused.plan()
+    assert len(steps) == 1 and isinstance(steps[0].step, ConvBatchNormEval)
+    assert steps[0].hooks == (1, 0)
+    y1, y2 = fused.forward(x), plain.forward(x)
+    assert_close(y1, host(y2), what="y")
+    dy = rand(rng, *host(y2).shape)
+    dx1, dx2 = fused.backward(dy, need_dx=True), plain.backward(dy, need_dx=True)
+    assert_close(dx1, host(dx2), what="dx")
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        want = host(q.grad)
+        assert_close(p.grad, want, atol=1e-5 * (float(np.abs(want).max()) + 1.0), what=f"grad {name}")
+    assert not any(isinstance(s.step, ConvBatchNormEval) for s in fused.train().plan())
+
+
+def test_eval_conv_batch_norm_fold_keeps_the_layers_errors(backend):
+    model = pc.Sequential(pc.Conv2d(3, 4, 3), pc.BatchNorm2d(4), pc.ReLU(), backend=backend).eval()
+    model(np.zeros((1, 3, 5, 5), np.float32))
+    with pytest.raises(ValueError, match="in_channels=3"):
+        model(np.zeros((1, 2, 5, 5), np.float32))
+    with pytest.raises(ValueError, match="backward"):
+        pc.Sequential(pc.Conv2d(3, 4, 3), pc.BatchNorm2d(4), backend=backend).eval().backward(
+            np.zeros((1, 4, 3, 3), np.float32))
+
+
+def test_conv2d_batch_norm_eval_functional(backend, oracle):
+    rng = np.random.default_rng(3)
+    x, w, b = rand(rng, 2, 3, 6, 6), rand(rng, 5, 3, 3, 3), rand(rng, 5)
+    g, beta, rm = rng.uniform(0.5, 1.5, 5).astype(np.float32), rand(rng, 5), rand(rng, 5)
+    rv = rng.uniform(0.5, 2.0, 5).astype(np.float32)
+    got = F.conv2d_batch_norm_eval(x, w, b, g, beta, rm, rv, 1, 1, eps=1e-3, relu=True, backend=backend)
+    z = F.conv2d(x, w, b, 1, 1, backend=oracle)
+    want, _ = F.batch_norm(z, g, beta, oracle.asarray(rm), oracle.asarray(rv), training=False, eps=1e-3, relu=True,
+                           backend=oracle)
+    assert_close(got, host(want))
+    with pytest.raises(ValueError, match=r"running_var must have shape \(5,\)"):
+        F.conv2d_batch_norm_eval(x, w, b, g, beta, rm, rv[:4], backend=backend)
+    with pytest.raises(ValueError, match="both be given"):
+        F.conv2d_batch_norm_eval(x, w, b, g, None, rm, rv, backend=backend)
+    with pytest.raises(ValueError, match="required"):
+        F.conv2d_batch_norm_eval(x, w, b, g, beta, None, rv, backend=backend)
+    with pytest.raises(ValueError, match="eps"):
+        F.conv2d_batch_norm_eval(x, w, b, g, beta, rm, rv, eps=0.0, backend=backend)
+    with pytest.raises(ValueError, match="square kernel"):
+        F.conv2d_batch_norm_eval(x, rand(rng, 5, 3, 3, 2), b, g, beta, rm, rv, backend=backend)

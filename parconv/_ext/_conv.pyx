@@ -42,6 +42,7 @@ cimport cython
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
+from libc.math cimport sqrt
 from scipy.linalg.cython_blas cimport sgemm
 
 from .pc_pool cimport PC_POOL_U16_MAX, pc_pool_bases, pc_pool_plane, pc_pool_plane_u16
@@ -74,10 +75,10 @@ cdef extern from "pc_conv.h":
     void pcc_offsets_grid(int C, int K, int S, int Hg, int Wg, int *off) noexcept nogil
     void pcc_conv_panels(const float *a, int O, int kdim, int mr0, int nv, const float *b, const int *off,
                          Py_ssize_t s_begin, Py_ssize_t s_end, int Wg, int Q, float *y, Py_ssize_t ldy,
-                         const float *bias, float *ct) noexcept nogil
+                         const float *bias, const float *scale, int relu, float *ct) noexcept nogil
     void pcc_conv_rows(const float *a, int O, int kdim, int mr0, int nv, const float *b, const int *off,
                        int p_begin, int p_end, int Wg, int Q, float *y, Py_ssize_t ldy,
-                       const float *bias, float *ct) noexcept nogil
+                       const float *bias, const float *scale, int relu, float *ct) noexcept nogil
     void pcc_dw_accumulate(const float *dyT, Py_ssize_t ldd, const float *b, const int *off,
                            int k_begin, int k_end, Py_ssize_t S, float *dwT) noexcept nogil
     void pcc_dy_transposed(const float *dy, int O, int P, int Q, int Wg, Py_ssize_t ldd,
@@ -173,7 +174,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                        float *y, int P, int Q, int nt,
                        int pk=0, int ps=0, void *am=NULL, bint am16=False, bint whole_images=False,
                        const float *hw=NULL, const float *hb=NULL, float *logits=NULL, int G=0,
-                       int stride=1) noexcept:
+                       int stride=1, const float *scale=NULL, bint relu=False) noexcept:
     """Stride-1 convolution straight from zero-padded images (or, with ``stride > 1`` and a kernel
     at least the stride, from the images' phases: ``pcc_pad_phases``; no pooling then).
 
@@ -199,6 +200,9 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     one pass over hw (``pcd_linear_fwd_rows4``: the same bits as
     ``linear_forward``). hw is G x F floats, which no longer stay in a core's
     L2 next to the scratch once F reaches about 20,000.
+
+    With ``scale`` each output is ``conv * scale[o] + bias[o]`` (an eval-mode
+    BatchNorm folded in), then ``max(., 0)`` with ``relu``; not with ``pk``.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
     cdef int sd = stride if stride > 1 else 1
@@ -286,9 +290,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 if pk > 0:
                     # conv of this image into scratch, then only the pooled maxima leave
                     if by_rows:
-                        pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wg, Q, z, PQ, bias, ct)
+                        pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wg, Q, z, PQ, bias, NULL, 0, ct)
                     else:
-                        pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wg, Q, z, PQ, bias, ct)
+                        pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wg, Q, z, PQ, bias, NULL, 0,
+                                        ct)
                     for o in range(O):
                         if am16:
                             pc_pool_plane_u16(z + o * PQ, pool_base, Q, pk, ps, PP, QQ, y + (n * O + o) * PPQQ,
@@ -303,9 +308,11 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                             pcd_linear_fwd_rows4(y, hw, hb, logits, pend, 4, O * PPQQ, G)
                             pend[4] = 0
                 elif by_rows:
-                    pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wg, Q, y + n * O * PQ, PQ, bias, ct)
+                    pcc_conv_rows(a, O, kdim, mr0, nv, buf, off, 0, P, Wg, Q, y + n * O * PQ, PQ, bias, scale,
+                                  relu, ct)
                 else:
-                    pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wg, Q, y + n * O * PQ, PQ, bias, ct)
+                    pcc_conv_panels(a, O, kdim, mr0, nv, buf, off, 0, s_end, Wg, Q, y + n * O * PQ, PQ, bias,
+                                    scale, relu, ct)
             if pend != NULL and not failed[0] and pend[4] > 0:
                 pcd_linear_fwd_rows4(y, hw, hb, logits, pend, <int>pend[4], O * PPQQ, G)
             free(buf)
@@ -342,10 +349,11 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 ub = <int>((<long>units * (ch + 1)) // cpi)
                 if by_rows:
                     pcc_conv_rows(a, O, kdim, mr0, nv, shared + n * img, off, ua, ub, Wg, Q,
-                                  y + n * O * PQ, PQ, bias, ct)
+                                  y + n * O * PQ, PQ, bias, scale, relu, ct)
                 else:
                     pcc_conv_panels(a, O, kdim, mr0, nv, shared + n * img, off, <Py_ssize_t>ua * nr,
-                                    min(<Py_ssize_t>ub * nr, s_end), Wg, Q, y + n * O * PQ, PQ, bias, ct)
+                                    min(<Py_ssize_t>ub * nr, s_end), Wg, Q, y + n * O * PQ, PQ, bias, scale,
+                                    relu, ct)
             free(ct)
         free(shared)
     free(off)
@@ -356,8 +364,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
 
 cdef int _conv_tiled(const float *x, int N, int C, int H, int W, int S, int pad, int K,
                      const float *w, int O, const float *bias,
-                     float *y, int P, int Q, int nt, Py_ssize_t tile_bytes) noexcept:
-    """Any-stride convolution from im2col tiles of output rows in thread-private scratch."""
+                     float *y, int P, int Q, int nt, Py_ssize_t tile_bytes, const float *scale=NULL,
+                     bint relu=False) noexcept:
+    """Any-stride convolution from im2col tiles of output rows in thread-private scratch
+    (``scale``, ``relu``: as ``_conv_shifted``)."""
     cdef int kdim = C * K * K
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int tp = _balance_tiles(N, P, _tile_rows(P, Q, kdim, tile_bytes), nt)
@@ -392,7 +402,7 @@ cdef int _conv_tiled(const float *x, int N, int C, int H, int W, int S, int pad,
             p1 = _min(P, p0 + tp)
             pc_im2col(x + n * C * HW, H, W, K, S, pad, Q, 0, C, p0, p1, cols, ldb)
             pcc_conv_panels(w, O, kdim, mr0, nv, cols, off, 0, <Py_ssize_t>(p1 - p0) * Q, Q, Q,
-                            y + n * O * PQ + p0 * Q, PQ, bias, ct)
+                            y + n * O * PQ + p0 * Q, PQ, bias, scale, relu, ct)
         free(cols)
         free(ct)
     free(off)
@@ -406,7 +416,8 @@ cdef extern from "pc_winograd.h":
     void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int ty1, int tW,
                    float *V, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
     void pcw_output(const float *M, Py_ssize_t ldx, Py_ssize_t ldt, int o0, int o1, int ty0, int ty1,
-                    int tW, int P, int Q, const float *bias, float *y, float *scratch) noexcept nogil
+                    int tW, int P, int Q, const float *bias, const float *scale, int relu, float *y,
+                    float *scratch) noexcept nogil
     void pcw_dy(const float *dy, int O, int P, int Q, int ty0, int ty1, int tW,
                 float *dM, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
     void pcw_filters_grad(const float *dU, int O, int C, int o0, int o1, float *dw, float *scratch) noexcept nogil
@@ -481,7 +492,8 @@ cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nog
 
 
 cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
-                        const float *w, int O, const float *bias, float *y, int P, int Q, int nt) noexcept:
+                        const float *w, int O, const float *bias, float *y, int P, int Q, int nt,
+                        const float *scale=NULL, bint relu=False) noexcept:
     """Stride-1 3x3 forward by Winograd F(2x2, 3x3) (``pc_winograd.h``).
 
     Blocks of tile rows of one image are split over threads; each thread
@@ -489,7 +501,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     transforms the result straight into y. The GEMMs are the convolution's
     register-blocked micro-kernels reading U and V in place: a block has a few
     dozen tiles, and a BLAS sgemm would pack all of U[xi] for each of them.
-    Returns 1 when scratch could not be allocated.
+    ``scale``, ``relu``: as ``_conv_shifted``. Returns 1 when scratch could not be allocated.
     """
     cdef int tH = (P + 1) // 2, tW = (Q + 1) // 2
     cdef Py_ssize_t per_tile = 64 * (<Py_ssize_t>C + O)  # bytes of V and M for one tile
@@ -552,8 +564,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                 for xi in range(16):
                     # M[xi] (O x nb) = U[xi] (O x C) @ V[xi] (C x nb): one row of nb positions
                     pcc_conv_panels(U + <Py_ssize_t>xi * O * C, O, C, mr0, nv, V + xi * ldxv, off,
-                                    0, nb, nb, nb, M + xi * ldxm, ldt, NULL, ct)
-                pcw_output(M, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, y + n * img_out, scr)
+                                    0, nb, nb, nb, M + xi * ldxm, ldt, NULL, NULL, 0, ct)
+                pcw_output(M, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y + n * img_out, scr)
         free(Vraw)
     free(U)
     free(off)
@@ -730,34 +742,71 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                    const float[::1] b,           # IN  (O,) or None
                    float[:, :, :, ::1] y,        # OUT (N, O, P, Q), overwritten
                    int stride, int padding, int num_threads,
-                   Py_ssize_t tile_bytes=1048576, bint winograd=True):
+                   Py_ssize_t tile_bytes=1048576, bint winograd=True,
+                   const float[::1] scale=None,  # IN  (O,) or None
+                   bint relu=False):
     """Convolution forward, parallel over images or, for small batches, tiles of output positions.
 
     3x3 stride-1 layers with enough channels (:func:`winograd_applies`) run
     Winograd F(2x2, 3x3) unless ``winograd`` is false. No BLAS call.
+
+    With ``scale`` every output is ``conv * scale[o] + b[o]`` instead of
+    ``conv + b[o]`` (an eval-mode BatchNorm folded into the store), and
+    ``relu`` stores ``max(., 0)``: one pass over y for Conv2d -> BatchNorm -> ReLU.
     """
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], K = w.shape[2]
     cdef int P = y.shape[2], Q = y.shape[3]
     cdef int nt = num_threads if num_threads > 0 else 1
     cdef const float *bp = NULL
+    cdef const float *sp = NULL
     cdef int failed
     if b is not None:
         bp = &b[0]
+    if scale is not None:
+        if scale.shape[0] != O or b is None or b.shape[0] != O:
+            raise ValueError(f"conv2d_forward: scale and b must both have {O} entries with scale given")
+        sp = &scale[0]
     if winograd and winograd_applies(C, O, K, stride, P, Q, N):
         failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
-                                &y[0, 0, 0, 0], P, Q, nt)
-    elif stride == 1:
+                                &y[0, 0, 0, 0], P, Q, nt, sp, relu)
+    elif K >= stride or stride == 1:
+        # stride 1: the padded images; else their phases (every tap reads one; a narrower kernel
+        # would leave phases unread)
         failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
-                               &y[0, 0, 0, 0], P, Q, nt)
-    elif K >= stride:  # the images' phases: every tap reads one (a narrower kernel leaves phases unread)
-        failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
-                               &y[0, 0, 0, 0], P, Q, nt, 0, 0, NULL, False, False, NULL, NULL, NULL, 0, stride)
+                               &y[0, 0, 0, 0], P, Q, nt, 0, 0, NULL, False, False, NULL, NULL, NULL, 0, stride,
+                               sp, relu)
     else:
         failed = _conv_tiled(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
-                             &y[0, 0, 0, 0], P, Q, nt, tile_bytes)
+                             &y[0, 0, 0, 0], P, Q, nt, tile_bytes, sp, relu)
     if failed:
         raise MemoryError("conv2d_forward: could not allocate scratch")
+
+
+def fold_batch_norm(const float[::1] b, const float[::1] weight, const float[::1] bias,
+                    const float[::1] running_mean, const float[::1] running_var, double eps,
+                    float[::1] scale, float[::1] shift):
+    """``scale``, ``shift`` (O,) (overwritten) of an eval-mode batch norm after a convolution with bias
+    b (or None): ``bn(conv + b) = conv * scale + shift``, for :func:`conv2d_forward`'s ``scale``.
+
+    ``scale = weight / sqrt(running_var + eps)``, ``shift = bias + (b - running_mean) * scale``
+    (weight 1, bias 0 where None), in double precision, rounded once.
+    """
+    cdef Py_ssize_t O = scale.shape[0], o
+    cdef double sc, sh
+    if (shift.shape[0] != O or running_mean.shape[0] != O or running_var.shape[0] != O
+            or (b is not None and b.shape[0] != O) or (weight is not None and weight.shape[0] != O)
+            or (bias is not None and bias.shape[0] != O)):
+        raise ValueError(f"fold_batch_norm: every array must have {O} entries")
+    for o in range(O):
+        sc = 1.0 / sqrt(<double>running_var[o] + eps)
+        if weight is not None:
+            sc = sc * weight[o]
+        sh = ((<double>b[o] if b is not None else 0.0) - running_mean[o]) * sc
+        if bias is not None:
+            sh = sh + bias[o]
+        scale[o] = <float>sc
+        shift[o] = <float>sh
 
 
 cdef enum:

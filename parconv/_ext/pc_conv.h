@@ -114,6 +114,23 @@ static inline int pcc_main_mr(int nv) { return nv == 1 ? 24 : nv == 2 ? 12 : nv 
 static inline int pcc_main_mr(int nv) { return nv == 1 ? 12 : 6; }
 #endif
 
+/* max(v, 0) per lane; a NaN stays NaN (the second operand of max_ps is returned for a NaN) */
+#if defined(__AVX512F__)
+#define PCC_RELU(v) _mm512_max_ps(_mm512_setzero_ps(), (v))
+#elif PCC_VEC == 8
+#define PCC_RELU(v) _mm256_max_ps(_mm256_setzero_ps(), (v))
+#else
+static inline pcc_v pcc_relu_(pcc_v v)
+{
+    float t[PCC_VEC];
+    memcpy(t, &v, sizeof t);
+    for (int l = 0; l < PCC_VEC; l++) t[l] = t[l] < 0.0f ? 0.0f : t[l];
+    memcpy(&v, t, sizeof v);
+    return v;
+}
+#define PCC_RELU(v) pcc_relu_(v)
+#endif
+
 /* out[i*ldo + j] = bias[i] + sum_k a[i*lda + k] * b[off[k] + j] for i < MR, j < min(count, NV*VEC)
  * (bias may be NULL). */
 #define PCC_DEFINE_UKERNEL(MR, NV)                                                          \
@@ -221,24 +238,58 @@ static inline void pcc_flip_filters(const float *restrict w, int O, int C, int K
     }
 }
 
+/* Rows i < mr of out (stride ld), n floats each: v = v * scale[i] + shift[i], then max(v, 0) when
+ * relu. Run on a block the micro-kernel has just stored (still in L1), so the kernels themselves
+ * stay as they are for the plain convolution. */
+static inline void pcc_epilogue(float *restrict out, pcc_idx ld, int mr, int n, const float *restrict scale,
+                                const float *restrict shift, int relu)
+{
+    for (int i = 0; i < mr; i++) {
+        float *r = out + (pcc_idx)i * ld;
+        const pcc_v sv = PCC_SET1(scale ? scale[i] : 1.0f), tv = PCC_SET1(shift ? shift[i] : 0.0f);
+        int j = 0;
+        for (; j + PCC_VEC <= n; j += PCC_VEC) {
+            pcc_v v = PCC_FMA(PCC_LOADU(r + j), sv, tv);
+            PCC_STOREU(r + j, relu ? PCC_RELU(v) : v);
+        }
+        if (j < n) {
+            float t[PCC_VEC] = {0};
+            memcpy(t, r + j, sizeof(float) * (size_t)(n - j));
+            pcc_v v = PCC_FMA(PCC_LOADU(t), sv, tv);
+            PCC_STOREU(t, relu ? PCC_RELU(v) : v);
+            memcpy(r + j, t, sizeof(float) * (size_t)(n - j));
+        }
+    }
+}
+
 /* All O filters (a: (O, kdim) row-major) for one panel of nv vectors starting at position s0
- * (B at b + s0); the nseg segments [j0, j1) of the panel land at y + dst (+ o*ldy), bias added.
+ * (B at b + s0); the nseg segments [j0, j1) of the panel land at y + dst (+ o*ldy), bias added
+ * (or scale and bias applied, then relu: see the micro-kernels).
  * A panel that is one segment from its first position is stored straight from the registers;
  * otherwise through ct, a PCC_MR_MAX x PCC_NR scratch. */
 static inline void pcc_panel(const float *restrict a, int O, int kdim, int mr0, int nv,
                              const float *restrict b, const int *restrict off,
                              int nseg, const int *seg_j0, const int *seg_j1, const pcc_idx *seg_dst,
-                             float *restrict y, pcc_idx ldy, const float *restrict bias, float *restrict ct)
+                             float *restrict y, pcc_idx ldy, const float *restrict bias,
+                             const float *restrict scale, int relu, float *restrict ct)
 {
     int direct = nseg == 1 && seg_j0[0] == 0;
     for (int o0 = 0; o0 < O;) {
         int mr = pcc_block_width(O, o0, mr0);
-        const float *bo = bias ? bias + o0 : NULL;
+        /* with scale, bias is the shift applied after the scale, not the sums' starting value */
+        const float *bo = bias && !scale ? bias + o0 : NULL;
+        const int epi = scale || relu;
         if (direct) {
-            pcc_ukernel(mr, nv, kdim, a + (pcc_idx)o0 * kdim, kdim, b, off, bo,
-                        y + (pcc_idx)o0 * ldy + seg_dst[0], ldy, seg_j1[0]);
+            float *yo = y + (pcc_idx)o0 * ldy + seg_dst[0];
+            pcc_ukernel(mr, nv, kdim, a + (pcc_idx)o0 * kdim, kdim, b, off, bo, yo, ldy, seg_j1[0]);
+            if (epi)
+                pcc_epilogue(yo, ldy, mr, seg_j1[0], scale ? scale + o0 : NULL, scale && bias ? bias + o0 : NULL,
+                             relu);
         } else if (nseg > 0) {
             pcc_ukernel(mr, nv, kdim, a + (pcc_idx)o0 * kdim, kdim, b, off, bo, ct, PCC_NR, nv * PCC_VEC);
+            if (epi)
+                pcc_epilogue(ct, PCC_NR, mr, nv * PCC_VEC, scale ? scale + o0 : NULL,
+                             scale && bias ? bias + o0 : NULL, relu);
             for (int i = 0; i < mr; i++) {
                 float *yo = y + (pcc_idx)(o0 + i) * ldy;
                 const float *ci = ct + i * PCC_NR;
@@ -257,7 +308,7 @@ static inline void pcc_conv_panels(const float *restrict a, int O, int kdim, int
                                    const float *restrict b, const int *restrict off,
                                    pcc_idx s_begin, pcc_idx s_end, int Wg, int Q,
                                    float *restrict y, pcc_idx ldy, const float *restrict bias,
-                                   float *restrict ct)
+                                   const float *restrict scale, int relu, float *restrict ct)
 {
     int nr = nv * PCC_VEC;
     int seg_j0[PCC_NR + 2], seg_j1[PCC_NR + 2];
@@ -282,7 +333,7 @@ static inline void pcc_conv_panels(const float *restrict a, int O, int kdim, int
             }
             s = (p + 1) * Wg;
         }
-        pcc_panel(a, O, kdim, mr0, nv, b + s0, off, nseg, seg_j0, seg_j1, seg_dst, y, ldy, bias, ct);
+        pcc_panel(a, O, kdim, mr0, nv, b + s0, off, nseg, seg_j0, seg_j1, seg_dst, y, ldy, bias, scale, relu, ct);
     }
 }
 
@@ -292,7 +343,7 @@ static inline void pcc_conv_rows(const float *restrict a, int O, int kdim, int m
                                  const float *restrict b, const int *restrict off,
                                  int p_begin, int p_end, int Wg, int Q,
                                  float *restrict y, pcc_idx ldy, const float *restrict bias,
-                                 float *restrict ct)
+                                 const float *restrict scale, int relu, float *restrict ct)
 {
     int nr = nv * PCC_VEC;
     int j0 = 0, j1;
@@ -301,7 +352,8 @@ static inline void pcc_conv_rows(const float *restrict a, int O, int kdim, int m
         for (int q0 = 0; q0 < Q; q0 += nr) {
             j1 = Q - q0 < nr ? Q - q0 : nr;
             dst = (pcc_idx)p * Q + q0;
-            pcc_panel(a, O, kdim, mr0, nv, b + (pcc_idx)p * Wg + q0, off, 1, &j0, &j1, &dst, y, ldy, bias, ct);
+            pcc_panel(a, O, kdim, mr0, nv, b + (pcc_idx)p * Wg + q0, off, 1, &j0, &j1, &dst, y, ldy, bias, scale,
+                      relu, ct);
         }
     }
 }

@@ -255,15 +255,27 @@ static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int
     }
 }
 
-/* y (O, P, Q) of one image, filters o0..o1, tile rows ty0..ty1, from M; bias may be NULL. */
+/* r[j] = r[j] * sc + sh, then max(., 0) when relu (a NaN stays): the folded eval-mode BatchNorm. */
+static inline void pcw_epilogue_row(float *restrict r, int n, float sc, float sh, int relu)
+{
+    for (int j = 0; j < n; j++) {
+        float v = r[j] * sc + sh;
+        r[j] = relu && v < 0.0f ? 0.0f : v;
+    }
+}
+
+/* y (O, P, Q) of one image, filters o0..o1, tile rows ty0..ty1, from M; bias may be NULL.
+ * With scale each output is sum * scale[o] + bias[o]; relu then stores max(., 0). */
 static void pcw_output(const float *M, pcw_idx ldx, pcw_idx ldt, int o0, int o1, int ty0, int ty1,
-                       int tW, int P, int Q, const float *bias, float *y, float *scratch)
+                       int tW, int P, int Q, const float *bias, const float *scale, int relu, float *y,
+                       float *scratch)
 {
     float *s = scratch;                        /* s[(a * 4 + k) * tW + i]: A^T across rows, a = 0, 1 */
     float *r = scratch + 8 * (pcw_idx)tW;      /* an output row of 2 tW, when Q is odd */
     const int even = Q == 2 * tW;
     for (int o = o0; o < o1; o++) {
-        const float bo = bias ? bias[o] : 0.0f;
+        const float bo = bias && !scale ? bias[o] : 0.0f;
+        const float so = scale ? scale[o] : 1.0f, sh = scale && bias ? bias[o] : 0.0f;
         for (int ty = ty0; ty < ty1; ty++) {
             const float *m = M + (pcw_idx)o * ldt + (pcw_idx)(ty - ty0) * tW;
             for (int k = 0; k < 4; k++)
@@ -276,6 +288,8 @@ static void pcw_output(const float *M, pcw_idx ldx, pcw_idx ldt, int o0, int o1,
                            even ? yo : r, tW);
                 if (!even)
                     memcpy(yo, r, sizeof(float) * (size_t)Q);
+                if (scale || relu)
+                    pcw_epilogue_row(yo, Q, so, sh, relu);
             }
         }
     }

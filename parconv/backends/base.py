@@ -264,6 +264,21 @@ class Backend:
         dz = self.maxpool2d_backward(self.relu_backward(y, dy), argmax, (N, O, P, Q))
         return self.conv2d_backward(x, w, dz, stride, padding, need_dx, need_db)
 
+    # ------------------------------------------ fused conv + eval-mode batch norm
+    def conv2d_batch_norm_eval_forward(self, x, w, b, weight, bias, running_mean, running_var, eps: float,
+                                       stride: int, padding: int, relu: bool):
+        """``batch_norm_forward_eval(conv2d_forward(x, w, b), ...)``, then ``max(., 0)`` when ``relu``.
+
+        Eval-mode batch norm is a per-channel affine map, so a backend may fold
+        it into the convolution: ``conv(x, w) * scale + shift`` with ``scale =
+        weight / sqrt(running_var + eps)`` and ``shift = bias + (b - running_mean)
+        * scale`` (weight 1, bias 0 and b 0 where None), applied as the output is
+        stored. The default composes the unfused ops.
+        """
+        z = self.conv2d_forward(x, w, b, stride, padding)
+        y, _, _ = self.batch_norm_forward_eval(z, weight, bias, running_mean, running_var, eps, relu)
+        return y
+
     # ------------------------------- fused conv+relu+maxpool -> flatten -> linear
     def fuses_linear_head(self, in_features: int, out_features: int) -> bool:
         """Whether the ``conv2d_relu_maxpool2d_linear_*`` pair beats the composition here.
