@@ -72,15 +72,16 @@ __kernel void bn_eval_stats(__global const float* restrict running_mean, /* IN  
     invstd[c] = 1.0f / sqrt(running_var[c] + eps);
 }
 
-/* y = (x - mean) * (invstd * weight) + bias, then max(y, 0) when relu (NaN stays).
+/* y = (x - mean) * (invstd * weight) + bias (+ res), then max(y, 0) when relu (NaN stays).
  * One work-item per element. */
 __kernel void bn_apply(__global const float* restrict x,       /* IN  (N, C, L) */
                        __global const float* restrict weight,  /* IN  (C,) if has_weight */
                        __global const float* restrict bias,    /* IN  (C,) if has_bias */
                        __global const float* restrict mean,    /* IN  (C,) */
                        __global const float* restrict invstd,  /* IN  (C,) */
+                       __global const float* restrict res,     /* IN  (N, C, L) if has_res: added before the ReLU */
                        __global float* restrict y,             /* OUT (N, C, L) */
-                       const int has_weight, const int has_bias, const int relu,
+                       const int has_weight, const int has_bias, const int has_res, const int relu,
                        const int n, const int C, const int L)
 {
     const int i = get_global_id(0);
@@ -89,6 +90,7 @@ __kernel void bn_apply(__global const float* restrict x,       /* IN  (N, C, L) 
     const float scale = has_weight ? invstd[c] * weight[c] : invstd[c];
     float v = (x[i] - mean[c]) * scale;
     if (has_bias) v = v + bias[c];
+    if (has_res) v = v + res[i];
     y[i] = (relu && !(v > 0.0f || IS_NAN(v))) ? 0.0f : v;
 }
 

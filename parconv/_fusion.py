@@ -14,6 +14,9 @@ Fusions:
   classifier head too (:func:`parconv.functional.fuses_linear_head`);
 * ``BatchNorm -> ReLU`` in training and eval mode: one normalisation pass
   that applies the ReLU as it writes;
+* ``Residual -> ReLU`` in both modes: the ReLU applied by the block, and
+  where the block's body ends in a BatchNorm, the shortcut added and the
+  ReLU applied by that BatchNorm as it writes (one pass instead of three);
 * ``Conv2d -> BatchNorm2d (-> ReLU)`` in eval mode (square kernel, int
   stride/padding, one group): the running statistics folded into the
   convolution's per-filter scale and shift, applied with the ReLU as the
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from . import functional as F
 from ._validation import shape_of, to_backend_array
-from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU
+from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Residual
 
 __all__ = ["plan", "PlanStep"]
 
@@ -186,6 +189,28 @@ class ConvBatchNormEval(_Fused):
         return dy
 
 
+class ResidualReLU(_Fused):
+    """``Residual -> ReLU``: the block's output ``relu(body(x) + shortcut(x))`` in one op.
+
+    Where the body's last step is a BatchNorm on its own (a ResNet basic block in
+    training mode), that BatchNorm adds the shortcut and applies the ReLU as it
+    writes, and the backward masks the gradient once for both branches.
+    """
+
+    def __init__(self, start, block, relu):
+        super().__init__(start, [block, relu])
+        self.block = block
+
+    def forward(self, x):
+        return self.block.forward(x, relu=True)
+
+    def backward(self, dy, need_dx: bool = True):
+        return self.block.backward(dy, need_dx=need_dx)
+
+    def release(self) -> None:
+        self.block._cache = None
+
+
 def _conv_bn_eval(layers, i) -> bool:
     if i + 2 > len(layers):
         return False
@@ -223,6 +248,10 @@ def plan(layers: list, backend, fuse: bool) -> list:
             i = stop
             continue
         nxt = layers[i + 1] if i + 1 < n else None
+        if fuse and type(layer) is Residual and type(nxt) is ReLU:
+            steps.append(PlanStep(ResidualReLU(i, layer, nxt), i, i + 2, (i,)))
+            i += 2
+            continue
         if fuse and type(layer) in (BatchNorm1d, BatchNorm2d) and type(nxt) is ReLU:
             steps.append(PlanStep(BatchNormReLU(i, layer, nxt), i, i + 2, (i,)))
             i += 2

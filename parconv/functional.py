@@ -718,7 +718,7 @@ def _bn_running(a, C: int, name: str, be, where: str):
 
 
 def batch_norm(x, weight, bias, running_mean, running_var, *, training, momentum: float = 0.1,
-               eps: float = 1e-5, relu: bool = False, backend=None):
+               eps: float = 1e-5, relu: bool = False, residual=None, backend=None):
     """Batch normalisation (PyTorch's ``F.batch_norm``), with an optional fused ReLU.
 
     Parameters
@@ -738,6 +738,9 @@ def batch_norm(x, weight, bias, running_mean, running_var, *, training, momentum
     eps : float > 0
     relu : bool
         Apply ``max(y, 0)`` after the transform (BatchNorm + ReLU in one pass).
+    residual : array-like of x's shape, optional
+        Added to the normalised values before the ReLU: a residual block's
+        ``relu(bn(body) + shortcut)`` in one pass.
 
     Returns
     -------
@@ -759,15 +762,20 @@ def batch_norm(x, weight, bias, running_mean, running_var, *, training, momentum
         raise ValueError(f"{where}: running_mean and running_var must both be given or both be None")
     rm = None if running_mean is None else _bn_running(running_mean, C, "running_mean", be, where)
     rv = None if running_var is None else _bn_running(running_var, C, "running_var", be, where)
+    r = None
+    if residual is not None:
+        r = to_backend_array(residual, be, "residual", where)
+        if shape_of(r) != shape_of(x):
+            raise ValueError(f"{where}: residual must have x's shape {shape_of(x)}, got {shape_of(r)}")
     if training:
         count = x.size // C
         if count < 2:
             raise ValueError(f"{where}: training needs more than 1 value per channel, got x of shape {shape_of(x)}")
-        y, mean, invstd = be.batch_norm_forward_train(x, w, b, rm, rv, momentum, eps, relu)
+        y, mean, invstd = be.batch_norm_forward_train(x, w, b, rm, rv, momentum, eps, relu, r)
     else:
         if rm is None:
             raise ValueError(f"{where}: training=False normalises with running_mean and running_var, got None")
-        y, mean, invstd = be.batch_norm_forward_eval(x, w, b, rm, rv, eps, relu)
+        y, mean, invstd = be.batch_norm_forward_eval(x, w, b, rm, rv, eps, relu, r)
     return y, BatchNormSaved(training, mean, invstd, y if relu else None)
 
 

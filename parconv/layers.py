@@ -664,7 +664,14 @@ class _BatchNorm(Layer):
     def _uses_batch_stats(self) -> bool:
         return self.training or self.running_mean is None
 
-    def forward(self, x, relu: bool = False):
+    def forward(self, x, relu: bool = False, residual=None):
+        """Normalise x; ``relu`` applies ``max(., 0)`` in the same pass, after adding ``residual`` (an
+        array of x's shape: ``relu(bn(x) + residual)``, the end of a residual block) when given.
+
+        With a residual the gradient :meth:`backward` receives must already be
+        masked by the ReLU (the caller, :class:`Residual`, masks it once for both
+        of its branches).
+        """
         x = self._input(x)
         self._check_x(shape_of(x))
         batch_stats = self._uses_batch_stats()
@@ -678,7 +685,9 @@ class _BatchNorm(Layer):
         rm = self.running_mean if (update or not batch_stats) else None
         rv = self.running_var if (update or not batch_stats) else None
         y, saved = F.batch_norm(x, w, b, rm, rv, training=batch_stats, momentum=factor, eps=self.eps, relu=relu,
-                                backend=self.backend)
+                                residual=residual, backend=self.backend)
+        if residual is not None and relu:
+            saved = F.BatchNormSaved(saved.training, saved.mean, saved.invstd, None)
         self._cache = (x, saved)
         return y
 
@@ -947,23 +956,49 @@ class Residual(Layer):
         short = 0 if self.shortcut is None else _macs_through(self.shortcut, x_shape)
         return body + short + math.prod(self.output_shape(x_shape))
 
-    def forward(self, x):
+    def forward(self, x, relu: bool = False):
+        """``body(x) + shortcut(x)``, then ``max(., 0)`` when ``relu``.
+
+        With ``relu`` and a body whose last step is a BatchNorm on its own (the
+        basic block of a ResNet in training mode), that BatchNorm adds the
+        shortcut and applies the ReLU as it writes: one pass instead of three.
+        """
         x = self._input(x)
-        a = self.body.forward(x)
         b = x if self.shortcut is None else self.shortcut.forward(x)
-        if shape_of(a) != shape_of(b):
-            raise ValueError(f"Residual: body output {shape_of(a)} and shortcut output {shape_of(b)} differ "
-                             "(give the block a projection shortcut, e.g. a 1x1 strided Conv2d)")
-        self._cache = shape_of(a)
-        return F.add(a, b, backend=self.backend)
+        split = self.body._forward_to_tail_norm(x) if relu and hasattr(self.body, "_forward_to_tail_norm") else None
+        if split is not None:
+            h, norm = split
+            _check_branches(tuple(norm.output_shape(shape_of(h))), shape_of(b))
+            y = norm.forward(h, relu=True, residual=b)
+            self._cache = (shape_of(y), y, norm)
+            return y
+        a = self.body.forward(x)
+        _check_branches(shape_of(a), shape_of(b))
+        y = F.add(a, b, backend=self.backend)
+        if relu:
+            y = F.relu(y, backend=self.backend)
+        self._cache = (shape_of(a), y if relu else None, None)
+        return y
 
     def backward(self, dy, need_dx: bool = True):
-        dy = self._check_dy(dy, self._cached())
-        dx_body = self.body.backward(dy, need_dx=need_dx)
+        shape, y, norm = self._cached()
+        dy = self._check_dy(dy, shape)
+        if y is not None:  # the fused ReLU's mask, once for both branches
+            dy = F.relu_backward(y, dy, backend=self.backend)
+        if norm is not None:
+            dx_body = self.body._backward_before_tail_norm(norm.backward(dy, need_dx=True), need_dx)
+        else:
+            dx_body = self.body.backward(dy, need_dx=need_dx)
         if self.shortcut is None:
             return F.add(dx_body, dy, backend=self.backend) if need_dx else None
         dx_short = self.shortcut.backward(dy, need_dx=need_dx)
         return F.add(dx_body, dx_short, backend=self.backend) if need_dx else None
+
+
+def _check_branches(a: tuple, b: tuple) -> None:
+    if a != b:
+        raise ValueError(f"Residual: body output {a} and shortcut output {b} differ "
+                         "(give the block a projection shortcut, e.g. a 1x1 strided Conv2d)")
 
 
 def _shape_through(layer, x_shape) -> tuple:

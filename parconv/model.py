@@ -13,7 +13,7 @@ from . import _fusion
 from ._checkpoint import FORMAT_VERSION, read_model_file
 from ._io import save_npz
 from ._validation import to_backend_array
-from .layers import Layer, layer_from_spec
+from .layers import Layer, _BatchNorm, layer_from_spec
 from .training import History, TrainingDivergedError
 
 __all__ = ["Sequential", "History", "load", "TrainingDivergedError"]
@@ -173,15 +173,41 @@ class Sequential(Layer):
         """
         # the steps the forward pass ran (what the caches hold), else today's
         steps = self._ran if self._ran is not None else self.plan()
-        hooks = self._grad_hooks
         for s in reversed(steps):
             dy = s.step.backward(dy, need_dx=need_dx or s.start != 0)
-            if hooks:
-                for i in s.hooks:
-                    params = self.layers[i].parameters()
-                    if params:
-                        for hook in hooks:
-                            hook(i, params)
+            self._run_hooks(s)
+        return dy if need_dx else None
+
+    def _run_hooks(self, s) -> None:
+        for i in s.hooks if self._grad_hooks else ():
+            params = self.layers[i].parameters()
+            if params:
+                for hook in self._grad_hooks:
+                    hook(i, params)
+
+    # A Residual whose body ends in a BatchNorm runs that BatchNorm itself, with the shortcut
+    # added and the ReLU applied (Residual.forward with relu): these two run the rest.
+    def _forward_to_tail_norm(self, x):
+        """When the plan's last step is a BatchNorm layer on its own, run every step before it and
+        return ``(its input, the BatchNorm)``; else None, having run nothing."""
+        steps = self.plan()
+        last = steps[-1].step
+        if not isinstance(last, _BatchNorm):
+            return None
+        x = to_backend_array(x, self.backend, "x", "Sequential")
+        self._ran = steps
+        for s in steps[:-1]:
+            x = s.step.forward(x)
+        return x, last
+
+    def _backward_before_tail_norm(self, dy, need_dx: bool):
+        """The backward of what :meth:`_forward_to_tail_norm` ran, from the gradient w.r.t. the
+        BatchNorm's input (its own backward has run and written its gradients)."""
+        steps = self._ran if self._ran is not None else self.plan()
+        self._run_hooks(steps[-1])
+        for s in reversed(steps[:-1]):
+            dy = s.step.backward(dy, need_dx=need_dx or s.start != 0)
+            self._run_hooks(s)
         return dy if need_dx else None
 
     # ------------------------------------------------------------ save / load

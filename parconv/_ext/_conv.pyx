@@ -812,6 +812,12 @@ def fold_batch_norm(const float[::1] b, const float[::1] weight, const float[::1
 cdef enum:
     # below this depth C*K*K the weight gradient runs along s (no transposed copy of dy)
     DW_DOT_MAX_KDIM = 32
+    # the direct weight gradient over images sums runs of consecutive images in at most this many
+    # groups (each its own dw^T, all of them at most DW_PARTIAL_BYTES), handed to threads as
+    # they come free and added in group order: a thread slowed by a shared core takes fewer
+    # groups, and dw has the same bits at every thread count
+    DW_GROUPS = 16
+    DW_PARTIAL_BYTES = 16 << 20
 
 
 cdef int _dw_dot(const float *x, int N, int C, int H, int W, int pad, int K,
@@ -884,8 +890,8 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
     """Stride-1 weight gradient dw (O, C*K*K) (overwritten) on the wide grid of the padded images.
 
     The sums are built transposed, dw^T (kpad, Opad), by ``pcc_dw_accumulate``.
-    Enough images: each thread sums its static block of images into a private
-    dw^T, and the buffers are added in thread order. Fewer images than
+    Enough images: runs of consecutive images (``DW_GROUPS``) sum into their own
+    dw^T, taken by threads as they come free; the buffers are added in group order. Fewer images than
     threads: all images are padded once and each thread owns a range of dw^T
     rows. With ``stride > 1`` the grid is that of the image's phases (``pcc_pad_grid``, as in
     ``_conv_shifted``; the kernel must be at least the stride and C*K*K above DW_DOT_MAX_KDIM).
@@ -903,6 +909,8 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
     cdef int slack = PCC_NR + K + 16
     cdef int nkb = kpad // PCC_KR_MAX
     cdef bint by_image = nt == 1 or (N >= nt and _even_split(N, nt)) or nkb < nt
+    cdef int groups = <int>max(1, min(<Py_ssize_t>min(N, DW_GROUPS), DW_PARTIAL_BYTES // (4 * tsize)))
+    cdef int g
     cdef int failed[1]
     cdef int *off = <int *>calloc(kpad, sizeof(int))
     cdef float *acc = NULL
@@ -920,36 +928,36 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
         return 1
     pcc_offsets_grid(C, K, sd, Hg, Wg, off)
     if by_image:
-        nt = _min(nt, N)
-        acc = <float *>calloc(<size_t>nt * tsize, sizeof(float))
+        groups = max(groups, _min(nt, N))   # memory caps the groups, never below one per thread
+        nt = _min(nt, groups)
+        acc = <float *>malloc(sizeof(float) * <size_t>groups * tsize)
         if acc == NULL:
             free(off)
             return 1
         with nogil, parallel(num_threads=nt):
-            tid = threadid()
-            dwt = acc + tid * tsize
             buf = <float *>malloc(sizeof(float) * (img + slack))
             dyT = <float *>malloc(sizeof(float) * dyt_size)
             if buf == NULL or dyT == NULL:
                 failed[0] = 1
             else:
                 memset(buf + img, 0, sizeof(float) * slack)
-            # static, unlike the forward's image loop: each thread's private dw sums a fixed set of
-            # images, so the reduction in thread order gives the same bits on every run
-            for n in prange(N, schedule="static"):
+            for g in prange(groups, schedule="dynamic"):
                 if failed[0]:
                     continue
-                pcc_pad_grid(x + n * C * HW, H, W, pad, sd, Hg, Wg, 0, C, buf)
-                pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wg, ldd, dyT)
-                pcc_dw_accumulate(dyT, ldd, buf, off, 0, kdim, S, dwt)
+                dwt = acc + g * tsize
+                memset(dwt, 0, sizeof(float) * tsize)
+                for n in range(<int>((<long>N * g) // groups), <int>((<long>N * (g + 1)) // groups)):
+                    pcc_pad_grid(x + n * C * HW, H, W, pad, sd, Hg, Wg, 0, C, buf)
+                    pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wg, ldd, dyT)
+                    pcc_dw_accumulate(dyT, ldd, buf, off, 0, kdim, S, dwt)
             free(buf)
             free(dyT)
         if not failed[0]:
             with nogil:
-                if nt > 1:
-                    # fixed thread order: dw^T = ((dw^T_0 + dw^T_1) + dw^T_2) + ...
-                    for e in prange(tsize, schedule="static", num_threads=nt):
-                        for j in range(1, nt):
+                if groups > 1:
+                    # fixed group order: dw^T = ((dw^T_0 + dw^T_1) + dw^T_2) + ...
+                    for e in prange(tsize, schedule="static", num_threads=nt if tsize > 16384 else 1):
+                        for j in range(1, groups):
                             acc[e] = acc[e] + acc[j * tsize + e]
                 pcc_dw_untranspose(acc, ldd, O, kdim, dw)
         free(acc)

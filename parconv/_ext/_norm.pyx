@@ -74,11 +74,13 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
                              float[:, :, ::1] y,          # OUT (N, C, L), overwritten
                              float[::1] mean,             # OUT (C,) batch mean
                              float[::1] invstd,           # OUT (C,) 1 / sqrt(biased var + eps)
-                             double momentum, double eps, bint relu, int num_threads):
+                             double momentum, double eps, bint relu, int num_threads,
+                             const float[:, :, ::1] residual=None):  # IN (N, C, L) or None, added before the ReLU
     """Normalise with the batch statistics (M = N * L > 1); see ``Backend.batch_norm_forward_train``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
+    cdef const float *rp = _residual(residual, N, C, L)
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
     cdef double *v64
@@ -113,16 +115,30 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
                 running_mean[c] = <float>((1.0 - momentum) * running_mean[c] + momentum * m64[c])
                 running_var[c] = <float>((1.0 - momentum) * running_var[c] + momentum * (v64[c] * M / (M - 1)))
         for i in prange(nc, schedule="static", num_threads=nc):
-            _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu)
+            _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu,
+                         rp)
     free(part)
 
 
+cdef const float *_residual(const float[:, :, ::1] r, Py_ssize_t N, Py_ssize_t C, Py_ssize_t L) except? NULL:
+    if r is None:
+        return NULL
+    if r.shape[0] != N or r.shape[1] != C or r.shape[2] != L:
+        raise ValueError(f"batch_norm: residual must have x's shape ({N}, {C}, {L}), "
+                         f"got ({r.shape[0]}, {r.shape[1]}, {r.shape[2]})")
+    return &r[0, 0, 0]
+
+
 cdef inline void _apply_plane(const float *x, float *y, Py_ssize_t n, float m, float s, float b,
-                              bint relu) noexcept nogil:
-    """y = (x - m) * s + b (then max(y, 0), NaN passing), the oracle's order of operations."""
+                              bint relu, const float *r) noexcept nogil:
+    """y = (x - m) * s + b (+ r, then max(y, 0), NaN passing), the oracle's order of operations."""
     cdef Py_ssize_t k
     cdef float v
-    if relu:
+    if r != NULL:
+        for k in range(n):
+            v = ((x[k] - m) * s + b) + r[k]
+            y[k] = (<float>0.0 if v < 0 else v) if relu else v
+    elif relu:
         for k in range(n):
             v = (x[k] - m) * s + b
             y[k] = <float>0.0 if v < 0 else v
@@ -139,11 +155,13 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
                             float[:, :, ::1] y,          # OUT (N, C, L), overwritten
                             float[::1] mean,             # OUT (C,) copy of running_mean
                             float[::1] invstd,           # OUT (C,) 1 / sqrt(running_var + eps)
-                            double eps, bint relu, int num_threads):
+                            double eps, bint relu, int num_threads,
+                            const float[:, :, ::1] residual=None):  # IN (N, C, L) or None, added before the ReLU
     """Normalise with the running statistics; see ``Backend.batch_norm_forward_eval``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
+    cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift
     cdef const float *xp = &x[0, 0, 0]
@@ -159,7 +177,8 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
             scale[c] = invstd[c] * weight[c] if weight is not None else invstd[c]
             shift[c] = bias[c] if bias is not None else <float>0.0
         for i in prange(nc, schedule="static", num_threads=nc):
-            _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu)
+            _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu,
+                         rp)
     free(scale)
 
 
@@ -294,7 +313,8 @@ cdef void _sum_chunk(const float *x, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C,
 
 
 cdef void _apply_chunk(const float *x, float *y, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C, Py_ssize_t L,
-                       const float *mean, const float *scale, const float *shift, bint relu) noexcept nogil:
+                       const float *mean, const float *scale, const float *shift, bint relu,
+                       const float *res) noexcept nogil:
     cdef Py_ssize_t j, r, rr, c = j0 % C
     cdef float v
     if L == 1 and c == 0 and j1 % C == 0:
@@ -302,10 +322,12 @@ cdef void _apply_chunk(const float *x, float *y, Py_ssize_t j0, Py_ssize_t j1, P
             r = rr * C
             for c in range(C):
                 v = (x[r + c] - mean[c]) * scale[c] + shift[c]
+                if res != NULL:
+                    v = v + res[r + c]
                 y[r + c] = (<float>0.0 if v < 0 else v) if relu else v
         return
     for j in range(j0, j1):
-        _apply_plane(x + j * L, y + j * L, L, mean[c], scale[c], shift[c], relu)
+        _apply_plane(x + j * L, y + j * L, L, mean[c], scale[c], shift[c], relu, NULL if res == NULL else res + j * L)
         c += 1
         if c == C:
             c = 0

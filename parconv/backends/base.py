@@ -322,19 +322,21 @@ class Backend:
     # (M = N * L or N * H * W values per channel). weight/bias (C,) or None (no affine);
     # mean/invstd (C,) float32 are what the forward normalised with, kept for the backward.
     def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum: float,
-                                 eps: float, relu: bool):
+                                 eps: float, relu: bool, residual=None):
         """Batch-statistics normalisation: returns ``(y, mean, invstd)``.
 
         ``mean`` and the biased variance ``var`` are per channel over the batch;
-        ``invstd = 1 / sqrt(var + eps)``; ``y = (x - mean) * (invstd * weight) + bias``
-        (``max(y, 0)`` when ``relu``). Where ``running_mean``/``running_var`` are not
+        ``invstd = 1 / sqrt(var + eps)``; ``y = (x - mean) * (invstd * weight) + bias``,
+        plus ``residual`` (an array of x's shape: a residual block's shortcut) when
+        given, then ``max(y, 0)`` when ``relu``. Where ``running_mean``/``running_var`` are not
         None they are updated in place: ``running = (1 - momentum) * running +
         momentum * batch``, the variance from the unbiased ``var * M / (M - 1)``.
         Needs ``M > 1``.
         """
         raise self._missing("batch_norm_forward_train")
 
-    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps: float, relu: bool):
+    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps: float, relu: bool,
+                                residual=None):
         """Running-statistics normalisation: returns ``(y, mean, invstd)`` with ``mean`` a copy of
         ``running_mean`` and ``invstd = 1 / sqrt(running_var + eps)``; y as the training forward."""
         raise self._missing("batch_norm_forward_eval")

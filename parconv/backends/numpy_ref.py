@@ -353,7 +353,8 @@ class NumpyBackend(HostArrays, Backend):
     # ------------------------------------------------------------ batch norm
     # Statistics are accumulated in float64 and rounded once to the input's dtype, so the
     # oracle stays accurate for large N * H * W; the normalisation itself runs in that dtype.
-    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu):
+    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu,
+                                 residual=None):
         x3 = _bn_view(x)
         count = x3.shape[0] * x3.shape[2]
         mean64 = x3.mean(axis=(0, 2), dtype=np.float64)
@@ -364,12 +365,12 @@ class NumpyBackend(HostArrays, Backend):
             running_mean[...] = (1.0 - momentum) * running_mean + momentum * mean64
         if running_var is not None:
             running_var[...] = (1.0 - momentum) * running_var + momentum * (var64 * count / (count - 1))
-        return _bn_apply(x, x3, weight, bias, mean, invstd, relu), mean, invstd
+        return _bn_apply(x, x3, weight, bias, mean, invstd, relu, residual), mean, invstd
 
-    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu):
+    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu, residual=None):
         mean = running_mean.astype(x.dtype, copy=True)
         invstd = (1 / np.sqrt(running_var.astype(x.dtype) + eps)).astype(x.dtype)
-        return _bn_apply(x, _bn_view(x), weight, bias, mean, invstd, relu), mean, invstd
+        return _bn_apply(x, _bn_view(x), weight, bias, mean, invstd, relu, residual), mean, invstd
 
     def batch_norm_backward(self, x, weight, dy, mean, invstd, y, training, need_dx=True):
         x3, dy3 = _bn_view(x), _bn_view(dy)
@@ -466,12 +467,14 @@ def _bn_view(a):
     return a.reshape(a.shape[0], a.shape[1], -1)
 
 
-def _bn_apply(x, x3, weight, bias, mean, invstd, relu):
-    """``(x - mean) * (invstd * weight) + bias`` per channel (then ReLU), shaped like x."""
+def _bn_apply(x, x3, weight, bias, mean, invstd, relu, residual=None):
+    """``(x - mean) * (invstd * weight) + bias`` per channel (plus residual, then ReLU), shaped like x."""
     scale = invstd if weight is None else invstd * weight
     y = (x3 - mean[None, :, None]) * scale[None, :, None]
     if bias is not None:
         y = y + bias[None, :, None]
+    if residual is not None:
+        y = y.astype(x.dtype, copy=False) + _bn_view(residual)
     if relu:
         y = np.maximum(y, 0)
     return y.astype(x.dtype, copy=False).reshape(x.shape)

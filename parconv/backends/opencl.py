@@ -1100,29 +1100,30 @@ class OpenCLBackend(Backend):
     def _opt(self, a):
         return (a if a is not None else self._dummy_f).data
 
-    def _bn_apply(self, x, weight, bias, mean, invstd, relu):
+    def _bn_apply(self, x, weight, bias, mean, invstd, relu, residual=None):
         N, C, L = self._bn_dims(x)
         y = self.empty(x.shape)
         self._elementwise("bn_apply", x.size, x.data, self._opt(weight), self._opt(bias), mean.data, invstd.data,
-                          y.data, _i32(weight is not None), _i32(bias is not None), _i32(bool(relu)),
-                          _i32(x.size), _i32(C), _i32(L))
+                          self._opt(residual), y.data, _i32(weight is not None), _i32(bias is not None),
+                          _i32(residual is not None), _i32(bool(relu)), _i32(x.size), _i32(C), _i32(L))
         return y
 
-    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu):
+    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu,
+                                 residual=None):
         N, C, L = self._bn_dims(x)
         mean, invstd = self.empty((C,)), self.empty((C,))
         rw = self.config.red_wg
         self._run("bn_forward_stats", (C * rw,), (rw,), x.data, mean.data, invstd.data, self._opt(running_mean),
                   self._opt(running_var), _i32(running_mean is not None), _f32(momentum), _f32(eps),
                   _i32(N), _i32(C), _i32(L))
-        return self._bn_apply(x, weight, bias, mean, invstd, relu), mean, invstd
+        return self._bn_apply(x, weight, bias, mean, invstd, relu, residual), mean, invstd
 
-    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu):
+    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu, residual=None):
         C = x.shape[1]
         mean, invstd = self.empty((C,)), self.empty((C,))
         self._elementwise("bn_eval_stats", C, running_mean.data, running_var.data, mean.data, invstd.data,
                           _f32(eps), _i32(C))
-        return self._bn_apply(x, weight, bias, mean, invstd, relu), mean, invstd
+        return self._bn_apply(x, weight, bias, mean, invstd, relu, residual), mean, invstd
 
     def batch_norm_backward(self, x, weight, dy, mean, invstd, y, training, need_dx=True):
         N, C, L = self._bn_dims(x)

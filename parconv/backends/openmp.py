@@ -727,24 +727,26 @@ class OpenMPBackend(HostArrays, Backend):
     def _opt32(a):
         return None if a is None else _f32(a)
 
-    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu):
+    def batch_norm_forward_train(self, x, weight, bias, running_mean, running_var, momentum, eps, relu,
+                                 residual=None):
         x = _f32(x)
         C = x.shape[1]
         y = self._empty(x.shape)
         mean, invstd = np.empty(C, np.float32), np.empty(C, np.float32)
         _norm.batch_norm_forward_train(self._bn3(x), self._opt32(weight), self._opt32(bias), running_mean,
                                        running_var, self._bn3(y), mean, invstd, float(momentum), float(eps),
-                                       bool(relu), get_num_threads())
+                                       bool(relu), get_num_threads(),
+                                       None if residual is None else self._bn3(_f32(residual)))
         return y, mean, invstd
 
-    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu):
+    def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu, residual=None):
         x = _f32(x)
         C = x.shape[1]
         y = self._empty(x.shape)
         mean, invstd = np.empty(C, np.float32), np.empty(C, np.float32)
         _norm.batch_norm_forward_eval(self._bn3(x), self._opt32(weight), self._opt32(bias), _f32(running_mean),
                                       _f32(running_var), self._bn3(y), mean, invstd, float(eps), bool(relu),
-                                      get_num_threads())
+                                      get_num_threads(), None if residual is None else self._bn3(_f32(residual)))
         return y, mean, invstd
 
     def batch_norm_backward(self, x, weight, dy, mean, invstd, y, training, need_dx=True):
