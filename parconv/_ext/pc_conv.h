@@ -241,8 +241,11 @@ static inline void pcc_flip_filters(const float *restrict w, int O, int C, int K
 /* Rows i < mr of out (stride ld), n floats each: v = v * scale[i] + shift[i], then max(v, 0) when
  * relu. Run on a block the micro-kernel has just stored (still in L1), so the kernels themselves
  * stay as they are for the plain convolution. */
-static inline void pcc_epilogue(float *restrict out, pcc_idx ld, int mr, int n, const float *restrict scale,
-                                const float *restrict shift, int relu)
+#if defined(__GNUC__)
+__attribute__((noinline, cold))
+#endif
+static void pcc_epilogue(float *restrict out, pcc_idx ld, int mr, int n, const float *restrict scale,
+                         const float *restrict shift, int relu)
 {
     for (int i = 0; i < mr; i++) {
         float *r = out + (pcc_idx)i * ld;

@@ -256,7 +256,10 @@ static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int
 }
 
 /* r[j] = r[j] * sc + sh, then max(., 0) when relu (a NaN stays): the folded eval-mode BatchNorm. */
-static inline void pcw_epilogue_row(float *restrict r, int n, float sc, float sh, int relu)
+#if defined(__GNUC__)
+__attribute__((noinline, cold))
+#endif
+static void pcw_epilogue_row(float *restrict r, int n, float sc, float sh, int relu)
 {
     for (int j = 0; j < n; j++) {
         float v = r[j] * sc + sh;
