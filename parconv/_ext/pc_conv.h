@@ -556,14 +556,56 @@ static inline void pcc_dw_accumulate(const float *restrict dyT, pcc_idx ldd, con
     }
 }
 
+#if defined(__AVX2__)
+/* 8 rows of 8 floats (row i at src + i*lds) to 8 rows of 8 (row j at dst + j*ldd): dst[j][i] = src[i][j]. */
+static inline void pcc_transpose8x8(const float *restrict src, pcc_idx lds, float *restrict dst, pcc_idx ldd)
+{
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds);
+    __m256 r2 = _mm256_loadu_ps(src + 2 * lds), r3 = _mm256_loadu_ps(src + 3 * lds);
+    __m256 r4 = _mm256_loadu_ps(src + 4 * lds), r5 = _mm256_loadu_ps(src + 5 * lds);
+    __m256 r6 = _mm256_loadu_ps(src + 6 * lds), r7 = _mm256_loadu_ps(src + 7 * lds);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(s0, s4, 0x20));
+    _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(s3, s7, 0x31));
+}
+#endif
+
 /* Pack dy (O, P, Q) of one image transposed onto the grid of width Wg:
- * dyT[(p*Wg + q)*ldd + o] = dy[o, p, q]; zero for q >= Q and for o >= O. Rows: P*Wg. */
+ * dyT[(p*Wg + q)*ldd + o] = dy[o, p, q]; zero for q >= Q and for o >= O. Rows: P*Wg.
+ * AVX2: 8 positions x 8 filters at a time through registers (a strided gather per float
+ * otherwise, a quarter of the weight gradient's time at 16 filters). */
 static inline void pcc_dy_transposed(const float *restrict dy, int O, int P, int Q, int Wg, pcc_idx ldd,
                                      float *restrict dyT)
 {
     pcc_idx PQ = (pcc_idx)P * Q;
     for (int p = 0; p < P; p++) {
-        for (int q = 0; q < Wg; q++) {
+        int q = 0;
+#if defined(__AVX2__)
+        for (; q + 8 <= Q; q += 8) {
+            const float *src = dy + (pcc_idx)p * Q + q;
+            float *dst = dyT + ((pcc_idx)p * Wg + q) * ldd;
+            int o = 0;
+            for (; o + 8 <= O; o += 8) pcc_transpose8x8(src + (pcc_idx)o * PQ, PQ, dst + o, ldd);
+            for (int j = 0; j < 8; j++) {
+                for (int oo = o; oo < O; oo++) dst[j * ldd + oo] = src[(pcc_idx)oo * PQ + j];
+                for (int oo = O; oo < ldd; oo++) dst[j * ldd + oo] = 0.0f;
+            }
+        }
+#endif
+        for (; q < Wg; q++) {
             float *dst = dyT + ((pcc_idx)p * Wg + q) * ldd;
             if (q >= Q) {
                 memset(dst, 0, sizeof(float) * (size_t)ldd);
