@@ -133,21 +133,26 @@ class ConvReluMaxPoolHead(_Fused):
         return dx
 
 
-class BatchNormReLU(_Fused):
-    """``BatchNorm -> ReLU`` as one normalisation pass (training and eval mode)."""
+class _LayerReLU(_Fused):
+    """A layer whose ``forward(x, relu=True)`` applies the ReLU that follows it; its own backward
+    then covers both."""
 
-    def __init__(self, start, bn, relu):
-        super().__init__(start, [bn, relu])
-        self.bn = bn
+    def __init__(self, start, layer, relu):
+        super().__init__(start, [layer, relu])
+        self.layer = layer
 
     def forward(self, x):
-        return self.bn.forward(x, relu=True)
+        return self.layer.forward(x, relu=True)
 
     def backward(self, dy, need_dx: bool = True):
-        return self.bn.backward(dy, need_dx=need_dx)
+        return self.layer.backward(dy, need_dx=need_dx)
 
     def release(self) -> None:
-        self.bn._cache = None
+        self.layer._cache = None
+
+
+class BatchNormReLU(_LayerReLU):
+    """``BatchNorm -> ReLU`` as one normalisation pass (training and eval mode)."""
 
 
 class ConvBatchNormEval(_Fused):
@@ -189,26 +194,13 @@ class ConvBatchNormEval(_Fused):
         return dy
 
 
-class ResidualReLU(_Fused):
+class ResidualReLU(_LayerReLU):
     """``Residual -> ReLU``: the block's output ``relu(body(x) + shortcut(x))`` in one op.
 
     Where the body's last step is a BatchNorm on its own (a ResNet basic block in
     training mode), that BatchNorm adds the shortcut and applies the ReLU as it
     writes, and the backward masks the gradient once for both branches.
     """
-
-    def __init__(self, start, block, relu):
-        super().__init__(start, [block, relu])
-        self.block = block
-
-    def forward(self, x):
-        return self.block.forward(x, relu=True)
-
-    def backward(self, dy, need_dx: bool = True):
-        return self.block.backward(dy, need_dx=need_dx)
-
-    def release(self) -> None:
-        self.block._cache = None
 
 
 def _conv_bn_eval(layers, i) -> bool:

@@ -64,12 +64,17 @@ def _f64(a):
 
 
 # -------------------------------------------------------------------- op checks
+def _conv_inputs(rng, n, c, o, h, w, k, bias):
+    """x (n, c, h, w), filters (o, c, k, k) scaled to keep outputs near unit size, bias or None."""
+    x = _f32(rng, n, c, h, w)
+    wt = _f32(rng, o, c, k, k, scale=1 / math.sqrt(c * k * k))
+    return x, wt, (_f32(rng, o) if bias else None)
+
+
 def _check_conv2d(ck, ref, rng, case):
     n, c, o, h, w, k, s, p, bias = case
     be = ck.be
-    x = _f32(rng, n, c, h, w)
-    wt = _f32(rng, o, c, k, k, scale=1 / math.sqrt(c * k * k))
-    b = _f32(rng, o) if bias else None
+    x, wt, b = _conv_inputs(rng, n, c, o, h, w, k, bias)
     tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p}{'' if bias else ' nobias'}"
     try:
         X, Wd = be.asarray(x), be.asarray(wt)
@@ -118,9 +123,7 @@ def _check_maxpool2d(ck, ref, rng, case):
 def _check_fused(ck, ref, rng, case):
     n, c, o, h, w, k, s, p, bias, pk, ps = case
     be = ck.be
-    x = _f32(rng, n, c, h, w)
-    wt = _f32(rng, o, c, k, k, scale=1 / math.sqrt(c * k * k))
-    b = _f32(rng, o) if bias else None
+    x, wt, b = _conv_inputs(rng, n, c, o, h, w, k, bias)
     tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p} pool{pk}/{ps}"
     X, Wd = be.asarray(x), be.asarray(wt)
     B = be.asarray(b) if bias else None
@@ -167,9 +170,7 @@ def _check_fused_head(ck, ref, rng, case):
     """conv+ReLU+maxpool -> flatten -> linear as one op, against the oracle's composition."""
     n, c, o, h, w, k, s, p, bias, pk, ps, g = case
     be = ck.be
-    x = _f32(rng, n, c, h, w)
-    wt = _f32(rng, o, c, k, k, scale=1 / math.sqrt(c * k * k))
-    b = _f32(rng, o) if bias else None
+    x, wt, b = _conv_inputs(rng, n, c, o, h, w, k, bias)
     tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p} pool{pk}/{ps} head {g}"
     z_ref = ref.conv2d_forward(_f64(x), _f64(wt), _f64(b), s, p)
     y_ref = ref.relu_forward(ref.maxpool2d_forward(z_ref, pk, ps)[0])
@@ -568,9 +569,7 @@ def _check_batch_norm(ck, ref, rng, case):
 def _check_conv_bn_eval(ck, ref, rng, case):
     n, c, o, h, w, k, s, p, bias, affine, relu = case
     be = ck.be
-    x = _f32(rng, n, c, h, w)
-    wt = _f32(rng, o, c, k, k, scale=1 / math.sqrt(c * k * k))
-    b = _f32(rng, o) if bias else None
+    x, wt, b = _conv_inputs(rng, n, c, o, h, w, k, bias)
     g, beta = (_f32(rng, o) + 1.0, _f32(rng, o)) if affine else (None, None)
     rm, rv = _f32(rng, o, scale=0.3), np.abs(_f32(rng, o)) + 0.25
     tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p}{'' if bias else ' nobias'}{' affine' if affine else ''}" \
