@@ -216,7 +216,7 @@ def _load_data(args):
 #: --augment default to (SGD with momentum 0.9 unless --optimizer says otherwise)
 RECIPES = {
     "cnn-mnist": dict(epochs=10, batch_size=50, lr=0.02, scheduler="none", weight_decay=0.0, augment=False),
-    "lenet5": dict(epochs=12, batch_size=64, lr=0.1, scheduler="onecycle", weight_decay=0.0, augment=True),
+    "lenet5": dict(epochs=20, batch_size=64, lr=0.1, scheduler="onecycle", weight_decay=0.0, augment=True),
     "vgg-small": dict(epochs=8, batch_size=64, lr=0.05, scheduler="onecycle", weight_decay=5e-4, augment=True),
     "resnet20": dict(epochs=8, batch_size=64, lr=0.1, scheduler="onecycle", weight_decay=5e-4, augment=True),
     "mobilenet-small": dict(epochs=8, batch_size=64, lr=0.1, scheduler="onecycle", weight_decay=5e-4,

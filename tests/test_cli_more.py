@@ -60,7 +60,7 @@ def test_train_help_shows_defaults_in_the_text(capsys):
     # the training options default to the model's recipe, listed once below the options
     for fragment in ("passes over the training images (default: the model's recipe)",
                      "cnn-mnist 10 epochs, batch 50, lr 0.02, none schedule",
-                     "lenet5 12 epochs, batch 64, lr 0.1, onecycle schedule",
+                     "lenet5 20 epochs, batch 64, lr 0.1, onecycle schedule",
                      "(default: $PARCONV_BACKEND, else openmp)", "--force", "--version" and "--seed"):
         assert fragment in out, fragment
 
