@@ -696,12 +696,14 @@ def _bn_input(x, be, where: str):
     return x
 
 
-def _bn_channel_param(a, C: int, name: str, be, where: str):
+def _bn_channel_param(a, C: int, name: str, be, where: str, per: str = ""):
+    """One entry per channel (``per``: what the C channels are, for the message; x's by default)."""
     if a is None:
         return None
     a = to_backend_array(a, be, name, where)
     if shape_of(a) != (C,):
-        raise ValueError(f"{where}: {name} must have shape ({C},) for x with {C} channels, got {shape_of(a)}")
+        raise ValueError(f"{where}: {name} must have shape ({C},) {per or f'for x with {C} channels'}, "
+                         f"got {shape_of(a)}")
     return a
 
 
@@ -818,15 +820,10 @@ def conv2d_batch_norm_eval(x, weight, bias, bn_weight, bn_bias, running_mean, ru
         raise ValueError(f"{where}: bn_weight and bn_bias must both be given or both be None (affine=False)")
     if running_mean is None or running_var is None:
         raise ValueError(f"{where}: running_mean and running_var are required (eval mode normalises with them)")
-    chan = []
-    for name, a in (("bn_weight", bn_weight), ("bn_bias", bn_bias), ("running_mean", running_mean),
-                    ("running_var", running_var)):
-        a = None if a is None else to_backend_array(a, be, name, where)
-        if a is not None and shape_of(a) != (O,):
-            raise ValueError(f"{where}: {name} must have shape ({O},), one entry per filter of weight "
-                             f"{shape_of(w)}, got {shape_of(a)}")
-        chan.append(a)
-    g, beta, rm, rv = chan
+    per = f"(one entry per filter of weight {shape_of(w)})"
+    g, beta, rm, rv = (_bn_channel_param(a, O, name, be, where, per)
+                       for name, a in (("bn_weight", bn_weight), ("bn_bias", bn_bias),
+                                       ("running_mean", running_mean), ("running_var", running_var)))
     return be.conv2d_batch_norm_eval_forward(x, w, b, g, beta, rm, rv, eps, int(stride), int(padding), relu)
 
 

@@ -173,6 +173,9 @@ class Sequential(Layer):
         """
         # the steps the forward pass ran (what the caches hold), else today's
         steps = self._ran if self._ran is not None else self.plan()
+        return self._backward_steps(steps, dy, need_dx)
+
+    def _backward_steps(self, steps, dy, need_dx: bool):
         for s in reversed(steps):
             dy = s.step.backward(dy, need_dx=need_dx or s.start != 0)
             self._run_hooks(s)
@@ -205,10 +208,7 @@ class Sequential(Layer):
         BatchNorm's input (its own backward has run and written its gradients)."""
         steps = self._ran if self._ran is not None else self.plan()
         self._run_hooks(steps[-1])
-        for s in reversed(steps[:-1]):
-            dy = s.step.backward(dy, need_dx=need_dx or s.start != 0)
-            self._run_hooks(s)
-        return dy if need_dx else None
+        return self._backward_steps(steps[:-1], dy, need_dx)
 
     # ------------------------------------------------------------ save / load
     def save(self, path, extra: dict | None = None) -> None:

@@ -28,6 +28,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "pc_conv.h"  /* pcc_epilogue: the folded batch norm, as the direct kernels apply it */
+
 typedef ptrdiff_t pcw_idx;
 
 /* The loops below run along channels (filters) or along the tiles of a row with
@@ -255,18 +257,6 @@ static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int
     }
 }
 
-/* r[j] = r[j] * sc + sh, then max(., 0) when relu (a NaN stays): the folded eval-mode BatchNorm. */
-#if defined(__GNUC__)
-__attribute__((noinline, cold))
-#endif
-static void pcw_epilogue_row(float *restrict r, int n, float sc, float sh, int relu)
-{
-    for (int j = 0; j < n; j++) {
-        float v = r[j] * sc + sh;
-        r[j] = relu && v < 0.0f ? 0.0f : v;
-    }
-}
-
 /* y (O, P, Q) of one image, filters o0..o1, tile rows ty0..ty1, from M; bias may be NULL.
  * With scale each output is sum * scale[o] + bias[o]; relu then stores max(., 0). */
 static void pcw_output(const float *M, pcw_idx ldx, pcw_idx ldt, int o0, int o1, int ty0, int ty1,
@@ -278,7 +268,6 @@ static void pcw_output(const float *M, pcw_idx ldx, pcw_idx ldt, int o0, int o1,
     const int even = Q == 2 * tW;
     for (int o = o0; o < o1; o++) {
         const float bo = bias && !scale ? bias[o] : 0.0f;
-        const float so = scale ? scale[o] : 1.0f, sh = scale && bias ? bias[o] : 0.0f;
         for (int ty = ty0; ty < ty1; ty++) {
             const float *m = M + (pcw_idx)o * ldt + (pcw_idx)(ty - ty0) * tW;
             for (int k = 0; k < 4; k++)
@@ -292,7 +281,7 @@ static void pcw_output(const float *M, pcw_idx ldx, pcw_idx ldt, int o0, int o1,
                 if (!even)
                     memcpy(yo, r, sizeof(float) * (size_t)Q);
                 if (scale || relu)
-                    pcw_epilogue_row(yo, Q, so, sh, relu);
+                    pcc_epilogue(yo, Q, 1, Q, scale ? scale + o : NULL, scale && bias ? bias + o : NULL, relu);
             }
         }
     }
