@@ -484,18 +484,24 @@ class Linear(Layer):
 
     def forward(self, x):
         x = self._input(x)
-        self._check_x(shape_of(x))
         b = self.bias.data if self.bias is not None else None
-        y = F.linear(x, self.weight.data, b, backend=self.backend)
+        try:  # functional checks the shapes; on a bad one, the layer's own message says more
+            y = F.linear(x, self.weight.data, b, backend=self.backend)
+        except ValueError:
+            self._check_x(shape_of(x))
+            raise
         self._cache = x
         return y
 
     def backward(self, dy, need_dx: bool = True):
         """Fills ``weight.grad``/``bias.grad`` (overwritten); returns dx (None unless ``need_dx``)."""
         x = self._cached()
-        dy = self._check_dy(dy, (x.shape[0], self.out_features))
-        dx, dw, db = F.linear_backward(x, self.weight.data, dy, need_dx=need_dx, need_db=self.bias is not None,
-                                       backend=self.backend)
+        try:
+            dx, dw, db = F.linear_backward(x, self.weight.data, dy, need_dx=need_dx,
+                                           need_db=self.bias is not None, backend=self.backend)
+        except (TypeError, ValueError):
+            self._check_dy(dy, (x.shape[0], self.out_features))
+            raise
         self.weight.grad = dw
         if self.bias is not None:
             self.bias.grad = db

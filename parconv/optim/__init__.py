@@ -114,7 +114,9 @@ class Optimizer:
         groups: dict = {}
         for i in todo:
             p = self.params[i]
-            lists = groups.setdefault(p.backend, tuple([] for _ in range(2 + len(state))))
+            lists = groups.get(p.backend)
+            if lists is None:
+                lists = groups[p.backend] = [[] for _ in range(2 + len(state))]
             lists[0].append(p.data)
             lists[1].append(p.grad)
             for k, name in enumerate(state):
