@@ -221,6 +221,9 @@ def _refcount_when_free() -> int:
     return _BufferPool._refs(probe, 0)
 
 
+_F32 = np.dtype(np.float32)
+
+
 class _BufferPool:
     """Large output buffers kept for reuse once nothing references them any more.
 
@@ -248,10 +251,15 @@ class _BufferPool:
 
     def empty(self, shape, dtype=np.float32, any_size: bool = False) -> np.ndarray:
         """An uninitialised array, from the pool when it has ``min_bytes`` or more (or ``any_size``)."""
-        dtype = np.dtype(dtype)
-        shape = tuple(map(int, shape))
-        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow, and cheaper than np.prod
+        dtype = _F32 if dtype is np.float32 else np.dtype(dtype)
+        # small arrays, the common case of small batches, leave before any conversion; NumPy
+        # checks their shape (numpy integers could wrap here, but then NumPy sees the true size)
+        nbytes = math.prod(shape) * dtype.itemsize
         if (nbytes < self.min_bytes and not any_size) or nbytes > self.max_bytes:
+            return np.empty(shape, dtype=dtype)
+        shape = tuple(map(int, shape))
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: exact
+        if nbytes > self.max_bytes:
             return np.empty(shape, dtype=dtype)
         with self._lock:
             if self._free_refs is None:
