@@ -647,9 +647,10 @@ class FilterParallelConv2d(Layer):
     assemble : {"allgatherv", "p2p"}, default "allgatherv"
         How the output is assembled: one ``Allgatherv``, or the same exchange
         as pairwise ``Isend``/``Irecv`` -- both write every block straight into
-        place through strided datatypes. With MPICH on one node ``"p2p"`` was
-        about 3x faster for conv-large's 16 MB output (its point-to-point path
-        uses single-copy transfers, its Allgatherv does not).
+        place through strided datatypes. With MPICH on one node ``"p2p"`` is
+        the faster for large outputs: its point-to-point path uses single-copy
+        transfers, its Allgatherv does not (figures in the docs' performance
+        internals).
 
     Attributes
     ----------

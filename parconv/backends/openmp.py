@@ -231,9 +231,10 @@ class _BufferPool:
     first touch, which costs about as much as the op that writes it, and a training step makes
     several of them. Arrays of a few hundred KB to a few MB pay it too wherever malloc has not
     raised its ``mmap`` threshold past their size (glibc maps anything at or above the
-    threshold, and raises it only when a larger mapping is freed). The pool hands out views of byte buffers it owns. A buffer is free again when its reference count
-    is back to the pool's own reference: every view of it (and every view of a view) holds a
-    reference to it, so a buffer that anyone can still read is never handed out twice.
+    threshold, and raises it only when a larger mapping is freed). The pool hands out views of
+    byte buffers it owns. A buffer is free again when its reference count is back to the pool's
+    own reference: every view of it (and every view of a view) holds a reference to it, so a
+    buffer that anyone can still read is never handed out twice.
 
     ``max_bytes`` bounds what the pool keeps; beyond it, the least recently used buffers are
     forgotten (freed once their last view goes). :meth:`clear` forgets all of them.
@@ -309,9 +310,9 @@ class OpenMPBackend(HostArrays, Backend):
     def release_memory(self) -> None:
         """Let go of the large output buffers kept for reuse (see :class:`_BufferPool`).
 
-        Large outputs (8 MiB and up, at most 1 GiB in all) are recycled between training
-        steps instead of being mapped afresh every time; the memory of those that nothing
-        references any more goes back to the system here.
+        Outputs of ``POOL_MIN_BYTES`` (128 KiB) and up, at most 1 GiB in all, are recycled
+        between training steps instead of being mapped afresh every time; the memory of those
+        that nothing references any more goes back to the system here.
         """
         self._pool.clear()
 
