@@ -117,7 +117,8 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             ext.extra_compile_args = ext.extra_compile_args + cflags + opt
             ext.depends = list(ext.depends) + ["parconv/_ext/pc_common.h", "parconv/_ext/pc_conv.h",
-                                                "parconv/_ext/pc_winograd.h", "parconv/_ext/pc_fused.h",
+                                                "parconv/_ext/pc_winograd.h", "parconv/_ext/pc_winograd4.h",
+                                                "parconv/_ext/pc_fused.h",
                                                 "parconv/_ext/pc_dense.h", "parconv/_ext/pc_optim.h",
                                                 "parconv/_ext/pc_pool.h", "parconv/_ext/pc_conv_general.h",
                                                 "parconv/_ext/pc_pool.pxd", "parconv/_ext/pc_helpers.pxd"]

@@ -315,7 +315,9 @@ def test_conv2d_backward_winograd_dx_only_where_it_applies():
     assert not omp._winograd_dx((1, 128, 16, 16), (32, 128, 3, 3), 1, 1)  # 32 filters: dx has 32 in-channels
     assert omp._winograd_dx((1, 128, 32, 32), (32, 128, 3, 3), 1, 1)  # ... enough over 256 tiles
     assert omp._winograd_dx((64, 128, 32, 32), (32, 128, 3, 3), 1, 1)  # ... enough for 128 outputs in a batch
-    assert not omp._winograd_dx((64, 16, 32, 32), (32, 16, 3, 3), 1, 1)  # dx with 16 filters: never
+    assert omp._winograd_dx((64, 16, 32, 32), (32, 16, 3, 3), 1, 1)  # dx with 16 filters: F(4x4) in a batch
+    assert not omp._winograd_dx((2, 16, 32, 32), (32, 16, 3, 3), 1, 1)  # ... not for 2 images
+    assert not omp._winograd_dx((64, 8, 32, 32), (32, 8, 3, 3), 1, 1)  # ... nor 8 filters
     assert not omp._winograd_dx((64, 128, 32, 32), (64, 128, 5, 5), 1, 2)  # 5x5
 
 
@@ -337,6 +339,104 @@ def test_conv2d_winograd_small_maps_in_a_batch_match_reference(N, C, O, H, dx_wi
         close(omp.conv2d_forward(x, w, b, 1, 1), ref.conv2d_forward(x, w, b, 1, 1))
         for got, want in zip(omp.conv2d_backward(x, w, dy, 1, 1), ref.conv2d_backward(x, w, dy, 1, 1)):
             close(got, want)
+
+
+@st.composite
+def winograd4_cases(draw, dx=False):
+    """dx: the transposed convolution (dy to an H x W dx) must qualify too."""
+    N = draw(st.integers(4, 9))
+    C = draw(st.integers(16, 40))
+    O = draw(st.integers(16, 40))
+    padding = draw(st.integers(0, 2))
+    # outputs from 8x8: rows of 2 to 10 tiles, whole vectors of 8 (32 columns) and not, and
+    # partial last tiles
+    lo = max(8, 10 - 2 * padding) if dx else 10 - 2 * padding
+    H = draw(st.integers(lo, 24))
+    W = draw(st.integers(lo, 40))
+    epilogue = draw(st.sampled_from(["bias", "none", "scale", "scale+relu"]))
+    return N, C, O, H, W, padding, epilogue, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3))
+@given(winograd4_cases())
+def test_conv2d_winograd4_forward_matches_reference(case):
+    """3x3 stride-1 layers of a batch with >= 16 channels and filters run Winograd F(4x4, 3x3):
+    the NumPy and PyTorch oracles agree, every thread count gives the same bits, and the folded
+    batch norm's scale and ReLU come out as the direct kernels apply them."""
+    from parconv._ext import _conv
+
+    N, C, O, H, W, padding, epilogue, seed = case
+    P, Q = H + 2 * padding - 2, W + 2 * padding - 2
+    assert _conv.winograd4_applies(C, O, 3, 1, P, Q, N)
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    b = uniform(rng, (O,)) if epilogue != "none" else None
+    scale = uniform(rng, (O,)) + 1.5 if epilogue.startswith("scale") else None
+    relu = epilogue.endswith("relu")
+    outs = []
+    for threads in (1, 2, 3):
+        y = np.empty((N, O, P, Q), np.float32)
+        _conv.conv2d_forward(x, w, b, y, 1, padding, threads, 1 << 20, True, scale, relu)
+        outs.append(y)
+    for y in outs[1:]:
+        assert np.array_equal(y, outs[0])  # blocks of images differ with the threads; the bits do not
+    direct = np.empty_like(outs[0])
+    _conv.conv2d_forward(x, w, b, direct, 1, padding, 2, 1 << 20, False, scale, relu)
+    close(outs[0], direct)
+    if scale is None:
+        want = ref.conv2d_forward(x, w, b, 1, padding)
+        close(outs[0], want)
+        close(omp.conv2d_forward(x, w, b, 1, padding), want)
+        try:  # PyTorch as a second oracle where it is installed
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:
+            t = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w),
+                                           None if b is None else torch.from_numpy(b), padding=padding)
+            close(outs[0], t.numpy())
+
+
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 4))
+@given(winograd4_cases(dx=True))
+def test_conv2d_backward_winograd4_dx_matches_reference(case):
+    """dx of a layer with >= 16 channels and filters in a batch is the F(4x4, 3x3) convolution of
+    dy with the flipped filters; dw and db match too."""
+    N, C, O, H, W, padding, _, seed = case
+    P, Q = H + 2 * padding - 2, W + 2 * padding - 2
+    assert omp._winograd_dx((N, C, H, W), (O, C, 3, 3), 1, padding)
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    with num_threads(2):
+        got = omp.conv2d_backward(x, w, dy, 1, padding)
+    for g, e in zip(got, ref.conv2d_backward(x, w, dy, 1, padding)):
+        close(g, e)
+
+
+def test_conv2d_winograd4_only_where_it_applies():
+    from parconv._ext import _conv
+
+    assert _conv.winograd4_applies(16, 16, 3, 1, 32, 32, 128)  # resnet20's first stage
+    assert _conv.winograd4_applies(64, 64, 3, 1, 8, 8, 128)  # ... and its last
+    assert _conv.winograd4_applies(16, 16, 3, 1, 8, 8, 4)
+    assert not _conv.winograd4_applies(16, 16, 3, 1, 32, 32, 3)  # 3 images: F(2x2) or direct
+    assert not _conv.winograd4_applies(128, 128, 3, 1, 32, 32, 1)  # one image
+    assert not _conv.winograd4_applies(15, 16, 3, 1, 32, 32, 128)  # 15 channels
+    assert not _conv.winograd4_applies(16, 15, 3, 1, 32, 32, 128)  # 15 filters
+    assert not _conv.winograd4_applies(16, 16, 3, 1, 7, 32, 128)  # 7 output rows
+    assert not _conv.winograd4_applies(16, 16, 3, 2, 32, 32, 128)  # strided
+    assert not _conv.winograd4_applies(16, 16, 5, 1, 32, 32, 128)  # 5x5
+    old = _conv._set_winograd4_limits((32, 32, 8))
+    try:
+        assert not _conv.winograd4_applies(16, 16, 3, 1, 32, 32, 128)
+        assert _conv._set_winograd4_limits() == (32, 32, 8)
+    finally:
+        _conv._set_winograd4_limits(old)
+    with pytest.raises(ValueError, match="3 entries"):
+        _conv._set_winograd4_limits((1, 2))
 
 
 def test_conv2d_winograd_only_where_it_pays():

@@ -572,6 +572,167 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     return failed[0]
 
 
+cdef extern from "pc_winograd4.h":
+    void pcw4_filters(const float *w, int O, int C, int o0, int o1, float *U, float *scratch) noexcept nogil
+    Py_ssize_t pcw4_filter_scratch_floats(int C) noexcept nogil
+    Py_ssize_t pcw4_scratch_floats(int tW, int rb) noexcept nogil
+    void pcw4_input(const float *x, int C, int H, int W, int pad, int ty0, int ty1, int tW,
+                    float *V, Py_ssize_t ldx, Py_ssize_t ldt, Py_ssize_t t0, float *scratch) noexcept nogil
+    void pcw4_output(const float *M, Py_ssize_t ldx, Py_ssize_t ldt, Py_ssize_t t0, int o0, int o1, int ty0,
+                     int ty1, int tW, int P, int Q, const float *bias, const float *scale, int relu, float *y,
+                     float *scratch) noexcept nogil
+    Py_ssize_t pcw4_block_scratch_floats(int ipb, int tW, int rb) noexcept nogil
+    void pcw4_input_block(const float *x, int n0, int n1, int C, int H, int W, int pad, int ty0, int ty1,
+                          int tW, float *V, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
+    void pcw4_output_block(const float *M, Py_ssize_t ldx, Py_ssize_t ldt, int n0, int n1, int O, int o0,
+                           int o1, int ty0, int ty1, int tW, int P, int Q, const float *bias,
+                           const float *scale, int relu, float *y, float *scratch) noexcept nogil
+
+
+cdef enum:
+    # transformed input + GEMM output of one F(4x4, 3x3) block of tiles (bytes)
+    WINOGRAD4_BLOCK_BYTES = 1 << 19
+    # F(4x4, 3x3) takes a batch of at least WINOGRAD_BATCH_MIN_IMAGES with this many channels
+    # and filters and outputs at least this many rows and columns
+    WINOGRAD4_MIN_C = 16
+    WINOGRAD4_MIN_O = 16
+    WINOGRAD4_MIN_SIDE = 8
+
+
+cdef int[3] _wino4_limits = [WINOGRAD4_MIN_C, WINOGRAD4_MIN_O, WINOGRAD4_MIN_SIDE]
+
+
+def _set_winograd4_limits(limits=None):
+    """The thresholds of :func:`winograd4_applies` (min channels, min filters, min output side);
+    with ``limits`` None they stay. Returns the previous ones (tests and tuning)."""
+    old = tuple(_wino4_limits[i] for i in range(3))
+    if limits is not None:
+        if len(limits) != 3:
+            raise ValueError(f"limits must have 3 entries, got {len(limits)}")
+        for i in range(3):
+            _wino4_limits[i] = int(limits[i])
+    return old
+
+
+def winograd4_applies(int C, int O, int K, int stride, int P, int Q, int N=1):
+    """Whether :func:`conv2d_forward` takes the Winograd F(4x4, 3x3) path for this shape
+    (``N`` images in the batch): a 3x3 stride-1 layer in a batch, wide enough and over large
+    enough maps that its blocks of whole images keep the 36 GEMMs deep."""
+    return (K == 3 and stride == 1 and N >= WINOGRAD_BATCH_MIN_IMAGES and C >= _wino4_limits[0]
+            and O >= _wino4_limits[1] and P >= _wino4_limits[2] and Q >= _wino4_limits[2])
+
+
+cdef Py_ssize_t _w4_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb, int *rb, int *bpi) noexcept nogil:
+    """Blocks of the F(4x4, 3x3) forward: ``ipb`` whole images per block where an image's V and
+    M fit WINOGRAD4_BLOCK_BYTES (``bpi`` = 1), else ``bpi`` blocks of ``rb`` tile rows of one
+    image; at least one block per thread where the batch allows. Returns the tiles of a full
+    block (the GEMMs' width and the planes' row stride)."""
+    cdef int tH = (P + 3) // 4, tW = (Q + 3) // 4
+    cdef Py_ssize_t per_tile = 144 * (<Py_ssize_t>C + O)
+    cdef Py_ssize_t cap = max(<Py_ssize_t>1, WINOGRAD4_BLOCK_BYTES // per_tile)
+    cdef Py_ssize_t img_tiles = <Py_ssize_t>tH * tW
+    if img_tiles <= cap:
+        ipb[0] = <int>min(<Py_ssize_t>N, cap // img_tiles)
+        ipb[0] = max(1, min(ipb[0], (N + nt - 1) // nt))
+        rb[0] = tH
+        bpi[0] = 1
+        return (<Py_ssize_t>ipb[0] * img_tiles + 7) & ~7  # whole vectors of 8 tiles (pcw4_input_block)
+    ipb[0] = 1
+    rb[0] = <int>max(<Py_ssize_t>1, min(cap // tW, <Py_ssize_t>tH))
+    bpi[0] = (tH + rb[0] - 1) // rb[0]
+    if N * bpi[0] < nt:                   # a block for every thread
+        bpi[0] = min(tH, (nt + N - 1) // N)
+    rb[0] = (tH + bpi[0] - 1) // bpi[0]   # equal blocks
+    bpi[0] = (tH + rb[0] - 1) // rb[0]
+    return (<Py_ssize_t>rb[0] * tW + 7) & ~7
+
+
+cdef int _conv_winograd4(const float *x, int N, int C, int H, int W, int pad,
+                         const float *w, int O, const float *bias, float *y, int P, int Q, int nt,
+                         const float *scale=NULL, bint relu=False) noexcept:
+    """Stride-1 3x3 forward by Winograd F(4x4, 3x3) (``pc_winograd4.h``).
+
+    As :func:`_conv_winograd`, with blocks of whole images where an image has few tiles
+    (:func:`_w4_blocks`): a block's tiles are the depth-independent width of its 36 GEMMs,
+    and the micro-kernels want whole panels. Each thread transforms its block's input into
+    private scratch, runs the GEMMs and transforms the result straight into y, so every
+    output has the same bits at any thread count. Returns 1 when scratch could not be allocated.
+    """
+    cdef int tH = (P + 3) // 4, tW = (Q + 3) // 4
+    cdef int ipb, rb, bpi, nblocks, groups
+    cdef Py_ssize_t ldt = _w4_blocks(N, C, O, P, Q, nt, &ipb, &rb, &bpi)
+    cdef Py_ssize_t ldxv, ldxm, HW = <Py_ssize_t>H * W, img_out = <Py_ssize_t>O * P * Q
+    cdef Py_ssize_t rows_tiles
+    cdef float *U = <float *>malloc(sizeof(float) * 36 * <size_t>O * C)
+    cdef int *off = <int *>malloc(sizeof(int) * <size_t>C)
+    cdef float *Vraw
+    cdef float *V
+    cdef float *M
+    cdef float *scr
+    cdef float *ct
+    cdef int failed[1]
+    cdef int blk, n, n0, n1, ty0, ty1, xi, o, nv, mr0
+    cdef Py_ssize_t nb
+    failed[0] = 0
+    if U == NULL or off == NULL:
+        free(U)
+        free(off)
+        return 1
+    groups = (N + ipb - 1) // ipb
+    nblocks = groups * bpi
+    nt = _min(nt, nblocks)
+    ldxv = _wino_plane_stride(C, ldt)
+    ldxm = _wino_plane_stride(O, ldt)
+    pcc_offsets_tile(C, <int>ldt, off)   # V[xi] row c: the micro-kernels' B(c, t) = V[xi][c * ldt + t]
+    with nogil, parallel(num_threads=nt):
+        Vraw = <float *>malloc(sizeof(float) * (36 * <size_t>(ldxv + ldxm)
+                                                + max(pcw4_scratch_floats(tW, rb), pcw4_block_scratch_floats(ipb, tW, rb))
+                                                + pcw4_filter_scratch_floats(C) + PCC_MR_MAX * PCC_NR) + 64)
+        V = <float *>pc_align64(Vraw)
+        if V == NULL:
+            failed[0] = 1
+        else:
+            # the last panel of a block reads whole vectors past its tiles: zeros, not stale floats
+            memset(V, 0, sizeof(float) * 36 * <size_t>ldxv)
+        for o in prange(O, schedule="static"):
+            if V != NULL:
+                pcw4_filters(w, O, C, o, o + 1, U, V + 36 * ldxv)
+        if V != NULL:
+            M = V + 36 * ldxv
+            ct = M + 36 * ldxm
+            scr = ct + PCC_MR_MAX * PCC_NR
+        for blk in prange(nblocks, schedule="dynamic"):
+            if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
+                n0 = (blk // bpi) * ipb
+                n1 = _min(N, n0 + ipb)
+                ty0 = (blk % bpi) * rb
+                ty1 = _min(tH, ty0 + rb)
+                rows_tiles = <Py_ssize_t>(ty1 - ty0) * tW
+                nb = (n1 - n0) * rows_tiles
+                nv = _min(PCC_NVMAX, <int>((nb + PCC_VEC - 1) // PCC_VEC))
+                mr0 = pcc_main_mr(nv)
+                if tW % 8 == 0:  # whole vectors along each row
+                    for n in range(n0, n1):
+                        pcw4_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt,
+                                   (n - n0) * rows_tiles, scr)
+                else:  # rows of other lengths: the transforms run along the whole block, 8 tiles at a time
+                    pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
+                for xi in range(36):
+                    # M[xi] (O x nb) = U[xi] (O x C) @ V[xi] (C x nb): one row of nb positions
+                    pcc_conv_panels(U + <Py_ssize_t>xi * O * C, O, C, mr0, nv, V + xi * ldxv, off,
+                                    0, nb, <int>nb, <int>nb, M + xi * ldxm, ldt, NULL, NULL, 0, ct)
+                if tW % 8 == 0:  # whole vectors along each row
+                    for n in range(n0, n1):
+                        pcw4_output(M, ldxm, ldt, (n - n0) * rows_tiles, 0, O, ty0, ty1, tW, P, Q, bias, scale,
+                                    relu, y + n * img_out, scr)
+                else:
+                    pcw4_output_block(M, ldxm, ldt, n0, n1, O, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y, scr)
+        free(Vraw)
+    free(U)
+    free(off)
+    return failed[0]
+
+
 cdef enum:
     # the Winograd weight gradient sums its blocks of tiles in at most this many groups, set by
     # the shape (each group's dU is 64 O C bytes, all of them at most WINOGRAD_DW_PARTIAL_BYTES):
@@ -747,8 +908,9 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                    bint relu=False):
     """Convolution forward, parallel over images or, for small batches, tiles of output positions.
 
-    3x3 stride-1 layers with enough channels (:func:`winograd_applies`) run
-    Winograd F(2x2, 3x3) unless ``winograd`` is false. No BLAS call.
+    3x3 stride-1 layers run Winograd unless ``winograd`` is false: F(4x4, 3x3) in a
+    batch with enough channels and filters (:func:`winograd4_applies`), else F(2x2, 3x3)
+    where :func:`winograd_applies` says so. No BLAS call.
 
     With ``scale`` every output is ``conv * scale[o] + b[o]`` instead of
     ``conv + b[o]`` (an eval-mode BatchNorm folded into the store), and
@@ -767,7 +929,10 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         if scale.shape[0] != O or b is None or b.shape[0] != O:
             raise ValueError(f"conv2d_forward: scale and b must both have {O} entries with scale given")
         sp = &scale[0]
-    if winograd and winograd_applies(C, O, K, stride, P, Q, N):
+    if winograd and winograd4_applies(C, O, K, stride, P, Q, N):
+        failed = _conv_winograd4(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
+                                 &y[0, 0, 0, 0], P, Q, nt, sp, relu)
+    elif winograd and winograd_applies(C, O, K, stride, P, Q, N):
         failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
                                 &y[0, 0, 0, 0], P, Q, nt, sp, relu)
     elif K >= stride or stride == 1:

@@ -87,13 +87,13 @@ PCW_DEFINE_INPUT_TILES(pcw_input_tiles16, pcw_v16, pcw_ld16, pcw_st16)
 PCW_DEFINE_INPUT_TILES(pcw_input_tiles8, pcw_v8, pcw_ld8, pcw_st8)
 PCW_DEFINE_INPUT_TILES(pcw_input_tile1, float, pcw_ld1, pcw_st1)
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 /* a[m] = x[2m], b[m] = x[2m + 1]: the even and odd elements of x[0..n). Compilers
  * leave this strided loop scalar, so with AVX-512 two permutes split 32 floats at a
- * time (the tail stays scalar). */
+ * time, with AVX2 two shuffles and two lane permutes 16 (the tail stays scalar). */
 static inline void pcw_split(const float *restrict x, int n, float *restrict a, float *restrict b)
 {
     int m = 0;
@@ -104,6 +104,15 @@ static inline void pcw_split(const float *restrict x, int n, float *restrict a, 
         const __m512 lo = _mm512_loadu_ps(x + 2 * m), hi = _mm512_loadu_ps(x + 2 * m + 16);
         _mm512_storeu_ps(a + m, _mm512_permutex2var_ps(lo, even, hi));
         _mm512_storeu_ps(b + m, _mm512_permutex2var_ps(lo, odd, hi));
+    }
+#elif defined(__AVX2__)
+    for (; 2 * m + 16 <= n; m += 8) {
+        const __m256 lo = _mm256_loadu_ps(x + 2 * m), hi = _mm256_loadu_ps(x + 2 * m + 8);
+        /* per 128-bit lane: lo's evens then hi's evens; the 64-bit permute puts lo's first */
+        const __m256 ev = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m256 od = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+        _mm256_storeu_ps(a + m, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xd8)));
+        _mm256_storeu_ps(b + m, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xd8)));
     }
 #endif
     for (; m < n / 2; m++) {
@@ -125,7 +134,8 @@ static inline void pcw_at(const float *restrict m0, const float *restrict m1, co
 }
 
 /* A^T along the tiles of one output row, plus the bias: tile i writes r[2i], r[2i+1].
- * With AVX-512 16 tiles at a time, interleaved by two permutes; the same
+ * With AVX-512 16 tiles at a time, interleaved by two permutes (AVX2: 8 tiles, two
+ * unpacks and two lane permutes); the same
  * operations in the same order as the scalar loop, so the same bits. */
 static inline void pcw_at_row(const float *restrict s0, const float *restrict s1, const float *restrict s2,
                               const float *restrict s3, float bias, float *restrict r, int n)
@@ -142,6 +152,17 @@ static inline void pcw_at_row(const float *restrict s0, const float *restrict s1
         const __m512 od = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(a1, a2), a3), vb);
         _mm512_storeu_ps(r + 2 * i, _mm512_permutex2var_ps(ev, first, od));
         _mm512_storeu_ps(r + 2 * i + 16, _mm512_permutex2var_ps(ev, second, od));
+    }
+#elif defined(__AVX2__)
+    const __m256 vb = _mm256_set1_ps(bias);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 a0 = _mm256_loadu_ps(s0 + i), a1 = _mm256_loadu_ps(s1 + i);
+        const __m256 a2 = _mm256_loadu_ps(s2 + i), a3 = _mm256_loadu_ps(s3 + i);
+        const __m256 ev = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), vb);
+        const __m256 od = _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(a1, a2), a3), vb);
+        const __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);
+        _mm256_storeu_ps(r + 2 * i, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(r + 2 * i + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
     }
 #endif
     for (; i < n; i++) {

@@ -294,8 +294,10 @@ class OpenMPBackend(HostArrays, Backend):
 
     name = "openmp"
 
-    #: Run wide 3x3 stride-1 forward convolutions as Winograd F(2x2, 3x3) (see
-    #: ``_conv.winograd_applies``). Set to False on an instance to use the direct
+    #: Run 3x3 stride-1 forward convolutions (and the dx of such layers) as Winograd:
+    #: F(4x4, 3x3) in a batch of at least 4 images with 16 channels and filters over
+    #: maps from 8x8 (``_conv.winograd4_applies``), F(2x2, 3x3) on other wide layers
+    #: (``_conv.winograd_applies``). Set to False on an instance to use the direct
     #: kernels everywhere, e.g. to compare the two or to sum in the direct order.
     winograd: bool = True
 
@@ -320,7 +322,8 @@ class OpenMPBackend(HostArrays, Backend):
         return self._pool.empty(shape, dtype)
 
     def _winograd(self, C, O, K, stride, P, Q, N) -> bool:
-        return bool(self.winograd) and _conv.winograd_applies(C, O, K, stride, P, Q, N)
+        return bool(self.winograd) and (_conv.winograd4_applies(C, O, K, stride, P, Q, N)
+                                         or _conv.winograd_applies(C, O, K, stride, P, Q, N))
 
     @property
     def openmp_enabled(self) -> bool:
@@ -394,8 +397,8 @@ class OpenMPBackend(HostArrays, Backend):
         winograd_dw = (bool(self.winograd) and padding <= K - 1
                        and _conv.winograd_dw_applies(x.shape[0], x.shape[1], O, K, stride, dy.shape[2], dy.shape[3]))
         if winograd_dw or (need_dx and self._winograd_dx(x.shape, w.shape, stride, padding)):
-            # Winograd F(2x2, 3x3) where the layer (for dw) or its transposed convolution (for dx)
-            # qualifies, the micro-kernels otherwise
+            # Winograd where the layer (for dw: F(2x2, 3x3)) or its transposed convolution (for dx:
+            # F(4x4, 3x3) or F(2x2, 3x3)) qualifies, the micro-kernels otherwise
             if winograd_dw:
                 with _blas_one_thread:
                     _conv.conv2d_backward_weights_winograd(x, dy, dw, db, padding, get_num_threads())
@@ -417,7 +420,7 @@ class OpenMPBackend(HostArrays, Backend):
     def _winograd_dx(self, x_shape, w_shape, stride, padding) -> bool:
         """Whether the backward computes dx by Winograd: a stride-1 3x3 layer whose transposed
         convolution (O in-channels, C out-channels, H x W outputs) Winograd takes
-        (``_conv.winograd_applies``)."""
+        (``_conv.winograd4_applies`` or ``_conv.winograd_applies``)."""
         N, C, H, W = x_shape
         O, _, K, _ = w_shape
         return stride == 1 and K == 3 and padding <= K - 1 and self._winograd(O, C, K, 1, H, W, N)
@@ -428,7 +431,7 @@ class OpenMPBackend(HostArrays, Backend):
         Composes convolution, pooling and ReLU instead where the fused kernel does not apply
         (stride > 1, or images that do not split evenly over the threads while the busiest
         thread's extra work would exceed ``FUSED_FWD_UNEVEN_MACS``, see ``_conv.pyx``) and where
-        the convolution runs Winograd F(2x2, 3x3) (``_conv.winograd_applies``): there the
+        the convolution runs Winograd (``_conv.winograd4_applies``, ``_conv.winograd_applies``): there the
         composition beats the fused direct kernel, whose saved memory pass is worth less than
         Winograd's saved multiplies. The composed convolution output is a pooled scratch buffer
         whatever its size: a fresh one every call lets malloc return its pages to the system and
