@@ -416,6 +416,40 @@ def test_conv2d_backward_winograd4_dx_matches_reference(case):
         close(g, e)
 
 
+@settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 4))
+@given(winograd4_cases())
+def test_conv2d_backward_winograd4_dw_matches_reference(case):
+    """With >= 32 channels and filters in a batch, dw is the F(4x4, 3x3) weight gradient (36 GEMMs
+    over the tiles): it matches the oracle with the same bits at 1, 2 and 3 threads, and so does
+    the backend's backward."""
+    from parconv._ext import _conv
+
+    N, C, O, H, W, padding, _, seed = case
+    C, O = C + 16, O + 16
+    P, Q = H + 2 * padding - 2, W + 2 * padding - 2
+    assert _conv.winograd4_dw_applies(N, C, O, 3, 1, P, Q)
+    rng = np.random.default_rng(seed)
+    x = uniform(rng, (N, C, H, W))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    want = ref.conv2d_backward(x, w, dy, 1, padding)
+    outs = []
+    for t in (1, 2, 3):
+        dw = np.empty((O, C, 3, 3), np.float32)
+        db = np.empty(O, np.float32)
+        with _blas_one_thread:
+            _conv.conv2d_backward_weights_winograd(x, dy, dw, db, padding, t)
+        outs.append(dw)
+        close(db, want[2])
+    for dw in outs[1:]:
+        assert np.array_equal(dw, outs[0])
+    close(outs[0], want[1])
+    with num_threads(2):
+        got = omp.conv2d_backward(x, w, dy, 1, padding)
+    for g, e in zip(got, want):
+        close(g, e)
+
+
 def test_conv2d_winograd4_only_where_it_applies():
     from parconv._ext import _conv
 
@@ -437,6 +471,19 @@ def test_conv2d_winograd4_only_where_it_applies():
         _conv._set_winograd4_limits(old)
     with pytest.raises(ValueError, match="3 entries"):
         _conv._set_winograd4_limits((1, 2))
+    assert _conv.winograd4_dw_applies(128, 32, 32, 3, 1, 16, 16)  # resnet20's second stage
+    assert _conv.winograd4_dw_applies(128, 128, 128, 3, 1, 8, 8)  # vgg-small's last
+    assert not _conv.winograd4_dw_applies(128, 16, 16, 3, 1, 32, 32)  # 16 channels: direct
+    assert not _conv.winograd4_dw_applies(128, 32, 16, 3, 1, 32, 32)  # 16 filters
+    assert not _conv.winograd4_dw_applies(3, 64, 64, 3, 1, 32, 32)  # 3 images
+    old = _conv._set_winograd4_dw_limits((64, 64))
+    try:
+        assert not _conv.winograd4_dw_applies(128, 32, 32, 3, 1, 16, 16)
+        assert _conv.winograd4_dw_applies(128, 64, 64, 3, 1, 16, 16)
+    finally:
+        _conv._set_winograd4_dw_limits(old)
+    with pytest.raises(ValueError, match="2 entries"):
+        _conv._set_winograd4_dw_limits((1, 2, 3))
 
 
 def test_conv2d_winograd_only_where_it_pays():

@@ -587,6 +587,11 @@ cdef extern from "pc_winograd4.h":
     void pcw4_output_block(const float *M, Py_ssize_t ldx, Py_ssize_t ldt, int n0, int n1, int O, int o0,
                            int o1, int ty0, int ty1, int tW, int P, int Q, const float *bias,
                            const float *scale, int relu, float *y, float *scratch) noexcept nogil
+    Py_ssize_t pcw4_dy_scratch_floats(int ipb, int tW, int rb) noexcept nogil
+    void pcw4_dy_block(const float *dy, int n0, int n1, int O, int P, int Q, int ty0, int ty1, int tW,
+                       float *dM, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
+    Py_ssize_t pcw4_filters_grad_scratch_floats(int C) noexcept nogil
+    void pcw4_filters_grad(const float *dU, int O, int C, int o0, int o1, float *dw, float *scratch) noexcept nogil
 
 
 cdef enum:
@@ -871,14 +876,155 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     return failed[0]
 
 
+cdef enum:
+    # where the F(4x4, 3x3) weight gradient takes a layer: at least this many filters and
+    # channels, outputs from 8x8, in a batch of at least WINOGRAD_BATCH_MIN_IMAGES
+    WINOGRAD4_DW_MIN_O = 32
+    WINOGRAD4_DW_MIN_C = 32
+
+
+cdef int[2] _wino4_dw_limits = [WINOGRAD4_DW_MIN_C, WINOGRAD4_DW_MIN_O]
+
+
+def _set_winograd4_dw_limits(limits=None):
+    """The thresholds of :func:`winograd4_dw_applies` (min channels, min filters); with ``limits``
+    None they stay. Returns the previous ones (tests and tuning)."""
+    old = tuple(_wino4_dw_limits[i] for i in range(2))
+    if limits is not None:
+        if len(limits) != 2:
+            raise ValueError(f"limits must have 2 entries, got {len(limits)}")
+        for i in range(2):
+            _wino4_dw_limits[i] = int(limits[i])
+    return old
+
+
+def winograd4_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
+    """Whether :func:`conv2d_backward_weights_winograd` computes this layer's dw by Winograd
+    F(4x4, 3x3): where the forward runs F(4x4, 3x3) with at least WINOGRAD4_DW_MIN_C channels
+    and WINOGRAD4_DW_MIN_O filters."""
+    return (winograd4_applies(C, O, K, stride, P, Q, N) and C >= _wino4_dw_limits[0]
+            and O >= _wino4_dw_limits[1])
+
+
+cdef Py_ssize_t _dw4_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi) noexcept nogil:
+    """Blocks of the F(4x4, 3x3) weight gradient, as :func:`_dw_blocks`; returns the tiles of a
+    full block rounded up to whole vectors of 8 (the planes' row stride)."""
+    cdef int tH = (P + 3) // 4, tW = (Q + 3) // 4
+    cdef Py_ssize_t per_tile = 144 * (<Py_ssize_t>C + O)
+    cdef Py_ssize_t per_image = per_tile * tH * tW
+    if per_image <= WINOGRAD_DW_BLOCK_BYTES:
+        ipb[0] = <int>min(<Py_ssize_t>max(N, 1), WINOGRAD_DW_BLOCK_BYTES // per_image)
+        rb[0] = tH
+        bpi[0] = 1
+        return (<Py_ssize_t>ipb[0] * tH * tW + 7) & ~7
+    ipb[0] = 1
+    rb[0] = <int>max(1, min(WINOGRAD_DW_BLOCK_BYTES // (per_tile * tW), tH))
+    bpi[0] = (tH + rb[0] - 1) // rb[0]
+    rb[0] = (tH + bpi[0] - 1) // bpi[0]    # equal blocks
+    bpi[0] = (tH + rb[0] - 1) // rb[0]
+    return (<Py_ssize_t>rb[0] * tW + 7) & ~7
+
+
+cdef int _dw_winograd4(const float *x, int N, int C, int H, int W, int pad,
+                       const float *dy, int O, int P, int Q, float *dw, int nt) noexcept:
+    """Stride-1 3x3 weight gradient by Winograd F(4x4, 3x3) (``pcw4_dy_block``,
+    ``pcw4_filters_grad``): :func:`_dw_winograd` with 36 transform points. Returns 1 when
+    scratch could not be allocated."""
+    cdef int tH = (P + 3) // 4, tW = (Q + 3) // 4
+    cdef int ipb, rb, bpi
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, OC = <Py_ssize_t>O * C
+    cdef Py_ssize_t ldt, ldxv, ldxm, rows_tiles
+    cdef int nblocks, groups, g, blk, n, n0, n1, ty0, ty1, nb, xi, ldti, o
+    cdef Py_ssize_t e
+    cdef float *dU
+    cdef float *Vraw
+    cdef float *V
+    cdef float *M
+    cdef float *scr
+    cdef float *acc
+    cdef float beta
+    cdef int failed[1]
+    cdef char tt = b'T', tn = b'N'
+    cdef float one = 1.0
+    failed[0] = 0
+    ldt = _dw4_blocks(N, C, O, P, Q, &ipb, &rb, &bpi)
+    nblocks = (N + ipb - 1) // ipb if bpi == 1 else N * bpi
+    groups = <int>max(1, min(<Py_ssize_t>min(nblocks, WINOGRAD_DW_GROUPS),
+                             WINOGRAD_DW_PARTIAL_BYTES // (144 * OC)))
+    ldti = <int>ldt
+    ldxv = _wino_plane_stride(C, ldt)
+    ldxm = _wino_plane_stride(O, ldt)
+    dU = <float *>malloc(sizeof(float) * 36 * <size_t>OC * groups)
+    if dU == NULL:
+        return 1
+    with nogil, parallel(num_threads=_min(nt, groups)):
+        Vraw = <float *>malloc(sizeof(float) * (36 * <size_t>(ldxv + ldxm)
+                                                + max(max(pcw4_scratch_floats(tW, rb),
+                                                          pcw4_block_scratch_floats(ipb, tW, rb)),
+                                                      pcw4_dy_scratch_floats(ipb, tW, rb))) + 64)
+        V = <float *>pc_align64(Vraw)
+        if V == NULL:
+            failed[0] = 1
+        else:
+            M = V + 36 * ldxv
+            scr = M + 36 * ldxm
+        for g in prange(groups, schedule="dynamic"):
+            if V != NULL:
+                acc = dU + <Py_ssize_t>g * 36 * OC
+                for blk in range(<int>((<long>nblocks * g) // groups), <int>((<long>nblocks * (g + 1)) // groups)):
+                    if bpi == 1:   # images n0 .. n1, whole, one after the other along the tiles
+                        n0 = blk * ipb
+                        n1 = _min(N, n0 + ipb)
+                        ty0 = 0
+                        ty1 = tH
+                    else:          # tile rows ty0 .. ty1 of one image
+                        n0 = blk // bpi
+                        n1 = n0 + 1
+                        ty0 = (blk % bpi) * rb
+                        ty1 = _min(tH, ty0 + rb)
+                    rows_tiles = <Py_ssize_t>(ty1 - ty0) * tW
+                    nb = <int>((n1 - n0) * rows_tiles)
+                    if tW % 8 == 0:
+                        for n in range(n0, n1):
+                            pcw4_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt,
+                                       (n - n0) * rows_tiles, scr)
+                    else:
+                        pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
+                    pcw4_dy_block(dy, n0, n1, O, P, Q, ty0, ty1, tW, M, ldxm, ldt, scr)
+                    beta = 0.0 if blk == (<long>nblocks * g) // groups else 1.0
+                    for xi in range(36):
+                        # column-major: dU[xi]^T (C x O) += (V[xi]^T, nb x C)^T @ (dM[xi]^T, nb x O)
+                        sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
+                              &beta, acc + xi * OC, &C)
+        free(Vraw)
+    if failed[0]:
+        free(dU)
+        return 1
+    with nogil:
+        # the groups' sums, added in group order (into group 0), then G^T dU G per filter
+        for e in prange(36 * OC, schedule="static", num_threads=nt):
+            for g in range(1, groups):
+                dU[e] = dU[e] + dU[<Py_ssize_t>g * 36 * OC + e]
+    with nogil, parallel(num_threads=_min(nt, O)):
+        scr = <float *>malloc(sizeof(float) * pcw4_filters_grad_scratch_floats(C))
+        if scr == NULL:
+            failed[0] = 1
+        for o in prange(O, schedule="static"):
+            if scr != NULL:
+                pcw4_filters_grad(dU, O, C, o, o + 1, dw, scr)
+        free(scr)
+    free(dU)
+    return failed[0]
+
+
 def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                                      const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)
                                      float[:, :, :, ::1] dw,        # OUT (O, C, 3, 3), overwritten
                                      float[::1] db,                 # OUT (O,) or None, overwritten
                                      int padding, int num_threads):
-    """dw of a stride-1 3x3 convolution by Winograd F(2x2, 3x3), and ``db = sum dy`` as in
-    :func:`conv2d_backward`; BLAS must be limited to one thread. dw has the same bits at every
-    thread count (see ``WINOGRAD_DW_GROUPS``)."""
+    """dw of a stride-1 3x3 convolution by Winograd (F(4x4, 3x3) where :func:`winograd4_dw_applies`,
+    else F(2x2, 3x3)), and ``db = sum dy`` as in :func:`conv2d_backward`; BLAS must be limited to
+    one thread. dw has the same bits at every thread count (see ``WINOGRAD_DW_GROUPS``)."""
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = dy.shape[1], P = dy.shape[2], Q = dy.shape[3]
     if dy.shape[0] != N or P != H + 2 * padding - 2 or Q != W + 2 * padding - 2 or padding < 0:
@@ -891,8 +1037,14 @@ def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C,
         raise ValueError(f"conv2d_backward_weights_winograd: db must be ({O},), got ({db.shape[0]},)")
     if N == 0 or C == 0 or O == 0 or P <= 0 or Q <= 0:
         raise ValueError("conv2d_backward_weights_winograd: every dimension must be >= 1")
-    if _dw_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
-                    num_threads if num_threads > 0 else 1):
+    cdef int failed
+    if winograd4_dw_applies(N, C, O, 3, 1, P, Q):
+        failed = _dw_winograd4(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
+                               num_threads if num_threads > 0 else 1)
+    else:
+        failed = _dw_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
+                              num_threads if num_threads > 0 else 1)
+    if failed:
         raise MemoryError("conv2d_backward_weights_winograd: could not allocate scratch")
     if db is not None:
         _sum_planes(dy, db, num_threads)

@@ -511,4 +511,122 @@ static void pcw4_output_block(const float *M, pcw_idx ldx, pcw_idx ldt, int n0, 
     }
 }
 
+/* ------------------------------------------------------------ weight gradient
+ *
+ * As pc_winograd.h's: dM = A dY A^T (6x6 from each 4x4 tile of dy, A = (A^T)^T),
+ * dU[xi] += dM[xi] V[xi]^T summed over the tiles (36 GEMMs whose depth is the tiles, run
+ * by the caller), dg = G^T dU G (3x3 from 6x6, once per filter and channel). */
+
+/* A applied to four values: six out (one axis of the output-gradient transform). */
+#define PCW4_A(T, d0, d1, d2, d3, m)                               \
+    do {                                                           \
+        const T e_ = (d0) + (d2), f_ = (d1) + (d3);                \
+        const T g_ = (d0) + (d2) * 4.0f, h_ = (d1) * 2.0f + (d3) * 8.0f; \
+        m[0] = (d0);                                               \
+        m[1] = e_ + f_;                                            \
+        m[2] = e_ - f_;                                            \
+        m[3] = g_ + h_;                                            \
+        m[4] = g_ - h_;                                            \
+        m[5] = (d3);                                               \
+    } while (0)
+
+/* Scratch floats pcw4_dy_block needs for blocks of ipb images of rb rows of tW tiles. */
+static inline pcw_idx pcw4_dy_scratch_floats(int ipb, int tW, int rb)
+{
+    const pcw_idx nb8 = (((pcw_idx)ipb * rb * tW + 7) & ~(pcw_idx)7);
+    return 16 * nb8 + 4 * (pcw_idx)tW + 8;
+}
+
+/* dM of every filter of images n0..n1 of dy (N, O, P, Q), tile rows ty0..ty1, laid out like
+ * pcw4_input_block's V: dM[xi * ldx + o * ldt + t], outputs beyond P x Q counting as zero,
+ * ldt a multiple of 8 (the last vector of tiles is stored whole, from zeros). Each tile's
+ * 4x4 values are split along the whole block (D[(a * 4 + j) * nb8 + t]), then both axes of
+ * A run on vectors of 8 tiles. */
+static void pcw4_dy_block(const float *dy, int n0, int n1, int O, int P, int Q, int ty0, int ty1, int tW,
+                          float *dM, pcw_idx ldx, pcw_idx ldt, float *scratch)
+{
+    const pcw_idx rows_tiles = (pcw_idx)(ty1 - ty0) * tW;
+    const pcw_idx nb = (pcw_idx)(n1 - n0) * rows_tiles;
+    const pcw_idx nb8 = (nb + 7) & ~(pcw_idx)7;
+    const pcw_idx PQ = (pcw_idx)P * Q;
+    float *D = scratch;
+    float *row = scratch + 16 * nb8;           /* a dy row padded with zeros to 4 tW */
+    memset(D, 0, sizeof(float) * 16 * (size_t)nb8);
+    memset(row, 0, sizeof(float) * 4 * (size_t)tW);
+    for (int o = 0; o < O; o++) {
+        for (int n = n0; n < n1; n++) {
+            const float *dyo = dy + ((pcw_idx)n * O + o) * PQ;
+            for (int ty = ty0; ty < ty1; ty++) {
+                const pcw_idx tb = (pcw_idx)(n - n0) * rows_tiles + (pcw_idx)(ty - ty0) * tW;
+                for (int a = 0; a < 4; a++) {
+                    float *d = D + (pcw_idx)(a * 4) * nb8 + tb;
+                    if (4 * ty + a < P) {
+                        memcpy(row, dyo + (pcw_idx)(4 * ty + a) * Q, sizeof(float) * (size_t)Q);
+                        pcw4_split(row, tW, d, d + nb8, d + 2 * nb8, d + 3 * nb8);
+                    } else {
+                        for (int j = 0; j < 4; j++)
+                            memset(d + j * nb8, 0, sizeof(float) * (size_t)tW);
+                    }
+                }
+            }
+        }
+        float *m = dM + (pcw_idx)o * ldt;
+        for (pcw_idx t = 0; t < nb8; t += 8) {
+            pcw_v8 h[4][6];
+            for (int a = 0; a < 4; a++) {
+                const float *d = D + (pcw_idx)(a * 4) * nb8 + t;
+                PCW4_A(pcw_v8, pcw_ld8(d), pcw_ld8(d + nb8), pcw_ld8(d + 2 * nb8), pcw_ld8(d + 3 * nb8), h[a]);
+            }
+            for (int k = 0; k < 6; k++) {
+                pcw_v8 v[6];
+                PCW4_A(pcw_v8, h[0][k], h[1][k], h[2][k], h[3][k], v);
+                for (int r = 0; r < 6; r++)
+                    pcw_st8(m + (r * 6 + k) * ldx + t, v[r]);
+            }
+        }
+    }
+}
+
+/* G^T applied to six rows (the weight-gradient back-transform, one axis): three rows out. */
+static inline void pcw4_gt(const float *restrict u0, const float *restrict u1, const float *restrict u2,
+                           const float *restrict u3, const float *restrict u4, const float *restrict u5,
+                           float *restrict w0, float *restrict w1, float *restrict w2, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const float s12 = u1[i] + u2[i], s34 = u3[i] + u4[i];
+        w0[i] = (u0[i] * 0.25f - s12 * (1.0f / 6.0f)) + s34 * (1.0f / 24.0f);
+        w1[i] = (u2[i] - u1[i]) * (1.0f / 6.0f) + (u3[i] - u4[i]) * (1.0f / 12.0f);
+        w2[i] = (s34 - s12) * (1.0f / 6.0f) + u5[i];
+    }
+}
+
+/* Scratch floats pcw4_filters_grad needs for C channels. */
+static inline pcw_idx pcw4_filters_grad_scratch_floats(int C)
+{
+    return 27 * (pcw_idx)C;
+}
+
+/* dw (O, C, 3, 3), filters o0..o1, from dU[xi][o][c] (36 O C floats). */
+static void pcw4_filters_grad(const float *dU, int O, int C, int o0, int o1, float *dw, float *scratch)
+{
+    float *t = scratch;                    /* t[(r * 3 + j) * C + c] = (dU G)[r][j], r < 6 */
+    float *g = scratch + 18 * (pcw_idx)C;  /* g[(i * 3 + j) * C + c] = (G^T dU G)[i][j] */
+    const pcw_idx ux = (pcw_idx)O * C;
+    for (int o = o0; o < o1; o++) {
+        const float *u = dU + (pcw_idx)o * C;
+        for (int r = 0; r < 6; r++)        /* G along each row r of dU: columns 0..5 -> j = 0..2 */
+            pcw4_gt(u + (pcw_idx)(r * 6 + 0) * ux, u + (pcw_idx)(r * 6 + 1) * ux, u + (pcw_idx)(r * 6 + 2) * ux,
+                    u + (pcw_idx)(r * 6 + 3) * ux, u + (pcw_idx)(r * 6 + 4) * ux, u + (pcw_idx)(r * 6 + 5) * ux,
+                    t + (r * 3 + 0) * (pcw_idx)C, t + (r * 3 + 1) * (pcw_idx)C, t + (r * 3 + 2) * (pcw_idx)C, C);
+        for (int j = 0; j < 3; j++)        /* G^T across the rows */
+            pcw4_gt(t + (0 * 3 + j) * (pcw_idx)C, t + (1 * 3 + j) * (pcw_idx)C, t + (2 * 3 + j) * (pcw_idx)C,
+                    t + (3 * 3 + j) * (pcw_idx)C, t + (4 * 3 + j) * (pcw_idx)C, t + (5 * 3 + j) * (pcw_idx)C,
+                    g + (0 * 3 + j) * (pcw_idx)C, g + (1 * 3 + j) * (pcw_idx)C, g + (2 * 3 + j) * (pcw_idx)C, C);
+        float *wo = dw + (pcw_idx)o * C * 9;
+        for (int c = 0; c < C; c++)
+            for (int k = 0; k < 9; k++)
+                wo[(pcw_idx)c * 9 + k] = g[k * (pcw_idx)C + c];
+    }
+}
+
 #endif

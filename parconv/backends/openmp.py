@@ -394,11 +394,12 @@ class OpenMPBackend(HostArrays, Backend):
         dw = self._empty(w.shape)
         db = np.empty(O, dtype=np.float32) if need_db else None
         K = w.shape[2]
+        shape = (x.shape[0], x.shape[1], O, K, stride, dy.shape[2], dy.shape[3])
         winograd_dw = (bool(self.winograd) and padding <= K - 1
-                       and _conv.winograd_dw_applies(x.shape[0], x.shape[1], O, K, stride, dy.shape[2], dy.shape[3]))
+                       and (_conv.winograd4_dw_applies(*shape) or _conv.winograd_dw_applies(*shape)))
         if winograd_dw or (need_dx and self._winograd_dx(x.shape, w.shape, stride, padding)):
-            # Winograd where the layer (for dw: F(2x2, 3x3)) or its transposed convolution (for dx:
-            # F(4x4, 3x3) or F(2x2, 3x3)) qualifies, the micro-kernels otherwise
+            # Winograd where the layer (for dw) or its transposed convolution (for dx) qualifies,
+            # F(4x4, 3x3) before F(2x2, 3x3); the micro-kernels otherwise
             if winograd_dw:
                 with _blas_one_thread:
                     _conv.conv2d_backward_weights_winograd(x, dy, dw, db, padding, get_num_threads())
