@@ -425,9 +425,20 @@ def test_conv2d_backward_winograd4_dw_matches_reference(case):
     from parconv._ext import _conv
 
     N, C, O, H, W, padding, _, seed = case
-    C, O = C + 16, O + 16
+    if seed % 3:  # >= 32 channels and filters, else narrow ones with the tile minimum lifted
+        C, O = C + 16, O + 16
     P, Q = H + 2 * padding - 2, W + 2 * padding - 2
-    assert _conv.winograd4_dw_applies(N, C, O, 3, 1, P, Q)
+    old = _conv._set_winograd4_dw_limits((32, 32, 16, 0))
+    try:
+        assert _conv.winograd4_dw_applies(N, C, O, 3, 1, P, Q)
+        _check_winograd4_dw(N, C, O, H, W, P, Q, padding, seed)
+    finally:
+        _conv._set_winograd4_dw_limits(old)
+
+
+def _check_winograd4_dw(N, C, O, H, W, P, Q, padding, seed):
+    from parconv._ext import _conv
+
     rng = np.random.default_rng(seed)
     x = uniform(rng, (N, C, H, W))
     w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
@@ -448,6 +459,17 @@ def test_conv2d_backward_winograd4_dw_matches_reference(case):
         got = omp.conv2d_backward(x, w, dy, 1, padding)
     for g, e in zip(got, want):
         close(g, e)
+
+
+@pytest.mark.parametrize("N,C,O,H,padding", [(4, 32, 32, 12, 1),   # dU on the dot-product kernel
+                                              (5, 64, 48, 11, 0),   # ... on sgemm (O x C > 2048)
+                                              (128, 16, 16, 16, 1)])  # narrow, over 2048 tiles
+def test_conv2d_backward_winograd4_dw_both_products(N, C, O, H, padding):
+    from parconv._ext import _conv
+
+    P = H + 2 * padding - 2
+    assert _conv.winograd4_dw_applies(N, C, O, 3, 1, P, P)
+    _check_winograd4_dw(N, C, O, H, H, P, P, padding, N + C + O)
 
 
 def test_conv2d_winograd4_only_where_it_applies():
@@ -473,16 +495,19 @@ def test_conv2d_winograd4_only_where_it_applies():
         _conv._set_winograd4_limits((1, 2))
     assert _conv.winograd4_dw_applies(128, 32, 32, 3, 1, 16, 16)  # resnet20's second stage
     assert _conv.winograd4_dw_applies(128, 128, 128, 3, 1, 8, 8)  # vgg-small's last
-    assert not _conv.winograd4_dw_applies(128, 16, 16, 3, 1, 32, 32)  # 16 channels: direct
-    assert not _conv.winograd4_dw_applies(128, 32, 16, 3, 1, 32, 32)  # 16 filters
+    assert _conv.winograd4_dw_applies(4, 32, 32, 3, 1, 8, 8)  # 32 channels and filters: any batch
+    assert _conv.winograd4_dw_applies(128, 16, 16, 3, 1, 32, 32)  # 16: over 8192 tiles (resnet20's first stage)
+    assert not _conv.winograd4_dw_applies(8, 16, 16, 3, 1, 32, 32)  # ... not over 512
+    assert not _conv.winograd4_dw_applies(128, 15, 32, 3, 1, 32, 32)  # 15 channels
     assert not _conv.winograd4_dw_applies(3, 64, 64, 3, 1, 32, 32)  # 3 images
-    old = _conv._set_winograd4_dw_limits((64, 64))
+    old = _conv._set_winograd4_dw_limits((64, 64, 64, 0))
     try:
         assert not _conv.winograd4_dw_applies(128, 32, 32, 3, 1, 16, 16)
         assert _conv.winograd4_dw_applies(128, 64, 64, 3, 1, 16, 16)
+        assert _conv._set_winograd4_dw_limits() == (64, 64, 64, 0)
     finally:
         _conv._set_winograd4_dw_limits(old)
-    with pytest.raises(ValueError, match="2 entries"):
+    with pytest.raises(ValueError, match="4 entries"):
         _conv._set_winograd4_dw_limits((1, 2, 3))
 
 

@@ -592,6 +592,8 @@ cdef extern from "pc_winograd4.h":
                        float *dM, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
     Py_ssize_t pcw4_filters_grad_scratch_floats(int C) noexcept nogil
     void pcw4_filters_grad(const float *dU, int O, int C, int o0, int o1, float *dw, float *scratch) noexcept nogil
+    void pcw4_dot_gemm(int O, int C, Py_ssize_t K, const float *A, Py_ssize_t lda, const float *B, Py_ssize_t ldb,
+                       float *Cout, Py_ssize_t ldc, int beta) noexcept nogil
 
 
 cdef enum:
@@ -877,23 +879,32 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
 
 
 cdef enum:
-    # where the F(4x4, 3x3) weight gradient takes a layer: at least this many filters and
-    # channels, outputs from 8x8, in a batch of at least WINOGRAD_BATCH_MIN_IMAGES
+    # where the F(4x4, 3x3) weight gradient takes a layer of a batch whose forward runs F(4x4,
+    # 3x3): at least WINOGRAD4_DW_MIN_C channels and _O filters, or from WINOGRAD4_DW_NARROW_MIN
+    # of each when the batch has WINOGRAD4_DW_NARROW_MIN_TILES output tiles (narrower layers
+    # need deeper GEMMs to pay for the transforms)
     WINOGRAD4_DW_MIN_O = 32
     WINOGRAD4_DW_MIN_C = 32
+    WINOGRAD4_DW_NARROW_MIN = 16
+    WINOGRAD4_DW_NARROW_MIN_TILES = 2048
+    # products dU[xi] of at most this many filters x channels run on pcw4_dot_gemm, larger
+    # ones on sgemm (which packs its operands, and then blocks them better for the caches)
+    WINOGRAD4_DW_DOT_MAX_OC = 2048
 
 
-cdef int[2] _wino4_dw_limits = [WINOGRAD4_DW_MIN_C, WINOGRAD4_DW_MIN_O]
+cdef int[4] _wino4_dw_limits = [WINOGRAD4_DW_MIN_C, WINOGRAD4_DW_MIN_O, WINOGRAD4_DW_NARROW_MIN,
+                                 WINOGRAD4_DW_NARROW_MIN_TILES]
 
 
 def _set_winograd4_dw_limits(limits=None):
-    """The thresholds of :func:`winograd4_dw_applies` (min channels, min filters); with ``limits``
-    None they stay. Returns the previous ones (tests and tuning)."""
-    old = tuple(_wino4_dw_limits[i] for i in range(2))
+    """The thresholds of :func:`winograd4_dw_applies` (min channels, min filters, narrow min
+    channels and filters, narrow min tiles); with ``limits`` None they stay. Returns the previous
+    ones (tests and tuning)."""
+    old = tuple(_wino4_dw_limits[i] for i in range(4))
     if limits is not None:
-        if len(limits) != 2:
-            raise ValueError(f"limits must have 2 entries, got {len(limits)}")
-        for i in range(2):
+        if len(limits) != 4:
+            raise ValueError(f"limits must have 4 entries, got {len(limits)}")
+        for i in range(4):
             _wino4_dw_limits[i] = int(limits[i])
     return old
 
@@ -901,9 +912,14 @@ def _set_winograd4_dw_limits(limits=None):
 def winograd4_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
     """Whether :func:`conv2d_backward_weights_winograd` computes this layer's dw by Winograd
     F(4x4, 3x3): where the forward runs F(4x4, 3x3) with at least WINOGRAD4_DW_MIN_C channels
-    and WINOGRAD4_DW_MIN_O filters."""
-    return (winograd4_applies(C, O, K, stride, P, Q, N) and C >= _wino4_dw_limits[0]
-            and O >= _wino4_dw_limits[1])
+    and WINOGRAD4_DW_MIN_O filters, or with WINOGRAD4_DW_NARROW_MIN of each over at least
+    WINOGRAD4_DW_NARROW_MIN_TILES output tiles in the batch."""
+    cdef long tiles = <long>N * ((P + 3) // 4) * ((Q + 3) // 4)
+    if not winograd4_applies(C, O, K, stride, P, Q, N):
+        return False
+    if C >= _wino4_dw_limits[0] and O >= _wino4_dw_limits[1]:
+        return True
+    return C >= _wino4_dw_limits[2] and O >= _wino4_dw_limits[2] and tiles >= _wino4_dw_limits[3]
 
 
 cdef Py_ssize_t _dw4_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi) noexcept nogil:
@@ -942,6 +958,7 @@ cdef int _dw_winograd4(const float *x, int N, int C, int H, int W, int pad,
     cdef float *M
     cdef float *scr
     cdef float *acc
+    cdef bint first
     cdef float beta
     cdef int failed[1]
     cdef char tt = b'T', tn = b'N'
@@ -991,11 +1008,17 @@ cdef int _dw_winograd4(const float *x, int N, int C, int H, int W, int pad,
                     else:
                         pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
                     pcw4_dy_block(dy, n0, n1, O, P, Q, ty0, ty1, tW, M, ldxm, ldt, scr)
-                    beta = 0.0 if blk == (<long>nblocks * g) // groups else 1.0
+                    first = blk == (<long>nblocks * g) // groups
+                    beta = 0.0 if first else 1.0
                     for xi in range(36):
-                        # column-major: dU[xi]^T (C x O) += (V[xi]^T, nb x C)^T @ (dM[xi]^T, nb x O)
-                        sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
-                              &beta, acc + xi * OC, &C)
+                        # dU[xi] (O x C) += dM[xi] (O x nb) @ V[xi]^T (nb x C)
+                        if OC <= WINOGRAD4_DW_DOT_MAX_OC:
+                            # past nb to whole vectors, where dM is zero
+                            pcw4_dot_gemm(O, C, (nb + 7) & ~7, M + xi * ldxm, ldt, V + xi * ldxv, ldt,
+                                          acc + xi * OC, C, not first)
+                        else:  # column-major: dU[xi]^T (C x O) += (V[xi]^T)^T @ dM[xi]^T
+                            sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
+                                  &beta, acc + xi * OC, &C)
         free(Vraw)
     if failed[0]:
         free(dU)

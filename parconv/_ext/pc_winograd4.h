@@ -629,4 +629,54 @@ static void pcw4_filters_grad(const float *dU, int O, int C, int o0, int o1, flo
     }
 }
 
+/* Cout[o * ldc + c] = (beta ? Cout : 0) + sum_k A[o * lda + k] B[c * ldb + k] for o < O,
+ * c < C, k < K (K a multiple of 8): the weight gradient's dU[xi] += dM[xi] V[xi]^T, whose
+ * operands both run along the tiles. Blocks of 3 rows of A by 4 rows of B keep 12 vector
+ * sums in registers over the whole depth, each added up across its lanes in a fixed
+ * order at the end: for small products (the caller's WINOGRAD4_DW_DOT_MAX_OC), where a
+ * BLAS sgemm spends more time packing both operands than multiplying. */
+static void pcw4_dot_gemm(int O, int C, pcw_idx K, const float *A, pcw_idx lda, const float *B, pcw_idx ldb,
+                          float *Cout, pcw_idx ldc, int beta)
+{
+    int o0 = 0;
+    for (; o0 < O; o0 += 3) {
+        const int mo = O - o0 < 3 ? O - o0 : 3;
+        for (int c0 = 0; c0 < C; c0 += 4) {
+            const int mc = C - c0 < 4 ? C - c0 : 4;
+            pcw_v8 acc[3][4];
+            for (int i = 0; i < 3; i++)
+                for (int j = 0; j < 4; j++)
+                    acc[i][j] = (pcw_v8){0};
+            const float *a[3], *b[4];
+            for (int i = 0; i < 3; i++)
+                a[i] = A + (pcw_idx)(o0 + (i < mo ? i : 0)) * lda;
+            for (int j = 0; j < 4; j++)
+                b[j] = B + (pcw_idx)(c0 + (j < mc ? j : 0)) * ldb;
+            for (pcw_idx k = 0; k < K; k += 8) {
+                const pcw_v8 a0 = pcw_ld8(a[0] + k), a1 = pcw_ld8(a[1] + k), a2 = pcw_ld8(a[2] + k);
+                for (int j = 0; j < 4; j++) {
+                    const pcw_v8 bj = pcw_ld8(b[j] + k);
+#if defined(__FMA__) && defined(__AVX2__)
+                    acc[0][j] = (pcw_v8)_mm256_fmadd_ps((__m256)a0, (__m256)bj, (__m256)acc[0][j]);
+                    acc[1][j] = (pcw_v8)_mm256_fmadd_ps((__m256)a1, (__m256)bj, (__m256)acc[1][j]);
+                    acc[2][j] = (pcw_v8)_mm256_fmadd_ps((__m256)a2, (__m256)bj, (__m256)acc[2][j]);
+#else
+                    acc[0][j] += a0 * bj;
+                    acc[1][j] += a1 * bj;
+                    acc[2][j] += a2 * bj;
+#endif
+                }
+            }
+            for (int i = 0; i < mo; i++)
+                for (int j = 0; j < mc; j++) {
+                    float l[8];
+                    memcpy(l, &acc[i][j], sizeof l);
+                    const float sum = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+                    float *out = Cout + (pcw_idx)(o0 + i) * ldc + c0 + j;
+                    *out = beta ? *out + sum : sum;
+                }
+        }
+    }
+}
+
 #endif
