@@ -43,6 +43,17 @@ def close(actual, expected, rtol=RTOL, atol=ATOL):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol * scale)
 
 
+def close_to_torch_conv2d(y, x, w, b, padding):
+    """y against PyTorch's stride-1 conv2d, a second oracle where it is installed."""
+    try:
+        import torch
+    except ImportError:
+        return
+    want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w),
+                                      None if b is None else torch.from_numpy(b), padding=padding)
+    close(y, want.numpy())
+
+
 def uniform(rng, shape, scale=1.0):
     return (rng.uniform(-1, 1, size=shape) * scale).astype(np.float32)
 
@@ -114,14 +125,7 @@ def test_conv2d_winograd_forward_matches_reference(case):
         y = omp.conv2d_forward(x, w, b, 1, padding)
         close(y, ref.conv2d_forward(x, w, b, 1, padding))
         assert np.array_equal(y, omp.conv2d_forward(x, w, b, 1, padding))  # same threads, same bits
-    try:  # PyTorch as a second oracle where it is installed
-        import torch
-    except ImportError:
-        torch = None
-    if torch is not None:
-        want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w),
-                                          None if b is None else torch.from_numpy(b), padding=padding)
-        close(y, want.numpy())
+    close_to_torch_conv2d(y, x, w, b, padding)
     # the direct micro-kernels give the same result within float32 rounding
     direct = np.empty_like(y)
     _conv.conv2d_forward(x, w, b, direct, 1, padding, threads, 1 << 20, False)
@@ -388,14 +392,7 @@ def test_conv2d_winograd4_forward_matches_reference(case):
         want = ref.conv2d_forward(x, w, b, 1, padding)
         close(outs[0], want)
         close(omp.conv2d_forward(x, w, b, 1, padding), want)
-        try:  # PyTorch as a second oracle where it is installed
-            import torch
-        except ImportError:
-            torch = None
-        if torch is not None:
-            t = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w),
-                                           None if b is None else torch.from_numpy(b), padding=padding)
-            close(outs[0], t.numpy())
+        close_to_torch_conv2d(outs[0], x, w, b, padding)
 
 
 @settings(SETTINGS, max_examples=max(10, SETTINGS.max_examples // 4))

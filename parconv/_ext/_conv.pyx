@@ -491,87 +491,6 @@ cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nog
     return ((<Py_ssize_t>rows * ldt + 15) & ~15) + 32
 
 
-cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
-                        const float *w, int O, const float *bias, float *y, int P, int Q, int nt,
-                        const float *scale=NULL, bint relu=False) noexcept:
-    """Stride-1 3x3 forward by Winograd F(2x2, 3x3) (``pc_winograd.h``).
-
-    Blocks of tile rows of one image are split over threads; each thread
-    transforms its block's input into private scratch, runs the 16 GEMMs and
-    transforms the result straight into y. The GEMMs are the convolution's
-    register-blocked micro-kernels reading U and V in place: a block has a few
-    dozen tiles, and a BLAS sgemm would pack all of U[xi] for each of them.
-    ``scale``, ``relu``: as ``_conv_shifted``. Returns 1 when scratch could not be allocated.
-    """
-    cdef int tH = (P + 1) // 2, tW = (Q + 1) // 2
-    cdef Py_ssize_t per_tile = 64 * (<Py_ssize_t>C + O)  # bytes of V and M for one tile
-    cdef int rb = <int>(WINOGRAD_BLOCK_BYTES // (per_tile * tW))
-    cdef int bpi, nblocks
-    cdef Py_ssize_t ldt, ldxv, ldxm, HW = <Py_ssize_t>H * W, img_out = <Py_ssize_t>O * P * Q
-    cdef float *U = <float *>malloc(sizeof(float) * 16 * <size_t>O * C)
-    cdef int *off = <int *>malloc(sizeof(int) * <size_t>C)
-    cdef float *Vraw
-    cdef float *V
-    cdef float *M
-    cdef float *scr
-    cdef float *ct
-    cdef int failed[1]
-    cdef int blk, n, ty0, ty1, nb, xi, o, nv, mr0
-    failed[0] = 0
-    if U == NULL or off == NULL:
-        free(U)
-        free(off)
-        return 1
-    rb = max(1, min(rb, tH))
-    bpi = (tH + rb - 1) // rb
-    if N * bpi < nt:                      # a block for every thread
-        bpi = min(tH, (nt + N - 1) // N)
-    rb = (tH + bpi - 1) // bpi            # equal blocks
-    bpi = (tH + rb - 1) // rb
-    nblocks = N * bpi
-    nt = _min(nt, nblocks)
-    ldt = <Py_ssize_t>rb * tW
-    ldxv = _wino_plane_stride(C, ldt)
-    ldxm = _wino_plane_stride(O, ldt)
-    pcc_offsets_tile(C, <int>ldt, off)   # V[xi] row c: the micro-kernels' B(c, t) = V[xi][c * ldt + t]
-    with nogil, parallel(num_threads=nt):
-        # V, M and the scratch start on a cache line (ldxv, ldxm are multiples of 16 floats),
-        # so no 16-float store of a transform splits across two lines
-        Vraw = <float *>malloc(sizeof(float) * (16 * <size_t>(ldxv + ldxm) + pcw_scratch_floats(tW, rb)
-                                                + pcw_filter_scratch_floats(C) + PCC_MR_MAX * PCC_NR) + 64)
-        V = <float *>pc_align64(Vraw)
-        if V == NULL:
-            failed[0] = 1
-        else:
-            # the last panel of a block reads whole vectors past its tiles: zeros, not stale floats
-            memset(V, 0, sizeof(float) * 16 * <size_t>ldxv)
-        for o in prange(O, schedule="static"):
-            if V != NULL:
-                pcw_filters(w, O, C, o, o + 1, U, V + 16 * ldxv)
-        if V != NULL:
-            M = V + 16 * ldxv
-            ct = M + 16 * ldxm
-            scr = ct + PCC_MR_MAX * PCC_NR
-        for blk in prange(nblocks, schedule="dynamic"):
-            if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
-                n = blk // bpi
-                ty0 = (blk % bpi) * rb
-                ty1 = _min(tH, ty0 + rb)
-                nb = (ty1 - ty0) * tW
-                nv = _min(PCC_NVMAX, (nb + PCC_VEC - 1) // PCC_VEC)
-                mr0 = pcc_main_mr(nv)
-                pcw_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
-                for xi in range(16):
-                    # M[xi] (O x nb) = U[xi] (O x C) @ V[xi] (C x nb): one row of nb positions
-                    pcc_conv_panels(U + <Py_ssize_t>xi * O * C, O, C, mr0, nv, V + xi * ldxv, off,
-                                    0, nb, nb, nb, M + xi * ldxm, ldt, NULL, NULL, 0, ct)
-                pcw_output(M, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y + n * img_out, scr)
-        free(Vraw)
-    free(U)
-    free(off)
-    return failed[0]
-
-
 cdef extern from "pc_winograd4.h":
     void pcw4_filters(const float *w, int O, int C, int o0, int o1, float *U, float *scratch) noexcept nogil
     Py_ssize_t pcw4_filter_scratch_floats(int C) noexcept nogil
@@ -629,21 +548,25 @@ def winograd4_applies(int C, int O, int K, int stride, int P, int Q, int N=1):
             and O >= _wino4_limits[1] and P >= _wino4_limits[2] and Q >= _wino4_limits[2])
 
 
-cdef Py_ssize_t _w4_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb, int *rb, int *bpi) noexcept nogil:
-    """Blocks of the F(4x4, 3x3) forward: ``ipb`` whole images per block where an image's V and
-    M fit WINOGRAD4_BLOCK_BYTES (``bpi`` = 1), else ``bpi`` blocks of ``rb`` tile rows of one
-    image; at least one block per thread where the batch allows. Returns the tiles of a full
-    block (the GEMMs' width and the planes' row stride)."""
-    cdef int tH = (P + 3) // 4, tW = (Q + 3) // 4
-    cdef Py_ssize_t per_tile = 144 * (<Py_ssize_t>C + O)
-    cdef Py_ssize_t cap = max(<Py_ssize_t>1, WINOGRAD4_BLOCK_BYTES // per_tile)
+cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb, int *rb, int *bpi,
+                           bint f4) noexcept nogil:
+    """Blocks of the Winograd forward (F(4x4, 3x3) with ``f4``, else F(2x2, 3x3)): ``ipb`` whole
+    images per block where an F(4x4, 3x3) image's V and M fit WINOGRAD4_BLOCK_BYTES (``bpi`` =
+    1), else ``bpi`` blocks of ``rb`` tile rows of one image (WINOGRAD_BLOCK_BYTES for F(2x2,
+    3x3)); at least one block per thread where the batch allows. Returns the tiles of a full
+    block (the GEMMs' width and the planes' row stride), for F(4x4, 3x3) rounded up to whole
+    vectors of 8 (pcw4_input_block)."""
+    cdef int m = 4 if f4 else 2
+    cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
+    cdef Py_ssize_t per_tile = 4 * (m + 2) * (m + 2) * (<Py_ssize_t>C + O)  # bytes of V and M for one tile
+    cdef Py_ssize_t cap = max(<Py_ssize_t>1, (WINOGRAD4_BLOCK_BYTES if f4 else WINOGRAD_BLOCK_BYTES) // per_tile)
     cdef Py_ssize_t img_tiles = <Py_ssize_t>tH * tW
-    if img_tiles <= cap:
+    if f4 and img_tiles <= cap:
         ipb[0] = <int>min(<Py_ssize_t>N, cap // img_tiles)
         ipb[0] = max(1, min(ipb[0], (N + nt - 1) // nt))
         rb[0] = tH
         bpi[0] = 1
-        return (<Py_ssize_t>ipb[0] * img_tiles + 7) & ~7  # whole vectors of 8 tiles (pcw4_input_block)
+        return (<Py_ssize_t>ipb[0] * img_tiles + 7) & ~7
     ipb[0] = 1
     rb[0] = <int>max(<Py_ssize_t>1, min(cap // tW, <Py_ssize_t>tH))
     bpi[0] = (tH + rb[0] - 1) // rb[0]
@@ -651,26 +574,31 @@ cdef Py_ssize_t _w4_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb, 
         bpi[0] = min(tH, (nt + N - 1) // N)
     rb[0] = (tH + bpi[0] - 1) // bpi[0]   # equal blocks
     bpi[0] = (tH + rb[0] - 1) // rb[0]
-    return (<Py_ssize_t>rb[0] * tW + 7) & ~7
+    return (<Py_ssize_t>rb[0] * tW + 7) & ~7 if f4 else <Py_ssize_t>rb[0] * tW
 
 
-cdef int _conv_winograd4(const float *x, int N, int C, int H, int W, int pad,
-                         const float *w, int O, const float *bias, float *y, int P, int Q, int nt,
-                         const float *scale=NULL, bint relu=False) noexcept:
-    """Stride-1 3x3 forward by Winograd F(4x4, 3x3) (``pc_winograd4.h``).
+cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
+                        const float *w, int O, const float *bias, float *y, int P, int Q, int nt,
+                        const float *scale, bint relu, bint f4) noexcept:
+    """Stride-1 3x3 forward by Winograd: F(4x4, 3x3) with ``f4`` (``pc_winograd4.h``, 36
+    transform points), else F(2x2, 3x3) (``pc_winograd.h``, 16).
 
-    As :func:`_conv_winograd`, with blocks of whole images where an image has few tiles
-    (:func:`_w4_blocks`): a block's tiles are the depth-independent width of its 36 GEMMs,
-    and the micro-kernels want whole panels. Each thread transforms its block's input into
-    private scratch, runs the GEMMs and transforms the result straight into y, so every
-    output has the same bits at any thread count. Returns 1 when scratch could not be allocated.
+    Blocks (:func:`_fwd_blocks`: tile rows of one image, or for F(4x4, 3x3) whole images
+    where an image has few tiles, since a block's tiles are the width of its GEMMs and the
+    micro-kernels want whole panels) are split over threads; each thread transforms its
+    block's input into private scratch, runs the GEMMs and transforms the result straight
+    into y, so every output has the same bits at any thread count. The GEMMs are the
+    convolution's register-blocked micro-kernels reading U and V in place: a block has a
+    few dozen tiles, and a BLAS sgemm would pack all of U[xi] for each of them.
+    ``scale``, ``relu``: as ``_conv_shifted``. Returns 1 when scratch could not be allocated.
     """
-    cdef int tH = (P + 3) // 4, tW = (Q + 3) // 4
-    cdef int ipb, rb, bpi, nblocks, groups
-    cdef Py_ssize_t ldt = _w4_blocks(N, C, O, P, Q, nt, &ipb, &rb, &bpi)
+    cdef int m = 4 if f4 else 2, pts = 36 if f4 else 16
+    cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
+    cdef int ipb, rb, bpi, nblocks
+    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, nt, &ipb, &rb, &bpi, f4)
     cdef Py_ssize_t ldxv, ldxm, HW = <Py_ssize_t>H * W, img_out = <Py_ssize_t>O * P * Q
-    cdef Py_ssize_t rows_tiles
-    cdef float *U = <float *>malloc(sizeof(float) * 36 * <size_t>O * C)
+    cdef Py_ssize_t rows_tiles, nb, scratch
+    cdef float *U = <float *>malloc(sizeof(float) * pts * <size_t>O * C)
     cdef int *off = <int *>malloc(sizeof(int) * <size_t>C)
     cdef float *Vraw
     cdef float *V
@@ -679,34 +607,40 @@ cdef int _conv_winograd4(const float *x, int N, int C, int H, int W, int pad,
     cdef float *ct
     cdef int failed[1]
     cdef int blk, n, n0, n1, ty0, ty1, xi, o, nv, mr0
-    cdef Py_ssize_t nb
     failed[0] = 0
     if U == NULL or off == NULL:
         free(U)
         free(off)
         return 1
-    groups = (N + ipb - 1) // ipb
-    nblocks = groups * bpi
+    nblocks = ((N + ipb - 1) // ipb) * bpi
     nt = _min(nt, nblocks)
     ldxv = _wino_plane_stride(C, ldt)
     ldxm = _wino_plane_stride(O, ldt)
+    if f4:
+        scratch = (max(pcw4_scratch_floats(tW, rb), pcw4_block_scratch_floats(ipb, tW, rb))
+                   + pcw4_filter_scratch_floats(C))
+    else:
+        scratch = pcw_scratch_floats(tW, rb) + pcw_filter_scratch_floats(C)
     pcc_offsets_tile(C, <int>ldt, off)   # V[xi] row c: the micro-kernels' B(c, t) = V[xi][c * ldt + t]
     with nogil, parallel(num_threads=nt):
-        Vraw = <float *>malloc(sizeof(float) * (36 * <size_t>(ldxv + ldxm)
-                                                + max(pcw4_scratch_floats(tW, rb), pcw4_block_scratch_floats(ipb, tW, rb))
-                                                + pcw4_filter_scratch_floats(C) + PCC_MR_MAX * PCC_NR) + 64)
+        # V, M and the scratch start on a cache line (ldxv, ldxm are multiples of 16 floats),
+        # so no 16-float store of a transform splits across two lines
+        Vraw = <float *>malloc(sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch + PCC_MR_MAX * PCC_NR) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
             failed[0] = 1
         else:
             # the last panel of a block reads whole vectors past its tiles: zeros, not stale floats
-            memset(V, 0, sizeof(float) * 36 * <size_t>ldxv)
+            memset(V, 0, sizeof(float) * pts * <size_t>ldxv)
         for o in prange(O, schedule="static"):
             if V != NULL:
-                pcw4_filters(w, O, C, o, o + 1, U, V + 36 * ldxv)
+                if f4:
+                    pcw4_filters(w, O, C, o, o + 1, U, V + pts * ldxv)
+                else:
+                    pcw_filters(w, O, C, o, o + 1, U, V + pts * ldxv)
         if V != NULL:
-            M = V + 36 * ldxv
-            ct = M + 36 * ldxm
+            M = V + pts * ldxv
+            ct = M + pts * ldxm
             scr = ct + PCC_MR_MAX * PCC_NR
         for blk in prange(nblocks, schedule="dynamic"):
             if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
@@ -718,17 +652,21 @@ cdef int _conv_winograd4(const float *x, int N, int C, int H, int W, int pad,
                 nb = (n1 - n0) * rows_tiles
                 nv = _min(PCC_NVMAX, <int>((nb + PCC_VEC - 1) // PCC_VEC))
                 mr0 = pcc_main_mr(nv)
-                if tW % 8 == 0:  # whole vectors along each row
+                if not f4:
+                    pcw_input(x + n0 * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
+                elif tW % 8 == 0:  # whole vectors along each row
                     for n in range(n0, n1):
                         pcw4_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt,
                                    (n - n0) * rows_tiles, scr)
                 else:  # rows of other lengths: the transforms run along the whole block, 8 tiles at a time
                     pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
-                for xi in range(36):
+                for xi in range(pts):
                     # M[xi] (O x nb) = U[xi] (O x C) @ V[xi] (C x nb): one row of nb positions
                     pcc_conv_panels(U + <Py_ssize_t>xi * O * C, O, C, mr0, nv, V + xi * ldxv, off,
                                     0, nb, <int>nb, <int>nb, M + xi * ldxm, ldt, NULL, NULL, 0, ct)
-                if tW % 8 == 0:  # whole vectors along each row
+                if not f4:
+                    pcw_output(M, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y + n0 * img_out, scr)
+                elif tW % 8 == 0:
                     for n in range(n0, n1):
                         pcw4_output(M, ldxm, ldt, (n - n0) * rows_tiles, 0, O, ty0, ty1, tW, P, Q, bias, scale,
                                     relu, y + n * img_out, scr)
@@ -754,25 +692,30 @@ cdef enum:
     WINOGRAD_DW_MIN_DEPTH = 96
 
 
-cdef int _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi) noexcept nogil:
-    """Blocks of the Winograd weight gradient: ``ipb`` whole images per block when an image's V
-    and dM fit WINOGRAD_DW_BLOCK_BYTES (``bpi`` = 1, ``rb`` = all tile rows), else ``bpi``
-    blocks of ``rb`` tile rows per image (``ipb`` = 1). Returns the tiles of a full block, the
-    depth of its GEMMs."""
-    cdef int tH = (P + 1) // 2, tW = (Q + 1) // 2
-    cdef Py_ssize_t per_tile = 64 * (<Py_ssize_t>C + O)
-    cdef Py_ssize_t per_image = per_tile * tH * tW
+cdef Py_ssize_t _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi,
+                          bint f4=False) noexcept nogil:
+    """Blocks of the Winograd weight gradient (F(4x4, 3x3) with ``f4``, else F(2x2, 3x3)):
+    ``ipb`` whole images per block when an image's V and dM fit WINOGRAD_DW_BLOCK_BYTES
+    (``bpi`` = 1, ``rb`` = all tile rows), else ``bpi`` blocks of ``rb`` tile rows per image
+    (``ipb`` = 1). Returns the tiles of a full block, the depth of its GEMMs; for F(4x4, 3x3)
+    rounded up to whole vectors of 8 (the planes' row stride, see pcw4_input_block)."""
+    cdef int m = 4 if f4 else 2
+    cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
+    cdef Py_ssize_t per_tile = 4 * (m + 2) * (m + 2) * (<Py_ssize_t>C + O)
+    cdef Py_ssize_t per_image = per_tile * tH * tW, tiles
     if per_image <= WINOGRAD_DW_BLOCK_BYTES:
         ipb[0] = <int>min(<Py_ssize_t>max(N, 1), WINOGRAD_DW_BLOCK_BYTES // per_image)
         rb[0] = tH
         bpi[0] = 1
-        return ipb[0] * tH * tW
-    ipb[0] = 1
-    rb[0] = <int>max(1, min(WINOGRAD_DW_BLOCK_BYTES // (per_tile * tW), tH))
-    bpi[0] = (tH + rb[0] - 1) // rb[0]
-    rb[0] = (tH + bpi[0] - 1) // bpi[0]    # equal blocks
-    bpi[0] = (tH + rb[0] - 1) // rb[0]
-    return rb[0] * tW
+        tiles = <Py_ssize_t>ipb[0] * tH * tW
+    else:
+        ipb[0] = 1
+        rb[0] = <int>max(1, min(WINOGRAD_DW_BLOCK_BYTES // (per_tile * tW), tH))
+        bpi[0] = (tH + rb[0] - 1) // rb[0]
+        rb[0] = (tH + bpi[0] - 1) // bpi[0]    # equal blocks
+        bpi[0] = (tH + rb[0] - 1) // rb[0]
+        tiles = <Py_ssize_t>rb[0] * tW
+    return (tiles + 7) & ~7 if f4 else tiles
 
 
 def winograd_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
@@ -789,19 +732,22 @@ def winograd_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
 
 
 cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
-                      const float *dy, int O, int P, int Q, float *dw, int nt) noexcept:
-    """Stride-1 3x3 weight gradient by Winograd F(2x2, 3x3) (``pcw_dy``, ``pcw_filters_grad``).
+                      const float *dy, int O, int P, int Q, float *dw, int nt, bint f4) noexcept:
+    """Stride-1 3x3 weight gradient by Winograd: F(4x4, 3x3) with ``f4`` (``pcw4_dy_block``,
+    ``pcw4_filters_grad``, 36 transform points), else F(2x2, 3x3) (``pcw_dy``,
+    ``pcw_filters_grad``, 16).
 
     A block is a run of whole images whose V and dM fit WINOGRAD_DW_BLOCK_BYTES, or
-    when one image does not, a run of its tile rows: the 16 GEMMs
+    when one image does not, a run of its tile rows: the GEMMs
     dU[xi] += dM[xi] V[xi]^T take the block's tiles as their depth, so the
     deeper the better. Blocks accumulate in their group's dU. Returns 1 when
     scratch could not be allocated.
     """
-    cdef int tH = (P + 1) // 2, tW = (Q + 1) // 2
+    cdef int m = 4 if f4 else 2, pts = 36 if f4 else 16
+    cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
     cdef int ipb, rb, bpi
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, OC = <Py_ssize_t>O * C
-    cdef Py_ssize_t ldt, ldxv, ldxm, img_tiles = <Py_ssize_t>tH * tW
+    cdef Py_ssize_t ldt, ldxv, ldxm, rows_tiles, scratch
     cdef int nblocks, groups, g, blk, n, n0, n1, ty0, ty1, nb, xi, ldti, o
     cdef Py_ssize_t e
     cdef float *dU
@@ -810,32 +756,38 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef float *M
     cdef float *scr
     cdef float *acc
+    cdef bint first
     cdef float beta
     cdef int failed[1]
     cdef char tt = b'T', tn = b'N'
     cdef float one = 1.0
     failed[0] = 0
-    ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi)
+    ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, f4)
     nblocks = (N + ipb - 1) // ipb if bpi == 1 else N * bpi
     groups = <int>max(1, min(<Py_ssize_t>min(nblocks, WINOGRAD_DW_GROUPS),
-                             WINOGRAD_DW_PARTIAL_BYTES // (64 * OC)))
+                             WINOGRAD_DW_PARTIAL_BYTES // (4 * pts * OC)))
     ldti = <int>ldt
     ldxv = _wino_plane_stride(C, ldt)
     ldxm = _wino_plane_stride(O, ldt)
-    dU = <float *>malloc(sizeof(float) * 16 * <size_t>OC * groups)
+    if f4:
+        scratch = max(max(pcw4_scratch_floats(tW, rb), pcw4_block_scratch_floats(ipb, tW, rb)),
+                      pcw4_dy_scratch_floats(ipb, tW, rb))
+    else:
+        scratch = pcw_scratch_floats(tW, rb)
+    dU = <float *>malloc(sizeof(float) * pts * <size_t>OC * groups)
     if dU == NULL:
         return 1
     with nogil, parallel(num_threads=_min(nt, groups)):
-        Vraw = <float *>malloc(sizeof(float) * (16 * <size_t>(ldxv + ldxm) + pcw_scratch_floats(tW, rb)) + 64)
+        Vraw = <float *>malloc(sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
             failed[0] = 1
         else:
-            M = V + 16 * ldxv
-            scr = M + 16 * ldxm
+            M = V + pts * ldxv
+            scr = M + pts * ldxm
         for g in prange(groups, schedule="dynamic"):
             if V != NULL:
-                acc = dU + <Py_ssize_t>g * 16 * OC
+                acc = dU + <Py_ssize_t>g * pts * OC
                 for blk in range(<int>((<long>nblocks * g) // groups), <int>((<long>nblocks * (g + 1)) // groups)):
                     if bpi == 1:   # images n0 .. n1, whole, one after the other along the tiles
                         n0 = blk * ipb
@@ -847,32 +799,53 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                         n1 = n0 + 1
                         ty0 = (blk % bpi) * rb
                         ty1 = _min(tH, ty0 + rb)
-                    nb = <int>((n1 - n0) * (ty1 - ty0) * tW)
-                    for n in range(n0, n1):
-                        pcw_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V + (n - n0) * img_tiles,
-                                  ldxv, ldt, scr)
-                        pcw_dy(dy + n * O * PQ, O, P, Q, ty0, ty1, tW, M + (n - n0) * img_tiles, ldxm, ldt, scr)
-                    beta = 0.0 if blk == (<long>nblocks * g) // groups else 1.0
-                    for xi in range(16):
-                        # column-major: dU[xi]^T (C x O) += (V[xi]^T, nb x C)^T @ (dM[xi]^T, nb x O)
-                        sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
-                              &beta, acc + xi * OC, &C)
+                    rows_tiles = <Py_ssize_t>(ty1 - ty0) * tW
+                    nb = <int>((n1 - n0) * rows_tiles)
+                    if not f4:
+                        for n in range(n0, n1):
+                            pcw_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V + (n - n0) * rows_tiles,
+                                      ldxv, ldt, scr)
+                            pcw_dy(dy + n * O * PQ, O, P, Q, ty0, ty1, tW, M + (n - n0) * rows_tiles, ldxm, ldt,
+                                   scr)
+                    else:
+                        if tW % 8 == 0:
+                            for n in range(n0, n1):
+                                pcw4_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt,
+                                           (n - n0) * rows_tiles, scr)
+                        else:
+                            pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
+                        pcw4_dy_block(dy, n0, n1, O, P, Q, ty0, ty1, tW, M, ldxm, ldt, scr)
+                    first = blk == (<long>nblocks * g) // groups
+                    beta = 0.0 if first else 1.0
+                    for xi in range(pts):
+                        # dU[xi] (O x C) += dM[xi] (O x nb) @ V[xi]^T (nb x C)
+                        if f4 and OC <= WINOGRAD4_DW_DOT_MAX_OC:
+                            # past nb to whole vectors, where dM is zero
+                            pcw4_dot_gemm(O, C, (nb + 7) & ~7, M + xi * ldxm, ldt, V + xi * ldxv, ldt,
+                                          acc + xi * OC, C, not first)
+                        else:  # column-major: dU[xi]^T (C x O) += (V[xi]^T)^T @ dM[xi]^T
+                            sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
+                                  &beta, acc + xi * OC, &C)
         free(Vraw)
     if failed[0]:
         free(dU)
         return 1
     with nogil:
         # the groups' sums, added in group order (into group 0), then G^T dU G per filter
-        for e in prange(16 * OC, schedule="static", num_threads=nt):
+        for e in prange(pts * OC, schedule="static", num_threads=nt):
             for g in range(1, groups):
-                dU[e] = dU[e] + dU[<Py_ssize_t>g * 16 * OC + e]
+                dU[e] = dU[e] + dU[<Py_ssize_t>g * pts * OC + e]
     with nogil, parallel(num_threads=_min(nt, O)):
-        scr = <float *>malloc(sizeof(float) * pcw_filter_scratch_floats(C))
+        scr = <float *>malloc(sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
+                                               else pcw_filter_scratch_floats(C)))
         if scr == NULL:
             failed[0] = 1
         for o in prange(O, schedule="static"):
             if scr != NULL:
-                pcw_filters_grad(dU, O, C, o, o + 1, dw, scr)
+                if f4:
+                    pcw4_filters_grad(dU, O, C, o, o + 1, dw, scr)
+                else:
+                    pcw_filters_grad(dU, O, C, o, o + 1, dw, scr)
         free(scr)
     free(dU)
     return failed[0]
@@ -922,124 +895,6 @@ def winograd4_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
     return C >= _wino4_dw_limits[2] and O >= _wino4_dw_limits[2] and tiles >= _wino4_dw_limits[3]
 
 
-cdef Py_ssize_t _dw4_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi) noexcept nogil:
-    """Blocks of the F(4x4, 3x3) weight gradient, as :func:`_dw_blocks`; returns the tiles of a
-    full block rounded up to whole vectors of 8 (the planes' row stride)."""
-    cdef int tH = (P + 3) // 4, tW = (Q + 3) // 4
-    cdef Py_ssize_t per_tile = 144 * (<Py_ssize_t>C + O)
-    cdef Py_ssize_t per_image = per_tile * tH * tW
-    if per_image <= WINOGRAD_DW_BLOCK_BYTES:
-        ipb[0] = <int>min(<Py_ssize_t>max(N, 1), WINOGRAD_DW_BLOCK_BYTES // per_image)
-        rb[0] = tH
-        bpi[0] = 1
-        return (<Py_ssize_t>ipb[0] * tH * tW + 7) & ~7
-    ipb[0] = 1
-    rb[0] = <int>max(1, min(WINOGRAD_DW_BLOCK_BYTES // (per_tile * tW), tH))
-    bpi[0] = (tH + rb[0] - 1) // rb[0]
-    rb[0] = (tH + bpi[0] - 1) // bpi[0]    # equal blocks
-    bpi[0] = (tH + rb[0] - 1) // rb[0]
-    return (<Py_ssize_t>rb[0] * tW + 7) & ~7
-
-
-cdef int _dw_winograd4(const float *x, int N, int C, int H, int W, int pad,
-                       const float *dy, int O, int P, int Q, float *dw, int nt) noexcept:
-    """Stride-1 3x3 weight gradient by Winograd F(4x4, 3x3) (``pcw4_dy_block``,
-    ``pcw4_filters_grad``): :func:`_dw_winograd` with 36 transform points. Returns 1 when
-    scratch could not be allocated."""
-    cdef int tH = (P + 3) // 4, tW = (Q + 3) // 4
-    cdef int ipb, rb, bpi
-    cdef Py_ssize_t HW = <Py_ssize_t>H * W, OC = <Py_ssize_t>O * C
-    cdef Py_ssize_t ldt, ldxv, ldxm, rows_tiles
-    cdef int nblocks, groups, g, blk, n, n0, n1, ty0, ty1, nb, xi, ldti, o
-    cdef Py_ssize_t e
-    cdef float *dU
-    cdef float *Vraw
-    cdef float *V
-    cdef float *M
-    cdef float *scr
-    cdef float *acc
-    cdef bint first
-    cdef float beta
-    cdef int failed[1]
-    cdef char tt = b'T', tn = b'N'
-    cdef float one = 1.0
-    failed[0] = 0
-    ldt = _dw4_blocks(N, C, O, P, Q, &ipb, &rb, &bpi)
-    nblocks = (N + ipb - 1) // ipb if bpi == 1 else N * bpi
-    groups = <int>max(1, min(<Py_ssize_t>min(nblocks, WINOGRAD_DW_GROUPS),
-                             WINOGRAD_DW_PARTIAL_BYTES // (144 * OC)))
-    ldti = <int>ldt
-    ldxv = _wino_plane_stride(C, ldt)
-    ldxm = _wino_plane_stride(O, ldt)
-    dU = <float *>malloc(sizeof(float) * 36 * <size_t>OC * groups)
-    if dU == NULL:
-        return 1
-    with nogil, parallel(num_threads=_min(nt, groups)):
-        Vraw = <float *>malloc(sizeof(float) * (36 * <size_t>(ldxv + ldxm)
-                                                + max(max(pcw4_scratch_floats(tW, rb),
-                                                          pcw4_block_scratch_floats(ipb, tW, rb)),
-                                                      pcw4_dy_scratch_floats(ipb, tW, rb))) + 64)
-        V = <float *>pc_align64(Vraw)
-        if V == NULL:
-            failed[0] = 1
-        else:
-            M = V + 36 * ldxv
-            scr = M + 36 * ldxm
-        for g in prange(groups, schedule="dynamic"):
-            if V != NULL:
-                acc = dU + <Py_ssize_t>g * 36 * OC
-                for blk in range(<int>((<long>nblocks * g) // groups), <int>((<long>nblocks * (g + 1)) // groups)):
-                    if bpi == 1:   # images n0 .. n1, whole, one after the other along the tiles
-                        n0 = blk * ipb
-                        n1 = _min(N, n0 + ipb)
-                        ty0 = 0
-                        ty1 = tH
-                    else:          # tile rows ty0 .. ty1 of one image
-                        n0 = blk // bpi
-                        n1 = n0 + 1
-                        ty0 = (blk % bpi) * rb
-                        ty1 = _min(tH, ty0 + rb)
-                    rows_tiles = <Py_ssize_t>(ty1 - ty0) * tW
-                    nb = <int>((n1 - n0) * rows_tiles)
-                    if tW % 8 == 0:
-                        for n in range(n0, n1):
-                            pcw4_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt,
-                                       (n - n0) * rows_tiles, scr)
-                    else:
-                        pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
-                    pcw4_dy_block(dy, n0, n1, O, P, Q, ty0, ty1, tW, M, ldxm, ldt, scr)
-                    first = blk == (<long>nblocks * g) // groups
-                    beta = 0.0 if first else 1.0
-                    for xi in range(36):
-                        # dU[xi] (O x C) += dM[xi] (O x nb) @ V[xi]^T (nb x C)
-                        if OC <= WINOGRAD4_DW_DOT_MAX_OC:
-                            # past nb to whole vectors, where dM is zero
-                            pcw4_dot_gemm(O, C, (nb + 7) & ~7, M + xi * ldxm, ldt, V + xi * ldxv, ldt,
-                                          acc + xi * OC, C, not first)
-                        else:  # column-major: dU[xi]^T (C x O) += (V[xi]^T)^T @ dM[xi]^T
-                            sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
-                                  &beta, acc + xi * OC, &C)
-        free(Vraw)
-    if failed[0]:
-        free(dU)
-        return 1
-    with nogil:
-        # the groups' sums, added in group order (into group 0), then G^T dU G per filter
-        for e in prange(36 * OC, schedule="static", num_threads=nt):
-            for g in range(1, groups):
-                dU[e] = dU[e] + dU[<Py_ssize_t>g * 36 * OC + e]
-    with nogil, parallel(num_threads=_min(nt, O)):
-        scr = <float *>malloc(sizeof(float) * pcw4_filters_grad_scratch_floats(C))
-        if scr == NULL:
-            failed[0] = 1
-        for o in prange(O, schedule="static"):
-            if scr != NULL:
-                pcw4_filters_grad(dU, O, C, o, o + 1, dw, scr)
-        free(scr)
-    free(dU)
-    return failed[0]
-
-
 def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                                      const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)
                                      float[:, :, :, ::1] dw,        # OUT (O, C, 3, 3), overwritten
@@ -1061,12 +916,8 @@ def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C,
     if N == 0 or C == 0 or O == 0 or P <= 0 or Q <= 0:
         raise ValueError("conv2d_backward_weights_winograd: every dimension must be >= 1")
     cdef int failed
-    if winograd4_dw_applies(N, C, O, 3, 1, P, Q):
-        failed = _dw_winograd4(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
-                               num_threads if num_threads > 0 else 1)
-    else:
-        failed = _dw_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
-                              num_threads if num_threads > 0 else 1)
+    failed = _dw_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
+                          num_threads if num_threads > 0 else 1, winograd4_dw_applies(N, C, O, 3, 1, P, Q))
     if failed:
         raise MemoryError("conv2d_backward_weights_winograd: could not allocate scratch")
     if db is not None:
@@ -1105,11 +956,11 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
             raise ValueError(f"conv2d_forward: scale and b must both have {O} entries with scale given")
         sp = &scale[0]
     if winograd and winograd4_applies(C, O, K, stride, P, Q, N):
-        failed = _conv_winograd4(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
-                                 &y[0, 0, 0, 0], P, Q, nt, sp, relu)
+        failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
+                                &y[0, 0, 0, 0], P, Q, nt, sp, relu, True)
     elif winograd and winograd_applies(C, O, K, stride, P, Q, N):
         failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
-                                &y[0, 0, 0, 0], P, Q, nt, sp, relu)
+                                &y[0, 0, 0, 0], P, Q, nt, sp, relu, False)
     elif K >= stride or stride == 1:
         # stride 1: the padded images; else their phases (every tap reads one; a narrower kernel
         # would leave phases unread)

@@ -171,6 +171,22 @@ static inline void pcw_at_row(const float *restrict s0, const float *restrict s1
     }
 }
 
+/* g[k * C + c] = wo[c * 9 + k]: one filter's 9 taps along its C channels (filter transforms). */
+static inline void pcw_taps_by_channel(const float *wo, int C, float *g)
+{
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < 9; k++)
+            g[k * (pcw_idx)C + c] = wo[(pcw_idx)c * 9 + k];
+}
+
+/* wo[c * 9 + k] = g[k * C + c]: the inverse of pcw_taps_by_channel (weight gradients). */
+static inline void pcw_taps_to_filter(const float *g, int C, float *wo)
+{
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < 9; k++)
+            wo[(pcw_idx)c * 9 + k] = g[k * (pcw_idx)C + c];
+}
+
 /* Scratch floats pcw_filters needs for C channels. */
 static inline pcw_idx pcw_filter_scratch_floats(int C)
 {
@@ -183,10 +199,7 @@ static void pcw_filters(const float *w, int O, int C, int o0, int o1, float *U, 
     float *g = scratch;                 /* g[k * C + c] = w[o, c, k]: the 9 taps along channels */
     float *t = scratch + 9 * (pcw_idx)C; /* t[(i * 3 + j) * C + c] = (G g)[i][j] */
     for (int o = o0; o < o1; o++) {
-        const float *wo = w + (pcw_idx)o * C * 9;
-        for (int c = 0; c < C; c++)
-            for (int k = 0; k < 9; k++)
-                g[k * (pcw_idx)C + c] = wo[(pcw_idx)c * 9 + k];
+        pcw_taps_by_channel(w + (pcw_idx)o * C * 9, C, g);
         for (int j = 0; j < 3; j++)     /* G along the filter rows, each column j */
             pcw_g(g + j * (pcw_idx)C, g + (3 + j) * (pcw_idx)C, g + (6 + j) * (pcw_idx)C,
                   t + (0 + j) * (pcw_idx)C, t + (3 + j) * (pcw_idx)C, t + (6 + j) * (pcw_idx)C,
@@ -382,10 +395,7 @@ static void pcw_filters_grad(const float *dU, int O, int C, int o0, int o1, floa
             pcw_gt(t + (0 * 3 + j) * (pcw_idx)C, t + (1 * 3 + j) * (pcw_idx)C, t + (2 * 3 + j) * (pcw_idx)C,
                    t + (3 * 3 + j) * (pcw_idx)C, g + (0 * 3 + j) * (pcw_idx)C, g + (1 * 3 + j) * (pcw_idx)C,
                    g + (2 * 3 + j) * (pcw_idx)C, C);
-        float *wo = dw + (pcw_idx)o * C * 9;
-        for (int c = 0; c < C; c++)
-            for (int k = 0; k < 9; k++)
-                wo[(pcw_idx)c * 9 + k] = g[k * (pcw_idx)C + c];
+        pcw_taps_to_filter(g, C, dw + (pcw_idx)o * C * 9);
     }
 }
 

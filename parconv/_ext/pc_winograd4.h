@@ -108,10 +108,7 @@ static void pcw4_filters(const float *w, int O, int C, int o0, int o1, float *U,
     float *t = scratch + 9 * (pcw_idx)C; /* t[(i * 3 + j) * C + c] = (G g)[i][j], i < 6 */
     const pcw_idx ux = (pcw_idx)O * C;
     for (int o = o0; o < o1; o++) {
-        const float *wo = w + (pcw_idx)o * C * 9;
-        for (int c = 0; c < C; c++)
-            for (int k = 0; k < 9; k++)
-                g[k * (pcw_idx)C + c] = wo[(pcw_idx)c * 9 + k];
+        pcw_taps_by_channel(w + (pcw_idx)o * C * 9, C, g);
         for (int j = 0; j < 3; j++)      /* G along the filter rows, each column j */
             pcw4_g(g + j * (pcw_idx)C, g + (3 + j) * (pcw_idx)C, g + (6 + j) * (pcw_idx)C,
                    t + (0 + j) * (pcw_idx)C, t + (3 + j) * (pcw_idx)C, t + (6 + j) * (pcw_idx)C,
@@ -622,10 +619,7 @@ static void pcw4_filters_grad(const float *dU, int O, int C, int o0, int o1, flo
             pcw4_gt(t + (0 * 3 + j) * (pcw_idx)C, t + (1 * 3 + j) * (pcw_idx)C, t + (2 * 3 + j) * (pcw_idx)C,
                     t + (3 * 3 + j) * (pcw_idx)C, t + (4 * 3 + j) * (pcw_idx)C, t + (5 * 3 + j) * (pcw_idx)C,
                     g + (0 * 3 + j) * (pcw_idx)C, g + (1 * 3 + j) * (pcw_idx)C, g + (2 * 3 + j) * (pcw_idx)C, C);
-        float *wo = dw + (pcw_idx)o * C * 9;
-        for (int c = 0; c < C; c++)
-            for (int k = 0; k < 9; k++)
-                wo[(pcw_idx)c * 9 + k] = g[k * (pcw_idx)C + c];
+        pcw_taps_to_filter(g, C, dw + (pcw_idx)o * C * 9);
     }
 }
 
