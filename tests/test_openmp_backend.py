@@ -54,6 +54,13 @@ def close_to_torch_conv2d(y, x, w, b, padding):
     close(y, want.numpy())
 
 
+def conv3x3_case(seed, N, C, O, H, W, P, Q):
+    """x (N, C, H, W), 3x3 filters (O, C) and dy (N, O, P, Q), scaled as a layer would see them."""
+    rng = np.random.default_rng(seed)
+    return (uniform(rng, (N, C, H, W)), uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9)),
+            uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q)))
+
+
 def uniform(rng, shape, scale=1.0):
     return (rng.uniform(-1, 1, size=shape) * scale).astype(np.float32)
 
@@ -152,10 +159,7 @@ def test_conv2d_backward_winograd_dx_matches_reference(case):
     N, C, O, H, W, padding, need_db, threads, seed = case
     P, Q = H + 2 * padding - 2, W + 2 * padding - 2
     assert omp._winograd_dx((N, C, H, W), (O, C, 3, 3), 1, padding)
-    rng = np.random.default_rng(seed)
-    x = uniform(rng, (N, C, H, W))
-    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
-    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    x, w, dy = conv3x3_case(seed, N, C, O, H, W, P, Q)
     with num_threads(threads):
         got = omp.conv2d_backward(x, w, dy, 1, padding, True, need_db)
     want = ref.conv2d_backward(x, w, dy, 1, padding, True, need_db)
@@ -197,10 +201,7 @@ def test_conv2d_backward_winograd_dw_matches_reference(case):
 
     N, C, O, H, W, padding, need_dx, threads, seed = case
     P, Q = H + 2 * padding - 2, W + 2 * padding - 2
-    rng = np.random.default_rng(seed)
-    x = uniform(rng, (N, C, H, W))
-    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
-    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    x, w, dy = conv3x3_case(seed, N, C, O, H, W, P, Q)
     want = ref.conv2d_backward(x, w, dy, 1, padding, need_dx, True)
     runs = []
     for t in (1, 2, 3):
@@ -403,10 +404,7 @@ def test_conv2d_backward_winograd4_dx_matches_reference(case):
     N, C, O, H, W, padding, _, seed = case
     P, Q = H + 2 * padding - 2, W + 2 * padding - 2
     assert omp._winograd_dx((N, C, H, W), (O, C, 3, 3), 1, padding)
-    rng = np.random.default_rng(seed)
-    x = uniform(rng, (N, C, H, W))
-    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
-    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    x, w, dy = conv3x3_case(seed, N, C, O, H, W, P, Q)
     with num_threads(2):
         got = omp.conv2d_backward(x, w, dy, 1, padding)
     for g, e in zip(got, ref.conv2d_backward(x, w, dy, 1, padding)):
@@ -436,10 +434,7 @@ def test_conv2d_backward_winograd4_dw_matches_reference(case):
 def _check_winograd4_dw(N, C, O, H, W, P, Q, padding, seed):
     from parconv._ext import _conv
 
-    rng = np.random.default_rng(seed)
-    x = uniform(rng, (N, C, H, W))
-    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
-    dy = uniform(rng, (N, O, P, Q), 1 / np.sqrt(N * P * Q))
+    x, w, dy = conv3x3_case(seed, N, C, O, H, W, P, Q)
     want = ref.conv2d_backward(x, w, dy, 1, padding)
     outs = []
     for t in (1, 2, 3):

@@ -240,6 +240,14 @@ static inline void pcw_prefetch_rows(const float *xc, int H, int W, int ih0, int
     }
 }
 
+/* Prefetch the rows ih0 .. ih0 + nrows of the channel PCW_PREFETCH_CHANNELS after c of an
+ * image's planes (xc: channel c's plane), while the input transforms work on channel c. */
+static inline void pcw_prefetch_ahead(const float *xc, int c, int C, int H, int W, int ih0, int nrows, int kmax)
+{
+    if (c + PCW_PREFETCH_CHANNELS < C && kmax > 0)
+        pcw_prefetch_rows(xc + (pcw_idx)PCW_PREFETCH_CHANNELS * H * W, H, W, ih0, nrows, kmax);
+}
+
 /* V of every channel of one image x (C, H, W), tile rows ty0..ty1 (at most rb of them).
  *
  * Each channel's input rows of the block are copied once into a zero-padded
@@ -261,8 +269,7 @@ static void pcw_input(const float *x, int C, int H, int W, int pad, int ty0, int
     memset(plane, 0, sizeof(float) * (size_t)nrows * Wt);
     for (int c = 0; c < C; c++) {
         const float *xc = x + (pcw_idx)c * H * W;
-        if (c + PCW_PREFETCH_CHANNELS < C && kmax > 0)
-            pcw_prefetch_rows(xc + (pcw_idx)PCW_PREFETCH_CHANNELS * H * W, H, W, ih0, nrows, kmax);
+        pcw_prefetch_ahead(xc, c, C, H, W, ih0, nrows, kmax);
         for (int r = 0; r < nrows; r++) {
             const int ih = ih0 + r;
             float *e = plane + (pcw_idx)r * Wt, *o = e + half;

@@ -179,8 +179,7 @@ static void pcw4_input(const float *x, int C, int H, int W, int pad, int ty0, in
     memset(plane, 0, sizeof(float) * (size_t)(nrows + 1) * Wt);
     for (int c = 0; c < C; c++) {
         const float *xc = x + (pcw_idx)c * H * W;
-        if (c + PCW_PREFETCH_CHANNELS < C && kmax > 0)
-            pcw_prefetch_rows(xc + (pcw_idx)PCW_PREFETCH_CHANNELS * H * W, H, W, ih0, nrows, kmax);
+        pcw_prefetch_ahead(xc, c, C, H, W, ih0, nrows, kmax);
         for (int r = 0; r < nrows; r++) {
             const int ih = ih0 + r;
             if (ih < 0 || ih >= H || kmax <= 0)
