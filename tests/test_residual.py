@@ -60,7 +60,11 @@ def test_fused_residual_relu_matches_the_layers(backend, oracle, seed, n, c, o, 
     block = fused[0]
     # the BatchNorm ends the body in training mode; in eval mode it is folded into its conv
     assert (block._cache[2] is not None) == (tail_bn and training)
-    for other, tol in ((want, 1e-6), (oracle_out, 1e-4)):
+    # With two or three values per channel the body's BatchNorm output hardly depends on its input:
+    # the gradients through it are rounding noise times 1 / sqrt(var + eps), up to 316, and agree
+    # with the float64 oracle in no digit; the unfused layers still have to give the same bits
+    comparisons = ((want, 1e-6), (oracle_out, 1e-4)) if n * p * p >= 4 else ((want, 1e-6),)
+    for other, tol in comparisons:
         assert_close(got[0], other[0], rtol=tol, what="y")
         assert_close(got[1], other[1], rtol=tol, atol=1e-5 * (float(np.abs(other[1]).max()) + 1.0), what="dx")
         for k in other[2]:
