@@ -464,6 +464,33 @@ def test_conv2d_backward_winograd4_dw_both_products(N, C, O, H, padding):
     _check_winograd4_dw(N, C, O, H, H, P, P, padding, N + C + O)
 
 
+def test_conv2d_backward_winograd4_dw_ignores_stale_scratch():
+    """A block of 198 tiles (not whole vectors of 8) after a call that left NaN in the scratch:
+    the products read no column past the block's tiles, so dw stays finite and thread-invariant."""
+    from parconv._ext import _conv
+
+    N, C, O, H, W, padding = 7, 16, 40, 19, 39, 2
+    P, Q = H + 2 * padding - 2, W + 2 * padding - 2
+    old = _conv._set_winograd4_dw_limits((32, 32, 16, 0))
+    try:
+        assert _conv.winograd4_dw_applies(N, C, O, 3, 1, P, Q)
+        x, w, dy = conv3x3_case(925629, N, C, O, H, W, P, Q)
+        outs = []
+        for t in (1, 2, 3):
+            dw = np.empty((O, C, 3, 3), np.float32)
+            with _blas_one_thread:
+                _conv.conv2d_backward_weights_winograd(np.full_like(x, np.nan), np.full_like(dy, np.nan), dw, None,
+                                                       padding, t)
+                _conv.conv2d_backward_weights_winograd(x, dy, dw, None, padding, t)
+            outs.append(dw)
+    finally:
+        _conv._set_winograd4_dw_limits(old)
+    assert np.isfinite(outs[0]).all()
+    for dw in outs[1:]:
+        assert np.array_equal(dw, outs[0])
+    close(outs[0], ref.conv2d_backward(x, w, dy, 1, padding)[1])
+
+
 def test_conv2d_winograd4_only_where_it_applies():
     from parconv._ext import _conv
 

@@ -820,8 +820,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                     for xi in range(pts):
                         # dU[xi] (O x C) += dM[xi] (O x nb) @ V[xi]^T (nb x C)
                         if f4 and OC <= WINOGRAD4_DW_DOT_MAX_OC:
-                            # past nb to whole vectors, where dM is zero
-                            pcw4_dot_gemm(O, C, (nb + 7) & ~7, M + xi * ldxm, ldt, V + xi * ldxv, ldt,
+                            pcw4_dot_gemm(O, C, nb, M + xi * ldxm, ldt, V + xi * ldxv, ldt,
                                           acc + xi * OC, C, not first)
                         else:  # column-major: dU[xi]^T (C x O) += (V[xi]^T)^T @ dM[xi]^T
                             sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,

@@ -623,7 +623,7 @@ static void pcw4_filters_grad(const float *dU, int O, int C, int o0, int o1, flo
 }
 
 /* Cout[o * ldc + c] = (beta ? Cout : 0) + sum_k A[o * lda + k] B[c * ldb + k] for o < O,
- * c < C, k < K (K a multiple of 8): the weight gradient's dU[xi] += dM[xi] V[xi]^T, whose
+ * c < C, k < K: the weight gradient's dU[xi] += dM[xi] V[xi]^T, whose
  * operands both run along the tiles. Blocks of 3 rows of A by 4 rows of B keep 12 vector
  * sums in registers over the whole depth, each added up across its lanes in a fixed
  * order at the end: for small products (the caller's WINOGRAD4_DW_DOT_MAX_OC), where a
@@ -645,7 +645,8 @@ static void pcw4_dot_gemm(int O, int C, pcw_idx K, const float *A, pcw_idx lda, 
                 a[i] = A + (pcw_idx)(o0 + (i < mo ? i : 0)) * lda;
             for (int j = 0; j < 4; j++)
                 b[j] = B + (pcw_idx)(c0 + (j < mc ? j : 0)) * ldb;
-            for (pcw_idx k = 0; k < K; k += 8) {
+            const pcw_idx K8 = K & ~(pcw_idx)7;   /* whole vectors; the rest below, one by one */
+            for (pcw_idx k = 0; k < K8; k += 8) {
                 const pcw_v8 a0 = pcw_ld8(a[0] + k), a1 = pcw_ld8(a[1] + k), a2 = pcw_ld8(a[2] + k);
                 for (int j = 0; j < 4; j++) {
                     const pcw_v8 bj = pcw_ld8(b[j] + k);
@@ -664,7 +665,9 @@ static void pcw4_dot_gemm(int O, int C, pcw_idx K, const float *A, pcw_idx lda, 
                 for (int j = 0; j < mc; j++) {
                     float l[8];
                     memcpy(l, &acc[i][j], sizeof l);
-                    const float sum = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+                    float sum = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+                    for (pcw_idx k = K8; k < K; k++)
+                        sum += a[i][k] * b[j][k];
                     float *out = Cout + (pcw_idx)(o0 + i) * ldc + c0 + j;
                     *out = beta ? *out + sum : sum;
                 }
