@@ -21,8 +21,9 @@
  * each of the 36 points xi is one GEMM over channels, M[xi] (O x tiles) = U[xi] (O x C)
  * @ V[xi] (C x tiles): 4x fewer multiplies than the direct convolution, against
  * F(2x2, 3x3)'s 2.25x, and 2.25 instead of 4 transformed values per output to write and
- * read. The caller runs the GEMMs; the transforms run along the tiles of a row in
- * vectors of 8, with the same operations in the same order in the scalar tails.
+ * read. The caller runs the GEMMs; the transforms run on vectors of 8 tiles, along a
+ * row or, where rows are short, along a block of rows and images, with the same
+ * operations in the same order in the scalar tails.
  *
  * Layouts (row-major): U[xi][o][c]; V[xi * ldx + c * ldt + t] and M[xi * ldx + o * ldt + t],
  * t the tile's index in the block (the caller's base plus (ty - ty0) * tW + tx).
