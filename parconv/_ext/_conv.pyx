@@ -455,17 +455,23 @@ cdef int[12] _wino_limits = [WINOGRAD_MIN_C, WINOGRAD_MIN_O, WINOGRAD_MIN_TILES,
                              WINOGRAD_BATCH_MIN_TILES_X_O]
 
 
+cdef tuple _swap_limits(int *lim, int n, limits):
+    """The n thresholds at lim, as a tuple taken before ``limits`` (n numbers, or None to keep
+    them) replaces them: the shared body of the ``_set_*_limits`` functions."""
+    old = tuple(lim[i] for i in range(n))
+    if limits is not None:
+        if len(limits) != n:
+            raise ValueError(f"limits must have {n} entries, got {len(limits)}")
+        for i in range(n):
+            lim[i] = int(limits[i])
+    return old
+
+
 def _set_winograd_limits(limits=None):
     """The thresholds of :func:`winograd_applies`: three rules of (min_c, min_o, min_tiles,
     min_tiles_x_o), flattened; the first two for one image, the last for a batch. With
     ``limits`` (12 numbers), set them (for tuning and tests) and return the old ones."""
-    old = tuple(_wino_limits[i] for i in range(12))
-    if limits is not None:
-        if len(limits) != 12:
-            raise ValueError(f"limits must have 12 entries, got {len(limits)}")
-        for i in range(12):
-            _wino_limits[i] = int(limits[i])
-    return old
+    return _swap_limits(_wino_limits, 12, limits)
 
 
 cdef inline bint _wino_rule(const int *lim, int C, int O, long tiles) noexcept nogil:
@@ -494,15 +500,12 @@ cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nog
 cdef extern from "pc_winograd4.h":
     void pcw4_filters(const float *w, int O, int C, int o0, int o1, float *U, float *scratch) noexcept nogil
     Py_ssize_t pcw4_filter_scratch_floats(int C) noexcept nogil
-    Py_ssize_t pcw4_scratch_floats(int tW, int rb) noexcept nogil
-    void pcw4_input(const float *x, int C, int H, int W, int pad, int ty0, int ty1, int tW,
-                    float *V, Py_ssize_t ldx, Py_ssize_t ldt, Py_ssize_t t0, float *scratch) noexcept nogil
     void pcw4_output(const float *M, Py_ssize_t ldx, Py_ssize_t ldt, Py_ssize_t t0, int o0, int o1, int ty0,
                      int ty1, int tW, int P, int Q, const float *bias, const float *scale, int relu, float *y,
                      float *scratch) noexcept nogil
-    Py_ssize_t pcw4_block_scratch_floats(int ipb, int tW, int rb) noexcept nogil
-    void pcw4_input_block(const float *x, int n0, int n1, int C, int H, int W, int pad, int ty0, int ty1,
-                          int tW, float *V, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
+    Py_ssize_t pcw4_input_images_scratch_floats(int ipb, int tW, int rb) noexcept nogil
+    void pcw4_input_images(const float *x, int n0, int n1, int C, int H, int W, int pad, int ty0, int ty1,
+                           int tW, float *V, Py_ssize_t ldx, Py_ssize_t ldt, float *scratch) noexcept nogil
     void pcw4_output_block(const float *M, Py_ssize_t ldx, Py_ssize_t ldt, int n0, int n1, int O, int o0,
                            int o1, int ty0, int ty1, int tW, int P, int Q, const float *bias,
                            const float *scale, int relu, float *y, float *scratch) noexcept nogil
@@ -531,13 +534,7 @@ cdef int[3] _wino4_limits = [WINOGRAD4_MIN_C, WINOGRAD4_MIN_O, WINOGRAD4_MIN_SID
 def _set_winograd4_limits(limits=None):
     """The thresholds of :func:`winograd4_applies` (min channels, min filters, min output side);
     with ``limits`` None they stay. Returns the previous ones (tests and tuning)."""
-    old = tuple(_wino4_limits[i] for i in range(3))
-    if limits is not None:
-        if len(limits) != 3:
-            raise ValueError(f"limits must have 3 entries, got {len(limits)}")
-        for i in range(3):
-            _wino4_limits[i] = int(limits[i])
-    return old
+    return _swap_limits(_wino4_limits, 3, limits)
 
 
 def winograd4_applies(int C, int O, int K, int stride, int P, int Q, int N=1):
@@ -617,8 +614,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     ldxv = _wino_plane_stride(C, ldt)
     ldxm = _wino_plane_stride(O, ldt)
     if f4:
-        scratch = (max(pcw4_scratch_floats(tW, rb), pcw4_block_scratch_floats(ipb, tW, rb))
-                   + pcw4_filter_scratch_floats(C))
+        scratch = pcw4_input_images_scratch_floats(ipb, tW, rb) + pcw4_filter_scratch_floats(C)
     else:
         scratch = pcw_scratch_floats(tW, rb) + pcw_filter_scratch_floats(C)
     pcc_offsets_tile(C, <int>ldt, off)   # V[xi] row c: the micro-kernels' B(c, t) = V[xi][c * ldt + t]
@@ -652,21 +648,17 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                 nb = (n1 - n0) * rows_tiles
                 nv = _min(PCC_NVMAX, <int>((nb + PCC_VEC - 1) // PCC_VEC))
                 mr0 = pcc_main_mr(nv)
-                if not f4:
+                if f4:
+                    pcw4_input_images(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
+                else:
                     pcw_input(x + n0 * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
-                elif tW % 8 == 0:  # whole vectors along each row
-                    for n in range(n0, n1):
-                        pcw4_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt,
-                                   (n - n0) * rows_tiles, scr)
-                else:  # rows of other lengths: the transforms run along the whole block, 8 tiles at a time
-                    pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
                 for xi in range(pts):
                     # M[xi] (O x nb) = U[xi] (O x C) @ V[xi] (C x nb): one row of nb positions
                     pcc_conv_panels(U + <Py_ssize_t>xi * O * C, O, C, mr0, nv, V + xi * ldxv, off,
                                     0, nb, <int>nb, <int>nb, M + xi * ldxm, ldt, NULL, NULL, 0, ct)
                 if not f4:
                     pcw_output(M, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y + n0 * img_out, scr)
-                elif tW % 8 == 0:
+                elif tW % 8 == 0:  # whole vectors along each row, as the input transform
                     for n in range(n0, n1):
                         pcw4_output(M, ldxm, ldt, (n - n0) * rows_tiles, 0, O, ty0, ty1, tW, P, Q, bias, scale,
                                     relu, y + n * img_out, scr)
@@ -770,8 +762,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     ldxv = _wino_plane_stride(C, ldt)
     ldxm = _wino_plane_stride(O, ldt)
     if f4:
-        scratch = max(max(pcw4_scratch_floats(tW, rb), pcw4_block_scratch_floats(ipb, tW, rb)),
-                      pcw4_dy_scratch_floats(ipb, tW, rb))
+        scratch = max(pcw4_input_images_scratch_floats(ipb, tW, rb), pcw4_dy_scratch_floats(ipb, tW, rb))
     else:
         scratch = pcw_scratch_floats(tW, rb)
     dU = <float *>malloc(sizeof(float) * pts * <size_t>OC * groups)
@@ -808,12 +799,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                             pcw_dy(dy + n * O * PQ, O, P, Q, ty0, ty1, tW, M + (n - n0) * rows_tiles, ldxm, ldt,
                                    scr)
                     else:
-                        if tW % 8 == 0:
-                            for n in range(n0, n1):
-                                pcw4_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt,
-                                           (n - n0) * rows_tiles, scr)
-                        else:
-                            pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
+                        pcw4_input_images(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
                         pcw4_dy_block(dy, n0, n1, O, P, Q, ty0, ty1, tW, M, ldxm, ldt, scr)
                     first = blk == (<long>nblocks * g) // groups
                     beta = 0.0 if first else 1.0
@@ -872,13 +858,7 @@ def _set_winograd4_dw_limits(limits=None):
     """The thresholds of :func:`winograd4_dw_applies` (min channels, min filters, narrow min
     channels and filters, narrow min tiles); with ``limits`` None they stay. Returns the previous
     ones (tests and tuning)."""
-    old = tuple(_wino4_dw_limits[i] for i in range(4))
-    if limits is not None:
-        if len(limits) != 4:
-            raise ValueError(f"limits must have 4 entries, got {len(limits)}")
-        for i in range(4):
-            _wino4_dw_limits[i] = int(limits[i])
-    return old
+    return _swap_limits(_wino4_dw_limits, 4, limits)
 
 
 def winograd4_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):

@@ -374,6 +374,29 @@ static void pcw4_input_block(const float *x, int n0, int n1, int C, int H, int W
 
 #endif
 
+/* Scratch floats pcw4_input_images needs for blocks of ipb images of rb rows of tW tiles. */
+static inline pcw_idx pcw4_input_images_scratch_floats(int ipb, int tW, int rb)
+{
+    const pcw_idx row = pcw4_scratch_floats(tW, rb), block = pcw4_block_scratch_floats(ipb, tW, rb);
+    return row > block ? row : block;
+}
+
+/* V of images n0..n1 of x (N, C, H, W), tile rows ty0..ty1, at tiles
+ * (n - n0) * (ty1 - ty0) * tW + (ty - ty0) * tW + tx: along each row where rows are whole
+ * vectors of 8 tiles (pcw4_input), else along the block (pcw4_input_block). */
+static void pcw4_input_images(const float *x, int n0, int n1, int C, int H, int W, int pad, int ty0, int ty1,
+                              int tW, float *V, pcw_idx ldx, pcw_idx ldt, float *scratch)
+{
+    const pcw_idx rows_tiles = (pcw_idx)(ty1 - ty0) * tW;
+    if (tW % 8 != 0) {
+        pcw4_input_block(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldx, ldt, scratch);
+        return;
+    }
+    for (int n = n0; n < n1; n++)
+        pcw4_input(x + (pcw_idx)n * C * H * W, C, H, W, pad, ty0, ty1, tW, V, ldx, ldt, (n - n0) * rows_tiles,
+                   scratch);
+}
+
 /* A^T applied to six values (one axis of the output transform). */
 #define PCW4_AT(m0, m1, m2, m3, m4, m5, y)                         \
     do {                                                           \
