@@ -23,6 +23,7 @@ import numpy as np
 
 from . import backends as _backends
 from . import functional as F
+from ._shapes import check_geometry
 from ._validation import Where, check_float, check_int, shape_of, state_array, to_backend_array
 
 __all__ = [
@@ -63,9 +64,12 @@ def _pair(value, name: str, where: str, minimum: int) -> tuple:
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise ValueError(f"{where}: {name} must be an int or a pair (h, w), got {tuple(value)!r}")
-        return (check_int(value[0], f"{name}[0]", where, minimum), check_int(value[1], f"{name}[1]", where, minimum))
-    v = check_int(value, name, where, minimum)
-    return (v, v)
+        items = (check_int(value[0], f"{name}[0]", where, minimum), check_int(value[1], f"{name}[1]", where, minimum))
+    else:
+        v = check_int(value, name, where, minimum)
+        items = (v, v)
+    check_geometry(items, value, name, where)
+    return items
 
 
 def _scalar_or_pair(pair: tuple):
