@@ -175,6 +175,11 @@ def _prepare_target(loss, y_host, be):
     return loss.prepare_target(y_host, None, be)
 
 
+def per_batch_schedule(scheduler) -> bool:
+    """Whether ``fit`` steps ``scheduler`` after every batch (``OneCycleLR``) rather than every epoch."""
+    return scheduler is not None and bool(getattr(scheduler, "per_batch", False))
+
+
 def _is_loader(x) -> bool:
     return hasattr(x, "epoch") and hasattr(x, "__len__") and hasattr(x, "batch_size") and not hasattr(x, "shape")
 
@@ -552,6 +557,16 @@ class _FitRun:
                 except (ValueError, TypeError, KeyError) as exc:
                     raise ValueError(f"{state.path!r}: the learning-rate scheduler's state does not fit "
                                      f"{type(scheduler).__name__}: {exc}") from None
+                total = getattr(scheduler, "total_steps", None)
+                if per_batch_schedule(scheduler) and isinstance(total, int) and steps_per_epoch and \
+                        total < self.epochs * steps_per_epoch:
+                    # the restored schedule ends where the original run did; stepping past it fails mid-epoch
+                    raise ValueError(
+                        f"{where}: cannot resume from {state.path!r} with epochs={self.epochs}: its "
+                        f"{type(scheduler).__name__} schedule has total_steps={total} ({total / steps_per_epoch:g} "
+                        f"epochs of {steps_per_epoch} steps), fewer than the {self.epochs * steps_per_epoch} steps "
+                        f"of {self.epochs} epochs; resume with epochs={total // steps_per_epoch} (a schedule "
+                        "cannot be stretched mid-run), or start a new run")
             start_epoch, start_step, global_step = state.epoch, state.step, state.global_step
             carried = (state.loss_sum, state.correct)
 
