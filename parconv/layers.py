@@ -357,6 +357,7 @@ class Conv2d(Layer):
     dilation : int or (dh, dw), default 1
     groups : int, default 1
         ``in_channels`` and ``out_channels`` must be multiples; ``groups=in_channels`` is depthwise.
+        Kernel size, stride, padding and dilation are each at most 65536 (``ValueError`` beyond).
     bias : bool, default True
     backend : str or Backend, optional
     rng : numpy Generator or int seed, optional

@@ -1110,6 +1110,10 @@ def load(path, backend=None):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"ONNX file {path!r} does not exist")
+    from ._io import open_regular
+
+    with open_regular(path, "the ONNX file"):  # a FIFO or a device would block or feed the parser forever
+        pass
     try:
         proto = onnx.load(path)
         onnx.checker.check_model(proto)

@@ -493,3 +493,16 @@ def test_selftest_and_train_exit_alike_for_an_unknown_backend(capsys):
     assert "parconv selftest: error: unknown backend 'cuda'" in err
     assert main(["train", "--backend", "cuda", "--epochs", "1"]) == 2
     assert "parconv train: error: unknown backend 'cuda'" in capsys.readouterr().err
+
+
+def test_custom_layers_without_shape_arithmetic_are_not_prechecked(backend):
+    # a user's layer that changes the shape but keeps Layer.output_shape must not make fit refuse the model
+    class Pool(pc.Layer):
+        def forward(self, x):
+            return pc.functional.maxpool2d(x, 2, backend=self.backend)
+
+        def backward(self, dy, need_dx=True):
+            raise NotImplementedError
+
+    model = pc.Sequential(Pool(backend=backend), pc.Flatten(), pc.Linear(4, 2), backend=backend)
+    assert model.predict(np.zeros((3, 1, 4, 4), np.float32)).shape == (3, 2)

@@ -163,3 +163,17 @@ def test_conv2d_geometry_bounds(backend, kwargs, name):
     with pytest.raises(ValueError, match=r"MaxPool2d: stride must be <= 65536"):
         pc.MaxPool2d(2, stride=2**40, backend=backend)
     pc.Conv2d(1, 1, 3, stride=65536, padding=(0, 65536), backend=backend)  # the bound itself is accepted
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "pipe.onnx")
+    code = f"import parconv.onnx as pox\ntry:\n    pox.load({str(tmp_path / 'pipe.onnx')!r})\nexcept ValueError as e:\n" \
+           f"    print(e)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert "pipe.onnx': the ONNX file is a FIFO (named pipe); expected a regular file" in out.stdout, out
