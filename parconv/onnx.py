@@ -455,6 +455,9 @@ _BATCH = -918273645
 # how deeply Residuals (Adds of two branches) may nest: real networks nest a few levels; the walk and
 # the model built from it recurse once per level
 _MAX_NESTING = 100
+# graphs with branches are walked with a bit set of reachable nodes per node (n**2 / 8 bytes): at most
+# 20,000 nodes (50 MB); the largest networks parconv's layers express have a few hundred
+_MAX_FORK_NODES = 20_000
 
 # a folded constant may hold at most this many values, or as many as the file's initializers hold
 # (shape arithmetic and transposed weights stay far below; ConstantOfShape([20000, 20000]) does not)
@@ -701,6 +704,10 @@ class _Loader:
     # ---------------------------------------------------------------- the walk
     def reach(self, node) -> int:
         """The live nodes reachable from ``node`` (itself included), as a bit set of node indices."""
+        if not self._reach and len(self.nodes) > _MAX_FORK_NODES:
+            # a bit set per node of every node after it: quadratic memory in the graph's size
+            self.fail(node, f"forks a graph of {len(self.nodes):,} data nodes; parconv loads graphs with branches "
+                            f"of at most {_MAX_FORK_NODES:,} nodes")
         if not self._reach:  # ONNX nodes are topologically sorted: consumers come later
             for n in reversed(self.nodes):
                 bits = 1 << n.idx

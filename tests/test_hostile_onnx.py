@@ -177,3 +177,14 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert "pipe.onnx': the ONNX file is a FIFO (named pipe); expected a regular file" in out.stdout, out
+
+
+def test_huge_graphs_with_branches_are_refused_before_quadratic_work(tmp_path, monkeypatch):
+    # the branch analysis keeps a bit set per node of the nodes after it: n**2 / 8 bytes
+    monkeypatch.setattr(pox, "_MAX_FORK_NODES", 50)
+    nodes = [helper.make_node("Relu", [f"t{k}" if k else "x"], [f"t{k + 1}"]) for k in range(60)]
+    nodes.append(helper.make_node("Add", ["t60", "t59"], ["y"], name="join"))
+    path = _save(tmp_path / "wide.onnx", nodes, {}, ["N", 3], ["N", 3])
+    _refused_cheaply(path, "forks a graph of 61 data nodes", "at most 50 nodes")
+    monkeypatch.setattr(pox, "_MAX_FORK_NODES", 61)
+    assert len(pox.load(path, backend="numpy")) == 60
