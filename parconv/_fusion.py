@@ -51,6 +51,7 @@ class _Fused:
         self.start, self.layers = start, layers
         self.backend = layers[0].backend
         self._cache = None
+        self._checked = None  # the last input shape the layers accepted
 
     def release(self) -> None:
         self._cache = None
@@ -59,7 +60,7 @@ class _Fused:
         """Run the layers' own shape checks (once per input shape), so that an error names the user's
         layer and its index in the Sequential rather than the fused op."""
         shape = shape_of(x)
-        if shape == getattr(self, "_checked", None):
+        if shape == self._checked:
             return
         s = shape
         for k, layer in enumerate(self.layers):
@@ -182,7 +183,6 @@ class ConvBatchNormEval(_Fused):
     def __init__(self, start, conv, bn, relu=None):
         super().__init__(start, [conv, bn] if relu is None else [conv, bn, relu])
         self.conv, self.bn, self.relu = conv, bn, relu is not None
-        self._checked = None  # the last input shape the layers accepted
 
     def forward(self, x):
         conv, bn = self.conv, self.bn

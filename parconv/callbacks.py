@@ -363,7 +363,8 @@ class ModelCheckpoint(Callback):
         self.best = math.inf if self.mode == "min" else -math.inf
         directory, name = os.path.split(self.path)
         if "{" not in directory:  # fields in the file name only: its directory is known now
-            _check_target("ModelCheckpoint", self.path, None if "{" not in name else os.path.join(directory, "probe.npz"))
+            probe = None if "{" not in name else os.path.join(directory, "probe.npz")
+            _check_target("ModelCheckpoint", self.path, probe)
 
     def _format(self, epoch: int, logs: dict) -> str:
         fields = dict(logs)

@@ -178,11 +178,6 @@ def _prepare_target(loss, y_host, be):
     return loss.prepare_target(y_host, None, be)
 
 
-def per_batch_schedule(scheduler) -> bool:
-    """Whether ``fit`` steps ``scheduler`` after every batch (``OneCycleLR``) rather than every epoch."""
-    return scheduler is not None and bool(getattr(scheduler, "per_batch", False))
-
-
 def _is_loader(x) -> bool:
     return hasattr(x, "epoch") and hasattr(x, "__len__") and hasattr(x, "batch_size") and not hasattr(x, "shape")
 
@@ -561,7 +556,7 @@ class _FitRun:
                     raise ValueError(f"{state.path!r}: the learning-rate scheduler's state does not fit "
                                      f"{type(scheduler).__name__}: {exc}") from None
                 total = getattr(scheduler, "total_steps", None)
-                if per_batch_schedule(scheduler) and isinstance(total, int) and steps_per_epoch and \
+                if getattr(scheduler, "per_batch", False) and isinstance(total, int) and steps_per_epoch and \
                         total < self.epochs * steps_per_epoch:
                     # the restored schedule ends where the original run did; stepping past it fails mid-epoch
                     raise ValueError(
