@@ -16,6 +16,7 @@ One ``.npz`` written atomically through :mod:`parconv._io` (no pickle):
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -139,7 +140,53 @@ def read_model_file(path) -> tuple[dict, dict, dict]:
     state = {k: v for k, v in arrays.items() if not k.startswith("extra.")}
     for key, value in state.items():
         _check_state_array(path, key, value)
+    _check_promised_sizes(path, meta["model"], state)
     return meta["model"], state, meta
+
+
+def _promised_values(config: dict) -> int:
+    """A lower bound on the parameter values a layer built from ``config`` allocates (0 when unknown)."""
+    def size(name):
+        v = config.get(name)
+        if _is_int(v) and v > 0:
+            return v
+        if isinstance(v, list) and v and all(_is_int(d) and d > 0 for d in v):
+            return math.prod(v)
+        return None
+
+    if size("in_features") and size("out_features"):
+        return size("in_features") * size("out_features")
+    if size("in_channels") and size("out_channels") and size("kernel_size"):
+        k = size("kernel_size") ** (2 if _is_int(config["kernel_size"]) else 1)
+        return size("in_channels") * size("out_channels") * k // (size("groups") or 1)
+    if config.get("affine", True) is False and config.get("track_running_stats", True) is False:
+        return 0  # a BatchNorm without weights or running statistics stores nothing
+    return size("num_features") or 0
+
+
+def _check_promised_sizes(path, model_config: dict, state: dict) -> None:
+    """Refuse a description whose layers would allocate more values than the file holds, before any is built.
+
+    Every parameter is stored with its full shape, so a valid file holds at least as many values as its
+    layers allocate; an altered description (``Linear(30000, 30000)`` over a few bytes) fails here, not
+    after gigabytes are drawn for the initial weights.
+    """
+    held = sum(int(v.size) for v in state.values())
+    promised, todo = 0, [model_config]
+    while todo:  # iterative: a hostile description may nest deeply
+        item = todo.pop()
+        if isinstance(item, list):
+            todo.extend(item)
+        elif isinstance(item, dict):
+            if isinstance(item.get("type"), str) and isinstance(item.get("config"), dict):
+                need = _promised_values(item["config"])
+                promised += need
+                if promised > held:
+                    raise ValueError(f"{path!r}: the model description promises more parameters than the file "
+                                     f"holds: layer {item['type']} {item['config']!r:.200} alone needs {need:,} "
+                                     f"values, the file stores {held:,} in all (an altered or mismatched "
+                                     "description?)")
+            todo.extend(item.values())
 
 
 def _check_state_array(path, key: str, value: np.ndarray) -> None:

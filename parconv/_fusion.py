@@ -51,9 +51,24 @@ class _Fused:
         self.start, self.layers = start, layers
         self.backend = layers[0].backend
         self._cache = None
+        self._checked = None  # the last input shape the layers accepted
 
     def release(self) -> None:
         self._cache = None
+
+    def _check_input(self, x) -> None:
+        """Run the layers' own shape checks (once per input shape), so that an error names the user's
+        layer and its index in the Sequential rather than the fused op."""
+        shape = shape_of(x)
+        if shape == self._checked:
+            return
+        s = shape
+        for k, layer in enumerate(self.layers):
+            try:
+                s = tuple(layer.output_shape(s))
+            except ValueError as exc:
+                raise ValueError(f"layer {self.start + k}: {exc}") from None
+        self._checked = shape
 
     def _cached(self):
         if self._cache is None:
@@ -79,6 +94,7 @@ class ConvReluMaxPool(_Fused):
 
     def forward(self, x):
         conv = self.conv
+        self._check_input(x)
         b = conv.bias.data if conv.bias is not None else None
         y, argmax = F.conv2d_relu_maxpool2d(x, conv.weight.data, b, conv._fargs["stride"], conv._fargs["padding"],
                                             self.pool._fargs["kernel_size"], self.pool._fargs["stride"],
@@ -108,6 +124,7 @@ class ConvReluMaxPoolHead(_Fused):
 
     def forward(self, x):
         conv, head = self.conv, self.head
+        self._check_input(x)
         b = conv.bias.data if conv.bias is not None else None
         bl = head.bias.data if head.bias is not None else None
         y, argmax, logits = F.conv2d_relu_maxpool2d_linear(
@@ -166,14 +183,10 @@ class ConvBatchNormEval(_Fused):
     def __init__(self, start, conv, bn, relu=None):
         super().__init__(start, [conv, bn] if relu is None else [conv, bn, relu])
         self.conv, self.bn, self.relu = conv, bn, relu is not None
-        self._checked = None  # the last input shape the layers accepted
 
     def forward(self, x):
         conv, bn = self.conv, self.bn
-        shape = shape_of(x)
-        if shape != self._checked:
-            conv.output_shape(shape)  # the layer's own errors for a wrong input
-            self._checked = shape
+        self._check_input(x)
         # the layers' own arrays, shapes fixed by their constructors: straight to the backend
         y = self.backend.conv2d_batch_norm_eval_forward(
             x, conv.weight.data, conv.bias.data if conv.bias is not None else None,

@@ -267,7 +267,7 @@ def load_npz(path) -> tuple[dict, dict]:
     arrays = {}
     try:
         archive_size = os.path.getsize(path)
-        with zipfile.ZipFile(path) as zf:
+        with open_regular(path, "the checkpoint") as f, zipfile.ZipFile(f) as zf:
             for info in zf.infolist():
                 name = info.filename
                 if not name.endswith(".npy") or len(name) == 4:
@@ -304,6 +304,35 @@ def load_npz(path) -> tuple[dict, dict]:
     if _depth(meta, _MAX_JSON_DEPTH) > _MAX_JSON_DEPTH:
         raise ValueError(f"{path!r}: checkpoint metadata is nested deeper than {_MAX_JSON_DEPTH} levels")
     return arrays, meta
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_regular(path, what: str = "file", error=ValueError):
+    """Open ``path`` for reading in binary mode, refusing anything but a regular file with a ``ValueError``.
+
+    The check is made on the opened descriptor (``O_NONBLOCK``: opening a FIFO does not wait for a
+    writer), so a FIFO, ``/dev/zero`` or a symbolic link to them cannot hang or feed a reader forever.
+    """
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path!r}: {what} is {_file_kind(st.st_mode)}; expected a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _head(path, n: int = 8) -> bytes:

@@ -22,6 +22,18 @@ def out_size(size: int, k: int, stride: int = 1, pad_lo: int = 0, pad_hi: int | 
     return (size + pad_lo + pad_hi - dilation * (k - 1) - 1) // stride + 1
 
 
+#: the largest kernel size, stride, padding or dilation accepted: beyond it the kernels' index arithmetic
+#: overflows, and no image is that large
+MAX_GEOMETRY = 1 << 16
+
+
+def check_geometry(items: tuple, value, name: str, where) -> None:
+    """Raise ``ValueError`` when an entry of ``items`` is above :data:`MAX_GEOMETRY`."""
+    if max(items) > MAX_GEOMETRY:
+        raise ValueError(f"{where}: {name} must be <= {MAX_GEOMETRY} (larger values overflow the kernels' index "
+                         f"arithmetic and no image is that large), got {value!r}")
+
+
 def _is_int(v) -> bool:
     return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
@@ -37,6 +49,7 @@ def pair(value, name: str, where, minimum: int) -> tuple:
                         f"(a pair of ints (h, w) is accepted too)")
     if min(items) < minimum:
         raise ValueError(f"{where}: {name} must be >= {minimum}, got {value!r}")
+    check_geometry(items, value, name, where)
     return items
 
 

@@ -296,6 +296,23 @@ class EarlyStopping(Callback):
             self._restored = True
 
 
+def _check_target(where: str, path: str, probe: str | None = None) -> None:
+    """Fail at the start of training, not after the first epoch, when ``path`` (or a file ``probe`` beside
+    it, for a path with format fields) cannot be written."""
+    from ._io import check_writable_target
+
+    try:
+        check_writable_target(path if probe is None else probe)
+    except OSError as exc:
+        if isinstance(exc, NotADirectoryError):
+            why = f"{exc.filename} is a file, not a directory"
+        elif isinstance(exc, IsADirectoryError):
+            why = "it is a directory; give a file name"
+        else:
+            why = exc.strerror or str(exc)
+        raise type(exc)(exc.errno, f"{where}: cannot write {path!r}: {why}") from None
+
+
 class ModelCheckpoint(Callback):
     """Save the model after every epoch, or only when a monitored metric improves.
 
@@ -344,6 +361,10 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, model) -> None:
         super().on_train_begin(model)
         self.best = math.inf if self.mode == "min" else -math.inf
+        directory, name = os.path.split(self.path)
+        if "{" not in directory:  # fields in the file name only: its directory is known now
+            probe = None if "{" not in name else os.path.join(directory, "probe.npz")
+            _check_target("ModelCheckpoint", self.path, probe)
 
     def _format(self, epoch: int, logs: dict) -> str:
         fields = dict(logs)
@@ -407,8 +428,7 @@ class CSVLogger(Callback):
         super().on_train_begin(model)
         self.close()
         self.keys = None
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
+        _check_target("CSVLogger", self.path)
         if self.append and os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             with open(self.path, newline="") as f:
                 header = next(csv.reader(f, delimiter=self.separator), None)

@@ -424,8 +424,10 @@ def cmd_info(args) -> int:
 
 
 def cmd_selftest(args) -> int:
+    from parconv.backends import get
     from parconv.selftest import run_selftest
 
+    get(args.backend)  # an unknown or unavailable backend is a usage error (exit 2), as for train
     ok = run_selftest(args.backend, seed=args.seed, n_random=args.random)
     return 0 if ok else 1
 

@@ -772,7 +772,8 @@ def batch_norm(x, weight, bias, running_mean, running_var, *, training, momentum
     if training:
         count = x.size // C
         if count < 2:
-            raise ValueError(f"{where}: training needs more than 1 value per channel, got x of shape {shape_of(x)}")
+            raise ValueError(f"{where}: training needs more than 1 value per channel, got x of shape {shape_of(x)} "
+                             "(a last batch of 1 sample? pass drop_last=True to the DataLoader)")
         y, mean, invstd = be.batch_norm_forward_train(x, w, b, rm, rv, momentum, eps, relu, r)
     else:
         if rm is None:

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import backends as _backends
 from . import functional as F
+from ._shapes import check_geometry
 from ._validation import Where, check_float, check_int, shape_of, state_array, to_backend_array
 
 __all__ = [
@@ -63,9 +64,12 @@ def _pair(value, name: str, where: str, minimum: int) -> tuple:
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise ValueError(f"{where}: {name} must be an int or a pair (h, w), got {tuple(value)!r}")
-        return (check_int(value[0], f"{name}[0]", where, minimum), check_int(value[1], f"{name}[1]", where, minimum))
-    v = check_int(value, name, where, minimum)
-    return (v, v)
+        items = (check_int(value[0], f"{name}[0]", where, minimum), check_int(value[1], f"{name}[1]", where, minimum))
+    else:
+        v = check_int(value, name, where, minimum)
+        items = (v, v)
+    check_geometry(items, value, name, where)
+    return items
 
 
 def _scalar_or_pair(pair: tuple):
@@ -274,9 +278,13 @@ class Layer:
         staged = []
         for key, owner, attr, _ in entries:
             value = state_array(state[key], key, owner._state_shape(attr), where)
+            owner._check_state(attr, value, key, where)
             staged.append((owner, attr, np.array(value, copy=True)))  # never alias caller data
         for owner, attr, value in staged:
             owner._set_state(attr, value)
+
+    def _check_state(self, attr: str, value: np.ndarray, key: str, where: str) -> None:
+        """Refuse a state entry whose values (not only its shape) the layer cannot use; a no-op by default."""
 
     # ------------------------------------------------------------- config
     def config(self) -> dict:
@@ -349,6 +357,7 @@ class Conv2d(Layer):
     dilation : int or (dh, dw), default 1
     groups : int, default 1
         ``in_channels`` and ``out_channels`` must be multiples; ``groups=in_channels`` is depthwise.
+        Kernel size, stride, padding and dilation are each at most 65536 (``ValueError`` beyond).
     bias : bool, default True
     backend : str or Backend, optional
     rng : numpy Generator or int seed, optional
@@ -670,6 +679,17 @@ class _BatchNorm(Layer):
     def _uses_batch_stats(self) -> bool:
         return self.training or self.running_mean is None
 
+    def _check_state(self, attr: str, value: np.ndarray, key: str, where: str) -> None:
+        # NaN or negative statistics would make every eval-mode output NaN, silently
+        if attr in ("running_mean", "running_var"):
+            bad = ~np.isfinite(value) if attr == "running_mean" else ~(np.isfinite(value) & (value >= 0))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                expected = "finite" if attr == "running_mean" else "finite and non-negative"
+                raise ValueError(f"{where}: {key} must be {expected} (it is a BatchNorm running statistic), got "
+                                 f"{value.reshape(-1)[i]} at index {i} ({int(bad.sum())} bad value(s) of "
+                                 f"{value.size})")
+
     def forward(self, x, relu: bool = False, residual=None):
         """Normalise x; ``relu`` applies ``max(., 0)`` in the same pass, after adding ``residual`` (an
         array of x's shape: ``relu(bn(x) + residual)``, the end of a residual block) when given.
@@ -681,6 +701,11 @@ class _BatchNorm(Layer):
         x = self._input(x)
         self._check_x(shape_of(x))
         batch_stats = self._uses_batch_stats()
+        if batch_stats and math.prod(shape_of(x)) // self.num_features < 2:
+            # checked before num_batches_tracked moves: the usual cause is a last batch of one sample
+            raise ValueError(f"{self!r}: normalising with batch statistics needs more than 1 value per channel, "
+                             f"got x of shape {shape_of(x)}; a last batch of 1 sample? pass drop_last=True to the "
+                             "DataLoader, or pick a batch_size that does not leave one sample over")
         factor = 0.0
         if self.training and self.track_running_stats:
             self.num_batches_tracked = np.array(self.num_batches_tracked + 1, dtype=np.int64)

@@ -452,6 +452,17 @@ SUPPORTED_LAYERS = tuple(sorted(_EXPORTERS))
 # stands for the dynamic batch size in folded shape arithmetic (Shape -> Gather -> Concat -> Reshape)
 _BATCH = -918273645
 
+# how deeply Residuals (Adds of two branches) may nest: real networks nest a few levels; the walk and
+# the model built from it recurse once per level
+_MAX_NESTING = 100
+# graphs with branches are walked with a bit set of reachable nodes per node (n**2 / 8 bytes): at most
+# 20,000 nodes (50 MB); the largest networks parconv's layers express have a few hundred
+_MAX_FORK_NODES = 20_000
+
+# a folded constant may hold at most this many values, or as many as the file's initializers hold
+# (shape arithmetic and transposed weights stay far below; ConstantOfShape([20000, 20000]) does not)
+_MIN_FOLD_LIMIT = 1 << 20
+
 _FOLDABLE = ("Constant", "Identity", "Cast", "Transpose", "Unsqueeze", "Squeeze", "Concat", "Gather", "Slice",
              "Reshape", "Shape", "ConstantOfShape", "Add", "Sub", "Mul", "Div", "Neg", "Sqrt")
 
@@ -492,6 +503,8 @@ class _Loader:
         self.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
         self.from_parconv = proto.producer_name == "parconv"
         self.consts = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+        self.fold_limit = max(_MIN_FOLD_LIMIT, sum(int(v.size) for v in self.consts.values()))
+        self.depth = 0
         inputs = [v for v in graph.input if v.name not in self.consts]
         if len(inputs) != 1 or len(graph.output) != 1:
             raise ValueError(f"{path!r}: parconv loads graphs with one data input and one output, this one has "
@@ -605,6 +618,7 @@ class _Loader:
         a = node.attrs
         op = node.op
         x = ins[0] if ins else None
+        self._check_fold_size(node, ins)
 
         def axes_of(default=None):
             if self.opset >= 13 and op in ("Unsqueeze", "Squeeze"):
@@ -661,9 +675,39 @@ class _Loader:
                 out = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}[op](x, y)
         return out
 
+    def _check_fold_size(self, node, ins) -> None:
+        """Refuse a constant node whose output would be larger than the file could justify, before allocating it."""
+        op, x = node.op, ins[0] if ins else None
+        if op == "ConstantOfShape":
+            dims = [int(v) for v in np.ravel(x)]
+            if any(d < 0 for d in dims):
+                self.fail(node, f"asks for a constant of negative shape {dims}")
+            shape = dims
+        elif op in ("Add", "Sub", "Mul", "Div") and len(ins) == 2 and x is not None and ins[1] is not None:
+            try:
+                shape = np.broadcast_shapes(np.shape(x), np.shape(ins[1]))
+            except ValueError:
+                self.fail(node, f"inputs of shapes {np.shape(x)} and {np.shape(ins[1])} do not broadcast")
+        elif op == "Gather" and x is not None and ins[1] is not None and np.ndim(x) > 0:
+            axis = int(node.attrs.get("axis", 0))
+            if not -np.ndim(x) <= axis < np.ndim(x):
+                self.fail(node, f"attribute axis={axis} is out of range for an input of rank {np.ndim(x)}")
+            shape = [*np.shape(x)[:axis % np.ndim(x)], *np.shape(ins[1]), *np.shape(x)[axis % np.ndim(x) + 1:]]
+        else:
+            return
+        size = math.prod(shape)
+        if size > self.fold_limit:
+            self.fail(node, f"would make a constant of shape {tuple(shape)} ({size:,} values); parconv folds "
+                            f"constants of at most {self.fold_limit:,} values (as many as the file's initializers "
+                            f"hold, or {_MIN_FOLD_LIMIT:,})")
+
     # ---------------------------------------------------------------- the walk
     def reach(self, node) -> int:
         """The live nodes reachable from ``node`` (itself included), as a bit set of node indices."""
+        if not self._reach and len(self.nodes) > _MAX_FORK_NODES:
+            # a bit set per node of every node after it: quadratic memory in the graph's size
+            self.fail(node, f"forks a graph of {len(self.nodes):,} data nodes; parconv loads graphs with branches "
+                            f"of at most {_MAX_FORK_NODES:,} nodes")
         if not self._reach:  # ONNX nodes are topologically sorted: consumers come later
             for n in reversed(self.nodes):
                 bits = 1 << n.idx
@@ -717,12 +761,17 @@ class _Loader:
             branches.append((t, owners[0]))
         if branches[0][1] is branches[1][1]:
             self.fail(join, f"adds two tensors that come from one branch of {cur!r}")
+        self.depth += 1
+        if self.depth > _MAX_NESTING:
+            self.fail(join, f"nests Residual branches (Adds of two branches) more than {_MAX_NESTING} deep; "
+                            "parconv loads networks nested at most that deep")
         built = []
         for t, first in branches:
             if first is None:
                 built.append((None, rank))
             else:
                 built.append(self.chain(cur, t, first, rank))
+        self.depth -= 1
         (a, rank_a), (b, rank_b) = built
         if a is None or (b is not None and len(b) > len(a)):
             a, b, rank_a = b, a, rank_b
@@ -754,6 +803,16 @@ class _Loader:
         if rank not in allowed:
             self.fail(node, f"needs a {' or '.join(map(str, allowed))}-D input, got "
                             f"{'an input of unknown rank' if rank is None else f'a {rank}-D input'}")
+
+    def _check_geometry(self, node, a, **lists) -> None:
+        """Strides, dilations, pads (and pooling kernels) within the bounds parconv's layers accept."""
+        from ._shapes import MAX_GEOMETRY
+
+        lists["pads"] = a.get("pads", [])
+        for name, values in lists.items():
+            values = [int(v) for v in values]
+            if any(abs(v) > MAX_GEOMETRY for v in values):
+                self._bad_attr(node, name, values, f"values of at most {MAX_GEOMETRY} in magnitude")
 
     def _pads2d(self, node, a, kernel, strides, dilations, allow_same: bool):
         pads = [int(v) for v in a.get("pads", [0, 0, 0, 0])]
@@ -795,6 +854,7 @@ class _Loader:
         strides = list(a.get("strides", [1, 1]))
         dilations = list(a.get("dilations", [1, 1]))
         groups = int(a.get("group", 1))
+        self._check_geometry(node, a, strides=strides, dilations=dilations)
         padding = self._pads2d(node, a, kernel, strides, dilations, allow_same=True)
         kwargs = dict(in_channels=w.shape[1] * groups, out_channels=w.shape[0],
                       kernel_size=_int_or_pair(*kernel), bias=b is not None)
@@ -895,6 +955,8 @@ class _Loader:
         axis = int(a.get("axis", -1 if self.opset >= 13 else 1))
         if rank is None:
             self.fail(node, "needs an input of known rank")
+        if not -rank <= axis < rank:
+            self._bad_attr(node, "axis", axis, f"an axis of the {rank}-D input, in [{-rank}, {rank - 1}]")
         axis %= rank
         if self.opset < 13 and axis != rank - 1:
             self._bad_attr(node, "axis", a.get("axis", 1), f"the last axis before opset 13 ({rank - 1})")
@@ -911,6 +973,7 @@ class _Loader:
         if dilations != [1, 1]:
             self._bad_attr(node, "dilations", dilations, "[1, 1]")
         strides = list(a.get("strides", [1, 1]))  # ONNX's default stride is 1, PyTorch's the kernel
+        self._check_geometry(node, a, kernel_shape=kernel, strides=strides)
         padding = self._pads2d(node, a, kernel, strides, dilations, allow_same=False)
         kwargs = dict(kernel_size=_int_or_pair(*kernel), stride=_int_or_pair(*strides))
         if padding != 0:
@@ -1054,6 +1117,10 @@ def load(path, backend=None):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"ONNX file {path!r} does not exist")
+    from ._io import open_regular
+
+    with open_regular(path, "the ONNX file"):  # a FIFO or a device would block or feed the parser forever
+        pass
     try:
         proto = onnx.load(path)
         onnx.checker.check_model(proto)

@@ -120,6 +120,31 @@ def check_finite(x: np.ndarray, name: str, where: str) -> None:
                              "finite (drop or impute those samples)")
 
 
+def check_model_input(model, shape: tuple, name: str, where: str) -> None:
+    """Check that ``model`` accepts inputs of ``shape`` (the whole array's) before any batch runs.
+
+    The layers' own checks would report one batch's shape; this names the array the caller passed and
+    the layer (by index) that refuses it. Layers without shape arithmetic are checked when they run.
+    """
+    from .layers import Layer
+
+    layers = getattr(model, "layers", None)
+    steps = list(enumerate(layers)) if isinstance(layers, (list, tuple)) else [(None, model)]
+    s = tuple(shape)
+    for i, layer in steps:
+        output_shape = getattr(layer, "output_shape", None)
+        if output_shape is None or (getattr(type(layer), "output_shape", None) is Layer.output_shape
+                                    and not type(layer).__module__.startswith("parconv.")):
+            return  # a user's layer that may change the shape without saying how: the rest is checked as it runs
+        try:
+            s = tuple(output_shape(s))
+        except ValueError as exc:
+            at = f"layer {i}: " if i is not None else ""
+            raise ValueError(f"{where}: {name} of shape {tuple(shape)} does not fit the model: {at}{exc}") from None
+        except Exception:  # noqa: BLE001 - a custom layer without shape arithmetic: checked when it runs
+            return
+
+
 def _warn_if_unscaled(x: np.ndarray, original_dtype, name: str, where: str) -> None:
     sample = np.asarray(x[:256])
     peak = float(np.abs(sample).max()) if sample.size else 0.0
@@ -131,6 +156,9 @@ def _warn_if_unscaled(x: np.ndarray, original_dtype, name: str, where: str) -> N
 
 def host_targets(y, n: int, loss, name: str, where: str):
     """Targets checked against the loss: int labels (N,) for softmax cross-entropy, rows of ``n`` otherwise."""
+    if y is None:
+        raise TypeError(f"{where}: {name} is missing: pass the targets with the inputs ({name}=labels of shape "
+                        f"({n},)), or a DataLoader that yields (x, y) batches")
     if isinstance(loss, SoftmaxCrossEntropy):
         y = to_host_labels(y, name, where)
         if y.ndim != 1 or y.shape[0] != n:
@@ -192,6 +220,7 @@ def _evaluate_loader(model, loader, loss) -> dict:
     total, correct, n = 0.0, 0, 0
     for xb, yb_host in loader.epoch(0):
         yb_host = host_targets(yb_host, len(xb), loss, "y", "evaluate")
+        check_finite(np.asarray(xb), "a DataLoader batch", "evaluate")
         yb = _prepare_target(loss, yb_host, be)
         out = model.forward(be.asarray(xb))
         total += loss.forward(out, yb, backend=be) * len(yb_host)
@@ -228,6 +257,8 @@ def evaluate(model, x, y=None, batch_size: int = 256, loss: Loss | None = None) 
             return _evaluate_loader(model, x, loss)
         x = as_host_float(x, "x", where)
         y = host_targets(y, x.shape[0], loss, "y", where)
+        check_finite(x, "x", where)
+        check_model_input(model, x.shape, "x", where)
         return evaluate_host(model, x, y, loss, batch_size)
 
 
@@ -236,6 +267,8 @@ def predict(model, x, batch_size: int = 256) -> np.ndarray:
     where = f"{type(model).__name__}.predict"
     batch_size = check_int(batch_size, "batch_size", where, 1)
     x = as_host_float(x, "x", where)
+    check_finite(x, "x", where)
+    check_model_input(model, x.shape, "x", where)
     be = model.backend
     with _eval_mode(model):
         outs = [be.to_numpy(model.forward(be.asarray(x[s:s + batch_size]))) for s in range(0, x.shape[0], batch_size)]
@@ -412,6 +445,7 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
         original_dtype = getattr(x, "dtype", None)
         x = as_host_float(x, "x", where)
         check_finite(x, "x", where)
+        check_model_input(model, x.shape, "x", where)
         _warn_if_unscaled(x, original_dtype, "x", where)
         y = host_targets(y, x.shape[0], loss, "y", where)
     xv = yv = None
@@ -521,6 +555,16 @@ class _FitRun:
                 except (ValueError, TypeError, KeyError) as exc:
                     raise ValueError(f"{state.path!r}: the learning-rate scheduler's state does not fit "
                                      f"{type(scheduler).__name__}: {exc}") from None
+                total = getattr(scheduler, "total_steps", None)
+                if getattr(scheduler, "per_batch", False) and isinstance(total, int) and steps_per_epoch and \
+                        total < self.epochs * steps_per_epoch:
+                    # the restored schedule ends where the original run did; stepping past it fails mid-epoch
+                    raise ValueError(
+                        f"{where}: cannot resume from {state.path!r} with epochs={self.epochs}: its "
+                        f"{type(scheduler).__name__} schedule has total_steps={total} ({total / steps_per_epoch:g} "
+                        f"epochs of {steps_per_epoch} steps), fewer than the {self.epochs * steps_per_epoch} steps "
+                        f"of {self.epochs} epochs; resume with epochs={total // steps_per_epoch} (a schedule "
+                        "cannot be stretched mid-run), or start a new run")
             start_epoch, start_step, global_step = state.epoch, state.step, state.global_step
             carried = (state.loss_sum, state.correct)
 

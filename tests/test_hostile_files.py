@@ -516,3 +516,185 @@ def test_hostile_members_on_every_backend(tmp_path, checkpoint, backend, case):
                       verbose=False, resume=path)
         else:
             pc.load(path, backend=backend.name)
+
+
+# ------------------------------------------------------------------ promised sizes and non-regular files
+
+@pytest.mark.parametrize("config", [
+    {"in_features": 30000, "out_features": 30000},  # 3.6e9 bytes of initial weights for a 1 kB file
+    {"in_features": 4, "out_features": 2**40},
+])
+def test_model_description_bigger_than_the_file_is_refused_before_allocating(tmp_path, checkpoint, config):
+    src, members, meta = checkpoint
+    altered = _altered(meta, model__layers=[{"type": "Flatten", "config": {}},
+                                            {"type": "Linear", "config": {**config, "bias": True}}])
+    path = tmp_path / "promise.npz"
+    _write_zip(path, _with_meta(members, altered))
+    assert path.stat().st_size < 4096
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"promise\.npz.*promises more parameters than the file holds.*"
+                                             r"Linear"):
+            pc.load(path)
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_descriptions_without_stored_values_still_load(tmp_path):
+    # a BatchNorm without weights or statistics stores nothing; the bound must not refuse it
+    model = pc.Sequential(pc.Flatten(), pc.Linear(4, 2), pc.BatchNorm1d(2, affine=False, track_running_stats=False),
+                          backend="numpy")
+    model.save(tmp_path / "m.npz")
+    assert len(pc.load(tmp_path / "m.npz", backend="numpy")) == 3
+
+
+def _cifar_records(n: int) -> bytes:
+    return (np.arange(n * 3073) % 10).astype(np.uint8).tobytes()  # record starts are labels 0..9
+
+
+def _cifar_archive(path, members) -> None:
+    """A tar.gz of ``{name: bytes or a TarInfo-editing callable}`` under cifar-10-batches-bin/."""
+    import tarfile
+
+    with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+        for name, content in members.items():
+            info = tarfile.TarInfo(name if "/" in name else f"cifar-10-batches-bin/{name}")
+            if callable(content):
+                content(info)
+                tar.addfile(info)
+            else:
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
+
+
+def _cifar_refused(path, match, limit=16 << 20):
+    from parconv.datasets import load_cifar10
+
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ValueError, match=match):
+            load_cifar10("test", path=path)
+        assert tracemalloc.get_traced_memory()[1] < limit
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_cifar_archive_member_bigger_than_a_batch_is_not_read(tmp_path):
+    # a 1 MB archive used to be read to 1 GB; here a member of 40 MB (30.73 MB is a full batch file)
+    zeros = bytes(40_000_000)
+    _cifar_archive(tmp_path / "cifar-10-binary.tar.gz", {"test_batch.bin": zeros})
+    assert (tmp_path / "cifar-10-binary.tar.gz").stat().st_size < 1 << 20
+    _cifar_refused(tmp_path, r"cifar-10-binary\.tar\.gz: cifar-10-batches-bin/test_batch\.bin claims 40000000 "
+                             r"bytes, more than a CIFAR-10 batch file holds \(30730000")
+
+
+def test_cifar_archive_symlink_member_is_a_clear_error(tmp_path):
+    # a symbolic link member raised KeyError from tarfile
+    def link(info):
+        import tarfile
+
+        info.type, info.linkname = tarfile.SYMTYPE, "/dev/zero"
+
+    _cifar_archive(tmp_path / "cifar-10-binary.tar.gz", {"test_batch.bin": link})
+    _cifar_refused(tmp_path, r"cifar-10-batches-bin/test_batch\.bin is a symbolic link, expected a regular file")
+
+
+def test_cifar_archive_search_is_bounded(tmp_path):
+    members = {f"junk/{i}": b"x" for i in range(100)}
+    members["test_batch.bin"] = _cifar_records(2)
+    _cifar_archive(tmp_path / "cifar-10-binary.tar.gz", members)
+    _cifar_refused(tmp_path, r"has no cifar-10-batches-bin/test_batch\.bin among its first 64 entries")
+
+
+def test_cifar_batch_file_bigger_than_a_batch_is_not_read(tmp_path):
+    from parconv.datasets import load_cifar10
+
+    folder = tmp_path / "cifar-10-batches-bin"
+    folder.mkdir()
+    with open(folder / "test_batch.bin", "wb") as f:
+        f.truncate(10**9)  # sparse: no disk used; was read whole
+    _cifar_refused(tmp_path, r"test_batch\.bin: 1000000000 bytes, more than a CIFAR-10 batch file holds")
+    (folder / "test_batch.bin").write_bytes(_cifar_records(3))
+    assert load_cifar10("test", path=tmp_path)[0].shape == (3, 3, 32, 32)
+
+
+def _in_subprocess(code: str, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh interpreter (a reader that blocks fails the test instead of hanging it)."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_non_regular_files_are_refused_without_blocking(tmp_path):
+    # a FIFO blocked every reader forever; a link to /dev/zero read until MemoryError
+    folder = tmp_path / "cifar-10-batches-bin"
+    folder.mkdir()
+    os.mkfifo(folder / "test_batch.bin")
+    os.mkfifo(tmp_path / "pipe.npz")
+    os.mkfifo(tmp_path / "pipe-idx")
+    archive_dir = tmp_path / "archive"
+    archive_dir.mkdir()
+    os.mkfifo(archive_dir / "cifar-10-binary.tar.gz")
+    zero_dir = tmp_path / "zero" / "cifar-10-batches-bin"
+    zero_dir.mkdir(parents=True)
+    os.symlink("/dev/zero", zero_dir / "test_batch.bin")
+    out = _in_subprocess(f"""
+import parconv as pc
+from parconv.datasets import load_cifar10, read_idx
+calls = [lambda: load_cifar10("test", path={str(tmp_path)!r}),
+         lambda: load_cifar10("test", path={str(archive_dir)!r}),
+         lambda: load_cifar10("test", path={str(archive_dir)!r}, download=True),
+         lambda: load_cifar10("test", path={str(tmp_path / "zero")!r}),
+         lambda: pc.load({str(tmp_path / "pipe.npz")!r}),
+         lambda: read_idx({str(tmp_path / "pipe-idx")!r})]
+for call in calls:
+    try:
+        call()
+        print("loaded")
+    except ValueError as exc:
+        print(exc)
+""")
+    lines = out.splitlines()
+    assert len(lines) == 6, out
+    assert "test_batch.bin': the CIFAR-10 batch file is a FIFO (named pipe); expected a regular file" in lines[0]
+    assert "cifar-10-binary.tar.gz': the CIFAR-10 archive is a FIFO" in lines[1]
+    assert "cifar-10-binary.tar.gz': " in lines[2] and "is a FIFO" in lines[2]  # before its checksum is read
+    assert "test_batch.bin': the CIFAR-10 batch file is a character device" in lines[3]
+    assert "pipe.npz" in lines[4] and "FIFO" in lines[4]
+    assert "pipe-idx': the IDX file is a FIFO" in lines[5]
+
+
+@pytest.mark.parametrize("loader", ["mnist", "fashion"])
+def test_idx_labels_past_nine_are_refused(tmp_path, loader):
+    # MNIST and Fashion-MNIST took label 200 (CIFAR-10 refuses it)
+    from parconv.datasets import load_fashion_mnist, load_mnist
+    from parconv.datasets.fashion_mnist import FASHION_MNIST_FILES
+    from parconv.datasets.mnist import MNIST_FILES
+
+    files = (FASHION_MNIST_FILES if loader == "fashion" else MNIST_FILES)["train"]
+    images = np.zeros((3, 28, 28), np.uint8)
+    labels = np.array([1, 200, 3], np.uint8)
+    for name, arr in zip(files, (images, labels)):
+        (tmp_path / name).write_bytes(gzip.compress(_idx(arr)))
+    load = load_fashion_mnist if loader == "fashion" else load_mnist
+    with pytest.raises(IDXError, match=r"labels-idx1-ubyte\.gz: corrupt: label 1 is 200 \(labels are 0\.\.9"):
+        load("train", path=tmp_path)
+    labels[1] = 9
+    (tmp_path / files[1]).write_bytes(gzip.compress(_idx(labels)))
+    assert load("train", path=tmp_path)[1].tolist() == [1, 9, 3]
+
+
+def test_offline_download_says_where_to_put_the_file(tmp_path):
+    from parconv.datasets import _download
+
+    target = tmp_path / "data" / "thing.tar.gz"
+    with pytest.raises(OSError) as info:
+        _download.fetch([(tmp_path / "absent.tar.gz").as_uri()], str(target), "0" * 32)
+    message = str(info.value)
+    assert "could not download thing.tar.gz" in message and "absent.tar.gz" in message
+    assert f"copy it to {target}" in message and "0" * 32 in message

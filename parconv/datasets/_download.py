@@ -14,13 +14,15 @@ import shutil
 import tempfile
 import urllib.request
 
+from .._io import open_regular
+
 __all__ = ["digest", "cache_dir", "fetch", "find_file"]
 
 
 def digest(path, algorithm: str = "sha256") -> str:
     """Hex digest of a file's bytes (read in 1 MiB chunks)."""
     h = hashlib.new(algorithm)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -36,7 +38,8 @@ def cache_dir(dataset: str) -> str:
 def fetch(urls, target: str, md5: str, timeout: float = 60) -> str:
     """Download the first of ``urls`` that works and matches ``md5`` to ``target``; returns ``target``.
 
-    Raises ``OSError`` listing every URL's failure when none gives the file.
+    Raises ``OSError`` listing every URL's failure when none gives the file, and saying where to put
+    a copy fetched by other means.
     """
     directory = os.path.dirname(os.path.abspath(target))
     os.makedirs(directory, exist_ok=True)
@@ -58,7 +61,9 @@ def fetch(urls, target: str, md5: str, timeout: float = 60) -> str:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    raise OSError(f"could not download {name}: " + "; ".join(errors))
+    raise OSError(f"could not download {name}: " + "; ".join(errors) + f". Without network access here, fetch "
+                  f"{name} elsewhere (from {' or '.join(urls)}; MD5 {md5}) and copy it to "
+                  f"{os.path.abspath(target)} (or pass path= to the directory that holds it)")
 
 
 def find_file(directory: str, names) -> str | None:

@@ -14,7 +14,7 @@ import zlib
 
 import numpy as np
 
-from .._io import atomic_open
+from .._io import atomic_open, open_regular
 from . import _download as _dl
 
 #: the files of each split, inside ``cifar-10-batches-bin/``
@@ -29,6 +29,12 @@ ARCHIVE = "cifar-10-binary.tar.gz"
 FOLDER = "cifar-10-batches-bin"
 _MD5 = "c32a1d4ab5d03f1284b67883e8d87530"  # of the archive, as published on the dataset's page
 RECORD = 1 + 3 * 32 * 32
+#: every official batch file holds 10,000 records; a file (or archive member) is never read past this
+MAX_BATCH_BYTES = 10_000 * RECORD
+# the official archive holds the folder, six batch files, batches.meta.txt and readme.html; a search for
+# the batch files stops after this many entries or this many unpacked bytes (a gzip bomb is not inflated)
+_MAX_ENTRIES = 64
+_MAX_SPAN = 8 * MAX_BATCH_BYTES
 
 
 def _parse(raw: bytes, source: str):
@@ -44,24 +50,55 @@ def _parse(raw: bytes, source: str):
     return records[:, 1:].reshape(-1, 3, 32, 32), labels
 
 
+def _read_file(path: str) -> bytes:
+    """One batch file's bytes: a regular file of at most :data:`MAX_BATCH_BYTES` (never a FIFO or device)."""
+    with open_regular(path, "the CIFAR-10 batch file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_BATCH_BYTES:
+            raise ValueError(f"{path}: {size} bytes, more than a CIFAR-10 batch file holds ({MAX_BATCH_BYTES} "
+                             f"bytes: 10,000 records of {RECORD})")
+        raw = f.read(MAX_BATCH_BYTES + 1)
+    if len(raw) > MAX_BATCH_BYTES:  # it grew while being read
+        raise ValueError(f"{path}: more than {MAX_BATCH_BYTES} bytes, more than a CIFAR-10 batch file holds")
+    return raw
+
+
 def _read_archive(archive: str, names) -> dict:
-    """The bytes of ``cifar-10-batches-bin/<name>`` for each name, read from the archive without extracting it."""
+    """The bytes of ``cifar-10-batches-bin/<name>`` for each name, read from the archive without extracting it.
+
+    Only regular members of at most :data:`MAX_BATCH_BYTES` are read, and the search stops after
+    ``_MAX_ENTRIES`` entries or ``_MAX_SPAN`` unpacked bytes: a small hostile archive cannot make it
+    inflate gigabytes.
+    """
     out = {}
+    wanted = {f"{FOLDER}/{name}": name for name in names}
     try:
-        with tarfile.open(archive, "r:gz") as tar:
-            for name in names:
-                try:
-                    member = tar.getmember(f"{FOLDER}/{name}")
-                except KeyError:
-                    raise ValueError(f"{archive}: the archive has no {FOLDER}/{name}") from None
-                f = tar.extractfile(member)
-                if f is None:
-                    raise ValueError(f"{archive}: {FOLDER}/{name} is not a regular file")
-                out[name] = f.read()
+        with open_regular(archive, "the CIFAR-10 archive") as raw_file, \
+                tarfile.open(fileobj=raw_file, mode="r:gz") as tar:
+            for count, member in enumerate(tar, 1):
+                if count > _MAX_ENTRIES or member.offset > _MAX_SPAN:
+                    break
+                name = wanted.pop(member.name, None)
+                if name is None:
+                    continue
+                if not member.isreg():
+                    kind = "a symbolic link" if member.issym() else "a hard link" if member.islnk() else \
+                        "a directory" if member.isdir() else "a special file"
+                    raise ValueError(f"{archive}: {member.name} is {kind}, expected a regular file (the batch "
+                                     "files are plain members of the official archive)")
+                if member.size > MAX_BATCH_BYTES:
+                    raise ValueError(f"{archive}: {member.name} claims {member.size} bytes, more than a CIFAR-10 "
+                                     f"batch file holds ({MAX_BATCH_BYTES} bytes: 10,000 records of {RECORD})")
+                out[name] = tar.extractfile(member).read(member.size)
+                if not wanted:
+                    break
     except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
         if isinstance(exc, FileNotFoundError):
             raise
         raise ValueError(f"{archive}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from None
+    if wanted:
+        raise ValueError(f"{archive}: the archive has no {', '.join(wanted)} among its first {_MAX_ENTRIES} "
+                         f"entries and {_MAX_SPAN} bytes (is it the binary version, {ARCHIVE}?)")
     return out
 
 
@@ -117,8 +154,7 @@ def load_cifar10(split: str, path=None, download: bool = False, normalize: bool 
     for sub in (os.path.join(directory, FOLDER), directory):
         if all(os.path.exists(os.path.join(sub, n)) for n in names):
             for n in names:
-                with open(os.path.join(sub, n), "rb") as f:
-                    raws[os.path.join(sub, n)] = f.read()
+                raws[os.path.join(sub, n)] = _read_file(os.path.join(sub, n))
             break
     else:
         archive = os.path.join(directory, ARCHIVE)

@@ -17,6 +17,8 @@ import zlib
 
 import numpy as np
 
+from .._io import open_regular
+
 _TYPES = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
@@ -78,7 +80,7 @@ def read_idx(path) -> np.ndarray:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"IDX file {path!r} does not exist")
-    with open(path, "rb") as f:
+    with open_regular(path, "the IDX file", IDXError) as f:
         file_size = os.fstat(f.fileno()).st_size
         gz = f.read(2) == b"\x1f\x8b"
         f.seek(0)

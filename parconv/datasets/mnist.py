@@ -65,6 +65,12 @@ def _to_arrays(images: np.ndarray, labels: np.ndarray, img_file: str, lbl_file: 
                        f"got {images.shape} and {labels.shape}")
     if images.shape[0] != labels.shape[0]:
         raise IDXError(f"{img_file} has {images.shape[0]} images but {lbl_file} has {labels.shape[0]} labels")
+    if labels.dtype.kind not in "iu":
+        raise IDXError(f"{lbl_file}: labels are {labels.dtype}, expected integer class indices 0..9")
+    bad = np.flatnonzero((labels < 0) | (labels > 9))
+    if bad.size:  # as CIFAR-10's loader: a label past the ten classes is corruption, not an eleventh class
+        raise IDXError(f"{lbl_file}: corrupt: label {bad[0]} is {labels[bad[0]]} (labels are 0..9; "
+                       f"{bad.size} of {labels.size} out of range)")
     x = images[:, None, :, :].astype(np.float32)
     if normalize:
         x /= 255.0

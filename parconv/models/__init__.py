@@ -87,17 +87,16 @@ def _conv_bn_relu(cin, cout, g, stride=1, groups=1, kernel_size=3):
 def vgg_small(num_classes: int = 10, in_channels: int = 3, input_size: int = 32, backend=None,
               rng=None) -> Sequential:
     """A small VGG: three stages of two conv3x3-BatchNorm-ReLU (32, 64, 128 channels) and a max pool,
-    then Dropout(0.5)-FC 256-ReLU-Dropout(0.5)-FC. ``input_size`` must be a multiple of 8."""
+    then Dropout(0.5)-FC 256-ReLU-Dropout(0.5)-FC. ``input_size`` is the side of the square input, at least
+    8; the poolings floor as PyTorch's do, so 28x28 MNIST images give 3x3 maps to the classifier."""
     num_classes, in_channels = _classes_channels(num_classes, in_channels, "vgg_small")
     input_size = check_int(input_size, "input_size", "vgg_small", 8)
-    if input_size % 8:
-        raise ValueError(f"vgg_small: input_size must be a multiple of 8 (three 2x2 poolings), got {input_size}")
     g = _gen(rng)
     layers, c = [], in_channels
     for width in (32, 64, 128):
         layers += _conv_bn_relu(c, width, g) + _conv_bn_relu(width, width, g) + [MaxPool2d(2)]
         c = width
-    side = input_size // 8
+    side = input_size // 8  # three floor-mode 2x2 poolings: ((n // 2) // 2) // 2
     layers += [Flatten(), Dropout(0.5, rng=g), Linear(128 * side * side, 256, rng=g), ReLU(), Dropout(0.5, rng=g),
                Linear(256, num_classes, rng=g)]
     return Sequential(*layers, backend=backend)
