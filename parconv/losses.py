@@ -8,13 +8,16 @@ import numpy as np
 
 from . import backends as _backends
 from . import functional as F
+from ._grad import NOT_SAVED, SavedForBackward, no_grad_error
 from ._validation import check_float, check_ndim, check_nonempty, shape_of, to_backend_array
 
-__all__ = ["Loss", "SoftmaxCrossEntropy", "BCELoss", "MSELoss"]
+__all__ = ["Loss", "SoftmaxCrossEntropy", "CrossEntropyLoss", "BCELoss", "MSELoss"]
 
 
 class Loss:
     """Base class: ``__call__(pred, target) -> float``, ``backward() -> dpred``."""
+
+    _cache = SavedForBackward()
 
     def __init__(self):
         self._cache = None
@@ -23,9 +26,12 @@ class Loss:
         return self.forward(pred, target)
 
     def _cached(self):
-        if self._cache is None:
+        cache = self._cache
+        if cache is None:
             raise ValueError(f"{type(self).__name__}.backward called before the loss was computed")
-        return self._cache
+        if cache is NOT_SAVED:
+            raise no_grad_error(f"{type(self).__name__}.backward")
+        return cache
 
     def prepare_target(self, target, n: int, backend):
         """Validate targets on the host and move them to ``backend`` (used by ``fit``)."""
@@ -119,6 +125,11 @@ class SoftmaxCrossEntropy(Loss):
 
     def count_correct(self, logits, labels_b) -> int:
         return _infer_backend(logits).count_correct(logits, labels_b)
+
+
+#: PyTorch's name for :class:`SoftmaxCrossEntropy` (the same class: logits and integer labels, mean over the
+#: batch, ``label_smoothing``)
+CrossEntropyLoss = SoftmaxCrossEntropy
 
 
 class BCELoss(Loss):
