@@ -119,8 +119,9 @@ def _conv_args(x_shape, w_shape, stride, padding, dilation, groups, where):
     return (N, O, P, Q), stride, pads, dilation, groups
 
 
-def _conv_is_legacy(w_shape, stride, pads, dilation, groups) -> bool:
-    """Whether the existing square-kernel, int stride/padding backend path takes this convolution."""
+def _conv_is_square(w_shape, stride, pads, dilation, groups) -> bool:
+    """Whether this convolution takes the backends' square path (``conv2d_forward``/``conv2d_backward``:
+    square kernel, one stride and padding, no dilation, one group) rather than the general one."""
     return (w_shape[2] == w_shape[3] and stride[0] == stride[1] and pads[0] == pads[1] == pads[2] == pads[3]
             and dilation == (1, 1) and groups == 1)
 
@@ -215,7 +216,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 
     _, stride, pads, dilation, groups = _conv_args(shape_of(x), shape_of(w), stride, padding, dilation, groups,
                                                    "conv2d")
     b = _bias(bias, w.shape[0], be, "conv2d")
-    if _conv_is_legacy(w.shape, stride, pads, dilation, groups):
+    if _conv_is_square(w.shape, stride, pads, dilation, groups):
         return be.conv2d_forward(x, w, b, stride[0], pads[0])
     return be.conv2d_general_forward(x, w, b, stride, pads, dilation, groups)
 
@@ -235,7 +236,7 @@ def conv2d_backward(x, weight, dy, stride=1, padding=0, dilation=1, groups: int 
     out, stride, pads, dilation, groups = _conv_args(shape_of(x), shape_of(w), stride, padding, dilation, groups,
                                                      where)
     check_grad_shape(shape_of(dy), out, where)
-    if _conv_is_legacy(w.shape, stride, pads, dilation, groups):
+    if _conv_is_square(w.shape, stride, pads, dilation, groups):
         return be.conv2d_backward(x, w, dy, stride[0], pads[0], bool(need_dx), bool(need_db))
     return be.conv2d_general_backward(x, w, dy, stride, pads, dilation, groups, bool(need_dx), bool(need_db))
 

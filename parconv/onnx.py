@@ -132,10 +132,6 @@ def _key(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _ints(value) -> list:
-    return [int(value)] * 2 if np.ndim(value) == 0 else [int(v) for v in value]
-
-
 def _pool_attrs(layer, x_shape) -> dict:
     from ._shapes import pair
 
