@@ -569,7 +569,7 @@ def sigmoid_backward(y, dy, *, backend=None):
 
 
 # ----------------------------------------------------------------------- losses
-def check_labels(labels, n: int, n_classes: int, where: str) -> np.ndarray:
+def _check_labels(labels, n: int, n_classes: int, where: str) -> np.ndarray:
     """Validate integer class labels on the host: length ``n``, values in ``[0, n_classes)``."""
     y = to_host_labels(labels, "labels", where)
     if y.ndim != 1:
@@ -592,11 +592,11 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, backe
     """
     be = _backends.get(backend)
     where = "softmax_cross_entropy"
-    s = check_label_smoothing(label_smoothing, where)
+    s = _check_label_smoothing(label_smoothing, where)
     logits = to_backend_array(logits, be, "logits", where)
     check_ndim(shape_of(logits), 2, "logits", where, "(N, classes)")
     check_nonempty(shape_of(logits), "logits", where)
-    y = check_labels(labels, logits.shape[0], logits.shape[1], where)
+    y = _check_labels(labels, logits.shape[0], logits.shape[1], where)
     if s:
         return be.softmax_cross_entropy_smoothed_forward(logits, be.asarray(y, np.int32), s)
     return be.softmax_cross_entropy_forward(logits, be.asarray(y, np.int32))
@@ -607,10 +607,10 @@ def softmax_cross_entropy_backward(probs, labels, *, label_smoothing: float = 0.
     ``onehot(labels)``, or ``(1 - s) onehot + s / G`` for ``label_smoothing`` s."""
     be = _backends.get(backend)
     where = "softmax_cross_entropy_backward"
-    s = check_label_smoothing(label_smoothing, where)
+    s = _check_label_smoothing(label_smoothing, where)
     probs = to_backend_array(probs, be, "probs", where)
     check_ndim(shape_of(probs), 2, "probs", where, "(N, classes)")
-    y = check_labels(labels, probs.shape[0], probs.shape[1], where)
+    y = _check_labels(labels, probs.shape[0], probs.shape[1], where)
     if s:
         return be.softmax_cross_entropy_smoothed_backward(probs, be.asarray(y, np.int32), s)
     return be.softmax_cross_entropy_backward(probs, be.asarray(y, np.int32))
@@ -1004,6 +1004,6 @@ def mse_loss_backward(pred, target, *, backend=None):
     return be.mse_backward(*_mse_args(pred, target, be, "mse_loss_backward"))
 
 
-def check_label_smoothing(value, where: str) -> float:
+def _check_label_smoothing(value, where: str) -> float:
     """``label_smoothing`` as a float in [0, 1]."""
     return check_float(value, "label_smoothing", where, 0.0, 1.0)

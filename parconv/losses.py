@@ -66,7 +66,7 @@ class SoftmaxCrossEntropy(Loss):
 
     def __init__(self, label_smoothing: float = 0.0):
         super().__init__()
-        self.label_smoothing = F.check_label_smoothing(label_smoothing, "SoftmaxCrossEntropy")
+        self.label_smoothing = F._check_label_smoothing(label_smoothing, "SoftmaxCrossEntropy")
 
     def config(self):
         return {"label_smoothing": self.label_smoothing} if self.label_smoothing else {}
@@ -100,7 +100,7 @@ class SoftmaxCrossEntropy(Loss):
         where = "SoftmaxCrossEntropy"
         if backend.is_array(labels) and not isinstance(labels, np.ndarray):
             labels = backend.to_numpy(labels)  # device labels from elsewhere: validate them on the host
-        y = F.check_labels(labels, n, n_classes if n_classes is not None else np.iinfo(np.int32).max, where)
+        y = F._check_labels(labels, n, n_classes if n_classes is not None else np.iinfo(np.int32).max, where)
         y_b = backend.asarray(y, np.int32)
         self._prepared = (y_b, int(y.max()) if y.size else -1)
         return y_b
