@@ -205,6 +205,19 @@ def test_zero_grad_on_models_and_layers(backend):
         model.zero_grad(set_to_none=0)
 
 
+def test_optimizer_zero_grad_takes_set_to_none_too(backend):
+    model = _net(backend)
+    opt = pc.optim.SGD(model.parameters(), lr=0.1)
+    model(_x())
+    model.backward(np.ones((4, 3), np.float32))
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not host(p.grad).any() for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(TypeError, match="SGD.zero_grad: set_to_none must be a bool"):
+        opt.zero_grad(set_to_none=None)
+
+
 def test_zero_grad_set_to_none_false_zeroes_in_place():
     layer = pc.Linear(3, 2, backend="numpy")
     layer(np.ones((2, 3), np.float32))
