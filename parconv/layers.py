@@ -126,7 +126,7 @@ class IncompatibleKeys(namedtuple("IncompatibleKeys", ["missing_keys", "unexpect
         return super().__repr__()
 
 
-def zero_grads(params, set_to_none: bool, where: str) -> None:
+def _zero_grads(params, set_to_none: bool, where: str) -> None:
     """Drop the gradients of ``params`` (``set_to_none``) or fill them with zeros in place."""
     set_to_none = _check_bool(set_to_none, "set_to_none", where)
     for p in params:
@@ -254,7 +254,7 @@ class Layer:
         zeros in place (parameters without a gradient keep None). A backward pass overwrites
         the gradients either way; this is for code that reads or accumulates them.
         """
-        zero_grads(self.parameters(), set_to_none, f"{type(self).__name__}.zero_grad")
+        _zero_grads(self.parameters(), set_to_none, f"{type(self).__name__}.zero_grad")
 
     def _moved(self) -> None:
         """Hook: drop whatever a layer keeps that is tied to its old backend."""

@@ -78,9 +78,9 @@ class Optimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every parameter's gradient (the next backward writes fresh ones), as PyTorch's default;
         ``set_to_none=False`` fills the gradients with zeros in place instead."""
-        from ..layers import zero_grads
+        from ..layers import _zero_grads
 
-        zero_grads(self.params, set_to_none, f"{type(self).__name__}.zero_grad")
+        _zero_grads(self.params, set_to_none, f"{type(self).__name__}.zero_grad")
 
     def _buffer(self, i: int, name: str):
         p = self.params[i]
