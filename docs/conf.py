@@ -31,6 +31,7 @@ if importlib.util.find_spec("parconv") is None:
 os.environ["PYTHONPATH"] = os.pathsep.join(_kernel_path + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 import parconv  # noqa: E402
+import parconv_docs  # noqa: E402  (docs/_ext)
 
 # ------------------------------------------------------------------ project
 project = "parconv"
@@ -81,6 +82,8 @@ nb_execution_in_temp = False  # run in docs/tutorials, next to plugin_example/
 nb_merge_streams = True
 nb_execution_excludepatterns = []
 myst_enable_extensions = ["colon_fence", "dollarmath", "deflist", "substitution"]
+# figures the prose quotes ({{ tutorial_count }}, ...), computed from the docs and the code
+myst_substitutions = parconv_docs.substitutions(DOCS)
 myst_heading_anchors = 3
 
 # ------------------------------------------------------------------ HTML

@@ -13,11 +13,12 @@ __version__ = "0.1.0"
 from . import backends, datasets, functional, optim  # noqa: E402
 from . import callbacks, data  # noqa: E402
 from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
+from ._grad import enable_grad, is_grad_enabled, no_grad, set_grad_enabled  # noqa: E402
 from .backends import available as available_backends  # noqa: E402
 from .layers import *  # noqa: E402,F403  (every layer, by layers.__all__)
 from .layers import Layer, Parameter, manual_seed  # noqa: E402
 from . import layers as _layers  # noqa: E402
-from .losses import BCELoss, MSELoss, SoftmaxCrossEntropy  # noqa: E402
+from .losses import BCELoss, CrossEntropyLoss, MSELoss, SoftmaxCrossEntropy  # noqa: E402
 from .model import History, Sequential, TrainingDivergedError, load  # noqa: E402
 from . import models  # noqa: E402  (the zoo builds on Sequential)
 
@@ -61,12 +62,17 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "num_threads",
+    "no_grad",
+    "enable_grad",
+    "set_grad_enabled",
+    "is_grad_enabled",
     "to_numpy",
     "Sequential",
     "History",
     "load",
     "TrainingDivergedError",
     "SoftmaxCrossEntropy",
+    "CrossEntropyLoss",
     "BCELoss",
     "MSELoss",
     "functional",

@@ -28,6 +28,7 @@ Nested containers plan their own runs.
 from __future__ import annotations
 
 from . import functional as F
+from ._grad import NOT_SAVED, SavedForBackward, enable_grad, no_grad_error
 from ._validation import shape_of, to_backend_array
 from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Residual
 
@@ -46,6 +47,8 @@ class PlanStep:
 
 class _Fused:
     """Base of fused steps: the layers it runs and its own cache."""
+
+    _cache = SavedForBackward()
 
     def __init__(self, start: int, layers: list):
         self.start, self.layers = start, layers
@@ -71,11 +74,14 @@ class _Fused:
         self._checked = shape
 
     def _cached(self):
-        if self._cache is None:
+        cache = self._cache
+        if cache is None or cache is NOT_SAVED:
             names = ", ".join(type(layer).__name__ for layer in self.layers)
-            raise ValueError(f"Sequential.backward: layers {self.start}..{self.start + len(self.layers) - 1} "
-                             f"({names}) have no forward pass to differentiate (call the model first)")
-        return self._cache
+            where = f"Sequential.backward: layers {self.start}..{self.start + len(self.layers) - 1} ({names})"
+            if cache is NOT_SAVED:
+                raise no_grad_error(where)
+            raise ValueError(f"{where} have no forward pass to differentiate (call the model first)")
+        return cache
 
     def _dy(self, dy, expected: tuple):
         dy = to_backend_array(dy, self.backend, "dy", "Sequential.backward")
@@ -197,8 +203,9 @@ class ConvBatchNormEval(_Fused):
 
     def backward(self, dy, need_dx: bool = True):
         h = self._cached()
-        for layer in self.layers:
-            h = layer.forward(h)
+        with enable_grad():  # the layers' forward must keep what their backward reads, even inside no_grad
+            for layer in self.layers:
+                h = layer.forward(h)
         dy = self._dy(dy, shape_of(h))
         for k in range(len(self.layers) - 1, -1, -1):
             dy = self.layers[k].backward(dy, need_dx=need_dx or k > 0)

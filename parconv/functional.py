@@ -119,8 +119,9 @@ def _conv_args(x_shape, w_shape, stride, padding, dilation, groups, where):
     return (N, O, P, Q), stride, pads, dilation, groups
 
 
-def _conv_is_legacy(w_shape, stride, pads, dilation, groups) -> bool:
-    """Whether the existing square-kernel, int stride/padding backend path takes this convolution."""
+def _conv_is_square(w_shape, stride, pads, dilation, groups) -> bool:
+    """Whether this convolution takes the backends' square path (``conv2d_forward``/``conv2d_backward``:
+    square kernel, one stride and padding, no dilation, one group) rather than the general one."""
     return (w_shape[2] == w_shape[3] and stride[0] == stride[1] and pads[0] == pads[1] == pads[2] == pads[3]
             and dilation == (1, 1) and groups == 1)
 
@@ -215,7 +216,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 
     _, stride, pads, dilation, groups = _conv_args(shape_of(x), shape_of(w), stride, padding, dilation, groups,
                                                    "conv2d")
     b = _bias(bias, w.shape[0], be, "conv2d")
-    if _conv_is_legacy(w.shape, stride, pads, dilation, groups):
+    if _conv_is_square(w.shape, stride, pads, dilation, groups):
         return be.conv2d_forward(x, w, b, stride[0], pads[0])
     return be.conv2d_general_forward(x, w, b, stride, pads, dilation, groups)
 
@@ -235,7 +236,7 @@ def conv2d_backward(x, weight, dy, stride=1, padding=0, dilation=1, groups: int 
     out, stride, pads, dilation, groups = _conv_args(shape_of(x), shape_of(w), stride, padding, dilation, groups,
                                                      where)
     check_grad_shape(shape_of(dy), out, where)
-    if _conv_is_legacy(w.shape, stride, pads, dilation, groups):
+    if _conv_is_square(w.shape, stride, pads, dilation, groups):
         return be.conv2d_backward(x, w, dy, stride[0], pads[0], bool(need_dx), bool(need_db))
     return be.conv2d_general_backward(x, w, dy, stride, pads, dilation, groups, bool(need_dx), bool(need_db))
 
@@ -568,7 +569,7 @@ def sigmoid_backward(y, dy, *, backend=None):
 
 
 # ----------------------------------------------------------------------- losses
-def check_labels(labels, n: int, n_classes: int, where: str) -> np.ndarray:
+def _check_labels(labels, n: int, n_classes: int, where: str) -> np.ndarray:
     """Validate integer class labels on the host: length ``n``, values in ``[0, n_classes)``."""
     y = to_host_labels(labels, "labels", where)
     if y.ndim != 1:
@@ -591,11 +592,11 @@ def softmax_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, backe
     """
     be = _backends.get(backend)
     where = "softmax_cross_entropy"
-    s = check_label_smoothing(label_smoothing, where)
+    s = _check_label_smoothing(label_smoothing, where)
     logits = to_backend_array(logits, be, "logits", where)
     check_ndim(shape_of(logits), 2, "logits", where, "(N, classes)")
     check_nonempty(shape_of(logits), "logits", where)
-    y = check_labels(labels, logits.shape[0], logits.shape[1], where)
+    y = _check_labels(labels, logits.shape[0], logits.shape[1], where)
     if s:
         return be.softmax_cross_entropy_smoothed_forward(logits, be.asarray(y, np.int32), s)
     return be.softmax_cross_entropy_forward(logits, be.asarray(y, np.int32))
@@ -606,10 +607,10 @@ def softmax_cross_entropy_backward(probs, labels, *, label_smoothing: float = 0.
     ``onehot(labels)``, or ``(1 - s) onehot + s / G`` for ``label_smoothing`` s."""
     be = _backends.get(backend)
     where = "softmax_cross_entropy_backward"
-    s = check_label_smoothing(label_smoothing, where)
+    s = _check_label_smoothing(label_smoothing, where)
     probs = to_backend_array(probs, be, "probs", where)
     check_ndim(shape_of(probs), 2, "probs", where, "(N, classes)")
-    y = check_labels(labels, probs.shape[0], probs.shape[1], where)
+    y = _check_labels(labels, probs.shape[0], probs.shape[1], where)
     if s:
         return be.softmax_cross_entropy_smoothed_backward(probs, be.asarray(y, np.int32), s)
     return be.softmax_cross_entropy_backward(probs, be.asarray(y, np.int32))
@@ -1004,6 +1005,6 @@ def mse_loss_backward(pred, target, *, backend=None):
     return be.mse_backward(*_mse_args(pred, target, be, "mse_loss_backward"))
 
 
-def check_label_smoothing(value, where: str) -> float:
+def _check_label_smoothing(value, where: str) -> float:
     """``label_smoothing`` as a float in [0, 1]."""
     return check_float(value, "label_smoothing", where, 0.0, 1.0)

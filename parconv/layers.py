@@ -18,11 +18,13 @@ nest: their children's keys are prefixed with the child's name (``"2.0.weight"``
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 import numpy as np
 
 from . import backends as _backends
 from . import functional as F
+from ._grad import NOT_SAVED, SavedForBackward, no_grad_error
 from ._shapes import check_geometry
 from ._validation import Where, check_float, check_int, shape_of, state_array, to_backend_array
 
@@ -116,6 +118,28 @@ class Parameter:
         return f"Parameter(shape={self.shape}, backend={self.backend.name!r})"
 
 
+class IncompatibleKeys(namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])):
+    """What :meth:`Layer.load_state_dict` returns: the keys the model has but the state lacked, and the
+    keys the state has but the model lacks (PyTorch's ``_IncompatibleKeys``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        if not self.missing_keys and not self.unexpected_keys:
+            return "<All keys matched successfully>"
+        return super().__repr__()
+
+
+def _zero_grads(params, set_to_none: bool, where: str) -> None:
+    """Drop the gradients of ``params`` (``set_to_none``) or fill them with zeros in place."""
+    set_to_none = _check_bool(set_to_none, "set_to_none", where)
+    for p in params:
+        if set_to_none or p.grad is None:
+            p.grad = None
+        else:
+            p.backend.copy_into(p.grad, p.backend.zeros(p.shape))
+
+
 class Layer:
     """Base layer.
 
@@ -130,6 +154,8 @@ class Layer:
     param_names: tuple = ()
     #: names of the buffers, in state-dict order (after the parameters, as PyTorch)
     buffer_names: tuple = ()
+    #: what the last forward pass kept for backward (nothing under :class:`parconv.no_grad`)
+    _cache = SavedForBackward()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -200,7 +226,10 @@ class Layer:
         return self.train(False)
 
     def to(self, backend) -> "Layer":
-        """Move the parameters and buffers to ``backend`` (name or object) in place; returns self."""
+        """Move the parameters and buffers to ``backend`` (name or object) in place; returns self.
+
+        ``"cpu"`` is the default CPU backend (``openmp``, else ``numpy``), as :meth:`cpu`.
+        """
         backend = _backends.get(backend)
         for layer in self.modules():
             old = layer.backend
@@ -216,6 +245,20 @@ class Layer:
             layer._cache = None
             layer._moved()
         return self
+
+    def cpu(self) -> "Layer":
+        """Move to the default CPU backend (``openmp``, else ``numpy``) in place; returns self. Same as ``to("cpu")``."""
+        return self.to("cpu")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of every parameter here and below.
+
+        ``set_to_none=True`` (the default, as PyTorch's) drops them: ``p.grad`` becomes None, as
+        :meth:`parconv.optim.Optimizer.zero_grad` does. ``set_to_none=False`` fills them with
+        zeros in place (parameters without a gradient keep None). A backward pass overwrites
+        the gradients either way; this is for code that reads or accumulates them.
+        """
+        _zero_grads(self.parameters(), set_to_none, f"{type(self).__name__}.zero_grad")
 
     def _moved(self) -> None:
         """Hook: drop whatever a layer keeps that is tied to its old backend."""
@@ -258,30 +301,53 @@ class Layer:
         """Host copies of every parameter and buffer, keyed like PyTorch (``"0.weight"``, ``"1.running_mean"``)."""
         return {key: owner._state_value(attr) for key, owner, attr, _ in self._state_entries()}
 
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True) -> "IncompatibleKeys":
         """Copy arrays from ``state`` (e.g. a PyTorch ``state_dict`` as NumPy) into parameters and buffers.
 
         Every key is checked before anything is written, so a failed load
-        leaves the model unchanged. ``strict`` rejects unexpected keys.
+        leaves the model unchanged. As PyTorch's: with ``strict=True`` (the
+        default) a key of the model that ``state`` lacks, or a key of ``state`` the
+        model lacks, raises ``ValueError``; with
+        ``strict=False`` the keys present in both are loaded and the others
+        reported. A shape that differs from the model's raises either way.
+
+        Returns
+        -------
+        IncompatibleKeys
+            The named tuple ``(missing_keys, unexpected_keys)`` (both empty
+            after a strict load).
+
+        Examples
+        --------
+        >>> import numpy as np, parconv as pc
+        >>> model = pc.Sequential(pc.Linear(2, 2), backend="numpy")
+        >>> model.load_state_dict({"0.weight": np.eye(2), "head.weight": np.ones(2)}, strict=False)
+        IncompatibleKeys(missing_keys=['0.bias'], unexpected_keys=['head.weight'])
         """
         where = "load_state_dict"
         if not hasattr(state, "keys"):
             raise TypeError(f"{where}: state must be a mapping of name -> array, got {type(state).__name__}")
+        strict = _check_bool(strict, "strict", where)
         entries = self._state_entries()
         names = [e[0] for e in entries]
+        known = set(names)
         missing = [k for k in names if k not in state]
-        if missing:
-            raise ValueError(f"{where}: missing keys {missing} (model expects {names})")
-        unexpected = [k for k in state if k not in set(names)]
-        if strict and unexpected:
-            raise ValueError(f"{where}: unexpected keys {unexpected} (model expects {names})")
+        unexpected = [k for k in state if k not in known]
+        if strict and (missing or unexpected):
+            problems = ([f"missing keys {missing}"] if missing else []) + \
+                       ([f"unexpected keys {unexpected}"] if unexpected else [])
+            raise ValueError(f"{where}: {' and '.join(problems)} (model expects {names}; "
+                             "strict=False loads the keys that match)")
         staged = []
         for key, owner, attr, _ in entries:
+            if key not in state:
+                continue
             value = state_array(state[key], key, owner._state_shape(attr), where)
             owner._check_state(attr, value, key, where)
             staged.append((owner, attr, np.array(value, copy=True)))  # never alias caller data
         for owner, attr, value in staged:
             owner._set_state(attr, value)
+        return IncompatibleKeys(missing, unexpected)
 
     def _check_state(self, attr: str, value: np.ndarray, key: str, where: str) -> None:
         """Refuse a state entry whose values (not only its shape) the layer cannot use; a no-op by default."""
@@ -313,9 +379,12 @@ class Layer:
         return to_backend_array(x, self.backend, "x", Where(self))
 
     def _cached(self):
-        if self._cache is None:
+        cache = self._cache
+        if cache is None:
             raise ValueError(f"{self!r}: backward called before forward (call the layer on a batch first)")
-        return self._cache
+        if cache is NOT_SAVED:
+            raise no_grad_error(repr(self))
+        return cache
 
     def _check_dy(self, dy, expected: tuple):
         dy = to_backend_array(dy, self.backend, "dy", Where(self, ".backward"))

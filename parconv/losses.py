@@ -8,13 +8,16 @@ import numpy as np
 
 from . import backends as _backends
 from . import functional as F
+from ._grad import NOT_SAVED, SavedForBackward, no_grad_error
 from ._validation import check_float, check_ndim, check_nonempty, shape_of, to_backend_array
 
-__all__ = ["Loss", "SoftmaxCrossEntropy", "BCELoss", "MSELoss"]
+__all__ = ["Loss", "SoftmaxCrossEntropy", "CrossEntropyLoss", "BCELoss", "MSELoss"]
 
 
 class Loss:
     """Base class: ``__call__(pred, target) -> float``, ``backward() -> dpred``."""
+
+    _cache = SavedForBackward()
 
     def __init__(self):
         self._cache = None
@@ -23,9 +26,12 @@ class Loss:
         return self.forward(pred, target)
 
     def _cached(self):
-        if self._cache is None:
+        cache = self._cache
+        if cache is None:
             raise ValueError(f"{type(self).__name__}.backward called before the loss was computed")
-        return self._cache
+        if cache is NOT_SAVED:
+            raise no_grad_error(f"{type(self).__name__}.backward")
+        return cache
 
     def prepare_target(self, target, n: int, backend):
         """Validate targets on the host and move them to ``backend`` (used by ``fit``)."""
@@ -60,7 +66,7 @@ class SoftmaxCrossEntropy(Loss):
 
     def __init__(self, label_smoothing: float = 0.0):
         super().__init__()
-        self.label_smoothing = F.check_label_smoothing(label_smoothing, "SoftmaxCrossEntropy")
+        self.label_smoothing = F._check_label_smoothing(label_smoothing, "SoftmaxCrossEntropy")
 
     def config(self):
         return {"label_smoothing": self.label_smoothing} if self.label_smoothing else {}
@@ -94,7 +100,7 @@ class SoftmaxCrossEntropy(Loss):
         where = "SoftmaxCrossEntropy"
         if backend.is_array(labels) and not isinstance(labels, np.ndarray):
             labels = backend.to_numpy(labels)  # device labels from elsewhere: validate them on the host
-        y = F.check_labels(labels, n, n_classes if n_classes is not None else np.iinfo(np.int32).max, where)
+        y = F._check_labels(labels, n, n_classes if n_classes is not None else np.iinfo(np.int32).max, where)
         y_b = backend.asarray(y, np.int32)
         self._prepared = (y_b, int(y.max()) if y.size else -1)
         return y_b
@@ -119,6 +125,11 @@ class SoftmaxCrossEntropy(Loss):
 
     def count_correct(self, logits, labels_b) -> int:
         return _infer_backend(logits).count_correct(logits, labels_b)
+
+
+#: PyTorch's name for :class:`SoftmaxCrossEntropy` (the same class: logits and integer labels, mean over the
+#: batch, ``label_smoothing``)
+CrossEntropyLoss = SoftmaxCrossEntropy
 
 
 class BCELoss(Loss):

@@ -33,6 +33,10 @@ class Sequential(Layer):
         Move every layer there; by default the layers stay where they are
         (they must agree).
     fuse : bool, default True
+    input_shape : tuple of int, optional
+        One sample's shape, ``(C, H, W)`` or ``(F,)``, when the model is built
+        for one (the zoo's builders set it): :meth:`summary` then needs no
+        argument. Saved with the model.
 
     Examples
     --------
@@ -44,7 +48,7 @@ class Sequential(Layer):
     ['1.weight', '1.bias']
     """
 
-    def __init__(self, *layers, backend=None, fuse: bool = True):
+    def __init__(self, *layers, backend=None, fuse: bool = True, input_shape=None):
         if len(layers) == 1 and isinstance(layers[0], (list, tuple)):
             layers = tuple(layers[0])
         if not layers:
@@ -54,6 +58,7 @@ class Sequential(Layer):
                 raise TypeError(f"Sequential: argument {i} must be a parconv layer, got {type(layer).__name__}")
         self.layers = list(layers)
         self.fuse = bool(fuse)
+        self.input_shape = input_shape
         self._plan_key = None
         self._steps: list = []
         self._ran: list | None = None
@@ -69,6 +74,15 @@ class Sequential(Layer):
             super().__init__(self.layers[0].backend)
 
     # ------------------------------------------------------------------ basics
+    @property
+    def input_shape(self) -> tuple | None:
+        """One sample's shape, ``(C, H, W)`` or ``(F,)``, when known (zoo models); None otherwise. Settable."""
+        return self._input_shape
+
+    @input_shape.setter
+    def input_shape(self, shape) -> None:
+        self._input_shape = _sample_shape(shape)
+
     def __len__(self):
         return len(self.layers)
 
@@ -98,7 +112,10 @@ class Sequential(Layer):
         return {"type": "Sequential", "config": self.config()}
 
     def config(self) -> dict:
-        return {"layers": [layer.spec() for layer in self.layers], "fuse": self.fuse}
+        config = {"layers": [layer.spec() for layer in self.layers], "fuse": self.fuse}
+        if self.input_shape is not None:
+            config["input_shape"] = list(self.input_shape)
+        return config
 
     @classmethod
     def from_config(cls, config: dict, backend=None) -> "Sequential":
@@ -109,11 +126,12 @@ class Sequential(Layer):
                 raise TypeError(f"'layers' must be a list, got {type(specs).__name__}")
             layers = [layer_from_spec(spec, backend) for spec in specs]
             fuse = config.get("fuse", True)
+            input_shape = _sample_shape(config.get("input_shape"))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"invalid model config: {type(exc).__name__}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"invalid model config: {exc}") from None
-        return cls(*layers, backend=backend, fuse=bool(fuse))
+        return cls(*layers, backend=backend, fuse=bool(fuse), input_shape=input_shape)
 
     def output_shape(self, x_shape) -> tuple:
         shape = tuple(x_shape)
@@ -225,18 +243,46 @@ class Sequential(Layer):
         save_npz(path, arrays, {"format": FORMAT_VERSION, "parconv": __version__, "model": self.config()})
 
     # ---------------------------------------------------------------- summary
-    def summary(self, input_shape, print_fn=print) -> str:
-        """Print (and return) each layer's output shape, parameter count and forward multiply-adds.
+    def summary(self, input_shape=None, print_fn=print):
+        """Each layer's output shape, parameter count and forward multiply-adds, as a table.
 
-        ``input_shape`` is one sample's shape, e.g. ``(1, 28, 28)``, or a
-        batch's ``(N, 1, 28, 28)`` (multiply-adds are then for the batch).
+        Prints the table and returns None (as Keras's ``summary``), so a
+        REPL shows it once; with ``print_fn=None`` it prints nothing and
+        returns the text instead. ``print_fn`` may be any callable taking
+        one string (e.g. a logger's ``info``).
+
+        Parameters
+        ----------
+        input_shape : tuple of int, optional
+            One sample's shape, e.g. ``(1, 28, 28)``, or a batch's
+            ``(N, 1, 28, 28)`` (multiply-adds are then for the batch). By
+            default the model's :attr:`input_shape` (zoo models know theirs).
+        print_fn : callable or None, default print
+
+        Examples
+        --------
+        >>> import parconv as pc
+        >>> model = pc.models.lenet5(backend="numpy")
+        >>> model.input_shape
+        (1, 28, 28)
+        >>> text = model.summary(print_fn=None)
+        >>> text.splitlines()[-1]
+        'forward multiply-adds: ...'
         """
         from .training import summary_table
 
+        if input_shape is None:
+            input_shape = self.input_shape
+            if input_shape is None:
+                raise ValueError("summary: this model does not know its input shape; pass one sample's shape, "
+                                 "e.g. model.summary((1, 28, 28)), or set model.input_shape")
+        if print_fn is not None and not callable(print_fn):
+            raise TypeError(f"summary: print_fn must be a callable or None, got {type(print_fn).__name__}")
         text = summary_table(self, input_shape)
-        if print_fn is not None:
-            print_fn(text)
-        return text
+        if print_fn is None:
+            return text
+        print_fn(text)
+        return None
 
     # ------------------------------------------------------------------ training
     def fit(self, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None, loss=None, **kwargs) -> History:
@@ -256,6 +302,20 @@ class Sequential(Layer):
         from .training import predict
 
         return predict(self, x, batch_size=batch_size)
+
+
+def _sample_shape(shape) -> tuple | None:
+    """``input_shape`` checked: None, or one sample's shape ``(C, H, W)`` / ``(F,)`` of positive ints."""
+    if shape is None:
+        return None
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"Sequential: input_shape must be a tuple of ints such as (1, 28, 28), got {shape!r}")
+    shape = tuple(shape)
+    if len(shape) not in (1, 3) or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s > 0
+                                           for s in shape):
+        raise ValueError(f"Sequential: input_shape must be one sample's shape without the batch dimension, "
+                         f"(C, H, W) or (F,) of positive ints, got {shape!r}")
+    return tuple(int(s) for s in shape)
 
 
 def load(path, backend=None) -> Sequential:

@@ -17,6 +17,7 @@ import warnings
 
 import numpy as np
 
+from ._grad import is_grad_enabled, no_grad
 from ._validation import check_int, to_host_labels
 from .losses import Loss, SoftmaxCrossEntropy
 
@@ -200,6 +201,7 @@ class _eval_mode:
         return False
 
 
+@no_grad()  # inference: the layers keep no activations
 def evaluate_host(model, x, y, loss, batch_size: int) -> dict:
     """Mean loss and accuracy over host arrays (the model's current mode)."""
     be = model.backend
@@ -215,6 +217,7 @@ def evaluate_host(model, x, y, loss, batch_size: int) -> dict:
     return _metrics(loss, total / x.shape[0], correct / x.shape[0])
 
 
+@no_grad()
 def _evaluate_loader(model, loader, loss) -> dict:
     be = model.backend
     total, correct, n = 0.0, 0, 0
@@ -270,7 +273,7 @@ def predict(model, x, batch_size: int = 256) -> np.ndarray:
     check_finite(x, "x", where)
     check_model_input(model, x.shape, "x", where)
     be = model.backend
-    with _eval_mode(model):
+    with _eval_mode(model), no_grad():
         outs = [be.to_numpy(model.forward(be.asarray(x[s:s + batch_size]))) for s in range(0, x.shape[0], batch_size)]
         _release(model)
     return np.concatenate([np.asarray(o) for o in outs])
@@ -423,6 +426,9 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
     if distributed is not None and distributed is not False and not _REDUCER_FACTORIES:
         # start MPI and its abort hook before the checks below: a bad input on one rank must end the job
         importlib.import_module("parconv.distributed")
+    if not is_grad_enabled():
+        raise RuntimeError(f"{where}: called under parconv.no_grad(), where forward passes keep nothing for "
+                           "backward; call fit outside the no_grad block")
     epochs = check_int(epochs, "epochs", where, 1)
     loader = x if _is_loader(x) else None
     if loader is None:

@@ -45,7 +45,7 @@ def test_layers_call_no_backend_op():
     """Layers reach the maths through parconv.functional; a backend is only asked for arrays."""
     with open(os.path.join(ROOT, "layers.py"), encoding="utf-8") as f:
         source = f.read()
-    allowed = {"asarray", "to_numpy"}
+    allowed = {"asarray", "to_numpy", "zeros", "copy_into"}  # array plumbing (zero_grad(set_to_none=False))
     calls = set(re.findall(r"\.backend\.(\w+)\(", source)) | set(re.findall(r"\bbackend\.(\w+)\(", source))
     assert calls <= allowed, sorted(calls - allowed)
     assert "from .backends" not in source.replace("from . import backends as _backends", "")

@@ -5,6 +5,9 @@
   command-line reference cannot drift from the code.
 * After reading, every name in ``__all__`` of the public modules must be
   documented somewhere; a missing one is a warning (an error under ``-W``).
+* :func:`substitutions` computes the figures the prose quotes (``{{ tutorial_count }}``,
+  ``{{ selftest_checks }}``) from the docs and the code, so they cannot drift;
+  ``conf.py`` hands them to MyST and tests/test_docs_figures.py checks them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import os
+import re
+from pathlib import Path
 
 from docutils import nodes
 from sphinx.util import logging
@@ -99,6 +105,41 @@ def _check_api_complete(app, env):
             if full not in objects and full not in modules:
                 logger.warning(f"API reference: public name {full} is not documented "
                                f"(add it to docs/api/*.rst)")
+
+
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+                 "eleven", "twelve")
+
+
+def number_word(n: int) -> str:
+    """``9 -> "nine"``: the docs spell out small counts."""
+    return _NUMBER_WORDS[n] if 0 <= n < len(_NUMBER_WORDS) else str(n)
+
+
+def tutorial_pages(docs_dir) -> list:
+    """The pages of the tutorials' toctree (docs/tutorials/index.md), in order."""
+    text = (Path(docs_dir) / "tutorials" / "index.md").read_text(encoding="utf-8")
+    block = re.search(r"```\{toctree\}\n(.*?)```", text, re.S)
+    if block is None:
+        raise ValueError("docs/tutorials/index.md has no toctree")
+    return [line.strip() for line in block.group(1).splitlines() if line.strip() and not line.startswith(":")]
+
+
+def selftest_check_count() -> int:
+    """How many checks ``parconv selftest`` runs (on the NumPy reference, fixed shapes only: the same checks)."""
+    from parconv.selftest import run_selftest
+
+    out = io.StringIO()
+    if not run_selftest("numpy", n_random=0, file=out):
+        raise RuntimeError(f"parconv selftest fails on the NumPy reference:\n{out.getvalue()}")
+    found = re.search(r"PASSED: (\d+) of (\d+) checks", out.getvalue())
+    return int(found.group(2))
+
+
+def substitutions(docs_dir) -> dict:
+    """The MyST substitutions of the figures the prose quotes, computed from the docs and the code."""
+    return {"tutorial_count": number_word(len(tutorial_pages(docs_dir))),
+            "selftest_checks": str(selftest_check_count())}
 
 
 def setup(app):

@@ -467,13 +467,6 @@ cdef tuple _swap_limits(int *lim, int n, limits):
     return old
 
 
-def _set_winograd_limits(limits=None):
-    """The thresholds of :func:`winograd_applies`: three rules of (min_c, min_o, min_tiles,
-    min_tiles_x_o), flattened; the first two for one image, the last for a batch. With
-    ``limits`` (12 numbers), set them (for tuning and tests) and return the old ones."""
-    return _swap_limits(_wino_limits, 12, limits)
-
-
 cdef inline bint _wino_rule(const int *lim, int C, int O, long tiles) noexcept nogil:
     return C >= lim[0] and O >= lim[1] and tiles >= lim[2] and tiles * O >= lim[3]
 

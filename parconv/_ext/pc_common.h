@@ -236,15 +236,4 @@ static inline double pc_sum_f32(const float *restrict p, pc_idx n)
     return s;
 }
 
-/* y[o, s] += b[o] for a tile of T spatial positions with row stride ld. */
-static inline void pc_add_bias(float *restrict y, const float *restrict b, int O, pc_idx T, pc_idx ld)
-{
-    for (int o = 0; o < O; o++) {
-        float bo = b[o];
-        float *yo = y + (pc_idx)o * ld;
-        PC_SIMD
-        for (pc_idx s = 0; s < T; s++) yo[s] += bo;
-    }
-}
-
 #endif /* PARCONV_PC_COMMON_H */

@@ -125,6 +125,9 @@ def _instantiate(name: str) -> Backend:
 def get(name: str | Backend | None = None) -> Backend:
     """Return the backend called ``name`` (``None``: the process default).
 
+    ``"cpu"`` is the default CPU backend, as in PyTorch's ``model.to("cpu")``:
+    ``openmp`` where its kernels built, else ``numpy``.
+
     Raises
     ------
     ValueError
@@ -141,6 +144,8 @@ def get(name: str | Backend | None = None) -> Backend:
         name = get_default_backend_name()
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str name, a Backend or None, got {type(name).__name__}")
+    if name == "cpu" and "cpu" not in _factories:
+        name = _best_cpu_backend()
     with _lock:
         backend = _instances.get(name)
         if backend is not None:

@@ -646,7 +646,9 @@ class OpenCLBackend(Backend):
     def _run(self, name: str, gsize, lsize, *args) -> None:
         self._k[name](self.queue, gsize, lsize, *args)
 
-    def _elementwise(self, name: str, n: int, *args) -> None:
+    def _launch_1d(self, name: str, n: int, *args) -> None:
+        """Run kernel ``name`` over ``n`` items, one work-item each, in 1-D groups of ``elem_wg`` (the
+        last group padded: the kernels check their index against the count they are given)."""
         if n:
             wg = self.config.elem_wg
             self._run(name, (_cdiv(n, wg) * wg,), (wg,), *args)
@@ -734,7 +736,7 @@ class OpenCLBackend(Backend):
             # dx is the stride-1 correlation of dy (dilated by the stride) with the
             # flipped, transposed weights and padding K - 1 - pad
             wt = self.empty((C, O, K, K))
-            self._elementwise("conv2d_flip_weights", w.size, w.data, wt.data, _i32(O), _i32(C), _i32(K))
+            self._launch_1d("conv2d_flip_weights", w.size, w.data, wt.data, _i32(O), _i32(C), _i32(K))
             dx = self.empty((N, C, H, W))
             self._conv_direct(dy, wt, None, dx, O, P, Q, C, H, W, K, 1, K - 1 - padding, stride)
         dw = self._conv_dw(x, dy, w.shape, stride, padding)
@@ -784,7 +786,7 @@ class OpenCLBackend(Backend):
                   _i32(K), _i32(stride), _i32(pad), _i32(bo), _i32(cbw), _i32(tp), _i32(q8), _i32(n_per_split),
                   self._local(cbw * ph * rl), self._local(bo * tp * q8), self._local(bo * cbw * KK * 8))
         if splits > 1:
-            self._elementwise("conv2d_sum_splits", dw.size, part.data, dw.data, _i32(splits), _i32(dw.size))
+            self._launch_1d("conv2d_sum_splits", dw.size, part.data, dw.data, _i32(splits), _i32(dw.size))
         return dw
 
     # --------------------------------------------------------------- maxpool2d
@@ -794,7 +796,7 @@ class OpenCLBackend(Backend):
         P, Q = _out_size(H, K, stride), _out_size(W, K, stride)
         y = self.empty((N, C, P, Q))
         argmax = self.empty((N, C, P, Q), np.int32)
-        self._elementwise("maxpool2d_forward", N * C * P, x.data, y.data, argmax.data,
+        self._launch_1d("maxpool2d_forward", N * C * P, x.data, y.data, argmax.data,
                           _i32(N * C), _i32(H), _i32(W), _i32(P), _i32(Q), _i32(K), _i32(stride))
         return y, argmax
 
@@ -803,7 +805,7 @@ class OpenCLBackend(Backend):
         if argmax.dtype != np.int32:  # a compact (uint16) argmax: the kernels read int
             argmax = argmax.astype(np.int32)
         dx = self.empty((N, C, H, W))
-        self._elementwise("maxpool2d_backward", N * C, dy.data, argmax.data,
+        self._launch_1d("maxpool2d_backward", N * C, dy.data, argmax.data,
                           (relu_y if relu_y is not None else self._dummy_f).data, dx.data,
                           _i32(N * C), _i32(H * W), _i32(dy.shape[2] * dy.shape[3]), _i32(relu_y is not None))
         return dx
@@ -834,7 +836,7 @@ class OpenCLBackend(Backend):
                   _i32(M), _i32(N), _i32(K), _i32(sa_i), _i32(sa_k), _i32(sb_k), _i32(sb_j),
                   _i32(bias is not None and splits == 1), _i32(bm), _i32(bn), _i32(k_split))
         if splits > 1:
-            self._elementwise("gemm_sum_splits", M * N, out.data, bias_buf, c.data, _i32(splits), _i32(M),
+            self._launch_1d("gemm_sum_splits", M * N, out.data, bias_buf, c.data, _i32(splits), _i32(M),
                               _i32(N), _i32(bias is not None))
 
     def linear_forward(self, x, w, b):
@@ -856,18 +858,18 @@ class OpenCLBackend(Backend):
         db = None
         if need_db:
             db = self.empty((G,))
-            self._elementwise("dense_column_sum", G, dy.data, db.data, _i32(N), _i32(G))
+            self._launch_1d("dense_column_sum", G, dy.data, db.data, _i32(N), _i32(G))
         return dx, dw, db
 
     # ------------------------------------------------------------- activations
     def _unary(self, name, x):
         y = self.empty(x.shape)
-        self._elementwise(name, x.size, x.data, y.data, _i32(x.size))
+        self._launch_1d(name, x.size, x.data, y.data, _i32(x.size))
         return y
 
     def _binary(self, name, y, dy):
         dx = self.empty(dy.shape)
-        self._elementwise(name, dy.size, y.data, dy.data, dx.data, _i32(dy.size))
+        self._launch_1d(name, dy.size, y.data, dy.data, dx.data, _i32(dy.size))
         return dx
 
     def elementwise_forward(self, op, x, params=()):
@@ -876,7 +878,7 @@ class OpenCLBackend(Backend):
         if name not in self._k:
             return super().elementwise_forward(op, x, params)
         y = self.empty(x.shape)
-        self._elementwise(name, x.size, x.data, y.data, _i32(x.size), *(_f32(p) for p in params))
+        self._launch_1d(name, x.size, x.data, y.data, _i32(x.size), *(_f32(p) for p in params))
         return y
 
     def elementwise_backward(self, op, saved, dy, params=()):
@@ -885,7 +887,7 @@ class OpenCLBackend(Backend):
         if name not in self._k:
             return super().elementwise_backward(op, saved, dy, params)
         dx = self.empty(dy.shape)
-        self._elementwise(name, dy.size, saved.data, dy.data, dx.data, _i32(dy.size), *(_f32(p) for p in params))
+        self._launch_1d(name, dy.size, saved.data, dy.data, dx.data, _i32(dy.size), *(_f32(p) for p in params))
         return dx
 
     def relu_forward(self, x):
@@ -905,7 +907,7 @@ class OpenCLBackend(Backend):
         N, G = logits.shape
         probs = self.empty((N, G))
         row_loss = self.empty((N,))
-        self._elementwise("softmax_xent_rows", N, logits.data, labels.data, probs.data, row_loss.data,
+        self._launch_1d("softmax_xent_rows", N, logits.data, labels.data, probs.data, row_loss.data,
                           _i32(N), _i32(G))
         loss = self._reduce("sum_partial", N, [row_loss.data], [_i32(N)], np.float32, float(N))
         return float(self._scalar(loss, "softmax_cross_entropy_forward")), probs
@@ -913,7 +915,7 @@ class OpenCLBackend(Backend):
     def softmax_cross_entropy_backward(self, probs, labels):
         N, G = probs.shape
         d = self.empty((N, G))
-        self._elementwise("softmax_xent_backward", N * G, probs.data, labels.data, d.data, _i32(N), _i32(G))
+        self._launch_1d("softmax_xent_backward", N * G, probs.data, labels.data, d.data, _i32(N), _i32(G))
         return d
 
     @staticmethod
@@ -930,7 +932,7 @@ class OpenCLBackend(Backend):
     def bce_backward(self, p, t, eps):
         lo, hi = self._clip_bounds(eps)
         dp = self.empty(p.shape)
-        self._elementwise("bce_backward", p.size, p.data, t.data, dp.data, _i32(p.size), lo, hi)
+        self._launch_1d("bce_backward", p.size, p.data, t.data, dp.data, _i32(p.size), lo, hi)
         return dp
 
     def count_correct(self, logits, labels):
@@ -941,26 +943,26 @@ class OpenCLBackend(Backend):
     def argmax_rows(self, logits):
         N, G = logits.shape
         out = self.empty((N,), np.int32)
-        self._elementwise("argmax_rows", N, logits.data, out.data, _i32(N), _i32(G))
+        self._launch_1d("argmax_rows", N, logits.data, out.data, _i32(N), _i32(G))
         return out
 
     # --------------------------------------------------------------- optimizer
     def sgd_update(self, p, g, v, lr, momentum, weight_decay, nesterov):
-        self._elementwise("sgd_update", p.size, p.data, g.data, (v if v is not None else self._dummy_f).data,
+        self._launch_1d("sgd_update", p.size, p.data, g.data, (v if v is not None else self._dummy_f).data,
                           _i32(p.size), _f32(lr), _f32(momentum), _f32(weight_decay),
                           _i32(bool(weight_decay)), _i32(v is not None), _i32(bool(nesterov)))
 
     def adam_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled=False):
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
-        self._elementwise("adam_update", p.size, p.data, g.data, m.data, v.data, _i32(p.size),
+        self._launch_1d("adam_update", p.size, p.data, g.data, m.data, v.data, _i32(p.size),
                           _f32(beta1), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2),
                           _f32(lr / bc1), _f32(math.sqrt(bc2)), _f32(eps), _f32(weight_decay),
                           _i32(bool(weight_decay) and not decoupled), _f32(1 - lr * weight_decay),
                           _i32(bool(weight_decay) and bool(decoupled)))
 
     def rmsprop_update(self, p, g, sq, buf, lr, alpha, eps, weight_decay, momentum):
-        self._elementwise("rmsprop_update", p.size, p.data, g.data, sq.data,
+        self._launch_1d("rmsprop_update", p.size, p.data, g.data, sq.data,
                           (buf if buf is not None else self._dummy_f).data, _i32(p.size), _f32(lr), _f32(alpha),
                           _f32(1 - alpha), _f32(eps), _f32(weight_decay), _i32(bool(weight_decay)),
                           _f32(momentum), _i32(buf is not None))
@@ -982,7 +984,7 @@ class OpenCLBackend(Backend):
             bufs = []
             for lst in lists:
                 bufs += [dummy if lst is None else lst[i].data for i in chunk] + [dummy] * pad
-            self._elementwise(kernel, ends[-1], *bufs, *[_i32(e) for e in ends + [ends[-1]] * pad], *scalars)
+            self._launch_1d(kernel, ends[-1], *bufs, *[_i32(e) for e in ends + [ends[-1]] * pad], *scalars)
 
     def sgd_update_many(self, ps, gs, vs, lr, momentum, weight_decay, nesterov):
         self._multi("sgd_update_multi", [ps, gs, vs], _f32(lr), _f32(momentum), _f32(weight_decay),
@@ -1103,7 +1105,7 @@ class OpenCLBackend(Backend):
     def _bn_apply(self, x, weight, bias, mean, invstd, relu, residual=None):
         N, C, L = self._bn_dims(x)
         y = self.empty(x.shape)
-        self._elementwise("bn_apply", x.size, x.data, self._opt(weight), self._opt(bias), mean.data, invstd.data,
+        self._launch_1d("bn_apply", x.size, x.data, self._opt(weight), self._opt(bias), mean.data, invstd.data,
                           self._opt(residual), y.data, _i32(weight is not None), _i32(bias is not None),
                           _i32(residual is not None), _i32(bool(relu)), _i32(x.size), _i32(C), _i32(L))
         return y
@@ -1121,7 +1123,7 @@ class OpenCLBackend(Backend):
     def batch_norm_forward_eval(self, x, weight, bias, running_mean, running_var, eps, relu, residual=None):
         C = x.shape[1]
         mean, invstd = self.empty((C,)), self.empty((C,))
-        self._elementwise("bn_eval_stats", C, running_mean.data, running_var.data, mean.data, invstd.data,
+        self._launch_1d("bn_eval_stats", C, running_mean.data, running_var.data, mean.data, invstd.data,
                           _f32(eps), _i32(C))
         return self._bn_apply(x, weight, bias, mean, invstd, relu, residual), mean, invstd
 
@@ -1140,7 +1142,7 @@ class OpenCLBackend(Backend):
         dx = None
         if need_dx:
             dx = self.empty(x.shape)
-            self._elementwise("bn_backward_dx", x.size, x.data, dy.data, self._opt(y), self._opt(weight), mean.data,
+            self._launch_1d("bn_backward_dx", x.size, x.data, dy.data, self._opt(y), self._opt(weight), mean.data,
                               invstd.data, self._opt(sums), dx.data, _i32(y is not None), _i32(has_w),
                               _i32(bool(training)), _i32(x.size), _i32(N * L), _i32(C), _i32(L))
         return dx, dweight, dbias
@@ -1148,7 +1150,7 @@ class OpenCLBackend(Backend):
     # --------------------------------------------------------------- dropout
     def _dropout(self, a, p, seed):
         out = self.empty(a.shape)
-        self._elementwise("dropout_apply", a.size, a.data, out.data, _i32(a.size), np.uint64(seed),
+        self._launch_1d("dropout_apply", a.size, a.data, out.data, _i32(a.size), np.uint64(seed),
                           np.uint64(dropout_threshold(p)), _f32(dropout_scale(p)))
         return out
 
@@ -1161,12 +1163,12 @@ class OpenCLBackend(Backend):
     # ------------------------------------------------------ more activations
     def leaky_relu_forward(self, x, negative_slope):
         y = self.empty(x.shape)
-        self._elementwise("leaky_relu_forward", x.size, x.data, y.data, _i32(x.size), _f32(negative_slope))
+        self._launch_1d("leaky_relu_forward", x.size, x.data, y.data, _i32(x.size), _f32(negative_slope))
         return y
 
     def leaky_relu_backward(self, x, dy, negative_slope):
         dx = self.empty(dy.shape)
-        self._elementwise("leaky_relu_backward", dy.size, x.data, dy.data, dx.data, _i32(dy.size),
+        self._launch_1d("leaky_relu_backward", dy.size, x.data, dy.data, dx.data, _i32(dy.size),
                           _f32(negative_slope))
         return dx
 
@@ -1181,7 +1183,7 @@ class OpenCLBackend(Backend):
         inner = math.prod(shape[dim + 1:])
         lines = math.prod(shape) // D
         out = self.empty(shape)
-        self._elementwise(name, lines, *[a.data for a in arrays], out.data, _i32(lines), _i32(D), _i32(inner))
+        self._launch_1d(name, lines, *[a.data for a in arrays], out.data, _i32(lines), _i32(D), _i32(inner))
         return out
 
     def softmax_forward(self, x, dim):
@@ -1201,7 +1203,7 @@ class OpenCLBackend(Backend):
 
     def mse_backward(self, pred, target):
         d = self.empty(pred.shape)
-        self._elementwise("mse_backward", pred.size, pred.data, target.data, d.data, _i32(pred.size),
+        self._launch_1d("mse_backward", pred.size, pred.data, target.data, d.data, _i32(pred.size),
                           _f32(2.0 / pred.size))
         return d
 
@@ -1210,7 +1212,7 @@ class OpenCLBackend(Backend):
         on, off = smoothed_targets(label_smoothing, G)
         probs = self.empty((N, G))
         row_loss = self.empty((N,))
-        self._elementwise("softmax_xent_smooth_rows", N, logits.data, labels.data, probs.data, row_loss.data,
+        self._launch_1d("softmax_xent_smooth_rows", N, logits.data, labels.data, probs.data, row_loss.data,
                           _i32(N), _i32(G), _f32(on), _f32(off))
         loss = self._reduce("sum_partial", N, [row_loss.data], [_i32(N)], np.float32, float(N))
         return float(self._scalar(loss, "softmax_cross_entropy_smoothed_forward")), probs
@@ -1219,7 +1221,7 @@ class OpenCLBackend(Backend):
         N, G = probs.shape
         on, off = smoothed_targets(label_smoothing, G)
         d = self.empty((N, G))
-        self._elementwise("softmax_xent_smooth_backward", N * G, probs.data, labels.data, d.data, _i32(N), _i32(G),
+        self._launch_1d("softmax_xent_smooth_backward", N * G, probs.data, labels.data, d.data, _i32(N), _i32(G),
                           _f32(on), _f32(off))
         return d
 
@@ -1237,7 +1239,7 @@ class OpenCLBackend(Backend):
         P = _out_size(H, KH, stride[0], pads[0], pads[1], dilation[0])
         Q = _out_size(W, KW, stride[1], pads[2], pads[3], dilation[1])
         y = self.empty((N, O, P, Q))
-        self._elementwise("conv2d_general_forward", y.size, x.data, w.data,
+        self._launch_1d("conv2d_general_forward", y.size, x.data, w.data,
                           (b if b is not None else self._dummy_f).data, y.data,
                           *self._conv_general_args(x, w, P, Q, stride, pads, dilation, groups), _i32(b is not None))
         return y
@@ -1250,7 +1252,7 @@ class OpenCLBackend(Backend):
         dx = None
         if need_dx:
             dx = self.empty(x.shape)
-            self._elementwise("conv2d_general_backward_input", dx.size, dy.data, w.data, dx.data, *args)
+            self._launch_1d("conv2d_general_backward_input", dx.size, dy.data, w.data, dx.data, *args)
         dw = self.empty(w.shape)
         rw = self.config.red_wg
         self._run("conv2d_general_backward_weight", (w.size * rw,), (rw,), x.data, dy.data, dw.data, *args)
@@ -1270,7 +1272,7 @@ class OpenCLBackend(Backend):
         P, Q = _out_size(H, kernel[0], stride[0], pads[0]), _out_size(W, kernel[1], stride[1], pads[1])
         y = self.empty((N, C, P, Q))
         argmax = self.empty((N, C, P, Q), np.int32)
-        self._elementwise("maxpool2d_general_forward", y.size, x.data, y.data, argmax.data,
+        self._launch_1d("maxpool2d_general_forward", y.size, x.data, y.data, argmax.data,
                           *self._pool_args(N, C, H, W, P, Q, kernel, stride, pads))
         return y, argmax
 
@@ -1278,14 +1280,14 @@ class OpenCLBackend(Backend):
         N, C, H, W = x.shape
         P, Q = _out_size(H, kernel[0], stride[0], pads[0]), _out_size(W, kernel[1], stride[1], pads[1])
         y = self.empty((N, C, P, Q))
-        self._elementwise("avgpool2d_forward", y.size, x.data, y.data,
+        self._launch_1d("avgpool2d_forward", y.size, x.data, y.data,
                           *self._pool_args(N, C, H, W, P, Q, kernel, stride, pads))
         return y
 
     def avgpool2d_backward(self, dy, x_shape, kernel, stride, pads):
         N, C, H, W = x_shape
         dx = self.empty((N, C, H, W))
-        self._elementwise("avgpool2d_backward", dx.size, dy.data, dx.data,
+        self._launch_1d("avgpool2d_backward", dx.size, dy.data, dx.data,
                           *self._pool_args(N, C, H, W, dy.shape[2], dy.shape[3], kernel, stride, pads))
         return dx
 
@@ -1297,7 +1299,7 @@ class OpenCLBackend(Backend):
             rw = self.config.red_wg
             self._run("global_avgpool2d_forward", (N * C * rw,), (rw,), x.data, y.data, _i32(H * W))
             return y
-        self._elementwise("adaptive_avgpool2d_forward", y.size, x.data, y.data, _i32(N * C), _i32(H), _i32(W),
+        self._launch_1d("adaptive_avgpool2d_forward", y.size, x.data, y.data, _i32(N * C), _i32(H), _i32(W),
                           _i32(P), _i32(Q))
         return y
 
@@ -1305,6 +1307,6 @@ class OpenCLBackend(Backend):
         N, C, H, W = x_shape
         P, Q = output_size
         dx = self.empty((N, C, H, W))
-        self._elementwise("adaptive_avgpool2d_backward", dx.size, dy.data, dx.data, _i32(N * C), _i32(H), _i32(W),
+        self._launch_1d("adaptive_avgpool2d_backward", dx.size, dy.data, dx.data, _i32(N * C), _i32(H), _i32(W),
                           _i32(P), _i32(Q))
         return dx

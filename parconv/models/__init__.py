@@ -3,7 +3,9 @@
 Every builder takes ``num_classes`` and ``in_channels`` (defaults that fit its
 usual data: 1x28x28 for ``cnn_mnist`` and ``lenet5``, 3x32x32 for the rest),
 plus ``backend`` and ``rng`` (a seed or numpy Generator for the initial
-weights; default :func:`parconv.manual_seed`'s generator). The layer structure
+weights; default :func:`parconv.manual_seed`'s generator). The model records
+the input shape it was built for as ``model.input_shape``, so
+``model.summary()`` needs no argument. The layer structure
 and state-dict keys are those of the equivalent ``torch.nn.Sequential``
 (a residual block is a module with ``body`` and ``shortcut``), so weights move
 between the two with a dict of arrays.
@@ -60,7 +62,8 @@ def cnn_mnist(filters: int = 32, num_classes: int = 10, in_channels: int = 1, im
     g = _gen(rng)
     return Sequential(
         Conv2d(in_channels, filters, kernel_size=kernel_size, rng=g), ReLU(), MaxPool2d(2), Flatten(),
-        Linear(filters * side * side, num_classes, rng=g), backend=backend)
+        Linear(filters * side * side, num_classes, rng=g), backend=backend,
+        input_shape=(in_channels, image_size, image_size))
 
 
 def lenet5(num_classes: int = 10, in_channels: int = 1, backend=None, rng=None) -> Sequential:
@@ -75,7 +78,7 @@ def lenet5(num_classes: int = 10, in_channels: int = 1, backend=None, rng=None) 
         Conv2d(in_channels, 6, 5, padding=2, rng=g), ReLU(), MaxPool2d(2),
         Conv2d(6, 16, 5, rng=g), ReLU(), MaxPool2d(2),
         Flatten(), Linear(16 * 5 * 5, 120, rng=g), ReLU(), Linear(120, 84, rng=g), ReLU(),
-        Linear(84, num_classes, rng=g), backend=backend)
+        Linear(84, num_classes, rng=g), backend=backend, input_shape=(in_channels, 28, 28))
 
 
 def _conv_bn_relu(cin, cout, g, stride=1, groups=1, kernel_size=3):
@@ -99,7 +102,7 @@ def vgg_small(num_classes: int = 10, in_channels: int = 3, input_size: int = 32,
     side = input_size // 8  # three floor-mode 2x2 poolings: ((n // 2) // 2) // 2
     layers += [Flatten(), Dropout(0.5, rng=g), Linear(128 * side * side, 256, rng=g), ReLU(), Dropout(0.5, rng=g),
                Linear(256, num_classes, rng=g)]
-    return Sequential(*layers, backend=backend)
+    return Sequential(*layers, backend=backend, input_shape=(in_channels, input_size, input_size))
 
 
 def _basic_block(cin, cout, stride, g) -> Sequential:
@@ -128,7 +131,7 @@ def resnet20(num_classes: int = 10, in_channels: int = 3, backend=None, rng=None
             layers.append(_basic_block(c, width, stride if i == 0 else 1, g))
             c = width
     layers += [AdaptiveAvgPool2d(1), Flatten(), Linear(64, num_classes, rng=g)]
-    return Sequential(*layers, backend=backend)
+    return Sequential(*layers, backend=backend, input_shape=(in_channels, 32, 32))
 
 
 def mobilenet_small(num_classes: int = 10, in_channels: int = 3, backend=None, rng=None) -> Sequential:
@@ -144,7 +147,7 @@ def mobilenet_small(num_classes: int = 10, in_channels: int = 3, backend=None, r
         layers += _conv_bn_relu(c, width, g, kernel_size=1)        # pointwise
         c = width
     layers += [AdaptiveAvgPool2d(1), Flatten(), Linear(c, num_classes, rng=g)]
-    return Sequential(*layers, backend=backend)
+    return Sequential(*layers, backend=backend, input_shape=(in_channels, 32, 32))
 
 
 #: builder by command-line name, with its default input shape (C, H, W)
@@ -168,4 +171,6 @@ def build(name: str, input_shape=None, **kwargs) -> Sequential:
         kwargs.setdefault("image_size", h)
     if builder is vgg_small:
         kwargs.setdefault("input_size", h)
-    return builder(**kwargs)
+    model = builder(**kwargs)
+    model.input_shape = (kwargs["in_channels"], h, w)
+    return model

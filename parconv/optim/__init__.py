@@ -75,10 +75,12 @@ class Optimizer:
         """Checked copy of a full set of hyper-parameters (raises naming the bad one)."""
         raise NotImplementedError
 
-    def zero_grad(self) -> None:
-        """Drop every parameter's gradient (the next backward writes fresh ones)."""
-        for p in self.params:
-            p.grad = None
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every parameter's gradient (the next backward writes fresh ones), as PyTorch's default;
+        ``set_to_none=False`` fills the gradients with zeros in place instead."""
+        from ..layers import _zero_grads
+
+        _zero_grads(self.params, set_to_none, f"{type(self).__name__}.zero_grad")
 
     def _buffer(self, i: int, name: str):
         p = self.params[i]
