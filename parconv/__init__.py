@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 from . import backends, datasets, functional, optim  # noqa: E402
 from . import callbacks, data  # noqa: E402
+from ._config import conv_precision, get_conv_precision, set_conv_precision  # noqa: E402
 from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
 from .backends import available as available_backends  # noqa: E402
 from .layers import *  # noqa: E402,F403  (every layer, by layers.__all__)
@@ -61,6 +62,9 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "num_threads",
+    "set_conv_precision",
+    "get_conv_precision",
+    "conv_precision",
     "to_numpy",
     "Sequential",
     "History",
