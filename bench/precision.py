@@ -154,9 +154,12 @@ def within_bound(errors, torch_errors, factor: float = 10.0, floor: float = 1e-4
 
 
 def speed(net: str, batches, settings, threads: int, repeat: int, log=print) -> dict:
-    """``{batch: {setting: [seconds per training step]}}``: forward, backward and an SGD step of
-    ``net`` on openmp, the settings interleaved (repetition r runs each once, in an order rotated
-    by r), after each setting's gradients were checked against the NumPy reference."""
+    """``{batch: {setting: ([wall seconds], [CPU seconds])}}`` per training step: forward, backward
+    and an SGD step of ``net`` on openmp, the settings interleaved (repetition r runs each once,
+    in an order rotated by r), after each setting's gradients were checked against the NumPy
+    reference. The process's CPU time is the steadier figure on a machine that other work
+    keeps busy: time waiting for a core is not in it (run with OMP_WAIT_POLICY=passive so
+    that waiting threads do not spin)."""
     shape = pc.models.ZOO[net][1]
     out = {}
     with pc.num_threads(threads):
@@ -174,28 +177,30 @@ def speed(net: str, batches, settings, threads: int, repeat: int, log=print) -> 
                     raise AssertionError(f"openmp under {s!r} disagrees with numpy: worst tensor {err:.1e}")
                 loss_fn = pc.SoftmaxCrossEntropy()
                 opt = pc.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-                runs[s] = (m, loss_fn, opt, [])
+                runs[s] = (m, loss_fn, opt, [], [])
 
             def step(s):
-                m, loss_fn, opt, times = runs[s]
+                m, loss_fn, opt, wall, cpu = runs[s]
                 with pc.conv_precision(s):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     loss_fn(m(x), y)
                     m.backward(loss_fn.backward())
                     opt.step()
                     opt.zero_grad()
-                    times.append(time.perf_counter() - t0)
+                    wall.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
 
             for s in settings:  # warm-up
                 step(s)
                 runs[s][3].clear()
+                runs[s][4].clear()
             for r in range(repeat):
                 for k in range(len(settings)):
                     step(settings[(r + k) % len(settings)])
-            out[batch] = {s: runs[s][3] for s in settings}
-            med = {s: statistics.median(v) for s, v in out[batch].items()}
+            out[batch] = {s: (runs[s][3], runs[s][4]) for s in settings}
             log(f"batch {batch}, {threads} threads, median of {repeat}: "
-                + "  ".join(f"{s} {1e3 * med[s]:.1f} ms" for s in settings))
+                + "  ".join(f"{s} {1e3 * statistics.median(w):.1f} ms wall, {1e3 * statistics.median(c):.1f} ms CPU"
+                            for s, (w, c) in out[batch].items()))
     return out
 
 
@@ -207,11 +212,68 @@ def markdown(table: dict, seeds: int) -> str:
     """The accuracy table for docs/benchmarks.md: median and worst over the seeds per column."""
     cols = list(next(iter(table.values())))
     lines = ["| batch | " + " | ".join(f"{c} (median / worst)" for c in cols) + " |",
-             "|---|" + "---|" * len(cols)]
+             "| ---: |" + " --- |" * len(cols)]
     for batch, rows in table.items():
         lines.append(f"| {batch} | " + " | ".join(f"{_fmt(statistics.median(rows[c]))} / {_fmt(max(rows[c]))}"
                                                   for c in cols) + " |")
     return "\n".join(lines)
+
+
+SECTION = "## Conv precision"
+INTRO = [
+    SECTION, "",
+    "What `pc.set_conv_precision` costs and buys (see the concepts page, \"Convolution precision\"): "
+    "one training-mode forward and backward of resnet20 on standard-normal 3x32x32 images, every "
+    "parameter gradient against PyTorch's float64 gradient of the same network and inputs; a run's "
+    "error is its worst tensor's largest difference divided by that tensor's largest float64 value. "
+    "Each seed draws new weights and images. Regenerate with `python bench/precision.py --docs` "
+    "(accuracy) and `python bench/precision.py --speed --docs` (speed).",
+    "",
+    "An error of 3e-3 to 1e-1 is a ReLU whose input lay within rounding of zero and switched in "
+    "float32 (BatchNorm in training mode spreads it over the batch); below 1e-4 no ReLU switched. "
+    "Larger batches hold more inputs near zero, so at batch 32 and 128 most runs of every float32 "
+    "implementation switch one, PyTorch's included: there the seeds' spread, not the algorithm, "
+    "sets the figures. The acceptance rule checked below: the median and the worst over the seeds "
+    "each within 10x of PyTorch float32's (bounds no lower than 1e-3).",
+    "",
+]
+
+
+def _run_note(args_text: str) -> str:
+    import datetime
+
+    load = "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    return (f"*{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
+            f"`python bench/precision.py {args_text}`, {os.cpu_count()} cores, load average at the start {load}.*")
+
+
+def write_section(sub: str, lines: list[str], docs_dir: str) -> str:
+    """Put ``lines`` (the ``### sub`` subsection) into docs/benchmarks.md's "Conv precision" section,
+    keeping its other subsection; returns the page's path."""
+    from make_docs import _top_sections, replace_section
+    from parconv._io import atomic_open
+
+    page = os.path.join(docs_dir, "benchmarks.md")
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    subs = {}
+    for heading, body in _top_sections(text):
+        if heading == SECTION:
+            name = None
+            for line in body:
+                if line.startswith("### "):
+                    name = line[4:].strip()
+                    subs[name] = []
+                if name is not None:
+                    subs[name].append(line)
+    subs[sub] = [f"### {sub}", ""] + lines
+    body = list(INTRO)
+    for name in ("Accuracy", "Speed"):
+        if name in subs:
+            body += [line for line in subs[name]] + ([""] if subs[name][-1] != "" else [])
+    with atomic_open(page, "wb") as f:
+        f.write(replace_section(text, SECTION, body).encode("utf-8"))
+    return page
 
 
 def main(argv=None) -> int:
@@ -226,7 +288,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-numpy", action="store_true", help="leave out parconv's float32 NumPy backend")
     ap.add_argument("--speed", action="store_true", help="time training steps instead of measuring accuracy")
     ap.add_argument("--repeat", type=int, default=7, help="timed steps per setting (--speed)")
+    ap.add_argument("--docs", action="store_true", help="write the results into docs/benchmarks.md")
+    ap.add_argument("--json", help="also save the accuracy table to this file")
+    ap.add_argument("--merge", help="comma-separated --json files to report (and with --docs, write) "
+                    "instead of measuring: batches measured by separate processes")
+    ap.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"))
     args = ap.parse_args(argv)
+    args_text = " ".join(sys.argv[1:] if argv is None else argv)
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
     except ValueError:
@@ -239,25 +307,70 @@ def main(argv=None) -> int:
             ap.error(f"--settings: {s!r} is not one of {', '.join(pc._config.CONV_PRECISIONS)}")
     log = lambda text: print(text, flush=True)  # noqa: E731
     if args.speed:
+        note = _run_note(args_text)
         out = speed(args.net, batches, settings, args.threads, args.repeat, log)
-        base = settings[0]
+        base = "high" if "high" in settings else settings[0]
+        wait = os.environ.get("OMP_WAIT_POLICY", "unset")
+        lines = [note, "", f"{args.net} training step (forward, backward, SGD with momentum) on openmp at "
+                 f"{args.threads} threads (OMP_WAIT_POLICY {wait}), the settings interleaved; median of "
+                 f"{args.repeat} steps each in wall and in process CPU time, and the medians of the "
+                 f"per-repetition ratios to `{base}` (the default).", "",
+                 f"| batch | setting | wall ms | CPU ms | wall / {base} | CPU / {base} |",
+                 "| ---: | --- | ---: | ---: | ---: | ---: |"]
         for batch, runs in out.items():
-            for s in settings[1:]:
-                ratios = [a / b for a, b in zip(runs[s], runs[base])]
-                log(f"batch {batch}: {s} / {base} step time, median of paired ratios {statistics.median(ratios):.3f}")
+            for s in settings:
+                rw = statistics.median([a / b for a, b in zip(runs[s][0], runs[base][0])])
+                rc = statistics.median([a / b for a, b in zip(runs[s][1], runs[base][1])])
+                lines.append(f"| {batch} | {s} | {1e3 * statistics.median(runs[s][0]):.1f} | "
+                             f"{1e3 * statistics.median(runs[s][1]):.1f} | {rw:.3f} | {rc:.3f} |")
+                log(f"batch {batch}: {s} / {base}, medians of paired ratios: wall {rw:.3f}, CPU {rc:.3f}")
+        if args.docs:
+            log(f"wrote {write_section('Speed', lines, args.docs_dir)}")
         return 0
     use_torch = have_torch() and not args.no_torch
-    pc.set_num_threads(args.threads)
-    table = accuracy(args.net, batches, args.seeds, settings, use_torch, not args.no_numpy, log)
-    log(f"\n{args.net}, worst-tensor gradient error vs float64 "
-        f"({'PyTorch' if use_torch else 'NumPy reference'}), {args.seeds} seeds\n")
-    log(markdown(table, args.seeds))
+    if args.docs and not use_torch:
+        ap.error("--docs needs PyTorch (the float64 oracle and the float32 comparison)")
+    note = _run_note(args_text)
+    if args.merge:
+        import json
+
+        table = {}
+        for path in args.merge.split(","):
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+            note = saved["note"] if not table else note
+            table.update({int(b): rows for b, rows in saved["table"].items()})
+        table = dict(sorted(table.items()))
+        args.seeds = min(len(v) for rows in table.values() for v in rows.values())
+    else:
+        pc.set_num_threads(args.threads)
+        if use_torch:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        table = accuracy(args.net, batches, args.seeds, settings, use_torch, not args.no_numpy, log)
+    if args.json:
+        import json
+
+        from parconv._io import atomic_open
+
+        with atomic_open(args.json, "wb") as f:
+            f.write(json.dumps({"note": note, "table": table}).encode("utf-8"))
+    title = (f"{args.net}, worst-tensor gradient error vs float64 "
+             f"({'PyTorch' if use_torch else 'NumPy reference'}), {args.seeds} seed{'s' if args.seeds > 1 else ''} per batch size, "
+             f"median / worst over the seeds; openmp at {args.threads} threads")
+    lines = [note, "", title + ":", "", markdown(table, args.seeds), ""]
     if use_torch:
+        verdicts = []
         for batch, rows in table.items():
             for c in rows:
                 if c.startswith("openmp"):
                     ok = within_bound(rows[c], rows["pytorch fp32"])
-                    log(f"batch {batch}: {c} {'within' if ok else 'NOT within'} 10x PyTorch float32 (floor 1e-4)")
+                    verdicts.append(f"batch {batch} {c.split()[1]}: {'within' if ok else '**not** within'}")
+        lines.append("Within 10x of PyTorch float32: " + "; ".join(verdicts) + ".")
+    log("\n" + "\n".join(lines))
+    if args.docs:
+        log(f"wrote {write_section('Accuracy', lines, args.docs_dir)}")
     return 0
 
 
