@@ -334,7 +334,7 @@ class OpenMPBackend(HostArrays, Backend):
     def _winograd4(grad) -> bool:
         """Whether F(4x4, 3x3) may run: at "medium" everywhere, at "high" for the gradients only.
         Its forward error flips ReLUs whose input lies within it of zero, which BatchNorm in
-        training mode turns into gradient errors of 1e-2; dx and dw reach no such decision."""
+        training mode spreads over every gradient; dx and dw reach no such decision."""
         precision = get_conv_precision()
         return precision == "medium" or (grad and precision == "high")
 
