@@ -370,8 +370,12 @@ def write_docs(results: dict, out_dir: str, docs_dir: str = os.path.join(ROOT, "
                 f_out.write(f_in.read())
             plots.append(name)
     page = os.path.join(docs_dir, "benchmarks.md")
+    text = render(results, plots)
+    if os.path.exists(page):
+        with open(page, encoding="utf-8") as f:
+            text = keep_sections(f.read(), text)
     with atomic_open(page, "wb") as f:
-        f.write(render(results, plots).encode("utf-8"))
+        f.write(text.encode("utf-8"))
     for old in os.listdir(static):  # plots of an earlier run that this one did not draw
         if old.endswith(".png") and old not in plots:
             os.remove(os.path.join(static, old))
@@ -386,6 +390,42 @@ def _sections(text: str) -> list[tuple[str, list[str]]]:
             out.append((line, []))
         out[-1][1].append(line)
     return out
+
+
+#: sections another script writes (bench/precision.py): a full regeneration keeps them
+KEPT_SECTIONS = ("## Conv precision",)
+
+
+def _top_sections(text: str) -> list[tuple[str, list[str]]]:
+    """``[(heading, lines), ...]`` of a page split before every ``## `` heading only."""
+    out = [("", [])]
+    for line in text.splitlines():
+        if line.startswith("## "):
+            out.append((line, []))
+        out[-1][1].append(line)
+    return out
+
+
+def replace_section(page_text: str, heading: str, body: list[str]) -> str:
+    """``page_text`` with its ``## `` section ``heading`` (and its subsections) replaced by ``body``
+    (which starts with the heading), or ``body`` added before "## Amdahl analysis" (else at the end)."""
+    sections = _top_sections(page_text)
+    heads = [h for h, _ in sections]
+    body = list(body) + ([""] if body and body[-1] != "" else [])
+    if heading in heads:
+        sections[heads.index(heading)] = (heading, body)
+    else:
+        at = heads.index("## Amdahl analysis") if "## Amdahl analysis" in heads else len(heads)
+        sections.insert(at, (heading, body))
+    return "\n".join(line for _, lines in sections for line in lines).rstrip() + "\n"
+
+
+def keep_sections(old_text: str, new_text: str) -> str:
+    """``new_text`` with the KEPT_SECTIONS that ``old_text`` has put back in."""
+    for heading, lines in _top_sections(old_text):
+        if heading in KEPT_SECTIONS:
+            new_text = replace_section(new_text, heading, lines)
+    return new_text
 
 
 def splice(page_text: str, results: dict, plots: list[str]) -> str:

@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 from . import backends, datasets, functional, optim  # noqa: E402
 from . import callbacks, data  # noqa: E402
+from ._config import conv_precision, get_conv_precision, set_conv_precision  # noqa: E402
 from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
 from ._grad import enable_grad, is_grad_enabled, no_grad, set_grad_enabled  # noqa: E402
 from .backends import available as available_backends  # noqa: E402
@@ -66,6 +67,9 @@ __all__ = [
     "enable_grad",
     "set_grad_enabled",
     "is_grad_enabled",
+    "set_conv_precision",
+    "get_conv_precision",
+    "conv_precision",
     "to_numpy",
     "Sequential",
     "History",

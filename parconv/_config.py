@@ -1,4 +1,4 @@
-"""Process-wide settings: the default backend and the OpenMP thread count."""
+"""Process-wide settings: the default backend, the OpenMP thread count and the convolution precision."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import threading
 _lock = threading.Lock()
 _default_backend: str | None = None
 _num_threads: int | None = None
+_conv_precision: str = "high"
+
+#: the values of :func:`set_conv_precision`, most accurate first
+CONV_PRECISIONS = ("highest", "high", "medium")
 
 
 _cores: int | None = None  # the cores this process may run on, read once (see _cpu_count)
@@ -116,6 +120,81 @@ def num_threads(n: int | None):
     finally:
         with _lock:
             _num_threads = previous
+
+
+def _check_precision(precision, name: str = "precision") -> str:
+    if not isinstance(precision, str):
+        raise TypeError(f"{name} must be one of {', '.join(map(repr, CONV_PRECISIONS))}, "
+                        f"got {type(precision).__name__} {precision!r}")
+    if precision not in CONV_PRECISIONS:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, CONV_PRECISIONS))}, got {precision!r}")
+    return precision
+
+
+def set_conv_precision(precision: str) -> None:
+    """Choose how accurately the CPU backend computes 3x3 stride-1 convolutions.
+
+    parconv's counterpart of ``torch.set_float32_matmul_precision``: faster
+    algorithms round more, and the setting says how much rounding is acceptable.
+    It applies to the ``openmp`` backend (the ``numpy`` reference and the
+    ``opencl`` kernels always sum directly) and is read at every call.
+
+    Parameters
+    ----------
+    precision : {"highest", "high", "medium"}
+        ``"highest"``: direct summation everywhere, the results of the direct
+        kernels (no Winograd). ``"high"`` (the default): Winograd F(2x2, 3x3) or
+        direct summation in the forward, F(4x4, 3x3) only for the gradients dx
+        and dw, whose error (a few times float32 rounding) reaches no ReLU's
+        decision. ``"medium"``: F(4x4, 3x3) in the forward as well, the
+        fastest; its forward error (up to 8e-6 of a layer's largest output)
+        flips ReLUs whose input lies that close to zero, and BatchNorm in training mode can turn one
+        flip into a gradient error of 1e-2 (see the docs' "Convolution
+        precision" section for the measured errors).
+
+    Raises
+    ------
+    TypeError
+        If ``precision`` is not a string.
+    ValueError
+        If it is not one of the values above.
+    """
+    global _conv_precision
+    value = _check_precision(precision)
+    with _lock:
+        _conv_precision = value
+
+
+def get_conv_precision() -> str:
+    """Return the convolution precision the CPU backend uses for the next call
+    (``"highest"``, ``"high"`` or ``"medium"``; see :func:`set_conv_precision`)."""
+    return _conv_precision
+
+
+@contextlib.contextmanager
+def conv_precision(precision: str):
+    """Context manager that sets the convolution precision inside a ``with`` block
+    (see :func:`set_conv_precision`).
+
+    Examples
+    --------
+    >>> import parconv as pc
+    >>> with pc.conv_precision("highest"):
+    ...     pc.get_conv_precision()
+    'highest'
+    >>> pc.get_conv_precision()
+    'high'
+    """
+    global _conv_precision
+    value = _check_precision(precision)
+    previous = _conv_precision
+    with _lock:
+        _conv_precision = value
+    try:
+        yield
+    finally:
+        with _lock:
+            _conv_precision = previous
 
 
 def get_default_backend_name() -> str:

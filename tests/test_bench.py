@@ -461,3 +461,35 @@ def test_compare_answers_takes_a_tolerance_per_key():
     assert res["ok"] and res["worst_key"] == "loss"  # loss uses half its default, grads a fifth of theirs
     res = harness.compare_answers(got, ref, {"grads": 5e-2, "loss": 1e-4})
     assert not res["ok"] and res["worst_key"] == "loss" and "tolerance 0.0001" in res["message"]
+
+
+def test_precision_section_survives_a_full_regeneration_and_its_subsections_each_other(tmp_path):
+    """bench/precision.py writes "## Conv precision" (its Accuracy and Speed subsections separately);
+    make_docs.write_docs, which renders the rest of the page afresh, keeps it."""
+    make_docs = _bench_module("make_docs")
+    precision = _bench_module("precision")
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\n## Results\n\nold\n\n## Amdahl analysis\n\nA\n", encoding="utf-8")
+    precision.write_section("Speed", ["| speed table |"], str(tmp_path))
+    precision.write_section("Accuracy", ["| accuracy table |"], str(tmp_path))
+    precision.write_section("Speed", ["| new speed table |"], str(tmp_path))
+    text = page.read_text(encoding="utf-8")
+    assert text.count("## Conv precision") == 1 and "| speed table |" not in text
+    assert (text.index("## Results") < text.index("### Accuracy") < text.index("| accuracy table |")
+            < text.index("### Speed") < text.index("| new speed table |") < text.index("## Amdahl analysis"))
+    section = text[text.index("## Conv precision"):text.index("## Amdahl analysis")]
+    kept = make_docs.keep_sections(text, "# Benchmarks\n\n## Results\n\nnew\n\n## Amdahl analysis\n\nB\n")
+    assert section in kept and "\nnew\n" in kept and "\nold\n" not in kept
+    assert kept.index("## Conv precision") < kept.index("## Amdahl analysis")
+    assert make_docs.keep_sections(kept, kept) == kept
+
+
+def test_precision_error_is_the_worst_tensor_scaled_by_its_largest_value():
+    precision = _bench_module("precision")
+    ref = {"a": np.array([1.0, -4.0]), "b": np.array([0.5, 0.0]), "z": np.zeros(2)}
+    got = {"a": np.array([1.0, -3.0]), "b": np.array([0.25, 0.0]), "z": np.zeros(2)}
+    assert precision.worst_error(got, ref) == (0.5, "b")
+    assert precision.within_bound([1e-5, 2e-3], [1e-6, 1e-6]) is False  # worst above 10 x 1e-4
+    assert precision.within_bound([1e-5, 9e-4], [1e-6, 1e-6]) is True
+    assert precision.within_bound([0.1, 0.2], [0.02, 0.03]) is True
+    assert precision.within_bound([0.5, 0.5], [0.02, 0.03]) is False  # median above 10 x 0.025

@@ -871,10 +871,11 @@ def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C,
                                      const float[:, :, :, ::1] dy,  # IN  (N, O, P, Q)
                                      float[:, :, :, ::1] dw,        # OUT (O, C, 3, 3), overwritten
                                      float[::1] db,                 # OUT (O,) or None, overwritten
-                                     int padding, int num_threads):
-    """dw of a stride-1 3x3 convolution by Winograd (F(4x4, 3x3) where :func:`winograd4_dw_applies`,
-    else F(2x2, 3x3)), and ``db = sum dy`` as in :func:`conv2d_backward`; BLAS must be limited to
-    one thread. dw has the same bits at every thread count (see ``WINOGRAD_DW_GROUPS``)."""
+                                     int padding, int num_threads, bint winograd4=True):
+    """dw of a stride-1 3x3 convolution by Winograd (F(4x4, 3x3) where :func:`winograd4_dw_applies`
+    and ``winograd4``, else F(2x2, 3x3)), and ``db = sum dy`` as in :func:`conv2d_backward`; BLAS
+    must be limited to one thread. dw has the same bits at every thread count (see
+    ``WINOGRAD_DW_GROUPS``)."""
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = dy.shape[1], P = dy.shape[2], Q = dy.shape[3]
     if dy.shape[0] != N or P != H + 2 * padding - 2 or Q != W + 2 * padding - 2 or padding < 0:
@@ -889,7 +890,8 @@ def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C,
         raise ValueError("conv2d_backward_weights_winograd: every dimension must be >= 1")
     cdef int failed
     failed = _dw_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
-                          num_threads if num_threads > 0 else 1, winograd4_dw_applies(N, C, O, 3, 1, P, Q))
+                          num_threads if num_threads > 0 else 1,
+                          winograd4 and winograd4_dw_applies(N, C, O, 3, 1, P, Q))
     if failed:
         raise MemoryError("conv2d_backward_weights_winograd: could not allocate scratch")
     if db is not None:
@@ -903,12 +905,12 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                    int stride, int padding, int num_threads,
                    Py_ssize_t tile_bytes=1048576, bint winograd=True,
                    const float[::1] scale=None,  # IN  (O,) or None
-                   bint relu=False):
+                   bint relu=False, bint winograd4=True):
     """Convolution forward, parallel over images or, for small batches, tiles of output positions.
 
     3x3 stride-1 layers run Winograd unless ``winograd`` is false: F(4x4, 3x3) in a
-    batch with enough channels and filters (:func:`winograd4_applies`), else F(2x2, 3x3)
-    where :func:`winograd_applies` says so. No BLAS call.
+    batch with enough channels and filters (:func:`winograd4_applies`) unless ``winograd4``
+    is false, else F(2x2, 3x3) where :func:`winograd_applies` says so. No BLAS call.
 
     With ``scale`` every output is ``conv * scale[o] + b[o]`` instead of
     ``conv + b[o]`` (an eval-mode BatchNorm folded into the store), and
@@ -927,7 +929,7 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         if scale.shape[0] != O or b is None or b.shape[0] != O:
             raise ValueError(f"conv2d_forward: scale and b must both have {O} entries with scale given")
         sp = &scale[0]
-    if winograd and winograd4_applies(C, O, K, stride, P, Q, N):
+    if winograd and winograd4 and winograd4_applies(C, O, K, stride, P, Q, N):
         failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
                                 &y[0, 0, 0, 0], P, Q, nt, sp, relu, True)
     elif winograd and winograd_applies(C, O, K, stride, P, Q, N):

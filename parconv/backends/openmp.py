@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-from .._config import get_num_threads
+from .._config import get_conv_precision, get_num_threads
 from .._ext import _activations, _conv, _conv_general, _dense, _losses, _norm, _optim, _pool, _threads
 from .._shapes import out_size as _out_size
 from .base import Backend
@@ -297,8 +297,9 @@ class OpenMPBackend(HostArrays, Backend):
     #: Run 3x3 stride-1 forward convolutions (and the dx of such layers) as Winograd:
     #: F(4x4, 3x3) in a batch of at least 4 images with 16 channels and filters over
     #: maps from 8x8 (``_conv.winograd4_applies``), F(2x2, 3x3) on other wide layers
-    #: (``_conv.winograd_applies``). Set to False on an instance to use the direct
-    #: kernels everywhere, e.g. to compare the two or to sum in the direct order.
+    #: (``_conv.winograd_applies``), as far as ``parconv.get_conv_precision()`` allows
+    #: (see :meth:`_winograd4`). Set to False on an instance to use the direct kernels
+    #: everywhere, as ``parconv.set_conv_precision("highest")`` does for every instance.
     winograd: bool = True
 
     #: Run linear layers with few outputs over many inputs on the narrow kernels (see
@@ -321,9 +322,21 @@ class OpenMPBackend(HostArrays, Backend):
     def _empty(self, shape, dtype=np.float32):
         return self._pool.empty(shape, dtype)
 
-    def _winograd(self, C, O, K, stride, P, Q, N) -> bool:
-        return bool(self.winograd) and (_conv.winograd4_applies(C, O, K, stride, P, Q, N)
-                                         or _conv.winograd_applies(C, O, K, stride, P, Q, N))
+    def _winograd(self, C, O, K, stride, P, Q, N, grad=False) -> bool:
+        """Whether this convolution (a forward, or with ``grad`` a gradient's transposed one) runs Winograd."""
+        f4 = self._winograd4(grad) and _conv.winograd4_applies(C, O, K, stride, P, Q, N)
+        return self._winograd_allowed() and (f4 or _conv.winograd_applies(C, O, K, stride, P, Q, N))
+
+    def _winograd_allowed(self) -> bool:
+        return bool(self.winograd) and get_conv_precision() != "highest"
+
+    @staticmethod
+    def _winograd4(grad) -> bool:
+        """Whether F(4x4, 3x3) may run: at "medium" everywhere, at "high" for the gradients only.
+        Its forward error flips ReLUs whose input lies within it of zero, which BatchNorm in
+        training mode spreads over every gradient; dx and dw reach no such decision."""
+        precision = get_conv_precision()
+        return precision == "medium" or (grad and precision == "high")
 
     @property
     def openmp_enabled(self) -> bool:
@@ -361,10 +374,11 @@ class OpenMPBackend(HostArrays, Backend):
         self._conv2d_forward_into(x, w, b, y, stride, padding)
         return y
 
-    def _conv2d_forward_into(self, x, w, b, y, stride, padding):
-        # Winograd where _winograd says so (the kernel checks the same rule); micro-kernels only, no BLAS
+    def _conv2d_forward_into(self, x, w, b, y, stride, padding, grad=False):
+        # Winograd where _winograd says so (the kernel checks the same rule); micro-kernels only, no BLAS.
+        # ``grad``: y is dx, the transposed convolution of a backward
         _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
-                             winograd=bool(self.winograd))
+                             winograd=self._winograd_allowed(), winograd4=self._winograd4(grad))
 
     def conv2d_batch_norm_eval_forward(self, x, w, b, weight, bias, running_mean, running_var, eps, stride,
                                        padding, relu):
@@ -382,7 +396,8 @@ class OpenMPBackend(HostArrays, Backend):
                               _f32(running_var), float(eps), scale, shift)
         y = self._empty((N, O, P, Q))
         _conv.conv2d_forward(x, w, shift, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
-                             winograd=bool(self.winograd), scale=scale, relu=bool(relu))
+                             winograd=self._winograd_allowed(), scale=scale, relu=bool(relu),
+                             winograd4=self._winograd4(False))
         return y
 
     def conv2d_backward(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
@@ -395,21 +410,22 @@ class OpenMPBackend(HostArrays, Backend):
         db = np.empty(O, dtype=np.float32) if need_db else None
         K = w.shape[2]
         shape = (x.shape[0], x.shape[1], O, K, stride, dy.shape[2], dy.shape[3])
-        winograd_dw = (bool(self.winograd) and padding <= K - 1
-                       and (_conv.winograd4_dw_applies(*shape) or _conv.winograd_dw_applies(*shape)))
+        f4 = self._winograd4(True)
+        winograd_dw = (self._winograd_allowed() and padding <= K - 1
+                       and ((f4 and _conv.winograd4_dw_applies(*shape)) or _conv.winograd_dw_applies(*shape)))
         if winograd_dw or (need_dx and self._winograd_dx(x.shape, w.shape, stride, padding)):
             # Winograd where the layer (for dw) or its transposed convolution (for dx) qualifies,
             # F(4x4, 3x3) before F(2x2, 3x3); the micro-kernels otherwise
             if winograd_dw:
                 with _blas_one_thread:
-                    _conv.conv2d_backward_weights_winograd(x, dy, dw, db, padding, get_num_threads())
+                    _conv.conv2d_backward_weights_winograd(x, dy, dw, db, padding, get_num_threads(), f4)
             else:
                 _conv.conv2d_backward(x, w, dy, None, dw, db, stride, padding, get_num_threads(),
                                       CONV_BACKWARD_TILE_BYTES)
             if need_dx:
                 # the stride-1 convolution of dy with the flipped, transposed filters (C outputs
                 # from O inputs, padding K - 1 - padding); Winograd where _winograd_dx says so
-                self._conv2d_forward_into(dy, _flipped_transposed(w), None, dx, 1, K - 1 - padding)
+                self._conv2d_forward_into(dy, _flipped_transposed(w), None, dx, 1, K - 1 - padding, grad=True)
             return dx, dw, db
         # stride 1 runs on micro-kernels only; im2col + sgemm otherwise (see _conv.conv2d_backward)
         uses_blas = stride != 1 or (need_dx and padding > K - 1)
@@ -424,7 +440,7 @@ class OpenMPBackend(HostArrays, Backend):
         (``_conv.winograd4_applies`` or ``_conv.winograd_applies``)."""
         N, C, H, W = x_shape
         O, _, K, _ = w_shape
-        return stride == 1 and K == 3 and padding <= K - 1 and self._winograd(O, C, K, 1, H, W, N)
+        return stride == 1 and K == 3 and padding <= K - 1 and self._winograd(O, C, K, 1, H, W, N, grad=True)
 
     def conv2d_relu_maxpool2d_forward(self, x, w, b, stride, padding, pool_kernel, pool_stride):
         """Fused: each thread convolves whole images into private scratch and writes only the pooled maxima.
