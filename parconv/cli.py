@@ -90,25 +90,20 @@ def _on_rank0(comm, check):
     return value
 
 
-def _resume_differences(args, model=None) -> tuple[list, list]:
+def _resume_differences(args, model=None) -> tuple[list, list, str | None]:
     """Compare the command line with the checkpoint named by ``--resume``.
 
-    Returns ``(adjustable, fixed)``: lists of ``(option, checkpoint value,
-    command-line value)``. Adjustable ones (learning rate, momentum, weight
-    decay, batch size) take the checkpoint's value with ``--force``; fixed
-    ones (optimizer, number of training images) cannot change mid-run.
-    Raises ``ValueError`` naming the first differing layer when ``model`` is
-    not the network the checkpoint holds (``--force`` never overrides that).
+    Returns ``(adjustable, fixed, network)``: lists of ``(option, checkpoint
+    value, command-line value)`` and the first layer in which ``model``
+    differs from the checkpoint's network (None when they agree). Adjustable
+    ones (learning rate, momentum, weight decay, batch size) take the
+    checkpoint's value with ``--force``; fixed ones (optimizer, number of
+    training images) and the network cannot change mid-run.
     """
     from parconv import _checkpoint
 
     state = _checkpoint.load_training_checkpoint(args.resume)
-    diff = None if model is None else _checkpoint.architecture_difference(state.model_config, model)
-    if diff:
-        raise ValueError(f"--resume {args.resume}: the checkpoint holds another network than --model {args.model}"
-                         f" builds: {diff}. Resume with the options that built it (--model, --filters, the same "
-                         "data), or start a new run; --force overrides only --lr, --momentum, --weight-decay and "
-                         "--batch-size")
+    network = None if model is None else _checkpoint.architecture_difference(state.model_config, model)
     hyper = state.optimizer_state.get("hyper", {})
     optimizer = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RMSprop": "rmsprop"}.get(
         state.optimizer_type, state.optimizer_type)
@@ -129,18 +124,24 @@ def _resume_differences(args, model=None) -> tuple[list, list]:
             adjustable.append((option, hyper[key], value))
     if "batch_size" in state.fit and state.fit["batch_size"] != args.batch_size:
         adjustable.append(("--batch-size", state.fit["batch_size"], args.batch_size))
-    return adjustable, fixed
+    return adjustable, fixed, network
 
 
 def _check_resume(args, comm, say, model=None) -> None:
     """Refuse a resume whose settings differ from the checkpoint's, or with ``--force`` take the checkpoint's."""
-    adjustable, fixed = _on_rank0(comm, lambda: _resume_differences(args, model))
+    adjustable, fixed, network = _on_rank0(comm, lambda: _resume_differences(args, model))
     listing = "; ".join(f"{opt} {ck} in the checkpoint, {cl} on the command line" for opt, ck, cl in fixed + adjustable)
     where = f"--resume {args.resume}: the checkpoint was written with other settings: {listing}"
     error = None
     if fixed:
         error = ValueError(f"{where}. {' and '.join(opt for opt, _, _ in fixed)} cannot change within a run: "
                            "start a new run instead")
+    elif network:
+        # another network is not a setting --force may override: its weights would not fit, or fit and mean nothing
+        error = ValueError(f"--resume {args.resume}: the checkpoint holds another network than --model "
+                           f"{args.model} builds: {network}. Resume with the options that built it (--model, "
+                           "--filters, the same data), or start a new run; --force overrides only --lr, "
+                           "--momentum, --weight-decay and --batch-size")
     elif adjustable and not args.force:
         error = ValueError(f"{where}. Give the checkpoint's values, or add --force to go on with them (the "
                            "optimizer state and the epoch in progress are restored as they were written)")

@@ -234,9 +234,9 @@ def test_cli_model_reaches_the_printed_accuracy_on_raw_pixels(tmp_path, capsys, 
     printed = float(re.search(r"test accuracy: ([0-9.]+)%", out).group(1))
     xte, yte = _held_out(n_train)
     loaded = pc.load(ck, backend=backend)
-    assert isinstance(loaded[0], pc.Normalize)
     acc = 100 * float(np.mean(loaded.predict(xte).argmax(axis=1) == yte))
     assert abs(acc - printed) <= 0.1, (acc, printed)
+    assert type(loaded[0]).__name__ == "Normalize"
     assert printed > 30  # trained (one short epoch), not a chance-level model that would match either way
 
     ort = pytest.importorskip("onnxruntime")
