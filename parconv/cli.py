@@ -341,15 +341,15 @@ def _train(args, comm) -> int:
     backend = pc.backends.get(args.backend)
     if args.checkpoint is None:  # one default file per network: training one never overwrites another's
         args.checkpoint = default_checkpoint(args.model)
-    (xtr, ytr), (xte, yte), source, stats = _load_data(args)
-    model = _build_model(args, xtr.shape[1:], backend, stats)
-    if args.resume:
-        _check_resume(args, comm, say, model)
     if args.checkpoint:
         from parconv._io import check_writable_target
 
         # before any training, not when the first epoch's checkpoint is written
         _on_rank0(comm, lambda: check_writable_target(args.checkpoint))
+    (xtr, ytr), (xte, yte), source, stats = _load_data(args)
+    model = _build_model(args, xtr.shape[1:], backend, stats)
+    if args.resume:  # the checkpoint's network is compared with the one built here
+        _check_resume(args, comm, say, model)
     if comm is not None:
         dp = dist.DataParallel(model, comm)
     opt = _make_optimizer(args, model)
