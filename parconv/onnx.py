@@ -1084,7 +1084,9 @@ def load(path, backend=None):
         branches forked from one tensor becomes ``Residual(body, shortcut)``
         (each branch a Sequential; the longer branch is the body, an identity
         branch the ``None`` shortcut); a constant subgraph (shape arithmetic, a transposed
-        weight) is folded first.
+        weight) is folded first. A ``Sub`` and/or ``Div`` of constants of one value or
+        one per channel (``(x - mean) / std``, an input normalisation) becomes a
+        :class:`parconv.Normalize`.
 
     Raises
     ------

@@ -218,6 +218,7 @@ def _held_out(n_train):
     return x[order[n_train:]], y[order[n_train:]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, extra", [("cnn-mnist", ("--filters", "4")), ("lenet5", ("--augment", "--batch-size", "16",
                                                                           "--scheduler", "none", "--lr", "0.05"))])
 def test_cli_model_reaches_the_printed_accuracy_on_raw_pixels(tmp_path, capsys, model, extra):
