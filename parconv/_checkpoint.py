@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -378,6 +379,10 @@ def apply_training_state(state: TrainingState, model, optimizer, rng: np.random.
             raise ValueError(f"{where}: the checkpoint holds another network: {diff}. Build the model the "
                              "checkpoint was written with, or start a new run")
     gens = layer_generators(model)
+    if gens and not state.generators:
+        warnings.warn(f"{where}: the checkpoint holds no generator state for layers {sorted(gens)} (it was written "
+                      "by an older parconv): their random draws (Dropout masks) will differ from an uninterrupted "
+                      "run's", UserWarning, stacklevel=3)
     if set(state.generators) - set(gens):
         raise ValueError(f"{where}: the checkpoint holds generator states for layers "
                          f"{sorted(set(state.generators) - set(gens))} that draw no random numbers in the model")

@@ -175,3 +175,18 @@ def test_cli_default_checkpoint_is_per_model(tmp_path, monkeypatch, capsys):
     assert "checkpoint: parconv-lenet5.npz" in out
     assert pc.load(tmp_path / "parconv-cnn-mnist.npz")[1].out_channels == 4
     assert type(pc.load(tmp_path / "parconv-lenet5.npz")[1]).__name__ == "Conv2d"
+
+
+def test_checkpoint_without_generator_states_warns(tmp_path):
+    """A checkpoint written before generator states were saved still resumes, saying what is lost."""
+    from parconv._io import load_npz, save_npz
+
+    model = _dropout_net("numpy")
+    path = _checkpoint_of(tmp_path, model)
+    arrays, meta = load_npz(path)
+    del meta["training"]["generators"]
+    save_npz(path, arrays, meta)
+    resumed = _dropout_net("numpy")
+    with pytest.warns(UserWarning, match=r"no generator state for layers \['3', '7'\]"):
+        resumed.fit(*_data(), epochs=2, batch_size=8, optimizer=pc.optim.SGD(resumed.parameters(), lr=0.1),
+                    verbose=False, resume=path)
