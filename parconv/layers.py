@@ -27,8 +27,9 @@ from ._validation import Where, check_float, check_int, shape_of, state_array, t
 
 __all__ = [
     "Parameter", "Layer", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "Linear", "BatchNorm1d",
-    "BatchNorm2d", "Dropout", "Normalize", "ReLU", "LeakyReLU", "ELU", "Sigmoid", "Tanh", "Softmax", "Flatten", "Identity",
+    "BatchNorm2d", "Dropout", "ReLU", "LeakyReLU", "ELU", "Sigmoid", "Tanh", "Softmax", "Flatten", "Identity",
     "Residual", "manual_seed",
+    "Normalize",
 ]
 
 _global_rng = np.random.default_rng()
