@@ -182,10 +182,12 @@ def architecture_difference(saved_config, model) -> str | None:
     """
     import json
 
-    current = json.loads(json.dumps(model.config()))  # tuples as lists, as the file stores them
+    current = json.loads(json.dumps(model.spec()))  # tuples as lists, as the file stores them
     if not isinstance(saved_config, dict):
         return "the checkpoint's network description is unreadable"
-    return _layers_difference(saved_config.get("layers"), current["layers"], "")
+    if isinstance(current["config"].get("layers"), list):
+        return _layers_difference(saved_config.get("layers"), current["config"]["layers"], "")
+    return _spec_difference({"type": current["type"], "config": saved_config}, current, "model")
 
 
 def _jsonable(value):
