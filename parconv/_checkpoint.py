@@ -11,7 +11,13 @@ One ``.npz`` written atomically through :mod:`parconv._io` (no pickle):
   applied), ``global_step``, the shuffling generator's ``bit_generator.state``
   *at the start of that epoch* (so the epoch's order is drawn again on
   resume), the epoch's partial loss sum and correct count, the history of
-  finished epochs, and the fit settings it was written under.
+  finished epochs, the fit settings it was written under, and the state of
+  every layer's own generator (``Dropout`` masks) under ``generators``, keyed
+  by the layer's state-dict prefix (``"3"``, ``"2.body.1"``).
+
+Resuming compares the stored network (``model``) with the model being
+trained, layer by layer, and names the first difference
+(:func:`architecture_difference`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +38,7 @@ FORMAT_VERSION = 1
 OPTIM_PREFIX = "extra.optim."
 
 __all__ = ["TrainingState", "save_training_checkpoint", "load_training_checkpoint", "apply_training_state",
-           "read_model_file"]
+           "read_model_file", "architecture_difference", "layer_generators"]
 
 
 @dataclass
@@ -51,6 +58,8 @@ class TrainingState:
     history: dict = field(default_factory=dict)
     fit: dict = field(default_factory=dict)
     scheduler_state: dict | None = None
+    model_config: dict | None = None
+    generators: dict = field(default_factory=dict)
 
 
 def save_training_checkpoint(path, model, optimizer, *, epoch: int, step: int, global_step: int, rng_state: dict,
@@ -88,7 +97,98 @@ def save_training_checkpoint(path, model, optimizer, *, epoch: int, step: int, g
     }
     if scheduler_state is not None:
         meta["training"]["scheduler"] = _jsonable(scheduler_state)
+    # a layer that draws random numbers (Dropout) goes on from the same point after a resume
+    meta["training"]["generators"] = {name: _jsonable(g.bit_generator.state)
+                                      for name, g in layer_generators(model).items()}
     save_npz(path, arrays, meta)
+
+
+def layer_generators(model) -> dict:
+    """``{state-dict prefix: numpy Generator}`` of every layer below ``model`` that draws from its own one."""
+    out = {}
+
+    def walk(layer, prefix):
+        gen = getattr(layer, "_gen", None)
+        if isinstance(gen, np.random.Generator):
+            out[prefix.rstrip(".") or "model"] = gen
+        for name, child in layer.children():
+            walk(child, f"{prefix}{name}.")
+
+    walk(model, "")
+    return out
+
+
+def _describe(spec) -> str:
+    """A layer spec as ``Conv2d(in_channels=1, ...)``, for messages."""
+    if not isinstance(spec, dict):
+        return "no layer" if spec is None else f"an unreadable description {spec!r:.60}"
+    kind, config = spec.get("type"), spec.get("config")
+    if kind in ("Sequential", "Residual") or not isinstance(config, dict) or not config:
+        return str(kind)
+    return f"{kind}(" + ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")"
+
+
+def _layers_difference(saved, current, prefix: str) -> str | None:
+    if not isinstance(saved, list):
+        return f"layer {prefix.rstrip('.') or 'list'}: the checkpoint's description is unreadable"
+    for i in range(max(len(saved), len(current))):
+        name = f"{prefix}{i}"
+        if i >= len(saved) or i >= len(current):
+            where = "the model" if i >= len(saved) else "the checkpoint"
+            extra = current[i] if i >= len(saved) else saved[i]
+            return (f"layer {name}: {_describe(extra)} is only in {where} (the checkpoint's network has "
+                    f"{len(saved)} layers{' there' if prefix else ''}, the model {len(current)})")
+        diff = _spec_difference(saved[i], current[i], name)
+        if diff:
+            return diff
+    return None
+
+
+def _spec_difference(saved, current: dict, name: str) -> str | None:
+    kind = saved.get("type") if isinstance(saved, dict) else None
+    if kind != current["type"]:
+        return f"layer {name}: checkpoint has {kind if kind else _describe(saved)}, model has {current['type']}"
+    a, b = saved.get("config"), current["config"]
+    if not isinstance(a, dict):
+        return f"layer {name} ({kind}): the checkpoint's description is unreadable"
+    if kind == "Sequential":
+        return _layers_difference(a.get("layers"), b["layers"], f"{name}.")
+    if kind == "Residual":
+        for part in ("body", "shortcut"):
+            pa, pb = a.get(part), b.get(part)
+            if pa is None or pb is None:
+                if pa is not pb:
+                    return f"layer {name}.{part}: checkpoint has {_describe(pa)}, model has {_describe(pb)}"
+                continue
+            diff = _spec_difference(pa, pb, f"{name}.{part}")
+            if diff:
+                return diff
+        return None
+    keys = [k for k in list(b) + [k for k in a if k not in b] if a.get(k, "<unset>") != b.get(k, "<unset>")]
+    if keys:
+        def listing(c):
+            return ", ".join(f"{k}={c.get(k, '<unset>')!r}" for k in keys)
+        return f"layer {name} ({kind}): checkpoint has {listing(a)}, model has {listing(b)}"
+    return None
+
+
+def architecture_difference(saved_config, model) -> str | None:
+    """The first difference between a stored model description and ``model``, or None when they agree.
+
+    ``saved_config`` is what ``Sequential.config()`` wrote into a model file or
+    checkpoint. The message names the layer by its state-dict prefix:
+    ``"layer 1: checkpoint has ReLU, model has Tanh"``,
+    ``"layer 0 (Conv2d): checkpoint has out_channels=32, model has out_channels=16"``.
+    Fusion settings are not architecture and are not compared.
+    """
+    import json
+
+    current = json.loads(json.dumps(model.spec()))  # tuples as lists, as the file stores them
+    if not isinstance(saved_config, dict):
+        return "the checkpoint's network description is unreadable"
+    if isinstance(current["config"].get("layers"), list):
+        return _layers_difference(saved_config.get("layers"), current["config"]["layers"], "")
+    return _spec_difference({"type": current["type"], "config": saved_config}, current, "model")
 
 
 def _jsonable(value):
@@ -290,7 +390,20 @@ def load_training_checkpoint(path) -> TrainingState:
                  "history": {str(k): list(v) for k, v in hist.get("history", {}).items()}},
         fit=dict(t.get("fit", {})),
         scheduler_state=_scheduler_state(path, t.get("scheduler")),
+        model_config=meta["model"],
+        generators=_generator_states(path, t.get("generators", {})),
     )
+
+
+def _generator_states(path, value) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(path, f"'generators' must map layer names to generator states, got {value!r:.80}")
+    for name, state in value.items():
+        try:
+            _check_rng_state(path, state)
+        except ValueError as exc:
+            raise _fail(path, f"'generators.{name}': {exc}") from None
+    return dict(value)
 
 
 def _scheduler_state(path, value):
@@ -309,6 +422,19 @@ def apply_training_state(state: TrainingState, model, optimizer, rng: np.random.
     the checkpoint.
     """
     where = f"resume from {state.path!r}"
+    if state.model_config is not None:
+        diff = architecture_difference(state.model_config, model)
+        if diff:
+            raise ValueError(f"{where}: the checkpoint holds another network: {diff}. Build the model the "
+                             "checkpoint was written with, or start a new run")
+    gens = layer_generators(model)
+    if gens and not state.generators:
+        warnings.warn(f"{where}: the checkpoint holds no generator state for layers {sorted(gens)} (it was written "
+                      "by an older parconv): their random draws (Dropout masks) will differ from an uninterrupted "
+                      "run's", UserWarning, stacklevel=3)
+    if set(state.generators) - set(gens):
+        raise ValueError(f"{where}: the checkpoint holds generator states for layers "
+                         f"{sorted(set(state.generators) - set(gens))} that draw no random numbers in the model")
     if type(optimizer).__name__ != state.optimizer_type:
         raise ValueError(f"{where}: the checkpoint holds {state.optimizer_type} state but the optimizer is "
                          f"{type(optimizer).__name__}")
@@ -322,5 +448,18 @@ def apply_training_state(state: TrainingState, model, optimizer, rng: np.random.
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     rng.bit_generator.state = state.rng_state
+    for name, gen_state in state.generators.items():
+        gen = gens[name]
+        if type(gen.bit_generator).__name__ != gen_state.get("bit_generator"):
+            gens[name] = gen = np.random.Generator(getattr(np.random, gen_state["bit_generator"])())
+            _set_layer_generator(model, name, gen)
+        gen.bit_generator.state = gen_state
     history.epochs[:] = list(state.history.get("epochs", []))
     history.history = {k: list(v) for k, v in state.history.get("history", {}).items()}
+
+
+def _set_layer_generator(model, name: str, gen) -> None:
+    layer = model
+    for part in ([] if name == "model" else name.split(".")):
+        layer = dict(layer.children())[part]
+    layer._gen = gen

@@ -90,17 +90,20 @@ def _on_rank0(comm, check):
     return value
 
 
-def _resume_differences(args) -> tuple[list, list]:
+def _resume_differences(args, model=None) -> tuple[list, list, str | None]:
     """Compare the command line with the checkpoint named by ``--resume``.
 
-    Returns ``(adjustable, fixed)``: lists of ``(option, checkpoint value,
-    command-line value)``. Adjustable ones (learning rate, momentum, weight
-    decay, batch size) take the checkpoint's value with ``--force``; fixed
-    ones (optimizer, number of training images) cannot change mid-run.
+    Returns ``(adjustable, fixed, network)``: lists of ``(option, checkpoint
+    value, command-line value)`` and the first layer in which ``model``
+    differs from the checkpoint's network (None when they agree). Adjustable
+    ones (learning rate, momentum, weight decay, batch size) take the
+    checkpoint's value with ``--force``; fixed ones (optimizer, number of
+    training images) and the network cannot change mid-run.
     """
     from parconv import _checkpoint
 
     state = _checkpoint.load_training_checkpoint(args.resume)
+    network = None if model is None else _checkpoint.architecture_difference(state.model_config, model)
     hyper = state.optimizer_state.get("hyper", {})
     optimizer = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RMSprop": "rmsprop"}.get(
         state.optimizer_type, state.optimizer_type)
@@ -121,18 +124,24 @@ def _resume_differences(args) -> tuple[list, list]:
             adjustable.append((option, hyper[key], value))
     if "batch_size" in state.fit and state.fit["batch_size"] != args.batch_size:
         adjustable.append(("--batch-size", state.fit["batch_size"], args.batch_size))
-    return adjustable, fixed
+    return adjustable, fixed, network
 
 
-def _check_resume(args, comm, say) -> None:
+def _check_resume(args, comm, say, model=None) -> None:
     """Refuse a resume whose settings differ from the checkpoint's, or with ``--force`` take the checkpoint's."""
-    adjustable, fixed = _on_rank0(comm, lambda: _resume_differences(args))
+    adjustable, fixed, network = _on_rank0(comm, lambda: _resume_differences(args, model))
     listing = "; ".join(f"{opt} {ck} in the checkpoint, {cl} on the command line" for opt, ck, cl in fixed + adjustable)
     where = f"--resume {args.resume}: the checkpoint was written with other settings: {listing}"
     error = None
     if fixed:
         error = ValueError(f"{where}. {' and '.join(opt for opt, _, _ in fixed)} cannot change within a run: "
                            "start a new run instead")
+    elif network:
+        # another network is not a setting --force may override: its weights would not fit, or fit and mean nothing
+        error = ValueError(f"--resume {args.resume}: the checkpoint holds another network than --model "
+                           f"{args.model} builds: {network}. Resume with the options that built it (--model, "
+                           "--filters, the same data), or start a new run; --force overrides only --lr, "
+                           "--momentum, --weight-decay and --batch-size")
     elif adjustable and not args.force:
         error = ValueError(f"{where}. Give the checkpoint's values, or add --force to go on with them (the "
                            "optimizer state and the epoch in progress are restored as they were written)")
@@ -173,7 +182,11 @@ DATASETS = {
 
 
 def _load_data(args):
-    """``(train, test, source)``: host arrays normalised with the training set's per-channel statistics."""
+    """``(train, test, source, (mean, std))``: raw host arrays and the training set's per-channel statistics.
+
+    The data stay as they are on disk: the statistics become the model's first
+    layer (:class:`parconv.Normalize`), so the saved model takes raw pixels.
+    """
     import parconv as pc
 
     if args.dataset == "mnist-sample":
@@ -209,7 +222,12 @@ def _load_data(args):
     mean = xtr.mean(axis=axes, keepdims=True, dtype=np.float64).astype(np.float32)[:1]
     std = xtr.std(axis=axes, keepdims=True, dtype=np.float64).astype(np.float32)[:1]
     std[std == 0] = 1.0
-    return ((xtr - mean) / std, ytr), ((xte - mean) / std, yte), source
+    return (xtr, ytr), (xte, yte), source, ([float(v) for v in mean.reshape(-1)], [float(v) for v in std.reshape(-1)])
+
+
+def default_checkpoint(model: str) -> str:
+    """The checkpoint ``parconv train --model MODEL`` writes without ``--checkpoint``: ``parconv-MODEL.npz``."""
+    return f"parconv-{model}.npz"
 
 
 #: each model's training recipe: what --epochs, --batch-size, --lr, --scheduler, --weight-decay and
@@ -240,14 +258,20 @@ def _recipes_epilog() -> str:
     return "\n".join(lines)
 
 
-def _build_model(args, input_shape, backend):
+def _build_model(args, input_shape, backend, stats=None):
+    """The ``--model`` network, behind a :class:`parconv.Normalize` of the training statistics ``stats``."""
     import parconv as pc
 
     rng = np.random.default_rng(args.seed)
     if args.model == "cnn-mnist":
         c, h, _ = input_shape
-        return pc.models.cnn_mnist(args.filters, in_channels=c, image_size=h, backend=backend, rng=rng)
-    return pc.models.build(args.model, input_shape, backend=backend, rng=rng)
+        net = pc.models.cnn_mnist(args.filters, in_channels=c, image_size=h, backend=backend, rng=rng)
+    else:
+        net = pc.models.build(args.model, input_shape, backend=backend, rng=rng)
+    if stats is None:
+        return net
+    # the preprocessing belongs to the model: what is saved and exported takes raw pixels
+    return pc.Sequential(pc.Normalize(*stats, backend=backend), *net.layers, backend=backend, fuse=net.fuse)
 
 
 def _make_optimizer(args, model):
@@ -315,15 +339,17 @@ def _train(args, comm) -> int:
     elif args.threads is not None:
         pc.set_num_threads(args.threads)
     backend = pc.backends.get(args.backend)
-    if args.resume:
-        _check_resume(args, comm, say)
+    if args.checkpoint is None:  # one default file per network: training one never overwrites another's
+        args.checkpoint = default_checkpoint(args.model)
     if args.checkpoint:
         from parconv._io import check_writable_target
 
         # before any training, not when the first epoch's checkpoint is written
         _on_rank0(comm, lambda: check_writable_target(args.checkpoint))
-    (xtr, ytr), (xte, yte), source = _load_data(args)
-    model = _build_model(args, xtr.shape[1:], backend)
+    (xtr, ytr), (xte, yte), source, stats = _load_data(args)
+    model = _build_model(args, xtr.shape[1:], backend, stats)
+    if args.resume:  # the checkpoint's network is compared with the one built here
+        _check_resume(args, comm, say, model)
     if comm is not None:
         dp = dist.DataParallel(model, comm)
     opt = _make_optimizer(args, model)
@@ -347,7 +373,7 @@ def _train(args, comm) -> int:
         + (f" | {_plural(size, 'MPI rank')}" if comm is not None else "")
         + (f" | {_plural(threads, 'thread')}" + (" per rank" if comm is not None else "") if threads else "")
         + f" | data: {source}")
-    what = (f"conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[4].in_features}->10"
+    what = (f"conv 3x3 x {args.filters} -> ReLU -> maxpool 2 -> FC {model[-1].in_features}->10"
             if args.model == "cnn-mnist" else args.model)
     say(f"model: {what} ({model.num_parameters():,} parameters) | {args.optimizer} lr {args.lr}"
         + (f", {args.scheduler} schedule" if args.scheduler != "none" else "") + f" | batch {args.batch_size}"
@@ -517,9 +543,10 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
     opt.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the shuffling")
     opt.add_argument("--quiet", action="store_true", help="no progress bar")
     ck = t.add_argument_group("checkpoints")
-    ck.add_argument("--checkpoint", default="parconv-cnn.npz",
+    ck.add_argument("--checkpoint", default=None,
                     help="file written atomically after every epoch and every --checkpoint-every steps; it also "
-                         "loads as a model with parconv.load ('' to write none)")
+                         "loads as a model with parconv.load, which takes raw pixels ('' to write none; "
+                         "default: parconv-MODEL.npz, e.g. parconv-cnn-mnist.npz)")
     ck.add_argument("--checkpoint-every", type=_positive_int, default=100, metavar="K",
                     help="steps between checkpoints within an epoch")
     ck.add_argument("--resume", default=None, metavar="CHECKPOINT",

@@ -71,6 +71,8 @@ __all__ = [
     "binary_cross_entropy_backward",
     "elu",
     "elu_backward",
+    "normalize",
+    "normalize_backward",
 ]
 
 BCE_EPS = 1e-7
@@ -1008,3 +1010,92 @@ def mse_loss_backward(pred, target, *, backend=None):
 def _check_label_smoothing(value, where: str) -> float:
     """``label_smoothing`` as a float in [0, 1]."""
     return check_float(value, "label_smoothing", where, 0.0, 1.0)
+
+
+# ------------------------------------------------------------------ input normalisation
+# normalize runs on batch norm's eval path with running_var = std**2: a tiny eps keeps 1/sqrt(var + eps)
+# equal to 1/std in float32 (var >= 1e-30 for the stds accepted, so eps is below var's last bit)
+_NORMALIZE_EPS = 1e-37
+_NORMALIZE_STD_RANGE = (1e-15, 1e19)
+
+
+def _normalize_std(std, be, where: str) -> np.ndarray:
+    """``std`` as a host float32 (C,) array, checked positive and in the range float32 squares safely."""
+    host = np.asarray(be.to_numpy(std) if be.is_array(std) and not isinstance(std, np.ndarray) else std)
+    if host.dtype.kind not in "iuf":
+        raise TypeError(f"{where}: std must be real numbers, got dtype {host.dtype}")
+    host = host.astype(np.float32)
+    lo, hi = _NORMALIZE_STD_RANGE
+    bad = ~((host >= lo) & (host <= hi))  # NaN fails both comparisons
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{where}: std must be positive, between {lo:g} and {hi:g}; std[{i}] is "
+                         f"{float(host.reshape(-1)[i])!r}")
+    return host
+
+
+def _normalize_args(x, mean, std, be, where: str):
+    """``(x, mean, std_host, view shape or None)``: x viewed as (N, C, ...) with C the statistics' length."""
+    x = to_backend_array(x, be, "x", where)
+    shape = shape_of(x)
+    if len(shape) not in (2, 3, 4):
+        raise ValueError(f"{where}: x must be 2-D (N, F), 3-D (N, C, L) or 4-D (N, C, H, W), got shape {shape}")
+    check_nonempty(shape, "x", where)
+    mean = to_backend_array(mean, be, "mean", where)
+    std_host = _normalize_std(std, be, where)
+    c = shape_of(mean)
+    if len(c) != 1 or std_host.shape != c:
+        raise ValueError(f"{where}: mean and std must be 1-D arrays of one length, got shapes {c} and "
+                         f"{std_host.shape}")
+    if c[0] == 1 and shape[1] != 1:
+        return x, mean, std_host, (shape[0], 1, math.prod(shape[1:]))  # one statistic for every value
+    if c[0] != shape[1]:
+        raise ValueError(f"{where}: x has {shape[1]} channels but mean and std have {c[0]} entries; give one "
+                         f"per channel, or one for all")
+    return x, mean, std_host, None
+
+
+def normalize(x, mean, std, *, backend=None):
+    """``(x - mean) / std`` per channel (torchvision's ``Normalize``): the input preprocessing of a model.
+
+    Parameters
+    ----------
+    x : array-like, (N, F), (N, C, L) or (N, C, H, W)
+    mean, std : array-like (C,) or (1,)
+        One entry per channel (dim 1 of x), or one for every value. ``std``
+        must be positive (between 1e-15 and 1e19, where float32 squares it exactly enough).
+
+    Returns
+    -------
+    y : backend array, float32, the shape of x
+
+    Examples
+    --------
+    >>> import numpy as np, parconv.functional as F
+    >>> F.normalize(np.full((1, 2, 1, 1), 3.0), [1.0, 2.0], [2.0, 0.5], backend="numpy").ravel()
+    array([1., 2.], dtype=float32)
+    """
+    where = "normalize"
+    be = _backends.get(backend)
+    x, mean, std_host, view = _normalize_args(x, mean, std, be, where)
+    var = be.asarray(np.square(std_host))
+    xv = be.reshape(x, view) if view is not None else x
+    # an eval-mode batch norm without affine part is exactly (x - mean) / sqrt(var + eps)
+    y, _, _ = be.batch_norm_forward_eval(xv, None, None, mean, var, _NORMALIZE_EPS, False, None)
+    return be.reshape(y, shape_of(x)) if view is not None else y
+
+
+def normalize_backward(dy, std, *, backend=None):
+    """Gradient of :func:`normalize` w.r.t. x: ``dy / std`` per channel (overwritten; mean is a constant)."""
+    where = "normalize_backward"
+    be = _backends.get(backend)
+    zeros = np.zeros(np.shape(std) if not be.is_array(std) or isinstance(std, np.ndarray) else shape_of(std),
+                     np.float32)
+    dy, _, std_host, view = _normalize_args(dy, zeros, std, be, where)
+    c = std_host.shape[0]
+    mean = be.asarray(np.zeros(c, np.float32))
+    invstd = be.asarray((1.0 / std_host.astype(np.float64)).astype(np.float32))
+    dyv = be.reshape(dy, view) if view is not None else dy
+    # eval-mode batch norm backward without weight: dx = dy * invstd (x only feeds the absent dweight)
+    dx, _, _ = be.batch_norm_backward(dyv, None, dyv, mean, invstd, None, False, True)
+    return be.reshape(dx, shape_of(dy)) if view is not None else dx

@@ -32,6 +32,7 @@ __all__ = [
     "Parameter", "Layer", "Conv2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "Linear", "BatchNorm1d",
     "BatchNorm2d", "Dropout", "ReLU", "LeakyReLU", "ELU", "Sigmoid", "Tanh", "Softmax", "Flatten", "Identity",
     "Residual", "manual_seed",
+    "Normalize",
 ]
 
 _global_rng = np.random.default_rng()
@@ -854,6 +855,88 @@ class Dropout(Layer):
         if seed is None:
             return dy
         return F.dropout_backward(dy, self.p, seed, backend=self.backend)
+
+
+class Normalize(Layer):
+    """Input preprocessing as a layer: ``(x - mean) / std`` per channel (torchvision's ``Normalize``).
+
+    Put first in a model trained on standardised data, it makes the model
+    take raw inputs: ``mean`` and ``std`` are buffers (state-dict keys
+    ``"<i>.mean"``, ``"<i>.std"``), so :meth:`~parconv.Sequential.save`,
+    :func:`parconv.load` and :func:`parconv.onnx.export` (as ``Sub`` and
+    ``Div``) keep them. Nothing is trained; the gradient is ``dy / std``.
+
+    Parameters
+    ----------
+    mean, std : float or sequence of floats
+        One value per channel (dim 1 of the input), or one for all. ``std``
+        must be positive.
+
+    Examples
+    --------
+    >>> import numpy as np, parconv as pc
+    >>> norm = pc.Normalize(mean=[0.5, 0.25], std=[0.5, 0.25], backend="numpy")
+    >>> norm(np.ones((1, 2, 1, 1))).ravel()
+    array([1., 3.], dtype=float32)
+    """
+
+    buffer_names = ("mean", "std")
+
+    def __init__(self, mean, std, backend=None):
+        super().__init__(backend)
+        m, s = self._values(mean, "mean"), self._values(std, "std")
+        if len(m) != len(s) and 1 not in (len(m), len(s)):
+            raise ValueError(f"Normalize: mean has {len(m)} values and std {len(s)}; give one per channel for "
+                             "both, or one for all")
+        m, s = np.broadcast_arrays(m, s)
+        F._normalize_std(s, self.backend, "Normalize")
+        self.num_channels = len(m)
+        self.mean = self.backend.asarray(np.array(m, np.float32))
+        self.std = self.backend.asarray(np.array(s, np.float32))
+
+    @staticmethod
+    def _values(value, name: str) -> np.ndarray:
+        try:
+            a = np.array(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"Normalize: {name} must be a number or a sequence of numbers, got "
+                            f"{type(value).__name__} {value!r:.80}") from None
+        if a.ndim > 1 or a.size == 0 or not np.isfinite(a).all():
+            raise ValueError(f"Normalize: {name} must be a finite number or a non-empty 1-D sequence of them "
+                             f"(one per channel), got {value!r:.80}")
+        return a.reshape(-1)
+
+    def config(self):
+        return dict(mean=[float(v) for v in self.backend.to_numpy(self.mean)],
+                    std=[float(v) for v in self.backend.to_numpy(self.std)])
+
+    def _extra_repr(self) -> str:
+        c = self.config()
+        return ", ".join(f"{k}=" + ("[" + ", ".join(f"{v:.4g}" for v in c[k]) + "]") for k in ("mean", "std"))
+
+    def output_shape(self, x_shape) -> tuple:
+        x_shape = tuple(x_shape)
+        if len(x_shape) not in (2, 3, 4):
+            raise ValueError(f"{self!r}: x must be 2-D (N, F), 3-D (N, C, L) or 4-D (N, C, H, W), got shape "
+                             f"{x_shape}")
+        if self.num_channels != 1 and x_shape[1] != self.num_channels:
+            raise ValueError(f"{self!r}: x has {x_shape[1]} channels, expected {self.num_channels}")
+        return x_shape
+
+    def macs(self, x_shape) -> int:
+        return math.prod(x_shape)
+
+    def forward(self, x):
+        x = self._input(x)
+        self.output_shape(shape_of(x))
+        self._cache = shape_of(x)
+        return F.normalize(x, self.mean, self.std, backend=self.backend)
+
+    def backward(self, dy, need_dx: bool = True):
+        shape = self._cached()
+        if not need_dx:
+            return None  # nothing to train here: only the input's gradient, and none is wanted
+        return F.normalize_backward(self._check_dy(dy, shape), self.std, backend=self.backend)
 
 
 # ============================================================ activations

@@ -194,10 +194,22 @@ class Sequential(Layer):
         return self._backward_steps(steps, dy, need_dx)
 
     def _backward_steps(self, steps, dy, need_dx: bool):
+        # layers without parameters at the front (an input Normalize) need no gradient: the step
+        # after them skips its dx and they are not run backward
+        frozen = 0 if need_dx else self._frozen_prefix()
         for s in reversed(steps):
-            dy = s.step.backward(dy, need_dx=need_dx or s.start != 0)
+            if s.start < frozen and dy is None:
+                continue
+            dy = s.step.backward(dy, need_dx=need_dx or s.start > frozen)
             self._run_hooks(s)
         return dy if need_dx else None
+
+    def _frozen_prefix(self) -> int:
+        """How many layers at the front have no parameters (nothing before them needs a gradient)."""
+        n = 0
+        while n < len(self.layers) - 1 and not self.layers[n].parameters():
+            n += 1
+        return n
 
     def _run_hooks(self, s) -> None:
         for i in s.hooks if self._grad_hooks else ():

@@ -45,7 +45,7 @@ _IR_VERSION = 8
 SUPPORTED_OPS = (
     "Conv", "BatchNormalization", "Gemm", "MatMul", "Add", "Relu", "LeakyRelu", "Elu", "Sigmoid", "Tanh", "Softmax",
     "MaxPool", "AveragePool", "GlobalAveragePool", "ReduceMean", "Flatten", "Reshape", "Squeeze", "Dropout",
-    "Identity",
+    "Identity", "Sub", "Div",
 )
 
 _HINTS = {
@@ -259,6 +259,14 @@ def _export_dropout(g, layer, x, prefix, x_shape):
     return g.node("Dropout", [x, ratio], prefix)
 
 
+def _export_normalize(g, layer, x, prefix, x_shape):
+    # (x - mean) / std as Sub and Div of initializers shaped to broadcast over dim 1 (one value: a scalar)
+    mean, std = _param(layer, "mean"), _param(layer, "std")
+    shape = (1,) if mean.size == 1 else (1, mean.size) + (1,) * (len(x_shape) - 2)
+    d = g.node("Sub", [x, g.init(_key(prefix, "mean"), mean.reshape(shape))], prefix)
+    return g.node("Div", [d, g.init(_key(prefix, "std"), std.reshape(shape))], prefix)
+
+
 def _export_identity(g, layer, x, prefix, x_shape):
     return g.node("Identity", [x], prefix)
 
@@ -280,6 +288,7 @@ _EXPORTERS = {
     "Flatten": _export_flatten,
     "Dropout": _export_dropout,
     "Identity": _export_identity,
+    "Normalize": _export_normalize,
     "Residual": None,  # handled by _emit (two branches and an Add)
     "Sequential": None,
 }
@@ -367,7 +376,8 @@ def export(model, path, input_shape) -> None:
         Conv2d (groups, dilation, asymmetric ``"same"`` padding), Linear,
         BatchNorm1d/2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d (output 1, or a
         size that divides the input), ReLU, LeakyReLU, ELU, Sigmoid, Tanh, Softmax,
-        Flatten, Dropout, Identity, Residual and nested Sequential. A model in
+        Flatten, Dropout, Identity, Normalize (as ``Sub`` and ``Div``), Residual and
+        nested Sequential. A model in
         training mode is written in eval form (running BatchNorm statistics,
         no Dropout), with a warning; its mode is left as it was.
     path : str or os.PathLike
@@ -1067,6 +1077,41 @@ class _Loader:
         return rank
 
 
+    # ------------------------------------------------------------ input normalisation
+    def _channel_vector(self, node, c, rank, what: str) -> np.ndarray:
+        """A constant that broadcasts over dim 1 of the data (one value, or one per channel) as a 1-D array."""
+        c = np.asarray(c, dtype=np.float32)
+        if c.size == 1:
+            return c.reshape(1)
+        full = [1] * ((rank or 0) - c.ndim) + list(c.shape)
+        if rank is None or c.ndim > rank or full[0] != 1 or any(d != 1 for d in full[2:]):
+            self.fail(node, f"{what} has shape {c.shape}; parconv loads a constant {what} of one value or one per "
+                            f"channel (shape (1, C, 1, 1) for a 4-D input) as a Normalize")
+        return c.reshape(-1)
+
+    def _op_Sub(self, node, a, specs, rank):
+        # x - mean: the start of an input normalisation (torchvision's Normalize, parconv's)
+        mean = self._channel_vector(node, self.const(node, node.inputs[1], "subtrahend"), rank, "subtrahend")
+        specs.append(_spec("Normalize", {"mean": mean, "std": np.ones_like(mean)},
+                           mean=mean.tolist(), std=[1.0] * mean.size))
+        return rank
+
+    def _op_Div(self, node, a, specs, rank):
+        std = self._channel_vector(node, self.const(node, node.inputs[1], "divisor"), rank, "divisor")
+        last = specs[-1] if specs else None
+        if last is not None and last["type"] == "Normalize" and np.all(last["params"]["std"] == 1):
+            specs.pop()  # (x - mean) / std: one Normalize
+            mean = last["params"]["mean"]
+        else:
+            mean = np.zeros_like(std)
+        if mean.size != std.size and 1 not in (mean.size, std.size):
+            self.fail(node, f"divides by {std.size} values after subtracting {mean.size}; a Normalize needs one "
+                            "value per channel for both, or one for all")
+        mean, std = (np.ascontiguousarray(v, dtype=np.float32) for v in np.broadcast_arrays(mean, std))
+        specs.append(_spec("Normalize", {"mean": mean, "std": std}, mean=mean.tolist(), std=std.tolist()))
+        return rank
+
+
 def _build(specs: list, backend):
     """Layers from specs; returns ``(Sequential, state dict entries)``."""
     from . import layers as _layers
@@ -1109,7 +1154,9 @@ def load(path, backend=None):
         branches forked from one tensor becomes ``Residual(body, shortcut)``
         (each branch a Sequential; the longer branch is the body, an identity
         branch the ``None`` shortcut); a constant subgraph (shape arithmetic, a transposed
-        weight) is folded first.
+        weight) is folded first. A ``Sub`` and/or ``Div`` of constants of one value or
+        one per channel (``(x - mean) / std``, an input normalisation) becomes a
+        :class:`parconv.Normalize`.
 
     Raises
     ------

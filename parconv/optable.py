@@ -624,6 +624,30 @@ def _random_dropout(rng):
     return (shape, float(rng.choice([0.1, 0.5, 0.9])), int(rng.integers(0, 2**63)))
 
 
+def _check_normalize(ck, ref, rng, case):
+    """``F.normalize`` (batch norm's eval path with var = std**2) against ``(x - mean) / std`` in float64."""
+    from . import functional as F
+
+    shape, per_channel = case
+    be = ck.be
+    c = shape[1] if per_channel else 1
+    x, dy = _f32(rng, *shape, scale=3.0), _f32(rng, *shape)
+    mean = _f32(rng, c)
+    std = (0.05 + rng.random(c) * 3).astype(np.float32)
+    bshape = (1, c) + (1,) * (len(shape) - 2) if per_channel else (1,) * len(shape)
+    m64, s64 = _f64(mean).reshape(bshape), _f64(std).reshape(bshape)
+    _run_pair(ck, "normalize",
+              lambda: {"y": F.normalize(be.asarray(x), mean, std, backend=be),
+                       "dx": F.normalize_backward(be.asarray(dy), std, backend=be)},
+              lambda: {"y": (_f64(x) - m64) / s64, "dx": _f64(dy) / s64},
+              f"x{shape} {'per channel' if per_channel else 'one mean and std'}")
+
+
+def _random_normalize(rng):
+    shape = tuple(int(v) for v in rng.integers(1, 9, int(rng.integers(2, 5))))
+    return shape, bool(rng.integers(0, 2))
+
+
 def _check_more_activations(ck, ref, rng, shape):
     be = ck.be
     x = _f32(rng, *shape, scale=3.0)
@@ -742,6 +766,9 @@ OPS: tuple = (
     OpSpec("conv2d_batch_norm_eval", "convolution with an eval-mode batch norm (and ReLU) folded into its store",
            ("conv2d_batch_norm_eval_forward",), ("Conv2d+BatchNorm2d(+ReLU) in eval mode",), _check_conv_bn_eval,
            _FIXED_CONV_BN, _random_conv_bn_eval),
+    OpSpec("normalize", "input normalisation (x - mean) / std, per channel or one for all: forward, dx",
+           ("batch_norm_forward_eval", "batch_norm_backward"), ("Normalize",), _check_normalize,
+           (((2, 3, 5, 4), True), ((2, 3, 5, 4), False), ((4, 7), True), ((3, 2, 6), False)), _random_normalize),
     OpSpec("dropout", "inverted dropout with a counter-based mask (the same on every backend)",
            ("dropout_forward", "dropout_backward"), ("Dropout",), _check_dropout,
            (((4, 100), 0.5, 12345), ((2, 3, 4, 5), 0.2, 2**62 + 7)), _random_dropout),

@@ -21,7 +21,8 @@ def test_train_small_run_saves_a_checkpoint(tmp_path, capsys):
     acc = float(out.split("test accuracy:")[1].split("%")[0])
     assert acc > 70.0  # one epoch on 1,000 images
     model = pc.load(ckpt)
-    assert model[0].weight.shape == (8, 1, 3, 3)
+    assert isinstance(model[0], pc.Normalize)  # the input standardisation is the model's
+    assert model[1].weight.shape == (8, 1, 3, 3)
 
 
 def test_train_rejects_bad_options(capsys):
