@@ -34,7 +34,7 @@ def randomize_state(model, seed=0):
     for k, v in state.items():
         if k.endswith("num_batches_tracked"):
             continue
-        if k.endswith("running_var"):
+        if k.endswith("running_var") or k.endswith(".std"):  # BatchNorm variance, Normalize's std: > 0
             state[k] = rng.uniform(0.5, 2.0, v.shape).astype(np.float32)
         elif k.endswith("running_mean") or k.endswith(".bias"):
             state[k] = rng.uniform(-0.5, 0.5, v.shape).astype(np.float32)
@@ -75,8 +75,9 @@ def resnet_like():
 
 
 def convs():
-    """Grouped, depthwise, dilated, rectangular and asymmetric 'same' convolutions, padded pooling."""
+    """Input normalisation; grouped, depthwise, dilated, rectangular and asymmetric 'same' convolutions, padded pooling."""
     return pc.Sequential(
+        pc.Normalize([0.1, 0.2, 0.3, 0.4], [0.5, 1.0, 1.5, 2.0]),
         pc.Conv2d(4, 8, (3, 2), stride=(1, 2), padding=(1, 0), groups=2), pc.Sigmoid(),
         pc.Conv2d(8, 8, 4, padding="same", groups=8), pc.BatchNorm2d(8),  # even kernel: pads 1 top, 2 bottom
         pc.Conv2d(8, 6, 3, padding="same", dilation=2), pc.Tanh(),
@@ -291,6 +292,17 @@ if HAVE_TORCH:
         def forward(self, x):
             return self.body(x) + (x if self.shortcut is None else self.shortcut(x))
 
+    class TorchNormalize(nn.Module):
+        """torchvision's Normalize with parconv's buffer names, so state dicts match."""
+
+        def __init__(self, channels):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(channels))
+            self.register_buffer("std", torch.ones(channels))
+
+        def forward(self, x):
+            return (x - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)
+
     def torch_twin(name):
         """The PyTorch model with parconv's test model's structure (state-dict keys match)."""
         if name == "mlp":
@@ -312,6 +324,7 @@ if HAVE_TORCH:
         # onnxruntime has no dilated auto_pad SAME Conv, which the TorchScript exporter writes for
         # padding="same" with dilation, so the dilated convolution here pads explicitly
         return nn.Sequential(
+            TorchNormalize(4),
             nn.Conv2d(4, 8, (3, 2), stride=(1, 2), padding=(1, 0), groups=2), nn.Sigmoid(),
             nn.Conv2d(8, 8, 4, padding="same", groups=8), nn.BatchNorm2d(8),
             nn.Conv2d(8, 6, 3, padding=2, dilation=2), nn.Tanh(),
