@@ -198,3 +198,19 @@ def test_torch_loaded_first_keeps_its_runtime_and_says_so():
     assert "loaded before parconv" in recorded, recorded
     report, recorded = _gomp_env_report({"OMP_WAIT_POLICY": "PASSIVE"}, first="import torch")
     assert _spincount(report) == 0 and "set by the user" in recorded
+
+
+def test_importing_parconv_settles_the_policy_before_torch_loads_the_shared_runtime():
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    from parconv._ext import _threads
+
+    if not _threads.openmp_enabled():
+        pytest.skip("serial build")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    out = subprocess.run([sys.executable, "-c", "import parconv\nimport torch\ntorch.ones(2).sum()"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert _spincount(out.stderr) == 0, out.stderr
