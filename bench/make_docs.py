@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,6 +65,8 @@ def workload_table(name: str, wl: dict, target_backend: str) -> list[str]:
     tmax = max(r["threads"] for c in cases for r in c["results"] if r["impl"] == target_backend) \
         if any(r["impl"] == target_backend for c in cases for r in c["results"]) else None
     bg = any(c.get("background_cores") is not None for c in cases)
+    probed = tmax and any((r.get("core_probe") or []) for c in cases for r in c["results"]
+                          if r["config"] == f"{target_backend}@{tmax}")
     header = ["case"] + [f"{c} ms" for c in cfgs]
     extra = []
     if tmax:
@@ -86,8 +89,12 @@ def workload_table(name: str, wl: dict, target_backend: str) -> list[str]:
             row += [_f(r.get("vs_numpy"), ".3g")] if with_numpy else []
         if bg:
             row.append(_f(c.get("background_cores"), ".2f"))
+        if probed:
+            probes = [p for p in (by.get(f"{target_backend}@{tmax}") or {}).get("core_probe") or [] if p is not None]
+            row.append(_f(statistics.median(probes) if probes else None, ".2f"))
         rows.append(row)
-    table = _md_table(header + extra + (["other load (cores)"] if bg else []), rows)
+    table = _md_table(header + extra + (["other load (cores)"] if bg else [])
+                      + ([f"core probe before {target_backend}@{tmax}"] if probed else []), rows)
     if any(r.get("single_call") for c in cases for r in c["results"]):
         table += ["", "† one call only (the serial NumPy baseline is not repeated where a call takes more than "
                       "`--serial-max-s` seconds)."]
@@ -209,10 +216,18 @@ def revisions_section(rev: dict) -> list[str]:
     return lines + [""]
 
 
-def nets_targets(entries: list) -> list[str]:
-    """The targets of the nets workload, shown with its table."""
-    mine = [e for e in entries if e["workload"] == "nets" and "never slower" not in e["target"]]
+def nets_targets(entries: list, workload: str = "nets") -> list[str]:
+    """The targets of the nets (or contended) workload, shown with its table."""
+    mine = [e for e in entries if e["workload"] == workload and "never slower" not in e["target"]]
     return ["", "Targets of this workload:", ""] + target_table(mine) if mine else []
+
+
+CONTENDED_NOTE = (
+    "Each case starts its busy processes (pure-Python loops, each bounded to 15 minutes and killed when the "
+    "case's timing ends) before its timed samples, and times without the suite's wait for idle threads, as "
+    "a user's loop runs. \"other load\" counts every process but this one, the busy ones included; the core "
+    "probe is the BLAS's matmul on two threads against one just before each two-thread sample (2.00: two "
+    "free cores). The default thread count is the core count, so on a two-core machine it is the @2 column.")
 
 
 def render(results: dict, plots: list[str]) -> str:
@@ -330,8 +345,10 @@ def render(results: dict, plots: list[str]) -> str:
             lines += ["Shapes: " + "; ".join(notes) + ".", ""]
         lines += workload_table(name, wl, tb)
         lines += layer_table(wl)
-        if name == "nets":
-            lines += nets_targets(results.get("targets") or [])
+        if name == "contended":
+            lines += ["", CONTENDED_NOTE]
+        if name in ("nets", "contended"):
+            lines += nets_targets(results.get("targets") or [], name)
         for p in plots:
             base = os.path.basename(p)
             if base.endswith(f"_{name}.png") or (name in base and "throughput" in base):
