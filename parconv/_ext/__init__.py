@@ -33,7 +33,8 @@ def _choose_wait_policy() -> None:
     if _gomp_loaded():
         # torch (or another library) loaded the shared libgomp first: its default stands
         WAIT_POLICY["policy"] = "OpenMP runtime default (threads spin after each region)"
-        WAIT_POLICY["source"] = "libgomp was loaded before parconv; set OMP_WAIT_POLICY=PASSIVE before importing it"
+        WAIT_POLICY["source"] = ("libgomp was loaded before parconv (by torch?); import parconv first or set "
+                                 "OMP_WAIT_POLICY=PASSIVE in the environment")
         return
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
@@ -44,7 +45,7 @@ def _choose_wait_policy() -> None:
         # only this process's runtime: child processes and other programs keep their own default
         del _os.environ["OMP_WAIT_POLICY"]
     WAIT_POLICY["policy"] = "PASSIVE"
-    WAIT_POLICY["source"] = "parconv default (set OMP_WAIT_POLICY=ACTIVE for spinning threads)"
+    WAIT_POLICY["source"] = "parconv's default; OMP_WAIT_POLICY=ACTIVE makes idle threads spin"
 
 
 _choose_wait_policy()
