@@ -405,6 +405,52 @@ def _sections(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _table_rows(lines: list[str]) -> tuple[int, int]:
+    """[start, end) of the first markdown table in ``lines`` (0, 0 when there is none)."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("| ")), None)
+    if start is None:
+        return 0, 0
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return start, end
+
+
+def _merge_rows(old_body: list[str], new_body: list[str], filters: list[str], extra: str = "") -> list[str] | None:
+    """``old_body`` with the first table's rows for the new run's cases replaced or added, next to the
+    rows of the same network, and a line saying when those rows were measured. The new rows take the
+    page table's columns (by name; one the new run lacks reads "–"); None where the first columns
+    differ (the new section then replaces the old one)."""
+    o0, o1 = _table_rows(old_body)
+    n0, n1 = _table_rows(new_body)
+    cells = lambda row: [c.strip() for c in row.strip().strip("|").split("|")]  # noqa: E731
+    if o1 - o0 < 2 or n1 - n0 < 2 or cells(old_body[o0])[0] != cells(new_body[n0])[0]:
+        return None
+    old_cols, new_cols = cells(old_body[o0]), cells(new_body[n0])
+    rows = old_body[o0 + 2:o1]
+    name = lambda row: cells(row)[0]  # noqa: E731
+    for new_row in new_body[n0 + 2:n1]:
+        by = dict(zip(new_cols, cells(new_row)))
+        row = "| " + " | ".join(by.get(c, "–") for c in old_cols) + " |"
+        names = [name(r) for r in rows]
+        if name(row) in names:
+            rows[names.index(name(row))] = row
+            continue
+        same_net = [i for i, n in enumerate(names) if n.split()[0] == name(row).split()[0]]
+        rows.insert(same_net[0] if same_net else len(rows), row)
+    # the workload's one-line description (e.g. "nets: ...") follows the new run
+    titles = {line.split(":")[0]: line for line in new_body[:n0] if line.startswith(new_body[0][4:] + ":")}
+    old_body = [titles.get(line.split(":")[0], line) if line.startswith(old_body[0][4:] + ":") else line
+                for line in old_body]
+    where = next((line for line in new_body if line.startswith("*Measured separately")), "")
+    note = (f"*Rows of the cases matching {', '.join(repr(f) for f in filters)} measured separately: "
+            + where[len("*Measured separately from the rest of this page: "):-1] + extra + "*" if where else "")
+    head = old_body[:o0]
+    if note:
+        head = head + ([] if head and head[-1] == "" else [""]) + [note, ""]
+    return head + old_body[o0:o0 + 2] + rows + old_body[o1:]
+
+
 def splice(page_text: str, results: dict, plots: list[str]) -> str:
     """``page_text`` with the sections ``results`` renders (its workloads, peak memory, revision comparison)
     put in place of the sections of the same heading, or added at the end of "## Results".
@@ -428,6 +474,18 @@ def splice(page_text: str, results: dict, plots: list[str]) -> str:
         heads = [x for x, _ in old]
         if body[-1] != "":
             body = body + [""]
+        if h in heads and results.get("cases_filter"):
+            # some cases only (run.py --cases): their rows replace or join the page's table
+            wl = results.get("workloads", {}).get(h[4:], {})
+            probes = [(c["name"], statistics.median(p)) for c in wl.get("cases", []) for r in c.get("results", [])
+                      if r["impl"] != "torch" and r["threads"] > 1
+                      for p in [[x for x in r.get("core_probe") or [] if x is not None]] if p]
+            extra = (" Core probe before the two-thread samples (median): "
+                     + ", ".join(f"{name} {v:.2f}" for name, v in probes) + ".") if probes else ""
+            merged = _merge_rows(old[heads.index(h)][1], body, results["cases_filter"], extra)
+            if merged is not None:
+                old[heads.index(h)] = (h, merged)
+                continue
         if h in heads:
             old[heads.index(h)] = (h, body)
             continue

@@ -74,7 +74,8 @@ def _cgroup_cpu_quota() -> tuple[int | None, str]:
         for mount in dict.fromkeys((os.path.join(_CGROUP_ROOT, v1_controllers), os.path.join(_CGROUP_ROOT, "cpu"),
                                     os.path.join(_CGROUP_ROOT, "cpu,cpuacct"))):
             for d in _cgroup_dirs(mount, v1_rel or "/"):
-                quota, period = _read_text(os.path.join(d, "cpu.cfs_quota_us")), _read_text(os.path.join(d, "cpu.cfs_period_us"))
+                quota = _read_text(os.path.join(d, "cpu.cfs_quota_us"))
+                period = _read_text(os.path.join(d, "cpu.cfs_period_us"))
                 try:
                     consider(int(quota), int(period), "cgroup v1 cpu.cfs_quota_us/cfs_period_us")
                 except (TypeError, ValueError):

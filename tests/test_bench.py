@@ -522,3 +522,27 @@ def test_contended_targets_compare_with_the_same_load_and_the_quiet_margin():
            for e in targets.evaluate(results) if e["workload"] == "contended"}
     assert got == {("resnet20 1 busy", "default"): (0.889, 0.8, True), ("resnet20 1 busy", "vs"): (2.0, 1.8, True),
                    ("resnet20 2 busy", "default"): (0.769, 0.8, False), ("resnet20 2 busy", "vs"): (1.5, 1.8, False)}
+
+
+def test_a_run_of_some_cases_merges_its_rows_into_the_page_table():
+    make_docs = _bench_module("make_docs")
+    page = "\n".join(["# Benchmarks", "", "## Results", "", "### nets", "", "*Measured separately from the rest "
+                      "of this page: day 1.*", "", "nets: batch 128.", "", "| case | a ms |", "| --- | ---: |",
+                      "| lenet5 training step batch=128 | 2 |", "| lenet5 inference batch=1 | 1 |",
+                      "| mlp training step batch=1 | 3 |", "", "Targets of this workload:", "", "## Targets", ""])
+    fresh = ["### nets", "", "*Measured separately from the rest of this page: day 2.*", "", "nets: batch 32 and 128.",
+             "", "| case | a ms |",
+             "| --- | ---: |", "| lenet5 training step batch=32 | 9 |", "| mlp training step batch=1 | 4 |", ""]
+    old = make_docs._sections(page)
+    body = next(b for h, b in old if h == "### nets")
+    merged = make_docs._merge_rows(body, fresh, ["training step"])
+    rows = [line for line in merged if line.startswith("| ") and "---" not in line][1:]
+    assert rows == ["| lenet5 training step batch=32 | 9 |", "| lenet5 training step batch=128 | 2 |",
+                    "| lenet5 inference batch=1 | 1 |", "| mlp training step batch=1 | 4 |"]
+    assert "*Rows of the cases matching 'training step' measured separately: day 2.*" in merged
+    assert "*Measured separately from the rest of this page: day 1.*" in merged  # the rest keeps its run
+    assert "Targets of this workload:" in merged
+    assert "nets: batch 32 and 128." in merged and "nets: batch 128." not in merged
+    other = make_docs._merge_rows(body, [line.replace("a ms", "b ms") for line in fresh], ["x"])
+    assert "| lenet5 training step batch=32 | – |" in other  # a column the new run lacks
+    assert make_docs._merge_rows(body, [line.replace("| case |", "| step |") for line in fresh], ["x"]) is None
