@@ -250,6 +250,10 @@ def render(results: dict, plots: list[str]) -> str:
         "python bench/run.py --docs --passes 3 --repeat 9 --wait-cores 5   # a VM whose host moves its vCPUs",
         "python bench/run.py --docs --workloads nets --threads 1,2 --backends openmp --wait-cores 5"
         "   # only the nets section",
+        "python bench/run.py --docs --workloads nets --cases 'training step batch=32' --threads 1,2"
+        "   # some rows of it",
+        "python bench/run.py --docs --workloads contended --threads 1,2 --wait-cores 0.001"
+        "   # busy neighbours; the probe recorded, not waited for",
         "python bench/compare_revisions.py --docs --wait-cores 5   # the revision comparison section",
         "```",
         "",

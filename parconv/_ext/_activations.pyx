@@ -3,9 +3,9 @@
 """relu and sigmoid kernels, forward and backward (backward from the forward output y).
 
 The loops themselves are the vectorised C helpers in pc_common.h; here the
-flat range is cut into a few contiguous chunks per thread, handed out as threads come free. Below SERIAL_BELOW
-elements the whole range runs on the calling thread: waking a team costs more
-than the loop.
+flat range is cut into a few contiguous chunks per thread, handed out as
+threads come free. Below SERIAL_BELOW elements the whole range runs on the
+calling thread: waking a team costs more than the loop.
 """
 
 from cython.parallel cimport prange

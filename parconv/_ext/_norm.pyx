@@ -8,8 +8,8 @@ thread, handed out as threads come free (a thread whose core another process tak
 holds up one chunk, not its share of the loop): each chunk sums its planes in double
 into its own row of partials, and the rows are added in chunk order afterwards. The
 chunks are set by the shape and the thread count, so a thread count always gives the
-same bits, however busy the machine and a channel of millions of values keeps float64 accuracy. The variance
-is a second pass over (x - mean)^2, not E[x^2] - mean^2, which cancels.
+same bits however busy the machine, and a channel of millions of values keeps float64
+accuracy. The variance is a second pass over (x - mean)^2, not E[x^2] - mean^2, which cancels.
 
 Dropout's keep mask is splitmix64 of (seed + (i + 1) * 0x9E3779B97F4A7C15), i the
 flat index, compared on its top 32 bits with floor(p * 2^32): the function
