@@ -425,13 +425,13 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
         most = max(c.threads for c in runners)
         probe = not args.quick and most > 1
         before = reference_scaling([most], rounds=3) if probe else None
-        opts = dict(gap=args.gap, idle_wait=args.idle_wait)
-        if not args.quick:
-            opts.update(wl.harness_overrides)
+        opts = dict(gap=args.gap, idle_wait=args.idle_wait, wait_cores=args.wait_cores)
+        if not args.quick:  # a workload's overrides are upper bounds on the command line's
+            opts.update({k: min(opts[k], v) for k, v in wl.harness_overrides.items()})
         with wl.timing_context(case.params), harness.BackgroundLoad() as bg:
             timed = harness.interleaved(runners, kinds, repeat, args.warmup, args.min_time,
                                         settle=not (args.quick or args.no_settle), on_run=progress.step,
-                                        wait_cores=args.wait_cores, cores=_cores(), **opts)
+                                        cores=_cores(), **opts)
         res["background_cores"] = bg.cores
         if probe:
             # what the cores gave a well-scaling kernel just before and just after this case

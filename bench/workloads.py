@@ -505,7 +505,7 @@ class Workload:
     def runner(self, impl: Impl, params: dict, inp: dict):
         raise NotImplementedError
 
-    #: suite options this workload times with instead of the command line's (e.g. no idle wait)
+    #: upper bounds on the suite's timing options for this workload (``gap``, ``idle_wait``, ``wait_cores``)
     harness_overrides: dict = {}
 
     def timing_context(self, params: dict):
@@ -982,7 +982,9 @@ class Contended(Nets):
     title = ("contended: cnn-mnist batch 100 and resnet20 batch 32 training steps with 0, 1 and 2 busy "
              "processes (pure-Python loops) beside them; parconv at 1 and 2 threads and its default "
              "(the core count) against PyTorch under the same load")
-    harness_overrides = {"idle_wait": 0.0, "gap": 0.0}
+    # no wait for idle threads or for free cores (the neighbours take them on purpose): with
+    # --wait-cores the core probe is still recorded before each multi-threaded sample
+    harness_overrides = {"idle_wait": 0.0, "gap": 0.0, "wait_cores": 0.001}
 
     def cases(self, quick, opts):
         nets, busy, size = ((("cnn-mnist", 4), ("resnet20", 2)), (0, 1), 16) if quick else \
