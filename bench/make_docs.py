@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,6 +65,8 @@ def workload_table(name: str, wl: dict, target_backend: str) -> list[str]:
     tmax = max(r["threads"] for c in cases for r in c["results"] if r["impl"] == target_backend) \
         if any(r["impl"] == target_backend for c in cases for r in c["results"]) else None
     bg = any(c.get("background_cores") is not None for c in cases)
+    probed = tmax and any((r.get("core_probe") or []) for c in cases for r in c["results"]
+                          if r["config"] == f"{target_backend}@{tmax}")
     header = ["case"] + [f"{c} ms" for c in cfgs]
     extra = []
     if tmax:
@@ -86,8 +89,12 @@ def workload_table(name: str, wl: dict, target_backend: str) -> list[str]:
             row += [_f(r.get("vs_numpy"), ".3g")] if with_numpy else []
         if bg:
             row.append(_f(c.get("background_cores"), ".2f"))
+        if probed:
+            probes = [p for p in (by.get(f"{target_backend}@{tmax}") or {}).get("core_probe") or [] if p is not None]
+            row.append(_f(statistics.median(probes) if probes else None, ".2f"))
         rows.append(row)
-    table = _md_table(header + extra + (["other load (cores)"] if bg else []), rows)
+    table = _md_table(header + extra + (["other load (cores)"] if bg else [])
+                      + ([f"core probe before {target_backend}@{tmax}"] if probed else []), rows)
     if any(r.get("single_call") for c in cases for r in c["results"]):
         table += ["", "† one call only (the serial NumPy baseline is not repeated where a call takes more than "
                       "`--serial-max-s` seconds)."]
@@ -209,10 +216,18 @@ def revisions_section(rev: dict) -> list[str]:
     return lines + [""]
 
 
-def nets_targets(entries: list) -> list[str]:
-    """The targets of the nets workload, shown with its table."""
-    mine = [e for e in entries if e["workload"] == "nets" and "never slower" not in e["target"]]
+def nets_targets(entries: list, workload: str = "nets") -> list[str]:
+    """The targets of the nets (or contended) workload, shown with its table."""
+    mine = [e for e in entries if e["workload"] == workload and "never slower" not in e["target"]]
     return ["", "Targets of this workload:", ""] + target_table(mine) if mine else []
+
+
+CONTENDED_NOTE = (
+    "Each case starts its busy processes (pure-Python loops, each bounded to 15 minutes and killed when the "
+    "case's timing ends) before its timed samples, and times without the suite's wait for idle threads, as "
+    "a user's loop runs. \"other load\" counts every process but this one, the busy ones included; the core "
+    "probe is the BLAS's matmul on two threads against one just before each two-thread sample (2.00: two "
+    "free cores). The default thread count is the core count, so on a two-core machine it is the @2 column.")
 
 
 def render(results: dict, plots: list[str]) -> str:
@@ -235,6 +250,10 @@ def render(results: dict, plots: list[str]) -> str:
         "python bench/run.py --docs --passes 3 --repeat 9 --wait-cores 5   # a VM whose host moves its vCPUs",
         "python bench/run.py --docs --workloads nets --threads 1,2 --backends openmp --wait-cores 5"
         "   # only the nets section",
+        "python bench/run.py --docs --workloads nets --cases 'training step batch=32' --threads 1,2"
+        "   # some rows of it",
+        "python bench/run.py --docs --workloads contended --threads 1,2 --wait-cores 0.001"
+        "   # busy neighbours; the probe recorded, not waited for",
         "python bench/compare_revisions.py --docs --wait-cores 5   # the revision comparison section",
         "```",
         "",
@@ -330,8 +349,10 @@ def render(results: dict, plots: list[str]) -> str:
             lines += ["Shapes: " + "; ".join(notes) + ".", ""]
         lines += workload_table(name, wl, tb)
         lines += layer_table(wl)
-        if name == "nets":
-            lines += nets_targets(results.get("targets") or [])
+        if name == "contended":
+            lines += ["", CONTENDED_NOTE]
+        if name in ("nets", "contended"):
+            lines += nets_targets(results.get("targets") or [], name)
         for p in plots:
             base = os.path.basename(p)
             if base.endswith(f"_{name}.png") or (name in base and "throughput" in base):
@@ -426,6 +447,50 @@ def keep_sections(old_text: str, new_text: str) -> str:
         if heading in KEPT_SECTIONS:
             new_text = replace_section(new_text, heading, lines)
     return new_text
+def _table_rows(lines: list[str]) -> tuple[int, int]:
+    """[start, end) of the first markdown table in ``lines`` (0, 0 when there is none)."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("| ")), None)
+    if start is None:
+        return 0, 0
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return start, end
+
+
+def _merge_rows(old_body: list[str], new_body: list[str], filters: list[str], extra: str = "") -> list[str] | None:
+    """``old_body`` with the first table's rows for the new run's cases replaced or added, next to the
+    rows of the same network, and a line saying when those rows were measured. The new rows take the
+    page table's columns (by name; one the new run lacks reads "–"); None where the first columns
+    differ (the new section then replaces the old one)."""
+    o0, o1 = _table_rows(old_body)
+    n0, n1 = _table_rows(new_body)
+    cells = lambda row: [c.strip() for c in row.strip().strip("|").split("|")]  # noqa: E731
+    if o1 - o0 < 2 or n1 - n0 < 2 or cells(old_body[o0])[0] != cells(new_body[n0])[0]:
+        return None
+    old_cols, new_cols = cells(old_body[o0]), cells(new_body[n0])
+    rows = old_body[o0 + 2:o1]
+    name = lambda row: cells(row)[0]  # noqa: E731
+    for new_row in new_body[n0 + 2:n1]:
+        by = dict(zip(new_cols, cells(new_row)))
+        row = "| " + " | ".join(by.get(c, "–") for c in old_cols) + " |"
+        names = [name(r) for r in rows]
+        if name(row) in names:
+            rows[names.index(name(row))] = row
+            continue
+        same_net = [i for i, n in enumerate(names) if n.split()[0] == name(row).split()[0]]
+        rows.insert(same_net[0] if same_net else len(rows), row)
+    # the workload's one-line description (e.g. "nets: ...") follows the new run
+    titles = {line.split(":")[0]: line for line in new_body[:n0] if line.startswith(new_body[0][4:] + ":")}
+    old_body = [titles.get(line.split(":")[0], line) if line.startswith(old_body[0][4:] + ":") else line
+                for line in old_body]
+    where = next((line for line in new_body if line.startswith("*Measured separately")), "")
+    note = (f"*Rows of the cases matching {', '.join(repr(f) for f in filters)} measured separately: "
+            + where[len("*Measured separately from the rest of this page: "):-1] + extra + "*" if where else "")
+    head = old_body[:o0]
+    if note:
+        head = head + ([] if head and head[-1] == "" else [""]) + [note, ""]
+    return head + old_body[o0:o0 + 2] + rows + old_body[o1:]
 
 
 def splice(page_text: str, results: dict, plots: list[str]) -> str:
@@ -451,6 +516,18 @@ def splice(page_text: str, results: dict, plots: list[str]) -> str:
         heads = [x for x, _ in old]
         if body[-1] != "":
             body = body + [""]
+        if h in heads and results.get("cases_filter"):
+            # some cases only (run.py --cases): their rows replace or join the page's table
+            wl = results.get("workloads", {}).get(h[4:], {})
+            probes = [(c["name"], statistics.median(p)) for c in wl.get("cases", []) for r in c.get("results", [])
+                      if r["impl"] != "torch" and r["threads"] > 1
+                      for p in [[x for x in r.get("core_probe") or [] if x is not None]] if p]
+            extra = (" Core probe before the two-thread samples (median): "
+                     + ", ".join(f"{name} {v:.2f}" for name, v in probes) + ".") if probes else ""
+            merged = _merge_rows(old[heads.index(h)][1], body, results["cases_filter"], extra)
+            if merged is not None:
+                old[heads.index(h)] = (h, merged)
+                continue
         if h in heads:
             old[heads.index(h)] = (h, body)
             continue

@@ -138,6 +138,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--serial-max-s", type=float, default=1.0,
                    help="the serial NumPy baseline is timed with one call only where that call takes longer "
                         "than this many seconds (default 1.0)")
+    p.add_argument("--cases", type=_name_list, default=None, metavar="TEXT,...",
+                   help="time only the cases whose name contains one of these strings (e.g. 'training step "
+                        "batch=32'); with --docs their rows replace or join those of the page's tables")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes, one repetition: checks every answer, timings mean nothing (used by the tests)")
     p.add_argument("--filters", type=_int_list, default=None, help="cnn-mnist filter sweep (default 32,64,128,256)")
@@ -422,11 +425,13 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
         most = max(c.threads for c in runners)
         probe = not args.quick and most > 1
         before = reference_scaling([most], rounds=3) if probe else None
-        with harness.BackgroundLoad() as bg:
+        opts = dict(gap=args.gap, idle_wait=args.idle_wait, wait_cores=args.wait_cores)
+        if not args.quick:  # a workload's overrides are upper bounds on the command line's
+            opts.update({k: min(opts[k], v) for k, v in wl.harness_overrides.items()})
+        with wl.timing_context(case.params), harness.BackgroundLoad() as bg:
             timed = harness.interleaved(runners, kinds, repeat, args.warmup, args.min_time,
-                                        settle=not (args.quick or args.no_settle), gap=args.gap,
-                                        idle_wait=args.idle_wait, on_run=progress.step,
-                                        wait_cores=args.wait_cores, cores=_cores())
+                                        settle=not (args.quick or args.no_settle), on_run=progress.step,
+                                        cores=_cores(), **opts)
         res["background_cores"] = bg.cores
         if probe:
             # what the cores gave a well-scaling kernel just before and just after this case
@@ -614,6 +619,11 @@ def main(argv=None) -> int:
         impls.insert(0, W.Impl("numpy", "parconv", pc.backends.get("numpy")))  # NumPy matmul is linear's baseline
     opts = {"filters": args.filters, "batches": args.batches}
     plan = [(name, W.WORKLOADS[name], W.WORKLOADS[name].cases(args.quick, opts)) for name in local_names]
+    if args.cases:
+        plan = [(name, wl, [c for c in cases if any(t in c.name for t in args.cases)]) for name, wl, cases in plan]
+        if not any(cases for _, _, cases in plan):
+            raise SystemExit(f"bench/run.py: no case of {', '.join(local_names)} matches --cases {args.cases}")
+        results["cases_filter"] = args.cases
 
     # total runs for the progress bar
     total = 0
@@ -693,7 +703,7 @@ def main(argv=None) -> int:
     if args.docs:
         from make_docs import splice_docs, write_docs
 
-        if set(local_names) >= set(W.LOCAL_WORKLOADS) or not os.path.exists(
+        if (set(local_names) >= set(W.LOCAL_WORKLOADS) and not args.cases) or not os.path.exists(
                 os.path.join(args.docs_dir, "benchmarks.md")):
             page = write_docs(results, args.out, args.docs_dir)
         else:  # some workloads only: their sections replace those of the page, the rest stays

@@ -79,6 +79,8 @@ def evaluate(results: dict, backend: str = "openmp", threads: int = THREADS) -> 
                 e["core_wait_s"] = r.get("core_wait_s")
             out.append(e)
     for wl, wl_res in results.get("workloads", {}).items():
+        if wl == "contended":
+            continue  # busy neighbours: its own target allows the default CONTENDED_SLACK
         for case in (wl_res.get("cases", []) if isinstance(wl_res, dict) else []):
             if not case.get("results"):
                 continue
@@ -100,6 +102,7 @@ def evaluate(results: dict, backend: str = "openmp", threads: int = THREADS) -> 
             r = _row(case, backend, threads)
             out.append(_entry(f"{what} batch {pr['N']} >= {need}x PyTorch", "nets", case["name"],
                               r and r.get("vs_torch"), need, cfg))
+    out += _contended(results, backend)
     mem = results.get("memory")
     if mem:
         ratio = mem.get("ratio")
@@ -112,6 +115,37 @@ def evaluate(results: dict, backend: str = "openmp", threads: int = THREADS) -> 
                 r = _row(case, backend, n)
                 out.append(_entry("linear forward >= 0.8x NumPy matmul (equal threads)", "linear", case["name"],
                                   r and r.get("vs_numpy"), 0.8, f"{backend}@{n}"))
+    return out
+
+
+#: ``contended``: with busy neighbours the default thread count is at most this much slower than the
+#: better of 1 and 2 threads under the same load (the value is the inverse: better / default >= 0.8)
+CONTENDED_SLACK = 1.25
+
+
+def _contended(results: dict, backend: str) -> list[dict]:
+    """Per loaded case: default threads within CONTENDED_SLACK of the better of 1 and 2 threads, and
+    the margin over PyTorch at least the quiet one (the same network with no busy neighbour)."""
+    out = []
+    cases = _cases(results, "contended")
+    quiet = {c["params"]["net"]: c for c in cases if not c["params"].get("busy")}
+    for case in cases:
+        pr = case["params"]
+        if not pr.get("busy"):
+            continue
+        dflt = pr.get("default_threads", THREADS)
+        cfg = f"{backend}@{dflt}"
+        r = _row(case, backend, dflt)
+        best = [x["median"] for x in (_row(case, backend, 1), _row(case, backend, 2)) if x and x.get("median")]
+        value = min(best) / r["median"] if r and r.get("median") and best else None
+        out.append(_entry(f"default threads <= {CONTENDED_SLACK}x the better of 1 and 2", "contended",
+                          case["name"], value, round(1.0 / CONTENDED_SLACK, 3), cfg))
+        q = quiet.get(pr["net"])
+        qr = q and _row(q, backend, dflt)
+        margin = qr and qr.get("vs_torch")
+        if margin:
+            out.append(_entry("vs PyTorch under load >= the quiet margin", "contended", case["name"],
+                              r and r.get("vs_torch"), round(margin, 2), cfg))
     return out
 
 

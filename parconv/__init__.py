@@ -8,6 +8,10 @@ True
 
 import numpy as _np
 
+# loads libgomp now, with parconv's wait policy, before a library imported after parconv (torch
+# shares the same libgomp.so.1) can load it with spinning idle threads
+from . import _ext as _ext  # noqa: E402,F401
+
 __version__ = "0.1.0"
 
 from . import backends, datasets, functional, optim  # noqa: E402

@@ -16,24 +16,129 @@ CONV_PRECISIONS = ("highest", "high", "medium")
 
 
 _cores: int | None = None  # the cores this process may run on, read once (see _cpu_count)
+_cores_why: str = ""  # how _cores was found, for ``parconv info``
+
+# Where the CPU quota is read from; tests point these at a fake tree.
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_PROC_CGROUP = "/proc/self/cgroup"
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_dirs(base: str, rel: str) -> list[str]:
+    """``base/rel`` and each ancestor up to ``base``: a parent's quota limits its children too.
+
+    Inside a container the cgroup namespace makes ``rel`` "/" (its own cgroup is
+    the mount root); on a host ``rel`` is the process's cgroup below the mount.
+    Directories that are not there (a path from another namespace) are skipped.
+    """
+    parts = [p for p in rel.strip().split("/") if p and p != ".."]
+    dirs = [os.path.join(base, *parts[:i]) for i in range(len(parts), -1, -1)]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def _cgroup_cpu_quota() -> tuple[int | None, str]:
+    """CPUs the cgroup CPU quota allows, ceil(quota / period), or None; and where it came from.
+
+    cgroup v2: ``cpu.max`` ("max 100000" or "200000 100000"); cgroup v1:
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (quota -1 = none). The
+    smallest limit on the way from the process's cgroup to the root wins, as
+    the kernel enforces each of them.
+    """
+    lines = (_read_text(_PROC_CGROUP) or "").splitlines()
+    v2_rel = None
+    v1_rel = None
+    v1_controllers = "cpu"
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        hid, controllers, rel = fields
+        if hid == "0" and controllers == "":
+            v2_rel = rel
+        elif "cpu" in controllers.split(","):
+            v1_rel, v1_controllers = rel, controllers
+    best: tuple[int, str] | None = None
+
+    def consider(quota: int, period: int, what: str):
+        nonlocal best
+        if quota <= 0 or period <= 0:
+            return
+        cpus = max(1, -(-quota // period))
+        if best is None or cpus < best[0]:
+            best = (cpus, f"{what} {quota}/{period} -> {cpus}")
+
+    if v1_rel is not None or not lines:
+        for mount in dict.fromkeys((os.path.join(_CGROUP_ROOT, v1_controllers), os.path.join(_CGROUP_ROOT, "cpu"),
+                                    os.path.join(_CGROUP_ROOT, "cpu,cpuacct"))):
+            for d in _cgroup_dirs(mount, v1_rel or "/"):
+                quota = _read_text(os.path.join(d, "cpu.cfs_quota_us"))
+                period = _read_text(os.path.join(d, "cpu.cfs_period_us"))
+                try:
+                    consider(int(quota), int(period), "cgroup v1 cpu.cfs_quota_us/cfs_period_us")
+                except (TypeError, ValueError):
+                    continue
+    if v2_rel is not None or not lines:
+        for mount in (_CGROUP_ROOT, os.path.join(_CGROUP_ROOT, "unified")):
+            for d in _cgroup_dirs(mount, v2_rel or "/"):
+                text = _read_text(os.path.join(d, "cpu.max"))
+                if not text:
+                    continue
+                fields = text.split()
+                if len(fields) == 2 and fields[0] != "max":
+                    try:
+                        consider(int(fields[0]), int(fields[1]), "cgroup cpu.max")
+                    except ValueError:
+                        continue
+    if best is None:
+        return None, "no cgroup CPU quota"
+    return best
+
+
+def _count_cores() -> tuple[int, str]:
+    """(cores this process may use, how that was found): affinity mask, capped by a cgroup CPU quota."""
+    try:
+        affinity = max(1, len(os.sched_getaffinity(0)))
+        why = f"affinity {affinity} core{'s' if affinity != 1 else ''}"
+    except AttributeError:  # not Linux
+        affinity = max(1, os.cpu_count() or 1)
+        why = f"os.cpu_count() {affinity}"
+    try:
+        quota, quota_why = _cgroup_cpu_quota()
+    except Exception as exc:  # a malformed cgroup tree must never stop an import
+        quota, quota_why = None, f"cgroup unreadable ({type(exc).__name__})"
+    if quota is not None and quota < affinity:
+        return quota, f"{why}, {quota_why}"
+    return affinity, f"{why}, {quota_why}"
 
 
 def _cpu_count() -> int:
-    """Cores this process may run on (its affinity mask on Linux).
+    """Cores this process may run on: its affinity mask, capped by a cgroup CPU quota.
 
-    Read once and kept: the default thread count is asked for on every op,
-    and the affinity system call cost more than a small op's Python. A fork's
-    child and ``set_num_threads(None)`` read it again.
+    A container limited to 2 CPUs on a 64-core host sees all 64 cores in its
+    affinity mask but gets 2 cores' worth of time; more threads than that only
+    wait for each other. Read once and kept: the default thread count is asked
+    for on every op, and the system calls cost more than a small op's Python.
+    A fork's child and ``set_num_threads(None)`` read it again.
     """
-    global _cores
+    global _cores, _cores_why
     n = _cores
     if n is None:
-        try:
-            n = max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:  # not Linux
-            n = max(1, os.cpu_count() or 1)
+        n, _cores_why = _count_cores()
         _cores = n
     return n
+
+
+def _cpu_count_why() -> str:
+    """How :func:`_cpu_count` found its number (e.g. "affinity 64 cores, cgroup cpu.max 200000/100000 -> 2")."""
+    _cpu_count()
+    return _cores_why
 
 
 def _forget_cores() -> None:

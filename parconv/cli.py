@@ -414,13 +414,21 @@ def cmd_info(args) -> int:
 
     print(f"parconv {pc.__version__}")
     print(f"python {platform.python_version()} | numpy {np.__version__} | {platform.platform()}")
-    print(f"cpu cores available: {pc._config._cpu_count()} | threads: {pc.get_num_threads()}"
-          f" (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
+    cores, why = pc._config._cpu_count(), pc._config._cpu_count_why()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    if pc._config._num_threads is not None:
+        source = "set_num_threads"
+    elif pc._config._threads_from_env() is not None:
+        source = f"OMP_NUM_THREADS={env_threads}"
+    else:
+        source = why
+    print(f"cpu cores available: {cores} | threads: {pc.get_num_threads()} ({source})")
     try:
-        from parconv._ext import _conv, _threads
+        from parconv._ext import WAIT_POLICY, _conv, _threads
 
         print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'} | "
               f"kernels: {_conv.kernel_isa()}")
+        print(f"openmp wait policy: {WAIT_POLICY['policy']} ({WAIT_POLICY['source']})")
     except ImportError as exc:
         print(f"openmp build: compiled kernels missing ({exc})")
     print(f"default backend: {pc._config.get_default_backend_name()}")

@@ -493,3 +493,86 @@ def test_precision_error_is_the_worst_tensor_scaled_by_its_largest_value():
     assert precision.within_bound([1e-5, 9e-4], [1e-6, 1e-6]) is True
     assert precision.within_bound([0.1, 0.2], [0.02, 0.03]) is True
     assert precision.within_bound([0.5, 0.5], [0.02, 0.03]) is False  # median above 10 x 0.025
+def test_busy_neighbours_spin_while_the_block_runs_and_are_killed_after():
+    W = _bench_module("workloads")
+    with pytest.raises(KeyboardInterrupt):
+        with W.busy_neighbours(2, bound_s=60) as procs:
+            assert len(procs) == 2 and all(p.poll() is None for p in procs)
+            raise KeyboardInterrupt  # an interrupted suite leaves no spinning process behind
+    assert all(p.poll() is not None for p in procs)
+    with W.busy_neighbours(1, bound_s=0.2) as procs:  # bounded in time even if never killed
+        procs[0].wait(timeout=30)
+        assert procs[0].returncode == 0
+
+
+def test_contended_workload_checks_and_times_with_busy_neighbours(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pc.__file__)) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--no-progress", "--no-plots",
+                           "--no-amdahl", "--threads", "1,2", "--backends", "openmp",
+                           "--compare", "auto" if HAVE_TORCH else "none", "--workloads", "contended",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    cases = results["workloads"]["contended"]["cases"]
+    assert {(c["params"]["net"], c["params"]["busy"]) for c in cases} == {
+        ("cnn-mnist", 0), ("cnn-mnist", 1), ("resnet20", 0), ("resnet20", 1)}
+    for case in cases:
+        assert case["checks"] and all(c["ok"] for c in case["checks"]), case["name"]
+        timed = {r["config"] for r in case["results"]}
+        assert {"openmp@1", "openmp@2"} <= timed and (not HAVE_TORCH or "torch@2" in timed), timed
+    # quick mode evaluates no targets; their shape: one "default vs the better of 1 and 2" per loaded case
+    entries = [e for e in _bench_module("targets").evaluate(results) if e["workload"] == "contended"]
+    slack = [e for e in entries if e["target"].startswith("default threads")]
+    assert {e["case"] for e in slack} == {c["name"] for c in cases if c["params"]["busy"]}
+    assert all(e["value"] is not None and e["threshold"] == 0.8 for e in slack), slack
+    page = _bench_module("make_docs").render(results, [])
+    assert "### contended" in page and "resnet20 training step batch=2, 1 busy" in page
+
+
+def test_nets_table_has_training_steps_at_batch_32_and_128():
+    W = _bench_module("workloads")
+    names = {c.name for c in W.WORKLOADS["nets"].cases(False, {})}
+    for net in pc.models.ZOO:
+        assert {f"{net} training step batch=32", f"{net} training step batch=128"} <= names, net
+
+
+def test_contended_targets_compare_with_the_same_load_and_the_quiet_margin():
+    targets = _bench_module("targets")
+
+    def case(net, busy, t1, t2, vs_torch):
+        return {"name": f"{net} {busy} busy", "params": {"net": net, "busy": busy, "default_threads": 2},
+                "results": [{"impl": "openmp", "threads": 1, "median": t1},
+                            {"impl": "openmp", "threads": 2, "median": t2, "vs_torch": vs_torch}]}
+
+    results = {"workloads": {"contended": {"cases": [
+        case("resnet20", 0, 60.0, 40.0, 1.8), case("resnet20", 1, 80.0, 90.0, 2.0),
+        case("resnet20", 2, 100.0, 130.0, 1.5)]}}}
+    got = {(e["case"], e["target"].split()[0]): (round(e["value"], 3), e["threshold"], e["ok"])
+           for e in targets.evaluate(results) if e["workload"] == "contended"}
+    assert got == {("resnet20 1 busy", "default"): (0.889, 0.8, True), ("resnet20 1 busy", "vs"): (2.0, 1.8, True),
+                   ("resnet20 2 busy", "default"): (0.769, 0.8, False), ("resnet20 2 busy", "vs"): (1.5, 1.8, False)}
+
+
+def test_a_run_of_some_cases_merges_its_rows_into_the_page_table():
+    make_docs = _bench_module("make_docs")
+    page = "\n".join(["# Benchmarks", "", "## Results", "", "### nets", "", "*Measured separately from the rest "
+                      "of this page: day 1.*", "", "nets: batch 128.", "", "| case | a ms |", "| --- | ---: |",
+                      "| lenet5 training step batch=128 | 2 |", "| lenet5 inference batch=1 | 1 |",
+                      "| mlp training step batch=1 | 3 |", "", "Targets of this workload:", "", "## Targets", ""])
+    fresh = ["### nets", "", "*Measured separately from the rest of this page: day 2.*", "", "nets: batch 32 and 128.",
+             "", "| case | a ms |",
+             "| --- | ---: |", "| lenet5 training step batch=32 | 9 |", "| mlp training step batch=1 | 4 |", ""]
+    old = make_docs._sections(page)
+    body = next(b for h, b in old if h == "### nets")
+    merged = make_docs._merge_rows(body, fresh, ["training step"])
+    rows = [line for line in merged if line.startswith("| ") and "---" not in line][1:]
+    assert rows == ["| lenet5 training step batch=32 | 9 |", "| lenet5 training step batch=128 | 2 |",
+                    "| lenet5 inference batch=1 | 1 |", "| mlp training step batch=1 | 4 |"]
+    assert "*Rows of the cases matching 'training step' measured separately: day 2.*" in merged
+    assert "*Measured separately from the rest of this page: day 1.*" in merged  # the rest keeps its run
+    assert "Targets of this workload:" in merged
+    assert "nets: batch 32 and 128." in merged and "nets: batch 128." not in merged
+    other = make_docs._merge_rows(body, [line.replace("a ms", "b ms") for line in fresh], ["x"])
+    assert "| lenet5 training step batch=32 | – |" in other  # a column the new run lacks
+    assert make_docs._merge_rows(body, [line.replace("| case |", "| step |") for line in fresh], ["x"]) is None

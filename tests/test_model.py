@@ -1,6 +1,9 @@
 """Sequential end to end: training, fusion, determinism across threads, checkpoints, PyTorch interop."""
 
+import contextlib
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,11 +23,11 @@ def batch(n=8, seed=0):
     return rng.standard_normal((n, 1, 12, 12)).astype(np.float32), rng.integers(0, 10, n)
 
 
-def train_steps(model, steps=3, opt_cls=pc.optim.SGD, **kw):
+def train_steps(model, steps=3, opt_cls=pc.optim.SGD, n=8, **kw):
     opt = opt_cls(model.parameters(), **(kw or {"lr": 0.1, "momentum": 0.9}))
     loss_fn = pc.SoftmaxCrossEntropy()
     for s in range(steps):
-        x, y = batch(seed=s)
+        x, y = batch(n, seed=s)
         loss_fn(model(x), y)
         model.backward(loss_fn.backward())
         opt.step()
@@ -56,6 +59,50 @@ def test_thread_counts_agree_and_runs_are_bit_identical(backend_name):
     for k in one:
         np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-7, err_msg=k)
         np.testing.assert_array_equal(two[k], two_again[k], err_msg=k)
+
+
+@contextlib.contextmanager
+def busy_neighbours(k: int, seconds: float = 60.0):
+    """``k`` other processes spinning in pure Python (each stops by itself after ``seconds``)."""
+    code = (f"import time\nend = time.monotonic() + {seconds}\nprint('ready', flush=True)\n"
+            "while time.monotonic() < end:\n    pass\n")
+    procs = []
+    try:
+        for _ in range(k):
+            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True))
+        for p in procs:  # spinning before the block starts
+            assert p.stdout.readline().strip() == "ready"
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def small_bn_cnn(backend, seed=0):
+    """Big enough at batch 32 for every layer to run on two threads (batch norm, Winograd, pooling)."""
+    rng = np.random.default_rng(seed)
+    return pc.Sequential(pc.Conv2d(1, 16, 3, padding=1, rng=rng), pc.BatchNorm2d(16), pc.ReLU(),
+                         pc.Conv2d(16, 16, 3, padding=1, rng=rng), pc.BatchNorm2d(16), pc.ReLU(), pc.MaxPool2d(2),
+                         pc.Flatten(), pc.Linear(16 * 6 * 6, 64, rng=rng), pc.ReLU(), pc.Linear(64, 10, rng=rng),
+                         backend=backend)
+
+
+@pytest.mark.parametrize("backend_name", [b for b in pc.available_backends() if b == "openmp"])
+@pytest.mark.parametrize("busy", [1, 2])
+def test_runs_are_bit_identical_with_busy_neighbours(backend_name, busy):
+    # blocks are handed to whichever thread is free; with other processes taking the cores the
+    # assignment differs from run to run, the bits must not
+    nets = ((small_cnn, 8), (small_bn_cnn, 32))
+    with pc.num_threads(2):
+        quiet = [train_steps(build(backend_name), n=n) for build, n in nets]
+        with busy_neighbours(busy):
+            loaded = [[train_steps(build(backend_name), n=n) for _ in range(4)] for build, n in nets]
+    for want, runs in zip(quiet, loaded):
+        for got in runs:
+            for k in want:
+                np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_backward_returns_dx_and_grads_overwrite(backend):

@@ -3,15 +3,15 @@
 """relu and sigmoid kernels, forward and backward (backward from the forward output y).
 
 The loops themselves are the vectorised C helpers in pc_common.h; here the
-flat range is cut into one contiguous chunk per thread. Below SERIAL_BELOW
-elements the whole range runs on the calling thread: waking a team costs more
-than the loop.
+flat range is cut into a few contiguous chunks per thread, handed out as
+threads come free. Below SERIAL_BELOW elements the whole range runs on the
+calling thread: waking a team costs more than the loop.
 """
 
 from cython.parallel cimport prange
 from libc.math cimport expm1f
 
-from .pc_helpers cimport pc_sum_lanes
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_sum_lanes, pc_team
 
 cdef extern from "pc_common.h":
     void pc_relu_fwd(const float *x, float *y, Py_ssize_t n) noexcept nogil
@@ -25,12 +25,12 @@ cdef enum:
 
 
 cdef inline int _chunks(Py_ssize_t n, Py_ssize_t serial_below, int num_threads) noexcept nogil:
-    """Number of contiguous chunks (= threads) for n elements."""
+    """Number of contiguous chunks for n elements: a few per thread (handed out dynamically), each
+    at least serial_below / 2 elements."""
+    cdef Py_ssize_t cap = n // (serial_below // 2), want = <Py_ssize_t>num_threads * PC_BLOCKS_PER_THREAD
     if n < serial_below or num_threads <= 1:
         return 1
-    if num_threads > n // (serial_below // 2):
-        return <int>max(1, n // (serial_below // 2))
-    return num_threads
+    return <int>max(1, min(want, cap))
 
 
 def relu_forward(const float[::1] x,  # IN  (n,)
@@ -40,7 +40,7 @@ def relu_forward(const float[::1] x,  # IN  (n,)
     cdef Py_ssize_t n = x.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_relu_fwd(&x[a], &y[a], b - a)
@@ -54,7 +54,7 @@ def relu_backward(const float[::1] y,   # IN  (n,) forward output
     cdef Py_ssize_t n = y.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_relu_bwd(&y[a], &dy[a], &dx[a], b - a)
@@ -67,7 +67,7 @@ def sigmoid_forward(const float[::1] x,  # IN  (n,)
     cdef Py_ssize_t n = x.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_sigmoid_fwd(&x[a], &y[a], b - a)
@@ -81,7 +81,7 @@ def sigmoid_backward(const float[::1] y,   # IN  (n,) forward output
     cdef Py_ssize_t n = y.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_sigmoid_bwd(&y[a], &dy[a], &dx[a], b - a)
@@ -102,7 +102,7 @@ def leaky_relu_forward(const float[::1] x,  # IN  (n,)
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     cdef float v
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 v = x[k]
                 y[k] = v if v > 0 else v * negative_slope
@@ -116,7 +116,7 @@ def leaky_relu_backward(const float[::1] x,   # IN  (n,) forward input
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 dx[k] = dy[k] if x[k] > 0 else dy[k] * negative_slope
 
@@ -144,7 +144,7 @@ def tanh_forward(const float[::1] x,  # IN  (n,)
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 y[k] = _tanh(x[k])
 
@@ -157,7 +157,7 @@ def tanh_backward(const float[::1] y,   # IN  (n,) forward output
     cdef Py_ssize_t n = y.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 dx[k] = dy[k] * (<float>1.0 - y[k] * y[k])
 
@@ -170,7 +170,7 @@ def elu_forward(const float[::1] x,  # IN  (n,)
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 y[k] = x[k] if x[k] > 0 else alpha * expm1f(x[k])
 
@@ -184,7 +184,7 @@ def elu_backward(const float[::1] y,   # IN  (n,) forward output
     cdef Py_ssize_t n = y.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 dx[k] = dy[k] if y[k] > 0 else dy[k] * (y[k] + alpha)
 
@@ -197,7 +197,7 @@ def add(const float[::1] a,  # IN  (n,)
     cdef Py_ssize_t n = a.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 out[k] = a[k] + b[k]
 
@@ -296,7 +296,7 @@ def softmax_forward(const float[:, :, ::1] x,  # IN  (O, D, I)
                     float[:, :, ::1] y,        # OUT (O, D, I), overwritten
                     int num_threads):
     """Softmax along axis 1. The work units are the O rows when I == 1, else the (D, SOFTMAX_COLS)
-    column tiles of each of the O blocks; one contiguous range of units per thread."""
+    column tiles of each of the O blocks; contiguous ranges of units, a few per thread."""
     cdef Py_ssize_t O = x.shape[0], D = x.shape[1], I = x.shape[2], u, i, o, i0
     cdef Py_ssize_t tiles = (I + SOFTMAX_COLS - 1) // SOFTMAX_COLS, units = O * tiles
     cdef int nc = _chunks(O * D * I, SERIAL_BELOW_EXP, num_threads)
@@ -305,7 +305,7 @@ def softmax_forward(const float[:, :, ::1] x,  # IN  (O, D, I)
     if nc > units:
         nc = <int>units
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for u in range(units * i // nc, units * (i + 1) // nc):
                 o = u // tiles
                 i0 = (u - o * tiles) * SOFTMAX_COLS
@@ -329,7 +329,7 @@ def softmax_backward(const float[:, :, ::1] y,   # IN  (O, D, I) forward output
     if nc > units:
         nc = <int>units
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             for u in range(units * i // nc, units * (i + 1) // nc):
                 o = u // tiles
                 i0 = (u - o * tiles) * SOFTMAX_COLS

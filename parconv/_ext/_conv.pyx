@@ -45,6 +45,7 @@ from libc.string cimport memset
 from libc.math cimport sqrt
 from scipy.linalg.cython_blas cimport sgemm
 
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD
 from .pc_pool cimport PC_POOL_U16_MAX, pc_pool_bases, pc_pool_plane, pc_pool_plane_u16
 
 # the argmax of a pooled plane: uint16 for planes of at most PC_POOL_U16_MAX positions (half the
@@ -264,7 +265,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
         # whole images per chunk: each thread pads the image it works on into private scratch
         if flip_O > 0:
             with nogil:
-                for it in prange(O, schedule="static", num_threads=_min(nt, O) if <Py_ssize_t>O * kdim > 16384 else 1):
+                for it in prange(O, schedule="guided", num_threads=_min(nt, O) if <Py_ssize_t>O * kdim > 16384 else 1):
                     pcc_flip_filters(w, flip_O, O, K, it, it + 1, wt)
         with nogil, parallel(num_threads=nt):
             buf = <float *>malloc(sizeof(float) * (img + slack))
@@ -330,7 +331,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
         nf = O if flip_O > 0 else 0
         with nogil:
             # one pass flips the filters (input gradient) and pads the planes
-            for i in prange(nf + <Py_ssize_t>N * C, schedule="static", num_threads=nt):
+            for i in prange(nf + <Py_ssize_t>N * C, schedule="guided", num_threads=nt):
                 if i < nf:
                     pcc_flip_filters(w, flip_O, O, K, <int>i, <int>i + 1, wt)
                 else:
@@ -393,7 +394,7 @@ cdef int _conv_tiled(const float *x, int N, int C, int H, int W, int S, int pad,
             failed[0] = 1
         else:
             memset(cols, 0, sizeof(float) * (<Py_ssize_t>kdim * ldb + PCC_NR + 16))
-        for it in prange(N * tiles, schedule="static"):
+        for it in prange(N * tiles, schedule="dynamic"):
             if failed[0]:
                 continue
             n = it // tiles
@@ -621,7 +622,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
         else:
             # the last panel of a block reads whole vectors past its tiles: zeros, not stale floats
             memset(V, 0, sizeof(float) * pts * <size_t>ldxv)
-        for o in prange(O, schedule="static"):
+        for o in prange(O, schedule="guided"):
             if V != NULL:
                 if f4:
                     pcw4_filters(w, O, C, o, o + 1, U, V + pts * ldxv)
@@ -810,7 +811,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
         return 1
     with nogil:
         # the groups' sums, added in group order (into group 0), then G^T dU G per filter
-        for e in prange(pts * OC, schedule="static", num_threads=nt):
+        for e in prange(pts * OC, schedule="guided", num_threads=nt):
             for g in range(1, groups):
                 dU[e] = dU[e] + dU[<Py_ssize_t>g * pts * OC + e]
     with nogil, parallel(num_threads=_min(nt, O)):
@@ -818,7 +819,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                                                else pcw_filter_scratch_floats(C)))
         if scr == NULL:
             failed[0] = 1
-        for o in prange(O, schedule="static"):
+        for o in prange(O, schedule="guided"):
             if scr != NULL:
                 if f4:
                     pcw4_filters_grad(dU, O, C, o, o + 1, dw, scr)
@@ -989,9 +990,11 @@ cdef int _dw_dot(const float *x, int N, int C, int H, int W, int pad, int K,
                  const float *dy, int O, int P, int Q, float *dw, int nt) noexcept:
     """Stride-1 weight gradient for a small depth C*K*K (see ``pcc_dwdot_accumulate``).
 
-    Each thread sums its static block of images into a private dw (thread 0
-    into dw itself); the buffers are added in thread order. Returns 1 when
-    scratch could not be allocated.
+    Blocks of images (a few per thread, fixed by N and the thread count) are
+    handed out as threads come free; each sums into its own dw (block 0 into
+    dw itself) and the buffers are added in block order, so whichever thread
+    takes a block the bits are the same. Returns 1 when scratch could not be
+    allocated.
     """
     cdef int Hp = H + 2 * pad, Wp = W + 2 * pad
     cdef int kdim = C * K * K
@@ -1009,7 +1012,7 @@ cdef int _dw_dot(const float *x, int N, int C, int H, int W, int pad, int K,
     cdef float *buf = NULL
     cdef float *dyw = NULL
     cdef float *dwt = NULL
-    cdef int n, tid = 0
+    cdef int n, g, groups
     cdef Py_ssize_t e, j
     failed[0] = 0
     if off == NULL:
@@ -1017,33 +1020,34 @@ cdef int _dw_dot(const float *x, int N, int C, int H, int W, int pad, int K,
     pcc_offsets_shifted(C, K, Hp, Wp, off)
     memset(dw, 0, sizeof(float) * wsize)
     nt = _min(nt, N)
-    if nt > 1:
-        acc = <float *>calloc(<size_t>(nt - 1) * wsize, sizeof(float))
+    groups = 1 if nt <= 1 else _min(N, nt * PC_BLOCKS_PER_THREAD)
+    if groups > 1:
+        acc = <float *>calloc(<size_t>(groups - 1) * wsize, sizeof(float))
         if acc == NULL:
             free(off)
             return 1
     with nogil, parallel(num_threads=nt):
-        tid = threadid()
-        dwt = dw if tid == 0 else acc + (tid - 1) * wsize
         buf = <float *>malloc(sizeof(float) * (img + slack))
         dyw = <float *>malloc(sizeof(float) * dyw_size)
         if buf == NULL or dyw == NULL:
             failed[0] = 1
         else:
             memset(buf + img, 0, sizeof(float) * slack)
-        for n in prange(N, schedule="static"):
+        for g in prange(groups, schedule="dynamic"):
             if failed[0]:
                 continue
-            pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
-            pcc_dy_wide(dy + n * O * PQ, O, Opad, P, Q, Wp, lds, dyw)
-            pcc_dwdot_accumulate(variant, dyw, lds, O, buf, off, kdim, lds, dwt)
+            dwt = dw if g == 0 else acc + (g - 1) * wsize
+            for n in range(<int>((<long>N * g) // groups), <int>((<long>N * (g + 1)) // groups)):
+                pcc_pad_image(x + n * C * HW, H, W, pad, Hp, Wp, 0, C, buf)
+                pcc_dy_wide(dy + n * O * PQ, O, Opad, P, Q, Wp, lds, dyw)
+                pcc_dwdot_accumulate(variant, dyw, lds, O, buf, off, kdim, lds, dwt)
         free(buf)
         free(dyw)
-    if nt > 1 and not failed[0]:
-        # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
+    if groups > 1 and not failed[0]:
+        # fixed block order: dw = ((dw_0 + dw_1) + dw_2) + ...
         with nogil:
-            for e in prange(wsize, schedule="static", num_threads=nt if wsize > 16384 else 1):
-                for j in range(nt - 1):
+            for e in prange(wsize, schedule="guided", num_threads=nt if wsize > 16384 else 1):
+                for j in range(groups - 1):
                     dw[e] = dw[e] + acc[j * wsize + e]
     free(acc)
     free(off)
@@ -1083,7 +1087,7 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
     cdef float *dyT = NULL
     cdef float *dwt = NULL
     cdef float *shared = NULL
-    cdef int n, tid = 0, i, k0, k1, o
+    cdef int n, tid = 0, i, k0, k1, o, kb
     cdef Py_ssize_t e, j, pl
     failed[0] = 0
     if kdim <= DW_DOT_MAX_KDIM and sd == 1:
@@ -1121,13 +1125,14 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
             with nogil:
                 if groups > 1:
                     # fixed group order: dw^T = ((dw^T_0 + dw^T_1) + dw^T_2) + ...
-                    for e in prange(tsize, schedule="static", num_threads=nt if tsize > 16384 else 1):
+                    for e in prange(tsize, schedule="guided", num_threads=nt if tsize > 16384 else 1):
                         for j in range(1, groups):
                             acc[e] = acc[e] + acc[j * tsize + e]
                 pcc_dw_untranspose(acc, ldd, O, kdim, dw)
         free(acc)
     else:
         nt = _min(nt, nkb)
+        kb = _min(nkb, nt * PC_BLOCKS_PER_THREAD)
         shared = <float *>malloc(sizeof(float) * (N * (img + dyt_size) + tsize + slack))
         if shared == NULL:
             free(off)
@@ -1135,16 +1140,18 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
         dwt = shared + N * (img + dyt_size)
         memset(dwt, 0, sizeof(float) * (tsize + slack))
         with nogil:
-            for pl in prange(<Py_ssize_t>N * (C + 1), schedule="static", num_threads=nt):
+            for pl in prange(<Py_ssize_t>N * (C + 1), schedule="guided", num_threads=nt):
                 n = <int>(pl // (C + 1))
                 i = <int>(pl % (C + 1))
                 if i < C:
                     pcc_pad_grid(x + n * C * HW, H, W, pad, sd, Hg, Wg, i, i + 1, shared + n * img)
                 else:
                     pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wg, ldd, shared + N * img + n * dyt_size)
-            for i in prange(nt, schedule="static", num_threads=nt):
-                k0 = PCC_KR_MAX * <int>((<long>nkb * i) // nt)
-                k1 = _min(kdim, PCC_KR_MAX * <int>((<long>nkb * (i + 1)) // nt))
+            # blocks of dw^T rows, a few per thread, handed out as threads come free; every row sums
+            # its images in order on whichever thread, so the blocks do not change the bits
+            for i in prange(kb, schedule="dynamic", num_threads=nt):
+                k0 = PCC_KR_MAX * <int>((<long>nkb * i) // kb)
+                k1 = _min(kdim, PCC_KR_MAX * <int>((<long>nkb * (i + 1)) // kb))
                 for n in range(N):
                     pcc_dw_accumulate(shared + N * img + n * dyt_size, ldd, shared + n * img, off, k0, k1, S,
                                       dwt)
@@ -1159,8 +1166,9 @@ cdef int _backward_blas(const float *xp, int N, int C, int H, int W, const float
                         int nt, Py_ssize_t tile_bytes) noexcept:
     """im2col + sgemm backward: dw (when dwp) and dx = col2im(w^T @ dy_n) (when dxp), overwritten.
 
-    dw is split by image (private buffers summed in thread order) or, with
-    fewer images than threads, by in-channel block (each thread owns its
+    dw is split by blocks of images (a few per thread, handed out as threads
+    come free, each into its own buffer; the buffers summed in block order) or,
+    with fewer images than threads, by in-channel blocks (each owns its
     columns of dw and planes of dx). Returns 1 when scratch could not be
     allocated.
     """
@@ -1176,29 +1184,30 @@ cdef int _backward_blas(const float *xp, int N, int C, int H, int W, const float
     cdef char tN = b'N', tT = b'T'
     cdef float one = 1.0, zero = 0.0
     cdef int failed[1]
-    cdef float *acc = NULL      # (nt - 1) private dw buffers; thread 0 accumulates into dw
+    cdef float *acc = NULL      # (groups - 1) dw buffers; block 0 accumulates into dw
     cdef float *cols = NULL
     cdef float *dcols = NULL
     cdef float *dwt = NULL
     cdef float *a = NULL
     cdef float *dxn = NULL
     cdef int i, n, t, p0, p1, m, lda, ldc, c0, c1, cb, mk
-    cdef int tid = 0
+    cdef int g, groups = 1, nb
     cdef Py_ssize_t e, j
     failed[0] = 0
     if need_dw:
         memset(dwp, 0, sizeof(float) * wsize)
     if by_image:
         nt = _min(nt, N)
-        if nt > 1 and need_dw:
-            acc = <float *>calloc(<size_t>(nt - 1) * wsize, sizeof(float))
+        if nt > 1:
+            # memory caps the blocks' buffers, never below one per thread
+            groups = _min(N, nt * PC_BLOCKS_PER_THREAD)
+            if need_dw:
+                groups = max(nt, <int>min(<Py_ssize_t>groups, DW_PARTIAL_BYTES // (4 * wsize)))
+        if groups > 1 and need_dw:
+            acc = <float *>calloc(<size_t>(groups - 1) * wsize, sizeof(float))
             if acc == NULL:
                 return 1
         with nogil, parallel(num_threads=nt):
-            tid = threadid()
-            dwt = NULL
-            if need_dw:
-                dwt = dwp if tid == 0 else acc + (tid - 1) * wsize
             cols = NULL
             dcols = NULL
             if not direct:
@@ -1208,53 +1217,58 @@ cdef int _backward_blas(const float *xp, int N, int C, int H, int W, const float
                     dcols = <float *>malloc(sizeof(float) * <size_t>CKK * tp * Q)
                 if (need_dw and cols == NULL) or (need_dx and dcols == NULL):
                     failed[0] = 1
-            for n in prange(N, schedule="static"):
+            for g in prange(groups, schedule="dynamic"):
                 if failed[0]:
                     continue
-                dxn = NULL
-                if need_dx:
-                    dxn = dxp + n * <Py_ssize_t>C * HW
-                    if not direct:
-                        memset(dxn, 0, sizeof(float) * <size_t>C * HW)
-                for t in range(tiles):
-                    p0 = t * tp
-                    p1 = _min(P, p0 + tp)
-                    m = (p1 - p0) * Q
-                    ldc = <int>PQ
-                    if need_dw:
-                        if direct:
-                            a = <float *>(xp + n * <Py_ssize_t>C * HW + <Py_ssize_t>p0 * Q)
-                            lda = <int>PQ
-                        else:
-                            pc_im2col(xp + n * <Py_ssize_t>C * HW, H, W, K, S, pad, Q, 0, C, p0, p1, cols, m)
-                            a = cols
-                            lda = m
-                        # dw^T (CKK x O) += cols (CKK x m) @ dy_n[:, tile]^T (m x O)
-                        sgemm(&tT, &tN, &CKK, &O, &m, &one, a, &lda,
-                              <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                              &one, dwt, &CKK)
+                dwt = NULL
+                if need_dw:
+                    dwt = dwp if g == 0 else acc + (g - 1) * wsize
+                for n in range(<int>((<long>N * g) // groups), <int>((<long>N * (g + 1)) // groups)):
+                    dxn = NULL
                     if need_dx:
-                        # dcols^T (m x CKK) = dy_n[:, tile]^T (m x O) @ w (O x CKK)
-                        if direct:
-                            sgemm(&tN, &tT, &m, &CKK, &O, &one,
+                        dxn = dxp + n * <Py_ssize_t>C * HW
+                        if not direct:
+                            memset(dxn, 0, sizeof(float) * <size_t>C * HW)
+                    for t in range(tiles):
+                        p0 = t * tp
+                        p1 = _min(P, p0 + tp)
+                        m = (p1 - p0) * Q
+                        ldc = <int>PQ
+                        if need_dw:
+                            if direct:
+                                a = <float *>(xp + n * <Py_ssize_t>C * HW + <Py_ssize_t>p0 * Q)
+                                lda = <int>PQ
+                            else:
+                                pc_im2col(xp + n * <Py_ssize_t>C * HW, H, W, K, S, pad, Q, 0, C, p0, p1, cols, m)
+                                a = cols
+                                lda = m
+                            # dw^T (CKK x O) += cols (CKK x m) @ dy_n[:, tile]^T (m x O)
+                            sgemm(&tT, &tN, &CKK, &O, &m, &one, a, &lda,
                                   <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                                  <float *>wp, &CKK, &zero, dxn + <Py_ssize_t>p0 * Q, &ldc)
-                        else:
-                            sgemm(&tN, &tT, &m, &CKK, &O, &one,
-                                  <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
-                                  <float *>wp, &CKK, &zero, dcols, &m)
-                            pc_col2im(dcols, H, W, K, S, pad, Q, 0, C, p0, p1, dxn)
+                                  &one, dwt, &CKK)
+                        if need_dx:
+                            # dcols^T (m x CKK) = dy_n[:, tile]^T (m x O) @ w (O x CKK)
+                            if direct:
+                                sgemm(&tN, &tT, &m, &CKK, &O, &one,
+                                      <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
+                                      <float *>wp, &CKK, &zero, dxn + <Py_ssize_t>p0 * Q, &ldc)
+                            else:
+                                sgemm(&tN, &tT, &m, &CKK, &O, &one,
+                                      <float *>(dyp + n * <Py_ssize_t>O * PQ + <Py_ssize_t>p0 * Q), &ldc,
+                                      <float *>wp, &CKK, &zero, dcols, &m)
+                                pc_col2im(dcols, H, W, K, S, pad, Q, 0, C, p0, p1, dxn)
             free(cols)
             free(dcols)
-        if nt > 1 and need_dw and not failed[0]:
-            # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
+        if groups > 1 and need_dw and not failed[0]:
+            # fixed block order: dw = ((dw_0 + dw_1) + dw_2) + ...
             with nogil:
-                for e in prange(wsize, schedule="static", num_threads=nt):
-                    for j in range(nt - 1):
+                for e in prange(wsize, schedule="guided", num_threads=nt):
+                    for j in range(groups - 1):
                         dwp[e] = dwp[e] + acc[j * wsize + e]
         free(acc)
     else:
         nt = _min(nt, C)
+        nb = _min(C, nt * PC_BLOCKS_PER_THREAD)
         with nogil, parallel(num_threads=nt):
             cols = NULL
             dcols = NULL
@@ -1265,11 +1279,11 @@ cdef int _backward_blas(const float *xp, int N, int C, int H, int W, const float
                     dcols = <float *>malloc(sizeof(float) * <size_t>CKK * tp * Q)
                 if (need_dw and cols == NULL) or (need_dx and dcols == NULL):
                     failed[0] = 1
-            for i in prange(nt, schedule="static"):
+            for i in prange(nb, schedule="dynamic"):
                 if failed[0]:
                     continue
-                c0 = <int>((<long>C * i) // nt)
-                c1 = <int>((<long>C * (i + 1)) // nt)
+                c0 = <int>((<long>C * i) // nb)
+                c1 = <int>((<long>C * (i + 1)) // nb)
                 cb = c1 - c0
                 mk = cb * KK
                 for n in range(N):
@@ -1620,7 +1634,7 @@ cdef void _sum_planes(const float[:, :, :, ::1] dy, float[::1] db, int num_threa
         nt = 1
     nt = _min(nt, O)
     with nogil:
-        for o in prange(O, schedule="static", num_threads=nt):
+        for o in prange(O, schedule="guided", num_threads=nt):
             s = 0.0
             for n in range(N):
                 s = s + pc_sum_f32(dyp + (n * <Py_ssize_t>O + o) * PQ, PQ)

@@ -50,7 +50,7 @@ cdef void _bias_sum(const float *dyp, int N, int O, Py_ssize_t PQ, float *dbp, i
     """db[o] = sum over images of each dy plane's sum (double, images in order)."""
     cdef Py_ssize_t o, n
     cdef double s
-    for o in prange(O, schedule="static", num_threads=pc_threads_for(<Py_ssize_t>N * O * PQ, O, nt)):
+    for o in prange(O, schedule="guided", num_threads=pc_threads_for(<Py_ssize_t>N * O * PQ, O, nt)):
         s = 0.0
         for n in range(N):
             s = s + pc_sum_f32(dyp + (n * O + o) * PQ, PQ)
@@ -80,7 +80,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     # every stride: whole-plane taps on the padded plane's phases (pc_conv_general.h)
     with nogil, parallel(num_threads=nt):
         scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
-        for i in prange(planes, schedule="static"):
+        for i in prange(planes, schedule="guided"):
             if scratch == NULL:
                 failed[0] = 1
                 continue
@@ -124,7 +124,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     with nogil, parallel(num_threads=nt):
         acc = <double *>malloc(sizeof(double) * KK)
         scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
-        for o in prange(O, schedule="static"):
+        for o in prange(O, schedule="guided"):
             if acc == NULL or scratch == NULL:
                 failed[0] = 1
                 continue
@@ -142,7 +142,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
         with nogil, parallel(num_threads=nt):
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(H, W, KH, KW, 1, 1, DH, DW))
-            for i in prange(<Py_ssize_t>N * C, schedule="static"):
+            for i in prange(<Py_ssize_t>N * C, schedule="guided"):
                 if scratch == NULL:
                     failed[0] = 1
                     continue
@@ -156,7 +156,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     elif dxp != NULL:
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
         with nogil:
-            for i in prange(<Py_ssize_t>N * C, schedule="static", num_threads=nt):
+            for i in prange(<Py_ssize_t>N * C, schedule="guided", num_threads=nt):
                 n = i // C
                 c = i - n * C
                 memset(dxp + i * HW, 0, sizeof(float) * HW)
@@ -197,7 +197,7 @@ def conv2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         cols = NULL
         if not direct:
             cols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
-        for it in prange(items, schedule="static"):
+        for it in prange(items, schedule="guided"):
             if not direct and cols == NULL:
                 failed[0] = 1
                 continue
@@ -270,6 +270,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
             cols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
             if need_dx:
                 dcols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
+        # static: each thread sums into its own dw buffer, so the split must not depend on the load
         for it in prange(items, schedule="static"):
             if not direct and (cols == NULL or (need_dx and dcols == NULL)):
                 failed[0] = 1
@@ -303,7 +304,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if nt > 1:
         # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
         with nogil:
-            for e in prange(wsize, schedule="static", num_threads=pc_threads_for(wsize * nt, wsize, nt)):
+            for e in prange(wsize, schedule="guided", num_threads=pc_threads_for(wsize * nt, wsize, nt)):
                 for j in range(nt - 1):
                     dwp[e] = dwp[e] + acc[j * wsize + e]
         free(acc)

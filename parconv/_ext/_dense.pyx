@@ -12,6 +12,8 @@ The caller limits the BLAS library to one thread around these calls.
 """
 
 from cython.parallel cimport prange
+
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD
 from scipy.linalg.cython_blas cimport sgemm, sgemv
 
 cdef extern from "pc_dense.h":
@@ -26,6 +28,8 @@ cdef extern from "pc_dense.h":
 cdef enum:
     # multiply-adds below which one thread beats waking a team
     SERIAL_BELOW_MACS = 1 << 20
+    # the narrowest block of C's columns (rows) a parallel sgemm hands out: narrower ones repack A
+    DENSE_MIN_BLOCK = 64
     # runs of rows (forward) or of column blocks (backward) per thread in the narrow kernels,
     # handed out dynamically
     NARROW_RUNS_PER_THREAD = 4
@@ -58,6 +62,16 @@ cdef inline int _team(int nt, int extent) noexcept nogil:
     return nt if nt > 0 else 1
 
 
+cdef inline int _nblocks(int extent, int nt) noexcept nogil:
+    """Blocks of C's columns (or rows) for nt threads: a few per thread, handed out as threads come
+    free, each at least DENSE_MIN_BLOCK wide; fixed by the shape and nt, so the bits are too."""
+    cdef long nb
+    if nt <= 1:
+        return 1
+    nb = min(<long>nt * PC_BLOCKS_PER_THREAD, max(<long>nt, extent // DENSE_MIN_BLOCK))
+    return <int>min(nb, <long>extent)
+
+
 cdef inline int _block(int extent, int nt, int i, int *s0) noexcept nogil:
     """Start (in s0) and length of thread i's contiguous block of ``extent`` items split nt ways."""
     s0[0] = <int>((<long>extent * i) // nt)
@@ -71,7 +85,7 @@ cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int 
     cdef int nt = num_threads if num_threads > 0 else 1
     cdef bint by_cols = n >= m
     cdef int extent = n if by_cols else m
-    cdef int i, s0, cnt
+    cdef int i, s0, cnt, nb
     cdef const float *a
     cdef const float *b
     cdef float *c
@@ -86,8 +100,9 @@ cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int 
         _par_outer(m, n, A, 1 if ta == b'N' else lda, B, ldb if tb == b'N' else 1, C, ldc, nt)
         return
     nt = _team(nt, extent)
-    for i in prange(nt, schedule="static", num_threads=nt):
-        cnt = _block(extent, nt, i, &s0)
+    nb = _nblocks(extent, nt)
+    for i in prange(nb, schedule="dynamic", num_threads=nt):
+        cnt = _block(extent, nb, i, &s0)
         if cnt <= 0:
             continue
         if by_cols:
@@ -108,7 +123,7 @@ cdef void _par_sgemv(char ta, char tb, int m, int n, int k, const float *A, int 
     thread's block of C's elements."""
     cdef float one = 1.0, zero = 0.0
     cdef char tr
-    cdef int i, s0, cnt, rows, inc, incy, extent = m if n == 1 else n
+    cdef int i, s0, cnt, nb, rows, inc, incy, extent = m if n == 1 else n
     cdef const float *mat
     cdef const float *vec
     cdef int ld
@@ -121,8 +136,9 @@ cdef void _par_sgemv(char ta, char tb, int m, int n, int k, const float *A, int 
         mat, ld, tr, rows = B, ldb, (b'T' if tb == b'N' else b'N'), (k if tb == b'N' else n)
         vec, inc, incy = A, (lda if ta == b'N' else 1), ldc
     nt = _team(nt, extent)
-    for i in prange(nt, schedule="static", num_threads=nt):
-        cnt = _block(extent, nt, i, &s0)
+    nb = _nblocks(extent, nt)
+    for i in prange(nb, schedule="dynamic", num_threads=nt):
+        cnt = _block(extent, nb, i, &s0)
         if cnt <= 0:
             continue
         if tr == b'N':  # this thread's rows of the stored matrix
@@ -140,7 +156,7 @@ cdef void _par_outer(int m, int n, const float *a, int inca, const float *b, int
     cdef float bj
     cdef float *c
     nt = _team(nt, n)
-    for j in prange(n, schedule="static", num_threads=nt):
+    for j in prange(n, schedule="guided", num_threads=nt):
         bj = b[<Py_ssize_t>j * incb]
         c = C + <Py_ssize_t>j * ldc
         if inca == 1:
@@ -187,7 +203,7 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
         if bp != NULL:
             if <Py_ssize_t>N * G < 32768:
                 nt = 1
-            for r in prange(N, schedule="static", num_threads=nt):
+            for r in prange(N, schedule="guided", num_threads=nt):
                 for j in range(G):
                     yp[r * G + j] = yp[r * G + j] + bp[j]
 
@@ -248,5 +264,5 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
                 nt = 1
             if nt > G:
                 nt = G
-            for g in prange(G, schedule="static", num_threads=nt):
+            for g in prange(G, schedule="guided", num_threads=nt):
                 dbp[g] = pcd_bias_grad(dyp, N, G, g)

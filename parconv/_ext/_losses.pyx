@@ -20,6 +20,8 @@ from libc.float cimport FLT_MIN
 from libc.math cimport expf, logf, log
 from libc.stdlib cimport malloc, free
 
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team
+
 cdef enum:
     SERIAL_BELOW = 32768  # elements
 
@@ -31,6 +33,14 @@ cdef inline int _chunks(Py_ssize_t rows, Py_ssize_t work, int num_threads) noexc
     if num_threads > rows:
         return <int>rows
     return num_threads
+
+
+cdef inline int _blocks(Py_ssize_t rows, Py_ssize_t work, int num_threads) noexcept nogil:
+    """Contiguous blocks of rows for a sum: a few per thread, each summed on its own and the blocks
+    added in order, so the bits depend on the thread count only, not on which thread takes a block."""
+    if work < SERIAL_BELOW or num_threads <= 1:
+        return 1
+    return <int>min(rows, <Py_ssize_t>num_threads * PC_BLOCKS_PER_THREAD)
 
 
 cdef inline Py_ssize_t _row_argmax(const float *row, Py_ssize_t G) noexcept nogil:
@@ -79,14 +89,14 @@ def softmax_cross_entropy_forward(const float[:, ::1] logits,  # IN  (N, G)
                                   int num_threads):
     """Mean softmax cross-entropy with a stable log-sum-exp; returns the loss as a Python float."""
     cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1]
-    cdef int nc = _chunks(N, N * G, num_threads)
+    cdef int nc = _blocks(N, N * G, num_threads)
     cdef double *part = <double *>malloc(sizeof(double) * nc)
     cdef double total = 0.0
     cdef Py_ssize_t i
     if part == NULL:
         raise MemoryError()
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             part[i] = _xent_rows(&logits[0, 0], &labels[0], &probs[0, 0], N * i // nc, N * (i + 1) // nc, G)
     for i in range(nc):
         total += part[i]
@@ -104,7 +114,7 @@ def softmax_cross_entropy_backward(const float[:, ::1] probs,  # IN  (N, G)
     cdef float fn = <float>N
     cdef float v
     with nogil:
-        for r in prange(N, schedule="static", num_threads=nt):
+        for r in prange(N, schedule="guided", num_threads=nt):
             for j in range(G):
                 v = probs[r, j] / fn
                 dlogits[r, j] = <float>0.0 if v < FLT_MIN else v
@@ -128,14 +138,14 @@ def bce_forward(const float[::1] p,  # IN  (n,) probabilities
                 double eps, int num_threads):
     """Mean binary cross-entropy with p clipped to ``[eps, 1 - eps]``; returns a Python float."""
     cdef Py_ssize_t n = p.shape[0], i
-    cdef int nc = _chunks(n, n, num_threads)
+    cdef int nc = _blocks(n, n, num_threads)
     cdef float lo = <float>eps, hi = <float>(1.0 - eps)
     cdef double *part = <double *>malloc(sizeof(double) * nc)
     cdef double total = 0.0
     if part == NULL:
         raise MemoryError()
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             part[i] = _bce_sum(&p[0], &t[0], n * i // nc, n * (i + 1) // nc, lo, hi)
     for i in range(nc):
         total += part[i]
@@ -153,7 +163,7 @@ def bce_backward(const float[::1] p,  # IN  (n,)
     cdef float lo = <float>eps, hi = <float>(1.0 - eps), fn = <float>n
     cdef float pc, pi
     with nogil:
-        for i in prange(n, schedule="static", num_threads=nt):
+        for i in prange(n, schedule="guided", num_threads=nt):
             pi = p[i]
             if pi < lo or pi > hi:
                 dp[i] = <float>0.0
@@ -170,7 +180,7 @@ def count_correct(const float[:, ::1] logits,  # IN (N, G)
     cdef int nt = _chunks(N, N * G, num_threads)
     cdef long correct = 0
     with nogil:
-        for r in prange(N, schedule="static", num_threads=nt):
+        for r in prange(N, schedule="guided", num_threads=nt):
             if _row_argmax(&logits[r, 0], G) == labels[r]:
                 correct += 1
     return int(correct)
@@ -183,7 +193,7 @@ def argmax_rows(const float[:, ::1] logits,  # IN  (N, G)
     cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1], r
     cdef int nt = _chunks(N, N * G, num_threads)
     with nogil:
-        for r in prange(N, schedule="static", num_threads=nt):
+        for r in prange(N, schedule="guided", num_threads=nt):
             out[r] = <int>_row_argmax(&logits[r, 0], G)
 
 
@@ -206,13 +216,13 @@ def mse_forward(const float[::1] p,  # IN  (n,) predictions
                 int num_threads):
     """Mean of ``(p - t)^2`` (squares in float32, summed in double per chunk, chunks in order)."""
     cdef Py_ssize_t n = p.shape[0], i
-    cdef int nc = _chunks(n, n, num_threads)
+    cdef int nc = _blocks(n, n, num_threads)
     cdef double *part = <double *>malloc(sizeof(double) * nc)
     cdef double total = 0.0
     if part == NULL:
         raise MemoryError()
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             part[i] = _sq_sum(&p[0], &t[0], n * i // nc, n * (i + 1) // nc)
     for i in range(nc):
         total += part[i]
@@ -229,7 +239,7 @@ def mse_backward(const float[::1] p,  # IN  (n,)
     cdef int nt = _chunks(n, n, num_threads)
     cdef float k = <float>(2.0 / n)
     with nogil:
-        for i in prange(n, schedule="static", num_threads=nt):
+        for i in prange(n, schedule="guided", num_threads=nt):
             dp[i] = (p[i] - t[i]) * k
 
 
@@ -272,14 +282,14 @@ def softmax_cross_entropy_smoothed_forward(const float[:, ::1] logits,  # IN  (N
                                            double on, double off, int num_threads):
     """Mean cross-entropy against the smoothed targets; returns the loss as a Python float."""
     cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1]
-    cdef int nc = _chunks(N, N * G, num_threads)
+    cdef int nc = _blocks(N, N * G, num_threads)
     cdef double *part = <double *>malloc(sizeof(double) * nc)
     cdef double total = 0.0
     cdef Py_ssize_t i
     if part == NULL:
         raise MemoryError()
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             part[i] = _xent_smooth_rows(&logits[0, 0], &labels[0], &probs[0, 0], N * i // nc, N * (i + 1) // nc,
                                         G, on, off)
     for i in range(nc):
@@ -298,7 +308,7 @@ def softmax_cross_entropy_smoothed_backward(const float[:, ::1] probs,  # IN  (N
     cdef float fn = <float>N
     cdef float v
     with nogil:
-        for r in prange(N, schedule="static", num_threads=nt):
+        for r in prange(N, schedule="guided", num_threads=nt):
             for j in range(G):
                 v = (probs[r, j] - (on if j == labels[r] else off)) / fn
                 dlogits[r, j] = <float>0.0 if (v < FLT_MIN and v > -FLT_MIN) else v

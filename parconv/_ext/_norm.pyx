@@ -3,11 +3,13 @@
 # (n, c), and M = N * L values make a channel's statistics. Dropout takes x flat, n elements.
 """Batch normalisation (forward in training and eval mode, backward) and dropout kernels.
 
-The per-channel sums of batch norm run over contiguous chunks of planes, one chunk
-per thread: each chunk sums its planes in double into a private row of partials, and
-the rows are added in chunk order afterwards, so a thread count always gives the
-same bits and a channel of millions of values keeps float64 accuracy. The variance
-is a second pass over (x - mean)^2, not E[x^2] - mean^2, which cancels.
+The per-channel sums of batch norm run over contiguous chunks of planes, a few per
+thread, handed out as threads come free (a thread whose core another process takes
+holds up one chunk, not its share of the loop): each chunk sums its planes in double
+into its own row of partials, and the rows are added in chunk order afterwards. The
+chunks are set by the shape and the thread count, so a thread count always gives the
+same bits however busy the machine, and a channel of millions of values keeps float64
+accuracy. The variance is a second pass over (x - mean)^2, not E[x^2] - mean^2, which cancels.
 
 Dropout's keep mask is splitmix64 of (seed + (i + 1) * 0x9E3779B97F4A7C15), i the
 flat index, compared on its top 32 bits with floor(p * 2^32): the function
@@ -19,19 +21,18 @@ from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
-from .pc_helpers cimport pc_sum_lanes
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_sum_lanes, pc_team
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements: below this, waking a team costs more than the loop
 
 
 cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads) noexcept nogil:
-    """Contiguous chunks (= threads) for ``units`` planes holding ``work`` elements."""
+    """Contiguous chunks for ``units`` planes holding ``work`` elements: a few per thread, set by the
+    shape and the thread count only, so whichever thread sums a chunk the bits are the same."""
     if work < SERIAL_BELOW or num_threads <= 1 or units <= 1:
         return 1
-    if num_threads > units:
-        return <int>units
-    return num_threads
+    return <int>min(units, <Py_ssize_t>num_threads * PC_BLOCKS_PER_THREAD)
 
 
 
@@ -95,14 +96,14 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     scale = <float *>(v64 + C)       # C floats in the last C doubles' room
     shift = scale + C
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, NULL, part + i * C)
         _merge(part, m64, nc, C)
         for c in range(C):
             m64[c] = m64[c] / M
         for c in range(nc * C):
             part[c] = 0.0
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, m64, part + i * C)
         _merge(part, v64, nc, C)
         for c in range(C):
@@ -114,7 +115,7 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
             if running_mean is not None:
                 running_mean[c] = <float>((1.0 - momentum) * running_mean[c] + momentum * m64[c])
                 running_var[c] = <float>((1.0 - momentum) * running_var[c] + momentum * (v64[c] * M / (M - 1)))
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu,
                          rp)
     free(part)
@@ -176,7 +177,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
             invstd[c] = <float>1.0 / sqrtf(running_var[c] + feps)
             scale[c] = invstd[c] * weight[c] if weight is not None else invstd[c]
             shift[c] = bias[c] if bias is not None else <float>0.0
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu,
                          rp)
     free(scale)
@@ -239,7 +240,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
         raise MemoryError()
     with nogil:
         if sums:
-            for i in prange(nc, schedule="static", num_threads=nc):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
                 _grad_chunk(xp, dyp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
                             part + 2 * i * C, part + (2 * i + 1) * C)
             for c in range(C):
@@ -257,7 +258,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
                 coef[c] = invstd[c] * weight[c] if weight is not None else invstd[c]
                 coef[C + c] = <float>(sg[c] / M)
                 coef[2 * C + c] = <float>(sgx[c] / M)
-            for i in prange(nc, schedule="static", num_threads=nc):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
                 _dx_chunk(xp, dyp, dxp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
                           coef, training)
     free(coef)
@@ -391,7 +392,7 @@ def dropout_apply(const float[::1] x,   # IN  (n,) x (forward) or dy (backward)
     cdef Py_ssize_t n = x.shape[0], i
     cdef int nc = _chunks(n, n, num_threads)
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             _dropout_range(&x[0], &y[0], n * i // nc, n * (i + 1) // nc, seed, threshold, scale)
 
 

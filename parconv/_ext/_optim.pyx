@@ -11,6 +11,8 @@ matches it bit for bit.
 import math
 
 from cython.parallel cimport prange
+
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team
 from libc.math cimport INFINITY, isnan, pow as c_pow
 from libc.stdlib cimport malloc, free
 
@@ -23,11 +25,11 @@ cdef enum:
 
 
 cdef inline int _chunks(Py_ssize_t n, int num_threads) noexcept nogil:
+    """Contiguous chunks of n elements: a few per thread (handed out dynamically), each at least
+    SERIAL_BELOW / 2 elements."""
     if n < SERIAL_BELOW or num_threads <= 1:
         return 1
-    if num_threads > n // (SERIAL_BELOW // 2):
-        return <int>max(1, n // (SERIAL_BELOW // 2))
-    return num_threads
+    return <int>max(1, min(<Py_ssize_t>num_threads * PC_BLOCKS_PER_THREAD, n // (SERIAL_BELOW // 2)))
 
 
 def sgd_update(float[::1] p,        # IN/OUT (n,) parameter
@@ -43,7 +45,7 @@ def sgd_update(float[::1] p,        # IN/OUT (n,) parameter
     if v is not None:
         vp = &v[0]
     with nogil:
-        for i in prange(nc, schedule="static", num_threads=nc):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_sgd(&p[a], &g[a], vp + a if vp != NULL else NULL, b - a, lr32, mom32, wd32, use_wd, nesterov)
@@ -92,7 +94,7 @@ def sgd_update_many(list ps,   # IN/OUT parameters, each (n_i,) float32
         start[k] = total
         nc = _chunks(total, num_threads)
         with nogil:
-            for i in prange(nc, schedule="static", num_threads=nc):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
                 a = total * i // nc
                 b = total * (i + 1) // nc
                 for j in range(k):
@@ -224,7 +226,7 @@ def adam_update_many(list ps,   # IN/OUT parameters, each (n_i,) float32
         total = f.start[f.k]
         nc = _chunks(total, num_threads)
         with nogil:
-            for i in prange(nc, schedule="static", num_threads=nc):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
                 a = total * i // nc
                 b = total * (i + 1) // nc
                 for j in range(f.k):
@@ -258,7 +260,7 @@ def rmsprop_update_many(list ps,    # IN/OUT parameters, each (n_i,) float32
         total = f.start[f.k]
         nc = _chunks(total, num_threads)
         with nogil:
-            for i in prange(nc, schedule="static", num_threads=nc):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
                 a = total * i // nc
                 b = total * (i + 1) // nc
                 for j in range(f.k):
@@ -295,7 +297,7 @@ def norm_many(list xs,  # IN arrays, each (n_i,) float32
         if part == NULL:
             raise MemoryError()
         with nogil:
-            for blk in prange(nb, schedule="static", num_threads=max(1, min(num_threads, nb))):
+            for blk in prange(nb, schedule="dynamic", num_threads=pc_team(nb, num_threads)):
                 a = blk * NORM_BLOCK
                 b = min(total, a + NORM_BLOCK)
                 s = 0.0
@@ -343,7 +345,7 @@ def scale_many(list xs,  # IN/OUT arrays, each (n_i,) float32
         total = f.start[f.k]
         nc = _chunks(total, num_threads)
         with nogil:
-            for i in prange(nc, schedule="static", num_threads=nc):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
                 a = total * i // nc
                 b = total * (i + 1) // nc
                 for j in range(f.k):

@@ -59,7 +59,7 @@ def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         raise MemoryError("maxpool2d_forward: could not allocate window table")
     with nogil:
         pc_pool_bases(W, stride, P, Q, base)
-        for i in prange(planes, schedule="static", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=nt):
             if pool_index_t is cython.ushort:
                 pc_pool_plane_u16(xp + i * HW, base, W, kernel_size, stride, P, Q, yp + i * PQ, ap + i * PQ, 0)
             else:
@@ -84,7 +84,7 @@ def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     cdef const pool_index_t *ai
     cdef Py_ssize_t i, j
     with nogil:
-        for i in prange(planes, schedule="static", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=nt):
             dxi = dxp + i * HW
             dyi = dyp + i * PQ
             ai = ap + i * PQ
@@ -108,7 +108,7 @@ def maxpool2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int *ap = &argmax[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="static", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=nt):
             pc_maxpool_general_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ, ap + i * PQ)
 
 
@@ -123,7 +123,7 @@ def avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="static", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=nt):
             pc_avgpool_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ)
 
 
@@ -138,7 +138,7 @@ def avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="static", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=nt):
             pc_avgpool_backward_plane(dyp + i * PQ, H, W, KH, KW, SH, SW, PH, PW, P, Q, dxp + i * HW)
 
 
@@ -153,7 +153,7 @@ def adaptive_avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="static", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=nt):
             pc_adaptive_avgpool_plane(xp + i * HW, H, W, P, Q, yp + i * PQ)
 
 
@@ -168,5 +168,5 @@ def adaptive_avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="static", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=nt):
             pc_adaptive_avgpool_backward_plane(dyp + i * PQ, H, W, P, Q, dxp + i * HW)

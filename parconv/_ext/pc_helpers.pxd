@@ -29,3 +29,17 @@ cdef inline double pc_sum_lanes(const float *v, Py_ssize_t n) noexcept nogil:
         s0 += v[d]
         d += 1
     return (s0 + s1) + (s2 + s3)
+
+
+cdef enum:
+    # blocks per thread of a loop over independent pieces, handed out dynamically: a thread whose
+    # core another process takes holds up one small block, not a 1/nt share of the loop
+    PC_BLOCKS_PER_THREAD = 4
+
+
+cdef inline int pc_team(Py_ssize_t blocks, int num_threads) noexcept nogil:
+    """Threads for a loop over ``blocks`` blocks: ``num_threads`` clamped to [1, blocks]."""
+    cdef Py_ssize_t nt = num_threads if num_threads > 0 else 1
+    if nt > blocks:
+        nt = blocks
+    return <int>(nt if nt > 0 else 1)
