@@ -279,6 +279,13 @@ class DataParallel:
         ``OMP_NUM_THREADS`` setting, else cores // ranks on this node.
     abort_on_error : bool, default True
         An exception on any rank aborts the whole job (see :func:`abort_on_error`).
+    broadcast_buffers : bool, default True
+        As PyTorch's DDP: rank 0's buffers (BatchNorm running statistics and
+        counters) are copied to every rank before every forward, and ``fit``
+        copies them again at the end of every epoch, so every rank holds --
+        evaluates and saves -- the same model. Broadcasting rather than
+        averaging keeps a model that one rank actually computed; with
+        :class:`parconv.SyncBatchNorm` the statistics are global anyway.
 
     Attributes
     ----------
@@ -307,7 +314,7 @@ class DataParallel:
     """
 
     def __init__(self, model, comm=None, *, bucket_cap_mb: float = 1.0, threads: int | None = None,
-                 abort_on_error: bool = True):
+                 abort_on_error: bool = True, broadcast_buffers: bool = True):
         from .model import Sequential
 
         if not isinstance(model, Sequential):
@@ -319,6 +326,9 @@ class DataParallel:
         self.bucket_cap_bytes = int(check_float(bucket_cap_mb, "bucket_cap_mb", "DataParallel", 0.0,
                                                 min_inclusive=False) * 2**20)
         self.abort_on_error = bool(abort_on_error)
+        if not isinstance(broadcast_buffers, (bool, np.bool_)):
+            raise TypeError(f"DataParallel: broadcast_buffers must be a bool, got {type(broadcast_buffers).__name__}")
+        self.sync_buffers = bool(broadcast_buffers)
         self._buckets: list[_Bucket] = []
         self._layer_bucket: dict[int, int] = {}
         self._slot: dict[int, tuple] = {}  # id(param) -> (offset in its bucket, size, shape)
@@ -327,13 +337,17 @@ class DataParallel:
         self._reported: set = set()
         self._next_launch = 0
         self._weight = 1.0
+        self._placeholder = False
+        self._sync_norms: list = []
         self.timings = {"backward": 0.0, "allreduce": 0.0}
         self.reduce_window = None
+        self.bind_sync_batchnorm()
         with self._guard("DataParallel()"):
             self.threads = configure_threads(self.comm, threads)
             if self.size > 1:
                 install_excepthook(self.comm)
             self.broadcast_parameters()
+            self.broadcast_buffers()
         model.register_grad_hook(self._on_grads)
 
     # -------------------------------------------------------------- basics
@@ -353,8 +367,11 @@ class DataParallel:
         return self.forward(x)
 
     def forward(self, x):
-        """The model's forward on this rank's shard ``x`` (no communication)."""
+        """The model's forward on this rank's shard ``x``, after rank 0's buffers are copied to every
+        rank (``broadcast_buffers``; no communication for a model without buffers). Collective then."""
         with self._guard("forward"):
+            if self.sync_buffers:
+                self.broadcast_buffers()
             return self.model.forward(x)
 
     def reset_timings(self) -> None:
@@ -367,6 +384,65 @@ class DataParallel:
             return
         with self._guard("broadcast_parameters"):
             self._broadcast(params, root)
+
+    def bind_sync_batchnorm(self) -> int:
+        """Make the model's :class:`parconv.SyncBatchNorm` layers reduce over this comm (those given no
+        ``comm`` of their own) and weight their gradients as this reducer does. Done at construction and
+        by every ``fit``; call it after converting a model already wrapped. Returns how many there are."""
+        from .layers import SyncBatchNorm
+
+        self._sync_norms = [m for m in self.model.modules() if isinstance(m, SyncBatchNorm)]
+        for m in self._sync_norms:
+            m._dp = self
+        return len(self._sync_norms)
+
+    @property
+    def needs_every_rank(self) -> bool:
+        """Whether every rank must run every forward and backward (the model reduces inside them)."""
+        return self.size > 1 and bool(self._sync_norms)
+
+    @contextlib.contextmanager
+    def placeholder(self):
+        """Run a forward on data this rank holds no share of: SyncBatchNorm layers then add nothing to the
+        statistics (and ``backward(..., weight=0)`` adds nothing to the gradients)."""
+        self._placeholder = True
+        try:
+            yield
+        finally:
+            self._placeholder = False
+
+    def broadcast_buffers(self, root: int = 0) -> None:
+        """Copy rank ``root``'s buffers (running statistics, counters) to every rank: one ``Bcast``. Collective.
+
+        Float buffers are written in place (a backend array keeps its
+        identity); integer counters travel exactly (float64 holds them).
+        """
+        if self.size == 1:
+            return
+        entries = [(owner, attr) for _, owner, attr, kind in self.model._state_entries() if kind == "buffer"]
+        if not entries:
+            return
+        with self._guard("broadcast_buffers"):
+            values = [getattr(owner, attr) for owner, attr in entries]
+            sizes = [int(np.prod(shape_of(v))) for v in values]
+            flat = np.empty(sum(sizes), dtype=np.float64)
+            if self.rank == root:
+                off = 0
+                for (owner, _), v, size in zip(entries, values, sizes):
+                    host = v if isinstance(v, np.ndarray) and v.dtype != np.float32 else owner.backend.to_numpy(v)
+                    flat[off:off + size] = np.asarray(host).reshape(-1)
+                    off += size
+            self.comm.Bcast([flat, MPI.DOUBLE], root=root)
+            if self.rank != root:
+                off = 0
+                for (owner, attr), v, size in zip(entries, values, sizes):
+                    part = flat[off:off + size]
+                    off += size
+                    if isinstance(v, np.ndarray) and v.dtype != np.float32:
+                        setattr(owner, attr, part.astype(v.dtype).reshape(v.shape))
+                    else:
+                        be = owner.backend
+                        be.copy_into(v, be.asarray(part.astype(np.float32).reshape(shape_of(v))))
 
     def _broadcast(self, params, root):
         be = self.model.backend
@@ -591,26 +667,39 @@ class DataParallel:
         return self.model.fit(x, y, distributed=self, **kwargs)
 
     def evaluate(self, x, y, batch_size: int = 256, loss=None) -> dict:
-        """Mean loss and accuracy over ``(x, y)``, each rank evaluating its share. Collective."""
+        """Mean loss and accuracy over ``(x, y)`` in eval mode, each rank evaluating its share. Collective.
+
+        As :meth:`parconv.Sequential.evaluate`: BatchNorm uses its running
+        statistics (rank 0's, copied to every rank first with
+        ``broadcast_buffers``), Dropout is off, and the previous mode is
+        restored -- the result is the serial evaluation of the saved model.
+        """
         from .losses import SoftmaxCrossEntropy
-        from .training import as_host_float as _as_host_float, evaluate_host, host_targets
+        from .training import _eval_mode
 
         with self._guard("evaluate"):
-            batch_size = check_int(batch_size, "batch_size", "DataParallel.evaluate", 1)
-            loss = SoftmaxCrossEntropy() if loss is None else loss
-            x = _as_host_float(x, "x", "DataParallel.evaluate")
-            y = host_targets(y, x.shape[0], loss, "y", "DataParallel.evaluate")
-            lo, hi = self.shard(x.shape[0])
-            if hi > lo:
-                ev = evaluate_host(self.model, x[lo:hi], y[lo:hi], loss, batch_size)
-                local = [ev["loss"] * (hi - lo), ev.get("accuracy", 0.0) * (hi - lo)]
-            else:
-                local = [0.0, 0.0]
-            total = self.allreduce_sum(local)
-            n = x.shape[0]
-            if not getattr(loss, "reports_accuracy", True):
-                return {"loss": float(total[0] / n)}
-            return {"loss": float(total[0] / n), "accuracy": float(round(total[1]) / n)}
+            if self.sync_buffers:
+                self.broadcast_buffers()
+            with _eval_mode(self.model):
+                return self._evaluate(x, y, batch_size, loss if loss is not None else SoftmaxCrossEntropy())
+
+    def _evaluate(self, x, y, batch_size, loss) -> dict:
+        from .training import as_host_float as _as_host_float, evaluate_host, host_targets
+
+        batch_size = check_int(batch_size, "batch_size", "DataParallel.evaluate", 1)
+        x = _as_host_float(x, "x", "DataParallel.evaluate")
+        y = host_targets(y, x.shape[0], loss, "y", "DataParallel.evaluate")
+        lo, hi = self.shard(x.shape[0])
+        if hi > lo:
+            ev = evaluate_host(self.model, x[lo:hi], y[lo:hi], loss, batch_size)
+            local = [ev["loss"] * (hi - lo), ev.get("accuracy", 0.0) * (hi - lo)]
+        else:
+            local = [0.0, 0.0]
+        total = self.allreduce_sum(local)
+        n = x.shape[0]
+        if not getattr(loss, "reports_accuracy", True):
+            return {"loss": float(total[0] / n)}
+        return {"loss": float(total[0] / n), "accuracy": float(round(total[1]) / n)}
 
 
 # ------------------------------------------------------- filter parallel
@@ -928,6 +1017,7 @@ def _reducer_for(model, distributed):
         if dp is None or dp.comm is not comm:
             model._dp_cache = dp = DataParallel(model, comm)  # reused by later fits (one grad hook)
             return dp
+    dp.bind_sync_batchnorm()
     dp.broadcast_parameters()
     return dp
 

@@ -578,6 +578,8 @@ class _FitRun:
             finally:
                 if bar is not None:
                     bar.close()
+            if dp is not None and getattr(dp, "sync_buffers", False):
+                dp.broadcast_buffers()  # every rank validates, saves and ends with rank 0's model
             be.synchronize()
             elapsed = time.perf_counter() - t0
             done = seen if loader is not None else n - min(n, skip * batch_size)
@@ -651,6 +653,8 @@ class _FitRun:
         where = f"{type(model).__name__}.fit"
         loaded = self._batch_arrays(batch)
         if dp is not None:
+            if getattr(dp, "sync_buffers", False):
+                dp.broadcast_buffers()  # as DDP: every forward starts from rank 0's buffers
             if loaded is None:
                 count = len(batch)
                 lo, hi = dp.shard(count)
@@ -667,6 +671,14 @@ class _FitRun:
                 value = loss.forward(out, yb, backend=be)
                 stats = [value * (hi - lo), loss.count_correct(out, yb)]
                 dy = loss.backward()
+            elif getattr(dp, "needs_every_rank", False):
+                # a batch smaller than the number of ranks, and a model that reduces inside forward and
+                # backward (SyncBatchNorm): this rank runs one sample of the batch weighted 0
+                xp, yp = (self.x[batch[:1]], self.y[batch[:1]]) if loaded is None else (loaded[0][:1], loaded[1][:1])
+                with dp.placeholder():
+                    out = model.forward(be.asarray(xp))
+                loss.forward(out, _prepare_target(loss, yp, be), backend=be)
+                stats, dy = [0.0, 0.0], loss.backward()
             else:  # a batch smaller than the number of ranks: this rank contributes zero gradients
                 stats, dy = [0.0, 0.0], None
             req, total = dp.iallreduce_sum(stats)  # completes during the gradient reduction
