@@ -178,6 +178,127 @@ def install_excepthook(comm=None) -> None:
     sys.excepthook = hook
 
 
+# ------------------------------------------------------------- a rank that exits
+_EXIT_TAG = 7303  # tag of the "this rank is exiting" notice (point-to-point: never matches a collective)
+#: seconds a rank's main thread may stay at one instruction after a peer exited before the job is aborted
+EXIT_STALL_S = 4.0
+_POLL_S = 0.05
+
+
+class _ExitWatch:
+    """Ends the job when a rank exits (``sys.exit``, the end of the program) while another waits for it.
+
+    At exit every rank sends a notice to the others and waits for theirs:
+    when all ranks end together the job finishes normally. A non-zero exit
+    status aborts at once. On every rank a watchdog thread receives the
+    notices; when a peer has exited and this rank's main thread stays at
+    the same instruction for :data:`EXIT_STALL_S` seconds -- blocked in a
+    collective that can never complete -- it prints which rank exited, how,
+    and where this one waits, then calls ``comm.Abort``. A rank still
+    computing (say, rank 0 saving the model) is left to finish.
+    """
+
+    def __init__(self, comm):
+        import atexit
+        import threading
+
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.how: str | None = None  # "sys.exit(0)", recorded by the sys.exit wrapper
+        self.status = 0
+        self.exited: dict[int, str] = {}
+        self.exiting = False
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.main_ident = threading.main_thread().ident
+        self.thread = None
+        self._original_exit = sys.exit
+        sys.exit = self._recording_exit
+        atexit.register(self._at_exit)
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            self.thread = threading.Thread(target=self._watch, name="parconv-exit-watch", daemon=True)
+            self.thread.start()
+
+    def _recording_exit(self, status=None):
+        self.how = "sys.exit()" if status is None else f"sys.exit({status!r})"
+        self.status = 0 if status is None else (status if isinstance(status, int) else 1)
+        self._original_exit(status)
+
+    def _poll(self) -> None:
+        """Receive the exit notices that have arrived."""
+        status = MPI.Status()
+        with self.lock:
+            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_EXIT_TAG, status=status):
+                source = status.Get_source()
+                self.exited[source] = self.comm.recv(source=source, tag=_EXIT_TAG)
+
+    def _say_and_abort(self, text: str, code: int) -> None:
+        prefix = _rank_prefix(self.comm)
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        sys.stderr.write(f"[{prefix}] parconv.distributed: {text}; aborting all ranks\n")
+        sys.stderr.flush()
+        time.sleep(0.3)  # let mpiexec forward the line before the abort tears it down
+        _abort(self.comm, code)
+
+    def _watch(self) -> None:
+        last, since = None, None
+        while not self.stop.wait(_POLL_S):
+            if MPI.Is_finalized():
+                return
+            self._poll()
+            if not self.exited or self.exiting:
+                continue
+            frame = sys._current_frames().get(self.main_ident)
+            if frame is None:
+                return
+            here = (id(frame), frame.f_lasti)
+            now = time.monotonic()
+            if here != last:
+                last, since = here, now
+                continue
+            if now - since >= EXIT_STALL_S and not self.exiting:
+                peers = ", ".join(f"rank {r} of {self.size} exited ({how})" for r, how in sorted(self.exited.items()))
+                where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+                self._say_and_abort(f"{peers} outside a collective, while rank {self.rank} waits at {where}", 1)
+
+    def _at_exit(self) -> None:
+        if MPI.Is_finalized() or not MPI.Is_initialized():
+            return
+        self.exiting = True
+        how = self.how or "at the end of the program"
+        if self.status:
+            self._say_and_abort(f"rank {self.rank} of {self.size} exited ({how})", self.status)
+        if self.thread is not None:
+            self.stop.set()
+            self.thread.join()
+        requests = [self.comm.isend(how, dest=r, tag=_EXIT_TAG) for r in range(self.size) if r != self.rank]
+        waited = 0.0
+        while True:
+            self._poll()
+            if len(self.exited) >= self.size - 1:
+                break
+            if self.thread is None and waited > 2 * EXIT_STALL_S:
+                # without a watchdog on the others, nobody else can tell that they wait for this rank
+                self._say_and_abort(f"rank {self.rank} of {self.size} exited ({how}) while ranks "
+                                    f"{sorted(set(range(self.size)) - set(self.exited) - {self.rank})} go on", 1)
+            time.sleep(_POLL_S)
+            waited += _POLL_S
+        MPI.Request.Waitall(requests)
+
+
+_exit_watch: _ExitWatch | None = None
+
+
+def _watch_exits(comm) -> None:
+    """Install :class:`_ExitWatch` once (under more than one rank)."""
+    global _exit_watch
+    if _exit_watch is None and comm.Get_size() > 1:
+        _exit_watch = _ExitWatch(comm)
+
+
 def default_threads(comm=None) -> int:
     """Threads per rank by default: the cores this process may use // the ranks on this node.
 
@@ -1024,5 +1145,7 @@ def _reducer_for(model, distributed):
 
 register_reducer_factory(_reducer_for)
 if MPI.COMM_WORLD.Get_size() > 1:
-    # an uncaught exception on one rank before any parconv collective must still end the job
+    # an uncaught exception on one rank before any parconv collective must still end the job,
+    # and so must a rank's exit while the others wait for it
     install_excepthook(MPI.COMM_WORLD)
+    _watch_exits(MPI.COMM_WORLD)
