@@ -778,16 +778,18 @@ class DataParallel:
                                            f"shapes; they differ in " + "; ".join(diffs))
 
     # ------------------------------------------------------------ training
-    def fit(self, x, y, **kwargs):
-        """:meth:`parconv.Sequential.fit` over all ranks; every rank passes the full ``x, y``.
+    def fit(self, x, y=None, **kwargs):
+        """:meth:`parconv.Sequential.fit` over all ranks; every rank passes the full ``x, y`` (or a DataLoader).
 
         ``batch_size`` is the global batch: each epoch's shuffled order is the
         same on every rank and each rank trains on its contiguous share of
-        every batch, so the run follows the serial one with the same seed.
+        every batch, so the run follows the serial one with the same seed. A
+        :class:`parconv.data.DataLoader` (the same seed on every rank) is
+        sharded the same way: each rank reads and transforms only its share.
         """
         return self.model.fit(x, y, distributed=self, **kwargs)
 
-    def evaluate(self, x, y, batch_size: int = 256, loss=None) -> dict:
+    def evaluate(self, x, y=None, batch_size: int = 256, loss=None) -> dict:
         """Mean loss and accuracy over ``(x, y)`` in eval mode, each rank evaluating its share. Collective.
 
         As :meth:`parconv.Sequential.evaluate`: BatchNorm uses its running
@@ -805,8 +807,10 @@ class DataParallel:
                 return self._evaluate(x, y, batch_size, loss if loss is not None else SoftmaxCrossEntropy())
 
     def _evaluate(self, x, y, batch_size, loss) -> dict:
-        from .training import as_host_float as _as_host_float, evaluate_host, host_targets
+        from .training import _is_loader, as_host_float as _as_host_float, evaluate_host, host_targets
 
+        if _is_loader(x):
+            return self._evaluate_loader(x, loss)
         batch_size = check_int(batch_size, "batch_size", "DataParallel.evaluate", 1)
         x = _as_host_float(x, "x", "DataParallel.evaluate")
         y = host_targets(y, x.shape[0], loss, "y", "DataParallel.evaluate")
@@ -821,6 +825,28 @@ class DataParallel:
         if not getattr(loss, "reports_accuracy", True):
             return {"loss": float(total[0] / n)}
         return {"loss": float(total[0] / n), "accuracy": float(round(total[1]) / n)}
+
+
+    def _evaluate_loader(self, loader, loss) -> dict:
+        """Each rank evaluates its share of every batch of a DataLoader's epoch 0; the sums are reduced."""
+        from .training import _metrics, _prepare_target, _release, host_targets
+
+        if getattr(loader, "num_samples", None) is None or not hasattr(loader, "_shard_epoch"):
+            raise TypeError("DataParallel.evaluate: a DataLoader over arrays is sharded over the ranks; a batch "
+                            "source is not (evaluate its batches with the model on each rank)")
+        be = self.model.backend
+        total = np.zeros(3)
+        for xb, yb in loader._shard_epoch(0, 0, self.rank, self.size):
+            if len(xb) == 0:
+                continue
+            yb = host_targets(yb, len(xb), loss, "y", "DataParallel.evaluate")
+            out = self.model.forward(be.asarray(xb))
+            target = _prepare_target(loss, yb, be)
+            total += (loss.forward(out, target, backend=be) * len(yb), loss.count_correct(out, target), len(yb))
+        _release(self.model)
+        total = self.allreduce_sum(total)
+        n = max(total[2], 1.0)
+        return _metrics(loss, float(total[0] / n), float(round(total[1]) / n))
 
 
 # ------------------------------------------------------- filter parallel

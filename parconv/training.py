@@ -463,6 +463,16 @@ class _FitRun:
         self.callbacks = CallbackList(callbacks)
         self.scheduler, self.dp = scheduler, dp
         self.checkpoint, self.checkpoint_every, self.resume = checkpoint, checkpoint_every, resume
+        replicas = getattr(loader, "num_replicas", None)
+        if replicas is not None and (dp is None or (replicas, loader.rank) != (dp.size, dp.rank)):
+            where = f"{type(model).__name__}.fit"
+            have = "a serial fit" if dp is None else f"rank {dp.rank} of {dp.size}"
+            raise ValueError(f"{where}: the DataLoader is sharded as rank {loader.rank} of {replicas} ranks but "
+                             f"this is {have}; leave num_replicas and rank out (a distributed fit shards the "
+                             "loader over its ranks)")
+        #: each rank reads only its share of a loader's batches
+        self.sharded = (dp is not None and dp.size > 1 and loader is not None
+                        and getattr(loader, "num_samples", None) is not None and hasattr(loader, "_shard_epoch"))
 
     def arguments(self) -> dict:
         """What every rank of a distributed fit must agree on."""
@@ -544,7 +554,10 @@ class _FitRun:
         for epoch in range(start_epoch, self.epochs + 1):
             epoch_rng_state = rng.bit_generator.state  # a checkpoint redraws this epoch's order from here
             skip = start_step if epoch == start_epoch else 0
-            if loader is not None:
+            if loader is not None and self.sharded:
+                # each rank reads and transforms only its share of every batch (DistributedSampler-like)
+                batches = loader._shard_epoch(epoch - 1, skip, dp.rank, dp.size, placeholder=True)
+            elif loader is not None:
                 batches = loader.epoch(epoch - 1, skip)
             else:
                 order = rng.permutation(n) if self.shuffle else np.arange(n)
@@ -641,7 +654,7 @@ class _FitRun:
     def _batch_arrays(self, batch):
         """Host ``(x, y)`` of one batch: from the loader, or the rows ``batch`` of the arrays."""
         if self.loader is not None:
-            xb, yb = batch
+            xb, yb = batch[0], batch[1]  # a shard's batches carry the global batch size third
             return np.ascontiguousarray(xb, dtype=np.float32), host_targets(yb, len(xb), self.loss, "y",
                                                                             "DataLoader batch")
         return None
@@ -660,6 +673,10 @@ class _FitRun:
                 lo, hi = dp.shard(count)
                 local = batch[lo:hi]
                 xl, yl = (self.x[local], self.y[local]) if len(local) else (None, None)
+            elif self.sharded:
+                count = batch[2]
+                lo, hi = dp.shard(count)
+                xl, yl = loaded if hi > lo else (None, None)  # an empty share holds a placeholder sample
             else:
                 count = len(loaded[0])
                 lo, hi = dp.shard(count)
