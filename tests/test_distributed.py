@@ -163,6 +163,49 @@ def test_cli_distributed_error_ends_job(tmp_path):
     assert "missing.npz" in out and "does not exist" in out, out
 
 
+def _write_mnist_sample(directory, n):
+    """The bundled sample's first ``n`` images as the MNIST test split's IDX files in ``directory``."""
+    import gzip
+    import struct
+
+    x, y = pc.datasets.load_mnist("test", normalize=False)
+    images, labels = x[:n, 0].astype(np.uint8), y[:n].astype(np.uint8)
+    for name, arr in (("t10k-images-idx3-ubyte.gz", images), ("t10k-labels-idx1-ubyte.gz", labels)):
+        header = struct.pack(">HBB", 0, 0x08, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+        (directory / name).write_bytes(gzip.compress(header + arr.tobytes()))
+
+
+@needs_launcher
+@pytest.mark.mpi
+def test_cli_distributed_sync_bn_prints_the_accuracy_of_the_saved_model(tmp_path):
+    """``parconv train --distributed --model resnet20 --sync-bn``: the test accuracy it prints is the saved
+    checkpoint's, evaluated serially with ``pc.load`` on the same held-out images."""
+    import argparse
+    import re
+
+    from parconv import cli
+
+    _write_mnist_sample(tmp_path, 260)
+    args = ["train", "--model", "resnet20", "--data", str(tmp_path), "--train-size", "200", "--epochs", "1",
+            "--batch-size", "32", "--no-augment", "--checkpoint", str(tmp_path / "ck.npz"), "--quiet"]
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", "-m", "parconv.cli", *args[:1], "--distributed",
+           "--sync-bn", *args[1:]]
+    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "21 SyncBatchNorm layers" in out, out
+    printed = float(re.search(r"test accuracy: ([0-9.]+)% on 60 held-out images", out).group(1))
+    ns = argparse.Namespace(dataset="mnist-sample", data=str(tmp_path), split="test", train_size=200)
+    _, (xte, yte), _ = cli._load_data(ns)
+    saved = pc.load(tmp_path / "ck.npz")
+    assert type(saved.layers[1]).__name__ == "SyncBatchNorm"
+    assert printed == round(100 * saved.evaluate(xte, yte)["accuracy"], 2), out
+    res = subprocess.run([sys.executable, "-P", "-m", "parconv.cli", "train", "--sync-bn", "--epochs", "1"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "--sync-bn synchronises BatchNorm over MPI ranks; it needs --distributed" in \
+        res.stderr, res.stdout + res.stderr
+
+
 @needs_launcher
 @pytest.mark.mpi
 def test_mpi_benchmark_runs_and_checks_its_answers(tmp_path):
