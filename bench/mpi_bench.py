@@ -5,13 +5,17 @@ Workloads (run under ``mpiexec -n N``; every rank runs this module):
 ``data-parallel``
     cnn-mnist training steps (conv 3x3 x d + ReLU + maxpool 2 + FC -> 10,
     softmax, SGD) at each global batch of ``--dp-batch`` (default 100 and 1000,
-    the two ends of cnn-mnist's sweep). Three configurations, interleaved
+    the two ends of cnn-mnist's sweep), or with ``--dp-model resnet20`` the
+    zoo's ResNet-20 on 3x32x32 inputs (BatchNorm with per-rank statistics and
+    rank 0's buffers broadcast every step, as PyTorch's DDP). Three configurations, interleaved
     repetition by repetition so machine noise hits them alike: 1 rank x T
     threads, 1 rank x N*T threads (the same cores used by threads instead of
     ranks) and N ranks x T threads with :class:`parconv.distributed.DataParallel`.
     Reports throughput, scaling efficiency against 1 rank x T threads, the
     ratio against 1 rank x N*T threads, and the share of the step spent in the
-    gradient allreduce.
+    gradient allreduce, and how much of the reduction is hidden behind the
+    backward: the bucketed reduction timed alone (every rank in step) against
+    what is left of it once the last rank has finished its backward.
 ``conv-large-mpi``
     The conv-large layer (x 64x128x32x32, 64 filters 3x3, pad 1; 4.8 G
     multiply-adds) forward, filter-parallel over N ranks
@@ -25,7 +29,8 @@ answer against the NumPy oracle before it times anything.
 
 Cost model: :func:`cost_model` projects data-parallel weak scaling to 8..1024
 ranks from the compute time per sample measured here and an allreduce that
-moves ``2 (N - 1) / N`` of the gradient bytes per rank plus a latency term.
+moves ``2 (N - 1) / N`` of the gradient bytes per rank plus a latency term;
+the measured overlap hides up to the measured backward window of it.
 
 Standalone::
 
@@ -59,7 +64,9 @@ from parconv._io import atomic_open  # noqa: E402
 WORKLOADS = ("data-parallel", "conv-large-mpi")
 DEFAULTS = dict(repeats=7, threads_per_rank=1, backend=None, dp_batch="100,1000", dp_filters=32, dp_steps=20,
                 conv_batch=64, conv_channels=128, conv_filters=64, conv_size=32, bandwidth_gbs=12.5,
-                latency_us=2.0, cost_ranks="8,16,32,64,128,256,512,1024", overlap=0.0, algorithm="halving")
+                latency_us=2.0, cost_ranks="8,16,32,64,128,256,512,1024", overlap=None, algorithm="halving",
+                dp_model="cnn-mnist")
+DP_MODELS = ("cnn-mnist", "resnet20")
 
 
 def _arg(args, name):
@@ -83,7 +90,7 @@ def allreduce_time(ranks: int, nbytes: float, bandwidth: float, latency: float, 
 
 def cost_model(compute_per_sample_s: float, grad_bytes: float, batch_per_rank: int, bandwidth: float,
                latency: float, ranks=(8, 16, 32, 64, 128, 256, 512, 1024), overlap: float = 0.0,
-               algorithm: str = "halving", buckets: int = 1) -> list[dict]:
+               algorithm: str = "halving", buckets: int = 1, overlap_window_s: float | None = None) -> list[dict]:
     """Projected data-parallel weak scaling (fixed batch per rank).
 
     Parameters
@@ -97,10 +104,17 @@ def cost_model(compute_per_sample_s: float, grad_bytes: float, batch_per_rank: i
         Bytes/s per link; ``latency`` seconds per message.
     ranks : iterable of int
     overlap : float in [0, 1]
-        Share of the allreduce hidden behind the backward pass.
+        Share of the allreduce hidden behind the backward pass; with
+        ``overlap_window_s``, the share of that window's length the reduction
+        progresses by (the measured overlap efficiency).
     algorithm : {"halving", "ring"}
     buckets : int
         Allreduce calls per step (each pays the latency term).
+    overlap_window_s : float, optional
+        Seconds of backward that run after the first bucket is started (per
+        rank; constant under weak scaling). The hidden part is then
+        ``overlap * min(allreduce, window)``: a reduction longer than the
+        window is exposed by the rest, as at many ranks.
 
     Returns
     -------
@@ -111,7 +125,11 @@ def cost_model(compute_per_sample_s: float, grad_bytes: float, batch_per_rank: i
     compute = batch_per_rank * compute_per_sample_s
     rows = []
     for n in ranks:
-        ar = allreduce_time(n, grad_bytes, bandwidth, latency, algorithm, buckets) * (1.0 - overlap)
+        full = allreduce_time(n, grad_bytes, bandwidth, latency, algorithm, buckets)
+        if overlap_window_s is None:
+            ar = full * (1.0 - overlap)
+        else:
+            ar = full - overlap * min(full, overlap_window_s)
         step = compute + ar
         rows.append({"ranks": int(n), "compute_s": compute, "allreduce_s": ar, "step_s": step,
                      "efficiency": compute / step, "samples_per_s": n * batch_per_rank / step})
@@ -119,10 +137,16 @@ def cost_model(compute_per_sample_s: float, grad_bytes: float, batch_per_rank: i
 
 
 def format_cost_model(rows, bandwidth, latency, batch_per_rank, compute_per_sample_s, grad_bytes,
-                      algorithm="halving", source="measured") -> str:
+                      algorithm="halving", source="measured", overlap=None, overlap_window_s=None) -> str:
+    hidden = ""
+    if overlap_window_s is not None:
+        hidden = (f", overlap {100 * overlap:.0f}% of a {overlap_window_s * 1e3:.2f} ms backward window "
+                  "(measured)")
+    elif overlap:
+        hidden = f", {100 * overlap:.0f}% of the allreduce hidden"
     lines = [f"cost model: data-parallel weak scaling, {batch_per_rank} samples/rank, "
              f"{compute_per_sample_s * 1e3:.3f} ms compute/sample ({source}), {grad_bytes / 1e3:.1f} kB gradients, "
-             f"{bandwidth / 1e9:g} GB/s, {latency * 1e6:g} us latency, {algorithm} allreduce",
+             f"{bandwidth / 1e9:g} GB/s, {latency * 1e6:g} us latency, {algorithm} allreduce{hidden}",
              f"{'ranks':>6} {'compute ms':>11} {'allreduce ms':>13} {'efficiency':>11} {'samples/s':>12}"]
     for r in rows:
         lines.append(f"{r['ranks']:>6} {r['compute_s'] * 1e3:>11.3f} {r['allreduce_s'] * 1e3:>13.3f} "
@@ -176,9 +200,16 @@ def _dp_batches(args) -> list[int]:
 def _dp_setup(args, backend):
     from parconv.cli import build_cnn
 
-    x, y = pc.datasets.load_mnist("test")
     batch, steps = max(_dp_batches(args)), _arg(args, "dp_steps")
     need = batch * (steps + 1)
+    name = _arg(args, "dp_model")
+    if name not in DP_MODELS:
+        raise ValueError(f"dp_model must be one of {list(DP_MODELS)}, got {name!r}")
+    if name == "resnet20":  # CIFAR-shaped inputs; the timing does not depend on the pixels
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((need, 3, 32, 32)).astype(np.float32)
+        return x, rng.integers(0, 10, need), lambda: pc.models.resnet20(backend=backend, rng=0)
+    x, y = pc.datasets.load_mnist("test")
     reps = -(-need // x.shape[0])
     x = np.concatenate([x] * reps)[:need]
     y = np.concatenate([y] * reps)[:need]
@@ -223,7 +254,7 @@ def _train_steps_detail(model, opt, x, y, batch, steps, dp=None, warmup=3):
         if s >= warmup:
             step_s.append(time.perf_counter() - ts)
             allreduce_s.append(dp.timings["allreduce"] - ar0 if dp is not None else 0.0)
-            windows.append(dp.reduce_window if dp is not None else None)
+            windows.append((*dp.reduce_window, dp.reduce_started) if dp is not None else None)
     model.backend.synchronize()
     return time.perf_counter() - t0, step_s, allreduce_s, windows
 
@@ -246,6 +277,34 @@ def _split_allreduce(comm, allreduce_s, windows) -> tuple[float, float] | None:
     return float(np.sum(np.array(allreduce_s) - wait)), float(np.sum(wait))
 
 
+def _overlap(comm, windows) -> tuple[float, float] | None:
+    """Median over steps of (seconds of reduction left once the last rank finished its backward, seconds
+    of backward after the first bucket was started); None when the ranks span several nodes."""
+    if len(set(comm.allgather(socket.gethostname()))) != 1:
+        return None
+    w = np.array(comm.allgather([list(x) for x in windows]))  # (ranks, steps, [ready, done, started])
+    last_ready = w[:, :, 0].max(axis=0)
+    exposed = np.maximum(w[:, :, 1] - last_ready, 0.0).max(axis=0)
+    window = (w[:, :, 0] - w[:, :, 2]).min(axis=0)
+    return float(np.median(exposed)), float(np.median(window))
+
+
+def _buckets_alone(comm, sizes, repeats=30) -> float:
+    """Median seconds of the bucketed reduction alone: one ``Iallreduce`` per bucket, then ``Waitall``,
+    entered together by all ranks (what the backward would wait for if nothing were hidden)."""
+    from parconv import distributed as dist
+
+    bufs = [np.ones(n, dtype=np.float32) for n in sizes]
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        reqs = [comm.Iallreduce(dist.MPI.IN_PLACE, [b, dist.MPI.FLOAT], op=dist.MPI.SUM) for b in bufs]
+        dist.MPI.Request.Waitall(reqs)
+        times.append(comm.allreduce(time.perf_counter() - t0, op=dist.MPI.MAX))
+    return statistics.median(times)
+
+
 def _allreduce_alone(comm, nbytes, repeats=30) -> float:
     """Median seconds of one in-place float32 ``Allreduce`` of ``nbytes`` entered together by all ranks."""
     from parconv import distributed as dist
@@ -261,16 +320,24 @@ def _allreduce_alone(comm, nbytes, repeats=30) -> float:
 
 
 def _check_dp(comm, make, x, y, batch):
-    """One DataParallel step must equal one serial step on the global batch (checked on every rank)."""
+    """One DataParallel step must equal one serial step on the global batch (checked on every rank).
+
+    A BatchNorm network is checked with its layers converted to SyncBatchNorm (the global batch's
+    statistics, as the serial step); it is timed as it is, with per-rank statistics. It is checked after
+    one step: a deep BatchNorm network at a small batch amplifies the rounding differences of
+    differently sized per-rank batches (Winograd on the OpenMP backend) from step to step.
+    """
     from parconv import distributed as dist
 
     ref = make()
+    deep = any(isinstance(m, pc.BatchNorm2d) for m in ref.modules())
+    steps, atol = (1, 1e-5) if deep else (3, 1e-6)
     ref_opt = pc.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    _train_steps(ref, ref_opt, x, y, batch, 0)
-    model = make()
+    _train_steps(ref, ref_opt, x, y, batch, 0, warmup=steps)
+    model = pc.SyncBatchNorm.convert_sync_batchnorm(make())
     dp = dist.DataParallel(model, comm, threads=pc.get_num_threads())
-    _train_steps(model, pc.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, y, batch, 0, dp)
-    ok = all(np.allclose(model.state_dict()[k], v, rtol=1e-4, atol=1e-6) for k, v in ref.state_dict().items())
+    _train_steps(model, pc.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, y, batch, 0, dp, warmup=steps)
+    ok = all(np.allclose(model.state_dict()[k], v, rtol=1e-4, atol=atol) for k, v in ref.state_dict().items())
     if not all(comm.allgather(ok)):
         raise RuntimeError("data-parallel: DataParallel step does not match the serial step; not timing it")
 
@@ -297,7 +364,7 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
     if size == 1:
         configs = configs[:1]
     times = {i: [] for i in range(len(configs))}
-    ar_share, ar_share_step, ar_reduce_share, ar_wait_share = [], [], [], []
+    ar_share, ar_share_step, ar_reduce_share, ar_wait_share, exposed, window = [], [], [], [], [], []
     models = {}
     for i, (_, ranks, threads) in enumerate(configs):
         with _limits(threads):
@@ -328,8 +395,14 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
                 # the typical step: median over steps of each rank's share, the larger of the ranks
                 step_shares = comm.allgather(statistics.median(a / t for a, t in zip(step_ar, step_s)))
                 ar_share_step.append(max(step_shares))
+                hidden = _overlap(comm, windows)
+                if hidden is not None:
+                    exposed.append(hidden[0])
+                    window.append(hidden[1])
             comm.Barrier()
     pure_ar = _allreduce_alone(comm, 4 * models[0][0].num_parameters()) if size > 1 else 0.0
+    dp_last = models[len(configs) - 1][2]
+    buckets_alone = _buckets_alone(comm, dp_last.bucket_sizes) if size > 1 else 0.0
     if rank != 0:
         return []
     base = statistics.median(times[0])
@@ -358,6 +431,18 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
             # the reduction alone (ranks already in step): what the allreduce costs without load imbalance
             row["allreduce_alone_s"] = pure_ar
             row["allreduce_alone_fraction"] = pure_ar / row["step_s"]
+            row["model"] = _arg(args, "dp_model")
+            row["buckets"] = len(dp_last.bucket_sizes)
+            # overlap: the bucketed reduction alone against what is left of it after the last backward
+            row["buckets_alone_s"] = buckets_alone
+            if exposed:
+                row["exposed_after_backward_s"] = statistics.median(exposed)
+                row["overlap_window_s"] = statistics.median(window)
+                hidden = max(0.0, buckets_alone - row["exposed_after_backward_s"])
+                row["overlap_fraction"] = min(1.0, hidden / buckets_alone) if buckets_alone > 0 else 0.0
+                # the share of the window the reduction progressed by (capped: it cannot beat the window)
+                cap = min(buckets_alone, row["overlap_window_s"])
+                row["overlap_efficiency"] = min(1.0, hidden / cap) if cap > 0 else 0.0
         results.append(row)
     if size == 1:
         results[0]["grad_bytes"] = 4 * models[0][0].num_parameters()
@@ -495,8 +580,13 @@ def _attach_cost_model(row, args) -> None:
     per_rank = getattr(args, "batch_per_rank", None) or max(1, row["global_batch"] // row["ranks"])
     params = {"compute_per_sample_s": row["compute_per_sample_s"], "grad_bytes": row["grad_bytes"],
               "batch_per_rank": per_rank, "bandwidth": _arg(args, "bandwidth_gbs") * 1e9,
-              "latency": _arg(args, "latency_us") * 1e-6, "overlap": _arg(args, "overlap"),
-              "algorithm": _arg(args, "algorithm")}
+              "latency": _arg(args, "latency_us") * 1e-6, "algorithm": _arg(args, "algorithm"),
+              "buckets": row.get("buckets", 1)}
+    given = getattr(args, "overlap", None)
+    if given is not None or "overlap_efficiency" not in row:
+        params["overlap"] = 0.0 if given is None else float(given)
+    else:  # the measured overlap: that efficiency over the measured backward window
+        params["overlap"], params["overlap_window_s"] = row["overlap_efficiency"], row["overlap_window_s"]
     row["cost_model"] = {"params": params, "rows": cost_model(ranks=ranks, **params)}
 
 
@@ -528,10 +618,18 @@ def format_results(rows) -> str:
                          f"({100 * r['allreduce_alone_fraction']:.1f}%); compute {r['compute_s_per_step'] * 1e3:.2f} "
                          "ms/step")
     for r in rows:
+        if "overlap_fraction" in r:
+            lines.append(f"data-parallel batch {r['global_batch']} ({r['model']}): the reduction of "
+                         f"{r['buckets']} bucket(s) takes {r['buckets_alone_s'] * 1e3:.3f} ms alone; "
+                         f"{r['exposed_after_backward_s'] * 1e3:.3f} ms of it is left once the last rank ends its "
+                         f"backward: {100 * r['overlap_fraction']:.0f}% hidden behind the backward "
+                         f"({r['overlap_window_s'] * 1e3:.2f} ms of backward after the first bucket starts)")
+    for r in rows:
         if "cost_model" in r:
             p = r["cost_model"]["params"]
             lines.append(format_cost_model(r["cost_model"]["rows"], p["bandwidth"], p["latency"], p["batch_per_rank"],
-                                           p["compute_per_sample_s"], p["grad_bytes"], p["algorithm"]))
+                                           p["compute_per_sample_s"], p["grad_bytes"], p["algorithm"],
+                                           overlap=p.get("overlap"), overlap_window_s=p.get("overlap_window_s")))
     return "\n".join(lines)
 
 
@@ -545,6 +643,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-batch", default=DEFAULTS["dp_batch"],
                    help="data-parallel global batch sizes, comma-separated (cnn-mnist's sweep runs 100 to 1000)")
     p.add_argument("--dp-filters", type=int, default=DEFAULTS["dp_filters"], help="cnn-mnist filters d")
+    p.add_argument("--dp-model", choices=DP_MODELS, default=DEFAULTS["dp_model"],
+                   help="the data-parallel network: cnn-mnist, or resnet20 on 3x32x32 inputs")
     p.add_argument("--dp-steps", type=int, default=DEFAULTS["dp_steps"], help="training steps per timing")
     p.add_argument("--conv-batch", type=int, default=DEFAULTS["conv_batch"])
     p.add_argument("--conv-channels", type=int, default=DEFAULTS["conv_channels"])
@@ -555,7 +655,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-us", type=float, default=DEFAULTS["latency_us"], help="cost model: latency in us")
     p.add_argument("--cost-ranks", default=DEFAULTS["cost_ranks"])
     p.add_argument("--overlap", type=float, default=DEFAULTS["overlap"],
-                   help="cost model: share of the allreduce hidden behind the backward")
+                   help="cost model: share of the allreduce hidden behind the backward (default: the measured "
+                        "overlap over the measured backward window; 0 with --cost-model-only)")
     p.add_argument("--algorithm", choices=("halving", "ring"), default=DEFAULTS["algorithm"])
     p.add_argument("--cost-model-only", action="store_true", help="no MPI: just print the model")
     p.add_argument("--compute-per-sample", type=float, default=None, help="seconds (with --cost-model-only)")
@@ -568,8 +669,10 @@ def make_parser() -> argparse.ArgumentParser:
 def _print_cost_model(args, compute_per_sample, grad_bytes, batch_per_rank, source="measured"):
     ranks = [int(r) for r in str(args.cost_ranks).split(",") if r.strip()]
     bw, lat = args.bandwidth_gbs * 1e9, args.latency_us * 1e-6
-    rows = cost_model(compute_per_sample, grad_bytes, batch_per_rank, bw, lat, ranks, args.overlap, args.algorithm)
-    print(format_cost_model(rows, bw, lat, batch_per_rank, compute_per_sample, grad_bytes, args.algorithm, source))
+    rows = cost_model(compute_per_sample, grad_bytes, batch_per_rank, bw, lat, ranks, args.overlap or 0.0,
+                      args.algorithm)
+    print(format_cost_model(rows, bw, lat, batch_per_rank, compute_per_sample, grad_bytes, args.algorithm, source,
+                            overlap=args.overlap))
     return rows
 
 

@@ -422,6 +422,12 @@ class DataParallel:
         the slowest rank is ready, so on one node (one clock) comparing
         ``ready`` across ranks splits ``"allreduce"`` into waiting for the
         slowest rank and the reduction itself (``bench/mpi_bench.py`` does).
+    reduce_started : float or None
+        The ``time.perf_counter()`` reading at which the last :meth:`backward`
+        started its first bucket's reduction: from then until ``ready`` the
+        reductions can progress behind the rest of the backward.
+    bucket_sizes : list of int
+        Floats per bucket, in launch order.
 
     Examples
     --------
@@ -462,6 +468,7 @@ class DataParallel:
         self._sync_norms: list = []
         self.timings = {"backward": 0.0, "allreduce": 0.0}
         self.reduce_window = None
+        self.reduce_started = None
         self.bind_sync_batchnorm()
         with self._guard("DataParallel()"):
             self.threads = configure_threads(self.comm, threads)
@@ -625,6 +632,11 @@ class DataParallel:
         self._plan_buckets()
         return len(self._buckets)
 
+    @property
+    def bucket_sizes(self) -> list[int]:
+        self._plan_buckets()
+        return [b.buffer.size for b in self._buckets]
+
     def _on_grads(self, layer_index: int, params) -> None:
         """Grad hook: copy (scaled) gradients into their bucket; start every bucket that is complete."""
         if not self._active or layer_index in self._reported:
@@ -649,6 +661,8 @@ class DataParallel:
     def _launch_ready(self) -> None:
         # start strictly in bucket order, so every rank issues the same sequence of collectives
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            if self._next_launch == 0:
+                self.reduce_started = time.perf_counter()
             bucket = self._buckets[self._next_launch]
             bucket.request = self.comm.Iallreduce(MPI.IN_PLACE, [bucket.buffer, MPI.FLOAT], op=MPI.SUM)
             self._next_launch += 1
