@@ -461,3 +461,22 @@ def test_compare_answers_takes_a_tolerance_per_key():
     assert res["ok"] and res["worst_key"] == "loss"  # loss uses half its default, grads a fifth of theirs
     res = harness.compare_answers(got, ref, {"grads": 5e-2, "loss": 1e-4})
     assert not res["ok"] and res["worst_key"] == "loss" and "tolerance 0.0001" in res["message"]
+
+
+def test_mpi_cost_model_hides_the_measured_window_only():
+    """bench/mpi_bench.py's cost model: a flat overlap hides that share of every allreduce; a measured
+    window hides at most ``overlap * window`` seconds, so a longer reduction at many ranks is exposed."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    try:
+        import mpi_bench
+    finally:
+        sys.path.pop(0)
+    base = dict(compute_per_sample_s=1e-3, grad_bytes=4e6, batch_per_rank=10, bandwidth=1e9, latency=1e-5,
+                ranks=[2, 1024])
+    full = [r["allreduce_s"] for r in mpi_bench.cost_model(**base)]
+    flat = [r["allreduce_s"] for r in mpi_bench.cost_model(**base, overlap=0.25)]
+    np.testing.assert_allclose(flat, [0.75 * f for f in full])
+    window = 0.5 * full[0]
+    windowed = [r["allreduce_s"] for r in mpi_bench.cost_model(**base, overlap=0.8, overlap_window_s=window)]
+    np.testing.assert_allclose(windowed, [f - 0.8 * min(f, window) for f in full])
+    assert windowed[1] > full[1] - window  # the window, not a share of the reduction, is what is hidden

@@ -234,6 +234,20 @@ def test_mpi_benchmark_runs_and_checks_its_answers(tmp_path):
         assert dp[key] <= dp["allreduce_fraction"] + 1e-9
     assert [c["ranks"] for c in dp["cost_model"]["rows"]] == [8, 64]
     assert "cost model" in res.stdout
+    # the overlap of the reduction with the backward, measured, and carried into the cost model
+    assert 0.0 <= dp["overlap_fraction"] <= 1.0 and 0.0 <= dp["overlap_efficiency"] <= 1.0
+    assert dp["buckets_alone_s"] > 0 and dp["exposed_after_backward_s"] >= 0 and dp["overlap_window_s"] >= 0
+    assert dp["cost_model"]["params"]["overlap_window_s"] == dp["overlap_window_s"]
+    assert "hidden behind the backward" in res.stdout
+    # resnet20: BatchNorm with per-rank statistics, checked with SyncBatchNorm against the serial step
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", os.path.join(ROOT, "bench", "mpi_bench.py"),
+           "--workloads", "data-parallel", "--dp-model", "resnet20", "--repeats", "1", "--dp-steps", "1",
+           "--dp-batch", "4", "--cost-ranks", "8", "--overlap", "0.5", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dp = [r for r in json.loads(out.read_text())["results"] if r["ranks"] == 2][-1]
+    assert dp["model"] == "resnet20" and dp["buckets"] >= 1
+    assert dp["cost_model"]["params"]["overlap"] == 0.5 and "overlap_window_s" not in dp["cost_model"]["params"]
 
 
 # ------------------------------------------------------------------ MPI side
