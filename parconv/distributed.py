@@ -495,10 +495,11 @@ class DataParallel:
         return self.forward(x)
 
     def forward(self, x):
-        """The model's forward on this rank's shard ``x``, after rank 0's buffers are copied to every
-        rank (``broadcast_buffers``; no communication for a model without buffers). Collective then."""
+        """The model's forward on this rank's shard ``x``; in training mode rank 0's buffers are first
+        copied to every rank (``broadcast_buffers``; no communication for a model without buffers), and
+        the call is then collective. In eval mode the buffers do not move: no communication."""
         with self._guard("forward"):
-            if self.sync_buffers:
+            if self.sync_buffers and self.model.training:
                 self.broadcast_buffers()
             return self.model.forward(x)
 
