@@ -65,7 +65,7 @@ WORKLOADS = ("data-parallel", "conv-large-mpi")
 DEFAULTS = dict(repeats=7, threads_per_rank=1, backend=None, dp_batch="100,1000", dp_filters=32, dp_steps=20,
                 conv_batch=64, conv_channels=128, conv_filters=64, conv_size=32, bandwidth_gbs=12.5,
                 latency_us=2.0, cost_ranks="8,16,32,64,128,256,512,1024", overlap=None, algorithm="halving",
-                dp_model="cnn-mnist")
+                dp_model="cnn-mnist", wait_cores=0.0)
 DP_MODELS = ("cnn-mnist", "resnet20")
 
 
@@ -181,6 +181,22 @@ def _limits(threads: int):
     except ImportError:  # pragma: no cover
         pass
     return stack
+
+
+def _wait_cores(comm, cores: int, max_wait_s: float):
+    """Rank 0 waits (at most ``max_wait_s``) until ``cores`` threads run a probe at 0.8x ``cores`` times
+    one thread's speed (``harness.core_probe``: a busy or shared machine gives fewer); the other ranks
+    sleep meanwhile. Returns rank 0's last probe (None when not probed)."""
+    probe = None
+    if comm.Get_rank() == 0 and max_wait_s > 0 and cores > 1:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        try:
+            from harness import wait_for_cores
+        finally:
+            sys.path.pop(0)
+        probe = wait_for_cores(cores, max_wait_s)[1]
+    _sleeping_barrier(comm)
+    return probe
 
 
 def _summary(times):
@@ -365,13 +381,14 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
         configs = configs[:1]
     times = {i: [] for i in range(len(configs))}
     ar_share, ar_share_step, ar_reduce_share, ar_wait_share, exposed, window = [], [], [], [], [], []
-    models = {}
+    models, probes = {}, []
     for i, (_, ranks, threads) in enumerate(configs):
         with _limits(threads):
             model = make()
             dp = dist.DataParallel(model, comm, threads=threads) if ranks > 1 else None
             models[i] = (model, pc.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), dp)
     for _ in range(repeats):
+        probes.append(_wait_cores(comm, size * T, _arg(args, "wait_cores")))
         for i, (_, ranks, threads) in enumerate(configs):
             model, opt, dp = models[i]
             if ranks == 1:
@@ -443,6 +460,8 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
                 # the share of the window the reduction progressed by (capped: it cannot beat the window)
                 cap = min(buckets_alone, row["overlap_window_s"])
                 row["overlap_efficiency"] = min(1.0, hidden / cap) if cap > 0 else 0.0
+        measured = [p for p in probes if p is not None]
+        row["core_probe"] = statistics.median(measured) if measured else None
         results.append(row)
     if size == 1:
         results[0]["grad_bytes"] = 4 * models[0][0].num_parameters()
@@ -623,7 +642,8 @@ def format_results(rows) -> str:
                          f"{r['buckets']} bucket(s) takes {r['buckets_alone_s'] * 1e3:.3f} ms alone; "
                          f"{r['exposed_after_backward_s'] * 1e3:.3f} ms of it is left once the last rank ends its "
                          f"backward: {100 * r['overlap_fraction']:.0f}% hidden behind the backward "
-                         f"({r['overlap_window_s'] * 1e3:.2f} ms of backward after the first bucket starts)")
+                         f"({r['overlap_window_s'] * 1e3:.2f} ms of backward after the first bucket starts)"
+                         + (f"; core probe {r['core_probe']:.2f}x (median)" if r.get("core_probe") else ""))
     for r in rows:
         if "cost_model" in r:
             p = r["cost_model"]["params"]
@@ -662,6 +682,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-per-sample", type=float, default=None, help="seconds (with --cost-model-only)")
     p.add_argument("--grad-bytes", type=float, default=None, help="bytes (with --cost-model-only)")
     p.add_argument("--batch-per-rank", type=int, default=None, help="cost model batch per rank")
+    p.add_argument("--wait-cores", type=float, default=DEFAULTS["wait_cores"], metavar="SECONDS",
+                   help="data-parallel: before each repetition, wait up to this long until ranks x threads "
+                        "threads get 0.8x as many cores' speed (bench/run.py's core probe; 0: do not wait)")
     p.add_argument("--json", default=None, help="write the result rows here")
     return p
 
