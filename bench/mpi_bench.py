@@ -65,7 +65,7 @@ WORKLOADS = ("data-parallel", "conv-large-mpi")
 DEFAULTS = dict(repeats=7, threads_per_rank=1, backend=None, dp_batch="100,1000", dp_filters=32, dp_steps=20,
                 conv_batch=64, conv_channels=128, conv_filters=64, conv_size=32, bandwidth_gbs=12.5,
                 latency_us=2.0, cost_ranks="8,16,32,64,128,256,512,1024", overlap=None, algorithm="halving",
-                dp_model="cnn-mnist", wait_cores=0.0)
+                dp_model="cnn-mnist", wait_cores=0.0, dp_bucket_mb=1.0, dp_progress="thread")
 DP_MODELS = ("cnn-mnist", "resnet20")
 
 
@@ -270,7 +270,7 @@ def _train_steps_detail(model, opt, x, y, batch, steps, dp=None, warmup=3):
         if s >= warmup:
             step_s.append(time.perf_counter() - ts)
             allreduce_s.append(dp.timings["allreduce"] - ar0 if dp is not None else 0.0)
-            windows.append((*dp.reduce_window, dp.reduce_started) if dp is not None else None)
+            windows.append((*dp.reduce_window, dp.reduce_started, dp.hidden_share) if dp is not None else None)
     model.backend.synchronize()
     return time.perf_counter() - t0, step_s, allreduce_s, windows
 
@@ -295,14 +295,16 @@ def _split_allreduce(comm, allreduce_s, windows) -> tuple[float, float] | None:
 
 def _overlap(comm, windows) -> tuple[float, float] | None:
     """Median over steps of (seconds of reduction left once the last rank finished its backward, seconds
-    of backward after the first bucket was started); None when the ranks span several nodes."""
+    of backward after the first bucket was started, share of the gradient whose reduction had completed
+    by then); None when the ranks span several nodes."""
     if len(set(comm.allgather(socket.gethostname()))) != 1:
         return None
     w = np.array(comm.allgather([list(x) for x in windows]))  # (ranks, steps, [ready, done, started])
     last_ready = w[:, :, 0].max(axis=0)
     exposed = np.maximum(w[:, :, 1] - last_ready, 0.0).max(axis=0)
     window = (w[:, :, 0] - w[:, :, 2]).min(axis=0)
-    return float(np.median(exposed)), float(np.median(window))
+    hidden = w[:, :, 3].min(axis=0)  # a reduction is complete on every rank or on none
+    return float(np.median(exposed)), float(np.median(window)), float(np.median(hidden))
 
 
 def _buckets_alone(comm, sizes, repeats=30) -> float:
@@ -340,20 +342,29 @@ def _check_dp(comm, make, x, y, batch):
 
     A BatchNorm network is checked with its layers converted to SyncBatchNorm (the global batch's
     statistics, as the serial step); it is timed as it is, with per-rank statistics. It is checked after
-    one step: a deep BatchNorm network at a small batch amplifies the rounding differences of
-    differently sized per-rank batches (Winograd on the OpenMP backend) from step to step.
+    one step, against the size of that step: through 20 BatchNorm backwards (which cancel terms,
+    ``dy - mean(dy) - xhat mean(dy xhat)``) float32 rounding grows to ~2e-3 of the largest update on
+    the OpenMP backend (resnet20, batch 128) -- as much as between its Winograd and direct kernels on
+    one process -- while a wrong reduction (per-rank statistics) is off by ~10% of it.
     """
     from parconv import distributed as dist
 
     ref = make()
     deep = any(isinstance(m, pc.BatchNorm2d) for m in ref.modules())
-    steps, atol = (1, 1e-5) if deep else (3, 1e-6)
+    init = ref.state_dict()
     ref_opt = pc.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    _train_steps(ref, ref_opt, x, y, batch, 0, warmup=steps)
+    _train_steps(ref, ref_opt, x, y, batch, 0, warmup=1 if deep else 3)
     model = pc.SyncBatchNorm.convert_sync_batchnorm(make())
     dp = dist.DataParallel(model, comm, threads=pc.get_num_threads())
-    _train_steps(model, pc.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, y, batch, 0, dp, warmup=steps)
-    ok = all(np.allclose(model.state_dict()[k], v, rtol=1e-4, atol=atol) for k, v in ref.state_dict().items())
+    _train_steps(model, pc.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, y, batch, 0, dp,
+                 warmup=1 if deep else 3)
+    got, want = model.state_dict(), ref.state_dict()
+    if deep:
+        params = [k for k, _ in ref.named_parameters()]
+        step = max(float(np.abs(want[k] - init[k]).max()) for k in params)
+        ok = max(float(np.abs(got[k] - want[k]).max()) for k in params) <= 1e-2 * step
+    else:
+        ok = all(np.allclose(got[k], v, rtol=1e-4, atol=1e-6) for k, v in want.items())
     if not all(comm.allgather(ok)):
         raise RuntimeError("data-parallel: DataParallel step does not match the serial step; not timing it")
 
@@ -380,12 +391,14 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
     if size == 1:
         configs = configs[:1]
     times = {i: [] for i in range(len(configs))}
-    ar_share, ar_share_step, ar_reduce_share, ar_wait_share, exposed, window = [], [], [], [], [], []
+    ar_share, ar_share_step, ar_reduce_share, ar_wait_share, exposed, window, hid = [], [], [], [], [], [], []
     models, probes = {}, []
     for i, (_, ranks, threads) in enumerate(configs):
         with _limits(threads):
             model = make()
-            dp = dist.DataParallel(model, comm, threads=threads) if ranks > 1 else None
+            dp = dist.DataParallel(model, comm, threads=threads,
+                                   bucket_cap_mb=_arg(args, "dp_bucket_mb"),
+                                   progress=_arg(args, "dp_progress")) if ranks > 1 else None
             models[i] = (model, pc.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), dp)
     for _ in range(repeats):
         probes.append(_wait_cores(comm, size * T, _arg(args, "wait_cores")))
@@ -416,6 +429,7 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
                 if hidden is not None:
                     exposed.append(hidden[0])
                     window.append(hidden[1])
+                    hid.append(hidden[2])
             comm.Barrier()
     pure_ar = _allreduce_alone(comm, 4 * models[0][0].num_parameters()) if size > 1 else 0.0
     dp_last = models[len(configs) - 1][2]
@@ -449,17 +463,21 @@ def _bench_data_parallel_batch(comm, args, backend, x, y, make, batch) -> list[d
             row["allreduce_alone_s"] = pure_ar
             row["allreduce_alone_fraction"] = pure_ar / row["step_s"]
             row["model"] = _arg(args, "dp_model")
+            row["progress"] = dp_last.progress
+            row["bucket_cap_mb"] = _arg(args, "dp_bucket_mb")
             row["buckets"] = len(dp_last.bucket_sizes)
             # overlap: the bucketed reduction alone against what is left of it after the last backward
             row["buckets_alone_s"] = buckets_alone
             if exposed:
+                # what is left of the reduction once the last rank ends its backward (on a busy machine
+                # this includes a descheduled rank's delay), and the backward after the first bucket starts
                 row["exposed_after_backward_s"] = statistics.median(exposed)
                 row["overlap_window_s"] = statistics.median(window)
-                hidden = max(0.0, buckets_alone - row["exposed_after_backward_s"])
-                row["overlap_fraction"] = min(1.0, hidden / buckets_alone) if buckets_alone > 0 else 0.0
-                # the share of the window the reduction progressed by (capped: it cannot beat the window)
+                # hidden: the share of the gradient whose reduction had completed when the backward ended
+                row["overlap_fraction"] = statistics.median(hid)
+                hidden_s = row["overlap_fraction"] * buckets_alone
                 cap = min(buckets_alone, row["overlap_window_s"])
-                row["overlap_efficiency"] = min(1.0, hidden / cap) if cap > 0 else 0.0
+                row["overlap_efficiency"] = min(1.0, hidden_s / cap) if cap > 0 else 0.0
         measured = [p for p in probes if p is not None]
         row["core_probe"] = statistics.median(measured) if measured else None
         results.append(row)
@@ -638,11 +656,11 @@ def format_results(rows) -> str:
                          "ms/step")
     for r in rows:
         if "overlap_fraction" in r:
-            lines.append(f"data-parallel batch {r['global_batch']} ({r['model']}): the reduction of "
-                         f"{r['buckets']} bucket(s) takes {r['buckets_alone_s'] * 1e3:.3f} ms alone; "
-                         f"{r['exposed_after_backward_s'] * 1e3:.3f} ms of it is left once the last rank ends its "
-                         f"backward: {100 * r['overlap_fraction']:.0f}% hidden behind the backward "
-                         f"({r['overlap_window_s'] * 1e3:.2f} ms of backward after the first bucket starts)"
+            lines.append(f"data-parallel batch {r['global_batch']} ({r['model']}, progress {r['progress']}): the "
+                         f"reduction of {r['buckets']} bucket(s) takes {r['buckets_alone_s'] * 1e3:.3f} ms alone; "
+                         f"{100 * r['overlap_fraction']:.0f}% of the gradient is reduced when the backward ends "
+                         f"(hidden behind its last {r['overlap_window_s'] * 1e3:.2f} ms); the rest leaves "
+                         f"{r['exposed_after_backward_s'] * 1e3:.3f} ms after the last rank's backward"
                          + (f"; core probe {r['core_probe']:.2f}x (median)" if r.get("core_probe") else ""))
     for r in rows:
         if "cost_model" in r:
@@ -663,6 +681,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-batch", default=DEFAULTS["dp_batch"],
                    help="data-parallel global batch sizes, comma-separated (cnn-mnist's sweep runs 100 to 1000)")
     p.add_argument("--dp-filters", type=int, default=DEFAULTS["dp_filters"], help="cnn-mnist filters d")
+    p.add_argument("--dp-bucket-mb", type=float, default=DEFAULTS["dp_bucket_mb"],
+                   help="DataParallel's bucket_cap_mb in the timed data-parallel runs")
+    p.add_argument("--dp-progress", choices=("thread", "hooks"), default=DEFAULTS["dp_progress"],
+                   help="DataParallel's progress: a thread calling into MPI during the backward, or the hooks only")
     p.add_argument("--dp-model", choices=DP_MODELS, default=DEFAULTS["dp_model"],
                    help="the data-parallel network: cnn-mnist, or resnet20 on 3x32x32 inputs")
     p.add_argument("--dp-steps", type=int, default=DEFAULTS["dp_steps"], help="training steps per timing")

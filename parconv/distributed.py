@@ -358,6 +358,48 @@ def _host_copy(backend, a) -> np.ndarray:
 
 
 # ---------------------------------------------------------- data parallel
+_PROGRESS_TAG = 7304  # a tag no message carries: Iprobe on it only drives the progress engine
+_PROGRESS_INTERVAL_S = 5e-4
+
+
+class _ProgressThread:
+    """Drives MPI's progress engine while gradient reductions are in flight.
+
+    MPI promises progress on a started ``Iallreduce`` only inside MPI calls;
+    the backward's own calls come once per layer of the model, and a long
+    layer leaves the reduction waiting. While :meth:`start` .. :meth:`stop`,
+    this thread calls ``Iprobe`` (on a tag nobody sends) every
+    ``_PROGRESS_INTERVAL_S``: it touches no request, so the main thread may
+    start, test and wait on its requests meanwhile. The kernels release the
+    GIL, so it runs beside them; it sleeps between backward passes.
+    """
+
+    def __init__(self, comm):
+        import threading
+
+        self.comm = comm
+        self.polls = 0
+        self._go = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="parconv-mpi-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._go.wait()
+            while self._go.is_set():
+                if MPI.Is_finalized():
+                    return
+                self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG)
+                self.polls += 1
+                time.sleep(_PROGRESS_INTERVAL_S)
+
+    def start(self) -> None:
+        self._go.set()
+
+    def stop(self) -> None:
+        self._go.clear()
+
+
 class _Bucket:
     """A contiguous host buffer holding the gradients of a run of layers, reduced together."""
 
@@ -400,6 +442,11 @@ class DataParallel:
         ``OMP_NUM_THREADS`` setting, else cores // ranks on this node.
     abort_on_error : bool, default True
         An exception on any rank aborts the whole job (see :func:`abort_on_error`).
+    progress : {"thread", "hooks"}, default "thread"
+        How the started reductions progress while the backward runs: a
+        thread that calls into MPI every 0.5 ms (MPI promises no progress
+        outside its calls; needs ``MPI_THREAD_MULTIPLE``, else "hooks"), or
+        only the calls made after each layer's backward.
     broadcast_buffers : bool, default True
         As PyTorch's DDP: rank 0's buffers (BatchNorm running statistics and
         counters) are copied to every rank before every forward, and ``fit``
@@ -426,6 +473,9 @@ class DataParallel:
         The ``time.perf_counter()`` reading at which the last :meth:`backward`
         started its first bucket's reduction: from then until ``ready`` the
         reductions can progress behind the rest of the backward.
+    hidden_share : float or None
+        The share of the gradient floats whose reduction had completed when
+        the last :meth:`backward` finished computing: hidden behind it.
     bucket_sizes : list of int
         Floats per bucket, in launch order.
 
@@ -441,7 +491,7 @@ class DataParallel:
     """
 
     def __init__(self, model, comm=None, *, bucket_cap_mb: float = 1.0, threads: int | None = None,
-                 abort_on_error: bool = True, broadcast_buffers: bool = True):
+                 abort_on_error: bool = True, broadcast_buffers: bool = True, progress: str = "thread"):
         from .model import Sequential
 
         if not isinstance(model, Sequential):
@@ -456,6 +506,12 @@ class DataParallel:
         if not isinstance(broadcast_buffers, (bool, np.bool_)):
             raise TypeError(f"DataParallel: broadcast_buffers must be a bool, got {type(broadcast_buffers).__name__}")
         self.sync_buffers = bool(broadcast_buffers)
+        if progress not in ("thread", "hooks"):
+            raise ValueError(f"DataParallel: progress must be 'thread' or 'hooks', got {progress!r}")
+        if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            progress = "hooks"  # a second thread may not call MPI
+        self.progress = progress
+        self._progress = None
         self._buckets: list[_Bucket] = []
         self._layer_bucket: dict[int, int] = {}
         self._slot: dict[int, tuple] = {}  # id(param) -> (offset in its bucket, size, shape)
@@ -469,6 +525,7 @@ class DataParallel:
         self.timings = {"backward": 0.0, "allreduce": 0.0}
         self.reduce_window = None
         self.reduce_started = None
+        self.hidden_share = None
         self.bind_sync_batchnorm()
         with self._guard("DataParallel()"):
             self.threads = configure_threads(self.comm, threads)
@@ -664,6 +721,10 @@ class DataParallel:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             if self._next_launch == 0:
                 self.reduce_started = time.perf_counter()
+                if self.progress == "thread":
+                    if self._progress is None:
+                        self._progress = _ProgressThread(self.comm)
+                    self._progress.start()
             bucket = self._buckets[self._next_launch]
             bucket.request = self.comm.Iallreduce(MPI.IN_PLACE, [bucket.buffer, MPI.FLOAT], op=MPI.SUM)
             self._next_launch += 1
@@ -721,7 +782,12 @@ class DataParallel:
                         self._on_grads(i, self.model.layers[i].parameters())
             finally:
                 self._active = False
+                if self._progress is not None:
+                    self._progress.stop()  # Waitall progresses by itself
             ready = time.perf_counter()
+            # what the backward hid: the gradient floats whose reduction is complete already
+            finished = sum(b.buffer.size for b in self._buckets if b.request.Test())
+            self.hidden_share = finished / max(1, sum(b.buffer.size for b in self._buckets))
             MPI.Request.Waitall([b.request for b in self._buckets])
             for bucket in self._buckets:
                 bucket.request = None

@@ -297,8 +297,8 @@ def data(n, seed=0):
 @needs_mpi_run
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("bucket_cap_mb", [1.0, 1e-4])
-def test_data_parallel_matches_single_process(backend, bucket_cap_mb):
+@pytest.mark.parametrize("bucket_cap_mb, progress", [(1.0, "thread"), (1e-4, "thread"), (1e-4, "hooks")])
+def test_data_parallel_matches_single_process(backend, bucket_cap_mb, progress):
     """Several momentum-SGD steps over the ranks equal single-process steps on the global batch,
     although every rank starts from different weights (the broadcast fixes that)."""
     x, y = data(6 * SIZE * 5)
@@ -306,7 +306,8 @@ def test_data_parallel_matches_single_process(backend, bucket_cap_mb):
     ref = make_cnn(backend, seed=0)  # rank 0's initial weights
     ref_opt = pc.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     model = make_cnn(backend, seed=RANK)
-    dp = dist.DataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    dp = dist.DataParallel(model, bucket_cap_mb=bucket_cap_mb, progress=progress)
+    assert dp.progress == progress  # mpi4py asks for MPI_THREAD_MULTIPLE, which MPICH gives
     opt = pc.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     if bucket_cap_mb < 1e-3:
         assert dp.num_buckets == 3  # one bucket per layer with parameters
@@ -330,6 +331,9 @@ def test_data_parallel_matches_single_process(backend, bucket_cap_mb):
     on_all_ranks(check)
     assert_same_on_all_ranks(model.state_dict())
     assert dp.timings["allreduce"] <= dp.timings["backward"]
+    assert 0.0 <= dp.hidden_share <= 1.0 and dp.reduce_started <= dp.reduce_window[0] <= dp.reduce_window[1]
+    with pytest.raises(ValueError, match="progress must be 'thread' or 'hooks', got 'async'"):
+        dist.DataParallel(model, progress="async")
 
 
 @needs_mpi_run
