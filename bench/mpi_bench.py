@@ -65,7 +65,7 @@ WORKLOADS = ("data-parallel", "conv-large-mpi")
 DEFAULTS = dict(repeats=7, threads_per_rank=1, backend=None, dp_batch="100,1000", dp_filters=32, dp_steps=20,
                 conv_batch=64, conv_channels=128, conv_filters=64, conv_size=32, bandwidth_gbs=12.5,
                 latency_us=2.0, cost_ranks="8,16,32,64,128,256,512,1024", overlap=None, algorithm="halving",
-                dp_model="cnn-mnist", wait_cores=0.0, dp_bucket_mb=1.0, dp_progress="thread")
+                dp_model="cnn-mnist", wait_cores=0.0, dp_bucket_mb=1.0, dp_progress="hooks")
 DP_MODELS = ("cnn-mnist", "resnet20")
 
 
