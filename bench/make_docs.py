@@ -447,6 +447,8 @@ def keep_sections(old_text: str, new_text: str) -> str:
         if heading in KEPT_SECTIONS:
             new_text = replace_section(new_text, heading, lines)
     return new_text
+
+
 def _table_rows(lines: list[str]) -> tuple[int, int]:
     """[start, end) of the first markdown table in ``lines`` (0, 0 when there is none)."""
     start = next((i for i, line in enumerate(lines) if line.startswith("| ")), None)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from . import functional as F
 from ._grad import NOT_SAVED, SavedForBackward, enable_grad, no_grad_error
 from ._validation import shape_of, to_backend_array
-from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Residual
+from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Residual, SyncBatchNorm
 
 __all__ = ["plan", "PlanStep"]
 
@@ -227,8 +227,8 @@ def _conv_bn_eval(layers, i) -> bool:
     if i + 2 > len(layers):
         return False
     conv, bn = layers[i:i + 2]
-    return (type(conv) is Conv2d and type(bn) is BatchNorm2d and conv.simple and not bn._uses_batch_stats()
-            and bn.num_features == conv.out_channels)
+    return (type(conv) is Conv2d and type(bn) in (BatchNorm2d, SyncBatchNorm) and conv.simple
+            and not bn._uses_batch_stats() and bn.num_features == conv.out_channels)
 
 
 def _conv_pool(layers, i) -> bool:
@@ -264,7 +264,7 @@ def plan(layers: list, backend, fuse: bool) -> list:
             steps.append(PlanStep(ResidualReLU(i, layer, nxt), i, i + 2, (i,)))
             i += 2
             continue
-        if fuse and type(layer) in (BatchNorm1d, BatchNorm2d) and type(nxt) is ReLU:
+        if fuse and type(layer) in (BatchNorm1d, BatchNorm2d, SyncBatchNorm) and type(nxt) is ReLU:
             steps.append(PlanStep(BatchNormReLU(i, layer, nxt), i, i + 2, (i,)))
             i += 2
             continue

@@ -313,6 +313,9 @@ def _augmentation(args, shape):
 
 def cmd_train(args) -> int:
     _apply_recipe(args)
+    if getattr(args, "sync_bn", False) and not args.distributed:
+        raise SystemExit("parconv train: --sync-bn synchronises BatchNorm over MPI ranks; it needs --distributed "
+                         "(run: mpiexec -n N parconv train --distributed --sync-bn)")
     if not args.distributed:
         return _train(args, None)
     try:
@@ -348,6 +351,11 @@ def _train(args, comm) -> int:
         _on_rank0(comm, lambda: check_writable_target(args.checkpoint))
     (xtr, ytr), (xte, yte), source, stats = _load_data(args)
     model = _build_model(args, xtr.shape[1:], backend, stats)
+    synced = 0
+    if getattr(args, "sync_bn", False):
+        # before the DataParallel, which binds the new layers to its communicator
+        model = pc.SyncBatchNorm.convert_sync_batchnorm(model)
+        synced = sum(isinstance(m, pc.SyncBatchNorm) for m in model.modules())
     if args.resume:  # the checkpoint's network is compared with the one built here
         _check_resume(args, comm, say, model)
     if comm is not None:
@@ -379,7 +387,8 @@ def _train(args, comm) -> int:
         + (f", {args.scheduler} schedule" if args.scheduler != "none" else "") + f" | batch {args.batch_size}"
         + (" (global)" if comm is not None else "") + f" | {len(xtr)} train"
         + (f" / {len(validation[0])} validation" if validation is not None else "") + f" / {len(xte)} test images"
-        + (" | augmented" if args.augment else ""))
+        + (" | augmented" if args.augment else "")
+        + (f" | {_plural(synced, 'SyncBatchNorm layer')}" if getattr(args, "sync_bn", False) else ""))
     if args.resume:
         say(f"resuming from {args.resume}")
     checkpoint = args.checkpoint or None
@@ -511,6 +520,9 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
                      help="OpenMP threads (default: every core; with --distributed, cores / ranks per rank)")
     run.add_argument("--distributed", action="store_true",
                      help="data-parallel over MPI ranks: run under mpiexec -n N")
+    run.add_argument("--sync-bn", action="store_true",
+                     help="with --distributed: BatchNorm with the statistics of the global batch over the ranks "
+                          "(pc.SyncBatchNorm) instead of each rank's share")
     data = t.add_argument_group("model and data")
     data.add_argument("--model", choices=("cnn-mnist", "lenet5", "vgg-small", "resnet20", "mobilenet-small"),
                       default="cnn-mnist", help="the network (pc.models); every one adapts to the data's channels")

@@ -178,6 +178,127 @@ def install_excepthook(comm=None) -> None:
     sys.excepthook = hook
 
 
+# ------------------------------------------------------------- a rank that exits
+_EXIT_TAG = 7303  # tag of the "this rank is exiting" notice (point-to-point: never matches a collective)
+#: seconds a rank's main thread may stay at one instruction after a peer exited before the job is aborted
+EXIT_STALL_S = 4.0
+_POLL_S = 0.05
+
+
+class _ExitWatch:
+    """Ends the job when a rank exits (``sys.exit``, the end of the program) while another waits for it.
+
+    At exit every rank sends a notice to the others and waits for theirs:
+    when all ranks end together the job finishes normally. A non-zero exit
+    status aborts at once. On every rank a watchdog thread receives the
+    notices; when a peer has exited and this rank's main thread stays at
+    the same instruction for :data:`EXIT_STALL_S` seconds -- blocked in a
+    collective that can never complete -- it prints which rank exited, how,
+    and where this one waits, then calls ``comm.Abort``. A rank still
+    computing (say, rank 0 saving the model) is left to finish.
+    """
+
+    def __init__(self, comm):
+        import atexit
+        import threading
+
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.how: str | None = None  # "sys.exit(0)", recorded by the sys.exit wrapper
+        self.status = 0
+        self.exited: dict[int, str] = {}
+        self.exiting = False
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.main_ident = threading.main_thread().ident
+        self.thread = None
+        self._original_exit = sys.exit
+        sys.exit = self._recording_exit
+        atexit.register(self._at_exit)
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            self.thread = threading.Thread(target=self._watch, name="parconv-exit-watch", daemon=True)
+            self.thread.start()
+
+    def _recording_exit(self, status=None):
+        self.how = "sys.exit()" if status is None else f"sys.exit({status!r})"
+        self.status = 0 if status is None else (status if isinstance(status, int) else 1)
+        self._original_exit(status)
+
+    def _poll(self) -> None:
+        """Receive the exit notices that have arrived."""
+        status = MPI.Status()
+        with self.lock:
+            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_EXIT_TAG, status=status):
+                source = status.Get_source()
+                self.exited[source] = self.comm.recv(source=source, tag=_EXIT_TAG)
+
+    def _say_and_abort(self, text: str, code: int) -> None:
+        prefix = _rank_prefix(self.comm)
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        sys.stderr.write(f"[{prefix}] parconv.distributed: {text}; aborting all ranks\n")
+        sys.stderr.flush()
+        time.sleep(0.3)  # let mpiexec forward the line before the abort tears it down
+        _abort(self.comm, code)
+
+    def _watch(self) -> None:
+        last, since = None, None
+        while not self.stop.wait(_POLL_S):
+            if MPI.Is_finalized():
+                return
+            self._poll()
+            if not self.exited or self.exiting:
+                continue
+            frame = sys._current_frames().get(self.main_ident)
+            if frame is None:
+                return
+            here = (id(frame), frame.f_lasti)
+            now = time.monotonic()
+            if here != last:
+                last, since = here, now
+                continue
+            if now - since >= EXIT_STALL_S and not self.exiting:
+                peers = ", ".join(f"rank {r} of {self.size} exited ({how})" for r, how in sorted(self.exited.items()))
+                where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+                self._say_and_abort(f"{peers} outside a collective, while rank {self.rank} waits at {where}", 1)
+
+    def _at_exit(self) -> None:
+        if MPI.Is_finalized() or not MPI.Is_initialized():
+            return
+        self.exiting = True
+        how = self.how or "at the end of the program"
+        if self.status:
+            self._say_and_abort(f"rank {self.rank} of {self.size} exited ({how})", self.status)
+        if self.thread is not None:
+            self.stop.set()
+            self.thread.join()
+        requests = [self.comm.isend(how, dest=r, tag=_EXIT_TAG) for r in range(self.size) if r != self.rank]
+        waited = 0.0
+        while True:
+            self._poll()
+            if len(self.exited) >= self.size - 1:
+                break
+            if self.thread is None and waited > 2 * EXIT_STALL_S:
+                # without a watchdog on the others, nobody else can tell that they wait for this rank
+                self._say_and_abort(f"rank {self.rank} of {self.size} exited ({how}) while ranks "
+                                    f"{sorted(set(range(self.size)) - set(self.exited) - {self.rank})} go on", 1)
+            time.sleep(_POLL_S)
+            waited += _POLL_S
+        MPI.Request.Waitall(requests)
+
+
+_exit_watch: _ExitWatch | None = None
+
+
+def _watch_exits(comm) -> None:
+    """Install :class:`_ExitWatch` once (under more than one rank)."""
+    global _exit_watch
+    if _exit_watch is None and comm.Get_size() > 1:
+        _exit_watch = _ExitWatch(comm)
+
+
 def default_threads(comm=None) -> int:
     """Threads per rank by default: the cores this process may use // the ranks on this node.
 
@@ -237,6 +358,48 @@ def _host_copy(backend, a) -> np.ndarray:
 
 
 # ---------------------------------------------------------- data parallel
+_PROGRESS_TAG = 7304  # a tag no message carries: Iprobe on it only drives the progress engine
+_PROGRESS_INTERVAL_S = 5e-4
+
+
+class _ProgressThread:
+    """Drives MPI's progress engine while gradient reductions are in flight.
+
+    MPI promises progress on a started ``Iallreduce`` only inside MPI calls;
+    the backward's own calls come once per layer of the model, and a long
+    layer leaves the reduction waiting. While :meth:`start` .. :meth:`stop`,
+    this thread calls ``Iprobe`` (on a tag nobody sends) every
+    ``_PROGRESS_INTERVAL_S``: it touches no request, so the main thread may
+    start, test and wait on its requests meanwhile. The kernels release the
+    GIL, so it runs beside them; it sleeps between backward passes.
+    """
+
+    def __init__(self, comm):
+        import threading
+
+        self.comm = comm
+        self.polls = 0
+        self._go = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="parconv-mpi-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._go.wait()
+            while self._go.is_set():
+                if MPI.Is_finalized():
+                    return
+                self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG)
+                self.polls += 1
+                time.sleep(_PROGRESS_INTERVAL_S)
+
+    def start(self) -> None:
+        self._go.set()
+
+    def stop(self) -> None:
+        self._go.clear()
+
+
 class _Bucket:
     """A contiguous host buffer holding the gradients of a run of layers, reduced together."""
 
@@ -279,6 +442,21 @@ class DataParallel:
         ``OMP_NUM_THREADS`` setting, else cores // ranks on this node.
     abort_on_error : bool, default True
         An exception on any rank aborts the whole job (see :func:`abort_on_error`).
+    progress : {"hooks", "thread"}, default "hooks"
+        How the started reductions progress while the backward runs (MPI
+        promises no progress outside its calls): through the MPI calls made
+        after each layer's backward, or also from a thread that calls into
+        MPI every 0.5 ms (needs ``MPI_THREAD_MULTIPLE``, else "hooks") -- for
+        models whose layers are few and long. On resnet20 both hide 95% of
+        the gradient reduction (2 ranks, batch 128), so the default spares
+        the thread's wake-ups.
+    broadcast_buffers : bool, default True
+        As PyTorch's DDP: rank 0's buffers (BatchNorm running statistics and
+        counters) are copied to every rank before every forward, and ``fit``
+        copies them again at the end of every epoch, so every rank holds --
+        evaluates and saves -- the same model. Broadcasting rather than
+        averaging keeps a model that one rank actually computed; with
+        :class:`parconv.SyncBatchNorm` the statistics are global anyway.
 
     Attributes
     ----------
@@ -294,6 +472,15 @@ class DataParallel:
         the slowest rank is ready, so on one node (one clock) comparing
         ``ready`` across ranks splits ``"allreduce"`` into waiting for the
         slowest rank and the reduction itself (``bench/mpi_bench.py`` does).
+    reduce_started : float or None
+        The ``time.perf_counter()`` reading at which the last :meth:`backward`
+        started its first bucket's reduction: from then until ``ready`` the
+        reductions can progress behind the rest of the backward.
+    hidden_share : float or None
+        The share of the gradient floats whose reduction had completed when
+        the last :meth:`backward` finished computing: hidden behind it.
+    bucket_sizes : list of int
+        Floats per bucket, in launch order.
 
     Examples
     --------
@@ -307,7 +494,7 @@ class DataParallel:
     """
 
     def __init__(self, model, comm=None, *, bucket_cap_mb: float = 1.0, threads: int | None = None,
-                 abort_on_error: bool = True):
+                 abort_on_error: bool = True, broadcast_buffers: bool = True, progress: str = "hooks"):
         from .model import Sequential
 
         if not isinstance(model, Sequential):
@@ -319,6 +506,15 @@ class DataParallel:
         self.bucket_cap_bytes = int(check_float(bucket_cap_mb, "bucket_cap_mb", "DataParallel", 0.0,
                                                 min_inclusive=False) * 2**20)
         self.abort_on_error = bool(abort_on_error)
+        if not isinstance(broadcast_buffers, (bool, np.bool_)):
+            raise TypeError(f"DataParallel: broadcast_buffers must be a bool, got {type(broadcast_buffers).__name__}")
+        self.sync_buffers = bool(broadcast_buffers)
+        if progress not in ("thread", "hooks"):
+            raise ValueError(f"DataParallel: progress must be 'thread' or 'hooks', got {progress!r}")
+        if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            progress = "hooks"  # a second thread may not call MPI
+        self.progress = progress
+        self._progress = None
         self._buckets: list[_Bucket] = []
         self._layer_bucket: dict[int, int] = {}
         self._slot: dict[int, tuple] = {}  # id(param) -> (offset in its bucket, size, shape)
@@ -327,13 +523,19 @@ class DataParallel:
         self._reported: set = set()
         self._next_launch = 0
         self._weight = 1.0
+        self._placeholder = False
+        self._sync_norms: list = []
         self.timings = {"backward": 0.0, "allreduce": 0.0}
         self.reduce_window = None
+        self.reduce_started = None
+        self.hidden_share = None
+        self.bind_sync_batchnorm()
         with self._guard("DataParallel()"):
             self.threads = configure_threads(self.comm, threads)
             if self.size > 1:
                 install_excepthook(self.comm)
             self.broadcast_parameters()
+            self.broadcast_buffers()
         model.register_grad_hook(self._on_grads)
 
     # -------------------------------------------------------------- basics
@@ -353,8 +555,12 @@ class DataParallel:
         return self.forward(x)
 
     def forward(self, x):
-        """The model's forward on this rank's shard ``x`` (no communication)."""
+        """The model's forward on this rank's shard ``x``; in training mode rank 0's buffers are first
+        copied to every rank (``broadcast_buffers``; no communication for a model without buffers), and
+        the call is then collective. In eval mode the buffers do not move: no communication."""
         with self._guard("forward"):
+            if self.sync_buffers and self.model.training:
+                self.broadcast_buffers()
             return self.model.forward(x)
 
     def reset_timings(self) -> None:
@@ -367,6 +573,65 @@ class DataParallel:
             return
         with self._guard("broadcast_parameters"):
             self._broadcast(params, root)
+
+    def bind_sync_batchnorm(self) -> int:
+        """Make the model's :class:`parconv.SyncBatchNorm` layers reduce over this comm (those given no
+        ``comm`` of their own) and weight their gradients as this reducer does. Done at construction and
+        by every ``fit``; call it after converting a model already wrapped. Returns how many there are."""
+        from .layers import SyncBatchNorm
+
+        self._sync_norms = [m for m in self.model.modules() if isinstance(m, SyncBatchNorm)]
+        for m in self._sync_norms:
+            m._dp = self
+        return len(self._sync_norms)
+
+    @property
+    def needs_every_rank(self) -> bool:
+        """Whether every rank must run every forward and backward (the model reduces inside them)."""
+        return self.size > 1 and bool(self._sync_norms)
+
+    @contextlib.contextmanager
+    def placeholder(self):
+        """Run a forward on data this rank holds no share of: SyncBatchNorm layers then add nothing to the
+        statistics (and ``backward(..., weight=0)`` adds nothing to the gradients)."""
+        self._placeholder = True
+        try:
+            yield
+        finally:
+            self._placeholder = False
+
+    def broadcast_buffers(self, root: int = 0) -> None:
+        """Copy rank ``root``'s buffers (running statistics, counters) to every rank: one ``Bcast``. Collective.
+
+        Float buffers are written in place (a backend array keeps its
+        identity); integer counters travel exactly (float64 holds them).
+        """
+        if self.size == 1:
+            return
+        entries = [(owner, attr) for _, owner, attr, kind in self.model._state_entries() if kind == "buffer"]
+        if not entries:
+            return
+        with self._guard("broadcast_buffers"):
+            values = [getattr(owner, attr) for owner, attr in entries]
+            sizes = [int(np.prod(shape_of(v))) for v in values]
+            flat = np.empty(sum(sizes), dtype=np.float64)
+            if self.rank == root:
+                off = 0
+                for (owner, _), v, size in zip(entries, values, sizes):
+                    host = v if isinstance(v, np.ndarray) and v.dtype != np.float32 else owner.backend.to_numpy(v)
+                    flat[off:off + size] = np.asarray(host).reshape(-1)
+                    off += size
+            self.comm.Bcast([flat, MPI.DOUBLE], root=root)
+            if self.rank != root:
+                off = 0
+                for (owner, attr), v, size in zip(entries, values, sizes):
+                    part = flat[off:off + size]
+                    off += size
+                    if isinstance(v, np.ndarray) and v.dtype != np.float32:
+                        setattr(owner, attr, part.astype(v.dtype).reshape(v.shape))
+                    else:
+                        be = owner.backend
+                        be.copy_into(v, be.asarray(part.astype(np.float32).reshape(shape_of(v))))
 
     def _broadcast(self, params, root):
         be = self.model.backend
@@ -428,6 +693,11 @@ class DataParallel:
         self._plan_buckets()
         return len(self._buckets)
 
+    @property
+    def bucket_sizes(self) -> list[int]:
+        self._plan_buckets()
+        return [b.buffer.size for b in self._buckets]
+
     def _on_grads(self, layer_index: int, params) -> None:
         """Grad hook: copy (scaled) gradients into their bucket; start every bucket that is complete."""
         if not self._active or layer_index in self._reported:
@@ -452,6 +722,12 @@ class DataParallel:
     def _launch_ready(self) -> None:
         # start strictly in bucket order, so every rank issues the same sequence of collectives
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            if self._next_launch == 0:
+                self.reduce_started = time.perf_counter()
+                if self.progress == "thread":
+                    if self._progress is None:
+                        self._progress = _ProgressThread(self.comm)
+                    self._progress.start()
             bucket = self._buckets[self._next_launch]
             bucket.request = self.comm.Iallreduce(MPI.IN_PLACE, [bucket.buffer, MPI.FLOAT], op=MPI.SUM)
             self._next_launch += 1
@@ -509,7 +785,12 @@ class DataParallel:
                         self._on_grads(i, self.model.layers[i].parameters())
             finally:
                 self._active = False
+                if self._progress is not None:
+                    self._progress.stop()  # Waitall progresses by itself
             ready = time.perf_counter()
+            # what the backward hid: the gradient floats whose reduction is complete already
+            finished = sum(b.buffer.size for b in self._buckets if b.request.Test())
+            self.hidden_share = finished / max(1, sum(b.buffer.size for b in self._buckets))
             MPI.Request.Waitall([b.request for b in self._buckets])
             for bucket in self._buckets:
                 bucket.request = None
@@ -581,36 +862,75 @@ class DataParallel:
                                            f"shapes; they differ in " + "; ".join(diffs))
 
     # ------------------------------------------------------------ training
-    def fit(self, x, y, **kwargs):
-        """:meth:`parconv.Sequential.fit` over all ranks; every rank passes the full ``x, y``.
+    def fit(self, x, y=None, **kwargs):
+        """:meth:`parconv.Sequential.fit` over all ranks; every rank passes the full ``x, y`` (or a DataLoader).
 
         ``batch_size`` is the global batch: each epoch's shuffled order is the
         same on every rank and each rank trains on its contiguous share of
-        every batch, so the run follows the serial one with the same seed.
+        every batch, so the run follows the serial one with the same seed. A
+        :class:`parconv.data.DataLoader` (the same seed on every rank) is
+        sharded the same way: each rank reads and transforms only its share.
         """
         return self.model.fit(x, y, distributed=self, **kwargs)
 
-    def evaluate(self, x, y, batch_size: int = 256, loss=None) -> dict:
-        """Mean loss and accuracy over ``(x, y)``, each rank evaluating its share. Collective."""
+    def evaluate(self, x, y=None, batch_size: int = 256, loss=None) -> dict:
+        """Mean loss and accuracy over ``(x, y)`` in eval mode, each rank evaluating its share. Collective.
+
+        As :meth:`parconv.Sequential.evaluate`: BatchNorm uses its running
+        statistics (rank 0's, copied to every rank first with
+        ``broadcast_buffers``), Dropout is off, and the previous mode is
+        restored -- the result is the serial evaluation of the saved model.
+        """
         from .losses import SoftmaxCrossEntropy
-        from .training import as_host_float as _as_host_float, evaluate_host, host_targets
+        from .training import _eval_mode
 
         with self._guard("evaluate"):
-            batch_size = check_int(batch_size, "batch_size", "DataParallel.evaluate", 1)
-            loss = SoftmaxCrossEntropy() if loss is None else loss
-            x = _as_host_float(x, "x", "DataParallel.evaluate")
-            y = host_targets(y, x.shape[0], loss, "y", "DataParallel.evaluate")
-            lo, hi = self.shard(x.shape[0])
-            if hi > lo:
-                ev = evaluate_host(self.model, x[lo:hi], y[lo:hi], loss, batch_size)
-                local = [ev["loss"] * (hi - lo), ev.get("accuracy", 0.0) * (hi - lo)]
-            else:
-                local = [0.0, 0.0]
-            total = self.allreduce_sum(local)
-            n = x.shape[0]
-            if not getattr(loss, "reports_accuracy", True):
-                return {"loss": float(total[0] / n)}
-            return {"loss": float(total[0] / n), "accuracy": float(round(total[1]) / n)}
+            if self.sync_buffers:
+                self.broadcast_buffers()
+            with _eval_mode(self.model):
+                return self._evaluate(x, y, batch_size, loss if loss is not None else SoftmaxCrossEntropy())
+
+    def _evaluate(self, x, y, batch_size, loss) -> dict:
+        from .training import _is_loader, as_host_float as _as_host_float, evaluate_host, host_targets
+
+        if _is_loader(x):
+            return self._evaluate_loader(x, loss)
+        batch_size = check_int(batch_size, "batch_size", "DataParallel.evaluate", 1)
+        x = _as_host_float(x, "x", "DataParallel.evaluate")
+        y = host_targets(y, x.shape[0], loss, "y", "DataParallel.evaluate")
+        lo, hi = self.shard(x.shape[0])
+        if hi > lo:
+            ev = evaluate_host(self.model, x[lo:hi], y[lo:hi], loss, batch_size)
+            local = [ev["loss"] * (hi - lo), ev.get("accuracy", 0.0) * (hi - lo)]
+        else:
+            local = [0.0, 0.0]
+        total = self.allreduce_sum(local)
+        n = x.shape[0]
+        if not getattr(loss, "reports_accuracy", True):
+            return {"loss": float(total[0] / n)}
+        return {"loss": float(total[0] / n), "accuracy": float(round(total[1]) / n)}
+
+
+    def _evaluate_loader(self, loader, loss) -> dict:
+        """Each rank evaluates its share of every batch of a DataLoader's epoch 0; the sums are reduced."""
+        from .training import _metrics, _prepare_target, _release, host_targets
+
+        if getattr(loader, "num_samples", None) is None or not hasattr(loader, "_shard_epoch"):
+            raise TypeError("DataParallel.evaluate: a DataLoader over arrays is sharded over the ranks; a batch "
+                            "source is not (evaluate its batches with the model on each rank)")
+        be = self.model.backend
+        total = np.zeros(3)
+        for xb, yb in loader._shard_epoch(0, 0, self.rank, self.size):
+            if len(xb) == 0:
+                continue
+            yb = host_targets(yb, len(xb), loss, "y", "DataParallel.evaluate")
+            out = self.model.forward(be.asarray(xb))
+            target = _prepare_target(loss, yb, be)
+            total += (loss.forward(out, target, backend=be) * len(yb), loss.count_correct(out, target), len(yb))
+        _release(self.model)
+        total = self.allreduce_sum(total)
+        n = max(total[2], 1.0)
+        return _metrics(loss, float(total[0] / n), float(round(total[1]) / n))
 
 
 # ------------------------------------------------------- filter parallel
@@ -928,11 +1248,14 @@ def _reducer_for(model, distributed):
         if dp is None or dp.comm is not comm:
             model._dp_cache = dp = DataParallel(model, comm)  # reused by later fits (one grad hook)
             return dp
+    dp.bind_sync_batchnorm()
     dp.broadcast_parameters()
     return dp
 
 
 register_reducer_factory(_reducer_for)
 if MPI.COMM_WORLD.Get_size() > 1:
-    # an uncaught exception on one rank before any parconv collective must still end the job
+    # an uncaught exception on one rank before any parconv collective must still end the job,
+    # and so must a rank's exit while the others wait for it
     install_excepthook(MPI.COMM_WORLD)
+    _watch_exits(MPI.COMM_WORLD)

@@ -819,6 +819,216 @@ class BatchNorm1d(_BatchNorm):
     _ndims, _layout = (2, 3), "2-D (N, C) or 3-D (N, C, L)"
 
 
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalisation with the statistics of the global batch over MPI ranks (PyTorch's name).
+
+    In training mode every rank's per-channel count, sum and sum of squares
+    are summed over the ranks (one ``Allreduce`` of ``2C + 1`` float64 values
+    per layer), so each rank normalises its shard with the mean and variance
+    of the whole batch and the running statistics are the global batch's on
+    every rank; the backward sums ``sum(dy)`` and ``sum(dy * xhat)`` over the
+    ranks the same way (one more ``Allreduce``), so gradients equal those of
+    :class:`BatchNorm2d` on the global batch. Unlike PyTorch's, it runs on CPUs
+    (any backend: only the ``(C,)`` sums travel through the host).
+
+    On one process, without MPI, and in eval mode it is exactly
+    :class:`BatchNorm2d`/:class:`BatchNorm1d` (2-D, 3-D or 4-D input). Every
+    rank must call it on every step (each needs the others' sums); ``fit``
+    sees to that when a rank's share of a batch is empty.
+
+    Parameters
+    ----------
+    num_features, eps, momentum, affine, track_running_stats
+        As :class:`BatchNorm2d`.
+    comm : mpi4py communicator, optional
+        The ranks to reduce over (PyTorch's ``process_group``). Default: the
+        communicator of the :class:`parconv.distributed.DataParallel` that
+        trains the model, else ``MPI.COMM_WORLD`` once ``mpi4py`` is imported;
+        without either it normalises per process.
+
+    Examples
+    --------
+    >>> import parconv as pc
+    >>> model = pc.Sequential(pc.Conv2d(1, 4, 3), pc.BatchNorm2d(4), pc.ReLU(), backend="numpy")
+    >>> model = pc.SyncBatchNorm.convert_sync_batchnorm(model)
+    >>> type(model.layers[1]).__name__
+    'SyncBatchNorm'
+    """
+
+    _ndims, _layout = (2, 3, 4), "2-D (N, C), 3-D (N, C, L) or 4-D (N, C, H, W)"
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, comm=None, backend=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, backend)
+        if comm is not None and not (hasattr(comm, "Allreduce") and hasattr(comm, "Get_size")):
+            raise TypeError(f"SyncBatchNorm: comm must be an mpi4py communicator (e.g. MPI.COMM_WORLD) or None, "
+                            f"got {type(comm).__name__}")
+        self.comm = comm
+        self._dp = None  # the DataParallel training this layer: its comm and this rank's share of the batch
+
+    # ------------------------------------------------------------ the ranks
+    def _group(self):
+        """The communicator to reduce over, or None when this process is alone."""
+        import sys
+
+        comm = self.comm
+        if comm is None and self._dp is not None:
+            comm = self._dp.comm
+        if comm is None:
+            mpi = sys.modules.get("mpi4py.MPI")
+            comm = None if mpi is None else mpi.COMM_WORLD
+        return comm if comm is not None and comm.Get_size() > 1 else None
+
+    def _share(self, size: int) -> float:
+        """This rank's weight in the global gradient: the DataParallel's while it reduces, else 1 / size."""
+        dp = self._dp
+        if dp is not None and getattr(dp, "_active", False):
+            return float(dp._weight)
+        return 1.0 / size
+
+    @staticmethod
+    def _allreduce(comm, values: np.ndarray) -> np.ndarray:
+        from mpi4py import MPI
+
+        comm.Allreduce(MPI.IN_PLACE, [values, MPI.DOUBLE], op=MPI.SUM)
+        return values
+
+    def _local_sums(self, x, count: int):
+        """Host float64 ``(sum, sum of squares)`` per channel of x (count values each)."""
+        C = self.num_features
+        if self.backend.host_arrays:
+            x3 = np.asarray(x).reshape(x.shape[0], C, -1)
+            s = x3.sum(axis=(0, 2), dtype=np.float64)
+            d = x3 - (s / count).astype(np.float32)[None, :, None]
+            m2 = np.square(d, out=d).sum(axis=(0, 2), dtype=np.float64)
+            return s, m2 + s * s / count
+        # a device backend: its own kernel reduces; only the (C,) statistics come back
+        _, saved = F.batch_norm(x, None, None, None, None, training=True, eps=self.eps, backend=self.backend)
+        mean = np.asarray(self.backend.to_numpy(saved.mean), dtype=np.float64)
+        invstd = np.asarray(self.backend.to_numpy(saved.invstd), dtype=np.float64)
+        var = np.maximum(1.0 / invstd**2 - self.eps, 0.0)
+        return mean * count, (var + mean * mean) * count
+
+    # ------------------------------------------------------------ forward / backward
+    def forward(self, x, relu: bool = False, residual=None):
+        comm = self._group() if self._uses_batch_stats() else None
+        if comm is None:
+            self._synced = None
+            return super().forward(x, relu=relu, residual=residual)
+        x = self._input(x)
+        shape = shape_of(x)
+        self._check_x(shape)
+        C = self.num_features
+        count = math.prod(shape) // C
+        placeholder = self._dp is not None and getattr(self._dp, "_placeholder", False)
+        stats = np.zeros(2 * C + 1, dtype=np.float64)
+        if not placeholder:  # a rank holding no share of the batch adds nothing
+            stats[0] = count
+            stats[1:C + 1], stats[C + 1:] = self._local_sums(x, count)
+        total = int(self._allreduce(comm, stats)[0])
+        if total < 2:
+            raise ValueError(f"{self!r}: training needs more than 1 value per channel over all ranks, got {total}")
+        mean = stats[1:C + 1] / total
+        var = np.maximum(stats[C + 1:] / total - mean * mean, 0.0)
+        be = self.backend
+        w = self.weight.data if self.weight is not None else None
+        b = self.bias.data if self.bias is not None else None
+        # the global statistics turn the normalisation into eval mode's per-channel affine map
+        y, saved = F.batch_norm(x, w, b, be.asarray(mean.astype(np.float32)), be.asarray(var.astype(np.float32)),
+                                training=False, eps=self.eps, relu=relu, residual=residual, backend=be)
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked = np.array(self.num_batches_tracked + 1, dtype=np.int64)
+            f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            rm = np.asarray(be.to_numpy(self.running_mean), dtype=np.float64)
+            rv = np.asarray(be.to_numpy(self.running_var), dtype=np.float64)
+            self.running_mean = be.asarray(((1 - f) * rm + f * mean).astype(np.float32))
+            self.running_var = be.asarray(((1 - f) * rv + f * var * total / (total - 1)).astype(np.float32))
+        keep_y = relu and residual is None  # with a residual the caller masks dy by the ReLU itself
+        self._cache = (x, F.BatchNormSaved(True, saved.mean, saved.invstd, y if keep_y else None))
+        self._synced = (comm, total, count, placeholder)
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        synced = getattr(self, "_synced", None)
+        if synced is None:
+            return super().backward(dy, need_dx=need_dx)
+        comm, total, count, placeholder = synced
+        x, saved = self._cached()
+        be = self.backend
+        dy = self._check_dy(dy, shape_of(x))
+        C = self.num_features
+        w = self.weight.data if self.weight is not None else be.asarray(np.ones(C, np.float32))
+        # the local backward with the global mean and invstd: dw = sum(dy * xhat), db = sum(dy) over this shard
+        dx, dw, db = F.batch_norm_backward(x, w, dy, saved, need_dx=need_dx, backend=be)
+        if self.weight is not None:
+            self.weight.grad, self.bias.grad = dw, db
+        if not need_dx:
+            return None
+        # The loss is sum_r share_r * loss_r and the reducer scales this rank's gradients by share_r,
+        # so the sums are weighted and dx divided by share_r: dx = w invstd (dy - (Sg + xhat Sgx) / (M share_r)).
+        share = 0.0 if placeholder else self._share(comm.Get_size())
+        sums = np.concatenate([np.asarray(be.to_numpy(db), np.float64), np.asarray(be.to_numpy(dw), np.float64)])
+        sums *= share
+        self._allreduce(comm, sums)
+        unit_var = be.asarray(np.full(C, 1 - _UNIT_EPS, np.float32))
+        if share == 0.0:  # its gradients are scaled by 0: they only need to be finite
+            zeros = be.asarray(np.zeros(C, np.float32))
+            return F.batch_norm(x, zeros, zeros, saved.mean, unit_var, training=False, eps=_UNIT_EPS, backend=be)[0]
+        k = np.asarray(be.to_numpy(saved.invstd), np.float64) * np.asarray(be.to_numpy(w), np.float64)
+        sg, sgx = sums[:C] / (total * share), sums[C:] / (total * share)
+        local_g = np.asarray(be.to_numpy(db), np.float64) / count
+        local_gx = np.asarray(be.to_numpy(dw), np.float64) / count
+        # dx - dx_local = k * ((local_g - sg) + xhat * (local_gx - sgx)): a per-channel affine map of x,
+        # applied (and added to dx_local) by the eval-mode normalisation with unit variance
+        scale = k * (local_gx - sgx) * np.asarray(be.to_numpy(saved.invstd), np.float64)
+        shift = k * (local_g - sg)
+        out, _ = F.batch_norm(x, be.asarray(scale.astype(np.float32)), be.asarray(shift.astype(np.float32)),
+                              saved.mean, unit_var, training=False, eps=_UNIT_EPS, residual=dx, backend=be)
+        return out
+
+    # ------------------------------------------------------------ conversion
+    @classmethod
+    def convert_sync_batchnorm(cls, module, comm=None):
+        """Replace every :class:`BatchNorm1d`/:class:`BatchNorm2d` in ``module`` by a :class:`SyncBatchNorm`.
+
+        The new layers share the old ones' parameters and buffers (an optimizer
+        built before still updates them) and keep their mode. Returns
+        ``module`` (or the new layer, when ``module`` is itself a BatchNorm).
+        """
+        if not isinstance(module, Layer):
+            raise TypeError(f"SyncBatchNorm.convert_sync_batchnorm: module must be a parconv layer or Sequential, "
+                            f"got {type(module).__name__}")
+
+        def convert(bn):
+            new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, comm=comm,
+                      backend=bn.backend)
+            for name in bn.param_names + bn.buffer_names:
+                setattr(new, name, getattr(bn, name))
+            new.training = bn.training
+            return new
+
+        if type(module) in (BatchNorm1d, BatchNorm2d):
+            return convert(module)
+        for parent in module.modules():
+            if hasattr(parent, "layers") and isinstance(parent.layers, list):
+                for i, child in enumerate(parent.layers):
+                    if type(child) in (BatchNorm1d, BatchNorm2d):
+                        parent.layers[i] = convert(child)
+            else:
+                for name, child in parent.children():
+                    if type(child) in (BatchNorm1d, BatchNorm2d):
+                        setattr(parent, name, convert(child))
+            if hasattr(parent, "_plan_key"):
+                parent._plan_key = None  # the fusion plan holds the old layers
+        return module
+
+
+#: eps of the unit-variance normalisation SyncBatchNorm's backward applies its correction with: (1 - eps) + eps is 1
+_UNIT_EPS = 2.0**-10
+
+__all__ += ["SyncBatchNorm"]
+
+
 class Dropout(Layer):
     """Inverted dropout: in training mode each element is zeroed with probability ``p`` and the rest
     are scaled by ``1 / (1 - p)``; the identity in eval mode.

@@ -276,6 +276,7 @@ _EXPORTERS = {
     "Linear": _export_linear,
     "BatchNorm1d": _export_batchnorm,
     "BatchNorm2d": _export_batchnorm,
+    "SyncBatchNorm": _export_batchnorm,  # exported in eval form: the same normalisation
     "MaxPool2d": _export_maxpool,
     "AvgPool2d": _export_avgpool,
     "AdaptiveAvgPool2d": _export_adaptive,

@@ -503,6 +503,16 @@ class _FitRun:
         self.callbacks = CallbackList(callbacks)
         self.scheduler, self.dp = scheduler, dp
         self.checkpoint, self.checkpoint_every, self.resume = checkpoint, checkpoint_every, resume
+        replicas = getattr(loader, "num_replicas", None)
+        if replicas is not None and (dp is None or (replicas, loader.rank) != (dp.size, dp.rank)):
+            where = f"{type(model).__name__}.fit"
+            have = "a serial fit" if dp is None else f"rank {dp.rank} of {dp.size}"
+            raise ValueError(f"{where}: the DataLoader is sharded as rank {loader.rank} of {replicas} ranks but "
+                             f"this is {have}; leave num_replicas and rank out (a distributed fit shards the "
+                             "loader over its ranks)")
+        #: each rank reads only its share of a loader's batches
+        self.sharded = (dp is not None and dp.size > 1 and loader is not None
+                        and getattr(loader, "num_samples", None) is not None and hasattr(loader, "_shard_epoch"))
 
     def arguments(self) -> dict:
         """What every rank of a distributed fit must agree on."""
@@ -594,7 +604,10 @@ class _FitRun:
         for epoch in range(start_epoch, self.epochs + 1):
             epoch_rng_state = rng.bit_generator.state  # a checkpoint redraws this epoch's order from here
             skip = start_step if epoch == start_epoch else 0
-            if loader is not None:
+            if loader is not None and self.sharded:
+                # each rank reads and transforms only its share of every batch (DistributedSampler-like)
+                batches = loader._shard_epoch(epoch - 1, skip, dp.rank, dp.size, placeholder=True)
+            elif loader is not None:
                 batches = loader.epoch(epoch - 1, skip)
             else:
                 order = rng.permutation(n) if self.shuffle else np.arange(n)
@@ -628,6 +641,8 @@ class _FitRun:
             finally:
                 if bar is not None:
                     bar.close()
+            if dp is not None and getattr(dp, "sync_buffers", False):
+                dp.broadcast_buffers()  # every rank validates, saves and ends with rank 0's model
             be.synchronize()
             elapsed = time.perf_counter() - t0
             done = seen if loader is not None else n - min(n, skip * batch_size)
@@ -689,7 +704,7 @@ class _FitRun:
     def _batch_arrays(self, batch):
         """Host ``(x, y)`` of one batch: from the loader, or the rows ``batch`` of the arrays."""
         if self.loader is not None:
-            xb, yb = batch
+            xb, yb = batch[0], batch[1]  # a shard's batches carry the global batch size third
             return np.ascontiguousarray(xb, dtype=np.float32), host_targets(yb, len(xb), self.loss, "y",
                                                                             "DataLoader batch")
         return None
@@ -701,11 +716,17 @@ class _FitRun:
         where = f"{type(model).__name__}.fit"
         loaded = self._batch_arrays(batch)
         if dp is not None:
+            if getattr(dp, "sync_buffers", False):
+                dp.broadcast_buffers()  # as DDP: every forward starts from rank 0's buffers
             if loaded is None:
                 count = len(batch)
                 lo, hi = dp.shard(count)
                 local = batch[lo:hi]
                 xl, yl = (self.x[local], self.y[local]) if len(local) else (None, None)
+            elif self.sharded:
+                count = batch[2]
+                lo, hi = dp.shard(count)
+                xl, yl = loaded if hi > lo else (None, None)  # an empty share holds a placeholder sample
             else:
                 count = len(loaded[0])
                 lo, hi = dp.shard(count)
@@ -717,6 +738,14 @@ class _FitRun:
                 value = loss.forward(out, yb, backend=be)
                 stats = [value * (hi - lo), loss.count_correct(out, yb)]
                 dy = loss.backward()
+            elif getattr(dp, "needs_every_rank", False):
+                # a batch smaller than the number of ranks, and a model that reduces inside forward and
+                # backward (SyncBatchNorm): this rank runs one sample of the batch weighted 0
+                xp, yp = (self.x[batch[:1]], self.y[batch[:1]]) if loaded is None else (loaded[0][:1], loaded[1][:1])
+                with dp.placeholder():
+                    out = model.forward(be.asarray(xp))
+                loss.forward(out, _prepare_target(loss, yp, be), backend=be)
+                stats, dy = [0.0, 0.0], loss.backward()
             else:  # a batch smaller than the number of ranks: this rank contributes zero gradients
                 stats, dy = [0.0, 0.0], None
             req, total = dp.iallreduce_sum(stats)  # completes during the gradient reduction

@@ -30,6 +30,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 @pytest.fixture(scope="module")
+
+
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     # the benchmark imports the same parconv as this process (installed or in place), never a bare source tree
@@ -360,6 +362,8 @@ def test_nets_cases_agree_with_the_oracle_on_every_backend(backend):
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch not installed (optional oracle)")
+
+
 def test_nets_torch_twins_agree_with_the_oracle():
     W, cases = _nets_cases()
     for case in cases:
@@ -493,6 +497,8 @@ def test_precision_error_is_the_worst_tensor_scaled_by_its_largest_value():
     assert precision.within_bound([1e-5, 9e-4], [1e-6, 1e-6]) is True
     assert precision.within_bound([0.1, 0.2], [0.02, 0.03]) is True
     assert precision.within_bound([0.5, 0.5], [0.02, 0.03]) is False  # median above 10 x 0.025
+
+
 def test_busy_neighbours_spin_while_the_block_runs_and_are_killed_after():
     W = _bench_module("workloads")
     with pytest.raises(KeyboardInterrupt):
@@ -576,3 +582,22 @@ def test_a_run_of_some_cases_merges_its_rows_into_the_page_table():
     other = make_docs._merge_rows(body, [line.replace("a ms", "b ms") for line in fresh], ["x"])
     assert "| lenet5 training step batch=32 | – |" in other  # a column the new run lacks
     assert make_docs._merge_rows(body, [line.replace("| case |", "| step |") for line in fresh], ["x"]) is None
+
+
+def test_mpi_cost_model_hides_the_measured_window_only():
+    """bench/mpi_bench.py's cost model: a flat overlap hides that share of every allreduce; a measured
+    window hides at most ``overlap * window`` seconds, so a longer reduction at many ranks is exposed."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    try:
+        import mpi_bench
+    finally:
+        sys.path.pop(0)
+    base = dict(compute_per_sample_s=1e-3, grad_bytes=4e6, batch_per_rank=10, bandwidth=1e9, latency=1e-5,
+                ranks=[2, 1024])
+    full = [r["allreduce_s"] for r in mpi_bench.cost_model(**base)]
+    flat = [r["allreduce_s"] for r in mpi_bench.cost_model(**base, overlap=0.25)]
+    np.testing.assert_allclose(flat, [0.75 * f for f in full])
+    window = 0.5 * full[0]
+    windowed = [r["allreduce_s"] for r in mpi_bench.cost_model(**base, overlap=0.8, overlap_window_s=window)]
+    np.testing.assert_allclose(windowed, [f - 0.8 * min(f, window) for f in full])
+    assert windowed[1] > full[1] - window  # the window, not a share of the reduction, is what is hidden

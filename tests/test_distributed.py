@@ -72,6 +72,21 @@ def test_suite_under_mpiexec():
     assert " passed" in res.stdout and "failed" not in res.stdout, res.stdout
 
 
+@needs_launcher
+@pytest.mark.mpi
+def test_sync_batchnorm_and_loader_shards_under_4_ranks():
+    """The tests whose point is about more than two ranks (SyncBatchNorm's reductions, a loader's shards,
+    a batch smaller than the ranks) again under ``mpiexec -n 4`` (oversubscribed on small machines)."""
+    cmd = [_mpiexec(), "-n", "4", sys.executable, "-P", "-m", "pytest", os.path.abspath(__file__), "-q", "-x",
+           "-p", "no:cacheprovider", "--noconftest", "-m", "mpi", "-k", "sync_batchnorm or shards"]
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"MPI test run on 4 ranks hung (> {SUITE_TIMEOUT} s):\n{exc.stdout}\n{exc.stderr}")
+    assert res.returncode == 0, f"mpiexec -n 4 pytest failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    assert " passed" in res.stdout and "failed" not in res.stdout, res.stdout
+
+
 def _run_job(tmp_path, body, args=(), ranks=2):
     """Run a script under ``mpiexec -n ranks``; returns (returncode, output, seconds)."""
     script = tmp_path / "job.py"
@@ -148,6 +163,49 @@ def test_cli_distributed_error_ends_job(tmp_path):
     assert "missing.npz" in out and "does not exist" in out, out
 
 
+def _write_mnist_sample(directory, n):
+    """The bundled sample's first ``n`` images as the MNIST test split's IDX files in ``directory``."""
+    import gzip
+    import struct
+
+    x, y = pc.datasets.load_mnist("test", normalize=False)
+    images, labels = x[:n, 0].astype(np.uint8), y[:n].astype(np.uint8)
+    for name, arr in (("t10k-images-idx3-ubyte.gz", images), ("t10k-labels-idx1-ubyte.gz", labels)):
+        header = struct.pack(">HBB", 0, 0x08, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+        (directory / name).write_bytes(gzip.compress(header + arr.tobytes()))
+
+
+@needs_launcher
+@pytest.mark.mpi
+def test_cli_distributed_sync_bn_prints_the_accuracy_of_the_saved_model(tmp_path):
+    """``parconv train --distributed --model resnet20 --sync-bn``: the test accuracy it prints is the saved
+    checkpoint's, evaluated serially with ``pc.load`` on the same held-out images."""
+    import argparse
+    import re
+
+    from parconv import cli
+
+    _write_mnist_sample(tmp_path, 260)
+    args = ["train", "--model", "resnet20", "--data", str(tmp_path), "--train-size", "200", "--epochs", "1",
+            "--batch-size", "32", "--no-augment", "--checkpoint", str(tmp_path / "ck.npz"), "--quiet"]
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", "-m", "parconv.cli", *args[:1], "--distributed",
+           "--sync-bn", *args[1:]]
+    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "21 SyncBatchNorm layers" in out, out
+    printed = float(re.search(r"test accuracy: ([0-9.]+)% on 60 held-out images", out).group(1))
+    ns = argparse.Namespace(dataset="mnist-sample", data=str(tmp_path), split="test", train_size=200)
+    _, (xte, yte), _ = cli._load_data(ns)
+    saved = pc.load(tmp_path / "ck.npz")
+    assert type(saved.layers[1]).__name__ == "SyncBatchNorm"
+    assert printed == round(100 * saved.evaluate(xte, yte)["accuracy"], 2), out
+    res = subprocess.run([sys.executable, "-P", "-m", "parconv.cli", "train", "--sync-bn", "--epochs", "1"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "--sync-bn synchronises BatchNorm over MPI ranks; it needs --distributed" in \
+        res.stderr, res.stdout + res.stderr
+
+
 @needs_launcher
 @pytest.mark.mpi
 def test_mpi_benchmark_runs_and_checks_its_answers(tmp_path):
@@ -176,6 +234,20 @@ def test_mpi_benchmark_runs_and_checks_its_answers(tmp_path):
         assert dp[key] <= dp["allreduce_fraction"] + 1e-9
     assert [c["ranks"] for c in dp["cost_model"]["rows"]] == [8, 64]
     assert "cost model" in res.stdout
+    # the overlap of the reduction with the backward, measured, and carried into the cost model
+    assert 0.0 <= dp["overlap_fraction"] <= 1.0 and 0.0 <= dp["overlap_efficiency"] <= 1.0
+    assert dp["buckets_alone_s"] > 0 and dp["exposed_after_backward_s"] >= 0 and dp["overlap_window_s"] >= 0
+    assert dp["cost_model"]["params"]["overlap_window_s"] == dp["overlap_window_s"]
+    assert "of the gradient is reduced when the backward ends" in res.stdout
+    # resnet20: BatchNorm with per-rank statistics, checked with SyncBatchNorm against the serial step
+    cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", os.path.join(ROOT, "bench", "mpi_bench.py"),
+           "--workloads", "data-parallel", "--dp-model", "resnet20", "--repeats", "1", "--dp-steps", "1",
+           "--dp-batch", "4", "--cost-ranks", "8", "--overlap", "0.5", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dp = [r for r in json.loads(out.read_text())["results"] if r["ranks"] == 2][-1]
+    assert dp["model"] == "resnet20" and dp["buckets"] >= 1
+    assert dp["cost_model"]["params"]["overlap"] == 0.5 and "overlap_window_s" not in dp["cost_model"]["params"]
 
 
 # ------------------------------------------------------------------ MPI side
@@ -225,8 +297,8 @@ def data(n, seed=0):
 @needs_mpi_run
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("bucket_cap_mb", [1.0, 1e-4])
-def test_data_parallel_matches_single_process(backend, bucket_cap_mb):
+@pytest.mark.parametrize("bucket_cap_mb, progress", [(1.0, "thread"), (1e-4, "thread"), (1e-4, "hooks")])
+def test_data_parallel_matches_single_process(backend, bucket_cap_mb, progress):
     """Several momentum-SGD steps over the ranks equal single-process steps on the global batch,
     although every rank starts from different weights (the broadcast fixes that)."""
     x, y = data(6 * SIZE * 5)
@@ -234,7 +306,8 @@ def test_data_parallel_matches_single_process(backend, bucket_cap_mb):
     ref = make_cnn(backend, seed=0)  # rank 0's initial weights
     ref_opt = pc.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     model = make_cnn(backend, seed=RANK)
-    dp = dist.DataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    dp = dist.DataParallel(model, bucket_cap_mb=bucket_cap_mb, progress=progress)
+    assert dp.progress == progress  # mpi4py asks for MPI_THREAD_MULTIPLE, which MPICH gives
     opt = pc.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     if bucket_cap_mb < 1e-3:
         assert dp.num_buckets == 3  # one bucket per layer with parameters
@@ -258,6 +331,9 @@ def test_data_parallel_matches_single_process(backend, bucket_cap_mb):
     on_all_ranks(check)
     assert_same_on_all_ranks(model.state_dict())
     assert dp.timings["allreduce"] <= dp.timings["backward"]
+    assert 0.0 <= dp.hidden_share <= 1.0 and dp.reduce_started <= dp.reduce_window[0] <= dp.reduce_window[1]
+    with pytest.raises(ValueError, match="progress must be 'thread' or 'hooks', got 'async'"):
+        dist.DataParallel(model, progress="async")
 
 
 @needs_mpi_run
@@ -556,3 +632,251 @@ def test_fit_distributed_divergence_raises_on_every_rank():
 
     on_all_ranks(check)
     assert_same_on_all_ranks(state)
+
+
+# ------------------------------------------------------------------ BatchNorm networks over MPI
+def make_bn_net(backend, seed, sync=False, dropout=0.3, bn1d=True):
+    """conv-BN-ReLU, a residual block ending in BatchNorm (its fused shortcut and ReLU), dropout, BN1d."""
+    rng = np.random.default_rng(seed)
+    body = pc.Sequential(pc.Conv2d(4, 4, 3, padding=1, bias=False, rng=rng), pc.BatchNorm2d(4), pc.ReLU(),
+                         pc.Conv2d(4, 4, 3, padding=1, bias=False, rng=rng), pc.BatchNorm2d(4))
+    shortcut = pc.Sequential(pc.Conv2d(4, 4, 1, bias=False, rng=rng), pc.BatchNorm2d(4))
+    model = pc.Sequential(pc.Conv2d(1, 4, 3, rng=rng), pc.BatchNorm2d(4), pc.ReLU(), pc.MaxPool2d(2),
+                          pc.Residual(body, shortcut), pc.ReLU(), pc.Flatten(), pc.Dropout(dropout, rng=seed),
+                          pc.Linear(4 * 4 * 4, 8, rng=rng), pc.BatchNorm1d(8) if bn1d else pc.Identity(), pc.ReLU(), pc.Linear(8, 5, rng=rng),
+                          backend=backend)
+    return pc.SyncBatchNorm.convert_sync_batchnorm(model) if sync else model
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+def test_evaluate_runs_in_eval_mode_and_equals_serial_evaluate_of_saved_model():
+    """DataParallel.evaluate (and so ``parconv train --distributed``) reports the accuracy of the model it
+    saves: eval mode (running statistics, no dropout), running statistics untouched, mode restored."""
+    x, y = data(40, seed=7)
+    model = make_bn_net("numpy", seed=1)
+    dp = dist.DataParallel(model)
+    dp.fit(x, y, epochs=1, batch_size=8, seed=2, verbose=False,
+           optimizer=pc.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    before = model.state_dict()
+    assert model.training
+    got = dp.evaluate(x, y, batch_size=7)
+    after = model.state_dict()
+    directory = COMM.bcast(tempfile.mkdtemp(prefix="parconv-ev-") if RANK == 0 else None)
+    path = os.path.join(directory, "model.npz")
+    if RANK == 0:
+        model.save(path)
+    COMM.Barrier()
+    want = pc.load(path).evaluate(x, y)  # serial, on every rank
+    COMM.Barrier()
+    if RANK == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def check():
+        assert model.training, "evaluate did not restore training mode"
+        for k, v in before.items():
+            np.testing.assert_array_equal(after[k], v, err_msg=f"{k} changed by evaluate")
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+        assert got["accuracy"] == want["accuracy"]
+
+    on_all_ranks(check)
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_buffers_equal_on_all_ranks_after_fit_and_every_forward(backend):
+    """Per-rank BatchNorm statistics differ, but every rank holds rank 0's buffers (as DDP's
+    broadcast_buffers): after fit, and at every DataParallel forward."""
+    x, y = data(36, seed=8)
+    model = make_bn_net(backend, seed=3)
+    model.fit(x, y, epochs=2, batch_size=12, seed=5, verbose=False, distributed=True,
+              optimizer=pc.optim.SGD(model.parameters(), lr=0.05))
+    state = model.state_dict()
+    assert any(k.endswith("running_mean") for k in state)
+    assert_same_on_all_ranks(state)
+    dp = model._dp_cache
+    lo, hi = dp.shard(12)
+    dp(x[lo:hi])  # each rank's running statistics move with its own shard ...
+    dp(x[12 + lo:12 + hi])  # ... and the next forward starts from rank 0's again
+    dp.broadcast_buffers()
+    assert_same_on_all_ranks(model.state_dict())
+    assert dist.DataParallel(make_bn_net(backend, seed=RANK), broadcast_buffers=False).sync_buffers is False
+    with pytest.raises(TypeError, match="broadcast_buffers must be a bool"):
+        dist.DataParallel(model, broadcast_buffers="yes")
+
+
+def _bn_reference(shape, backend, momentum, affine):
+    C = shape[1]
+    cls = pc.BatchNorm2d if len(shape) == 4 else pc.BatchNorm1d
+    ref = cls(C, momentum=momentum, affine=affine, backend=backend)
+    sync = pc.SyncBatchNorm(C, momentum=momentum, affine=affine, backend=backend)
+    if affine:
+        rng = np.random.default_rng(C)
+        ref.load_state_dict(dict(ref.state_dict(), weight=rng.standard_normal(C).astype(np.float32),
+                                 bias=rng.standard_normal(C).astype(np.float32)))
+    sync.load_state_dict(ref.state_dict())
+    return ref, sync
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape, mode, momentum, affine", [
+    ((7, 3, 5, 4), "plain", 0.1, True),     # 7 samples: uneven shards on 2 and 4 ranks
+    ((7, 3, 5, 4), "relu", 0.1, True),      # the fused BatchNorm -> ReLU
+    ((6, 3, 4, 4), "residual", 0.1, True),  # a residual block's relu(bn(x) + shortcut)
+    ((9, 5), "plain", None, False),         # BatchNorm1d-shaped, cumulative average, no affine
+    ((5, 2, 6), "plain", 0.3, True),
+    ((4, 3), "plain", 0.1, True),           # one sample per rank on 4 ranks: its own variance is 0
+])
+def test_sync_batchnorm_matches_global_batchnorm(backend, shape, mode, momentum, affine):
+    """Forward output, dx, the gradients summed over ranks and the running statistics equal a
+    single-process BatchNorm over the global batch (rtol 1e-5), step after step."""
+    rng = np.random.default_rng(11)
+    ref, sync = _bn_reference(shape, backend, momentum, affine)
+    lo, hi = dist.shard_bounds(shape[0], SIZE, RANK)
+    results = []
+    for step in range(3):
+        x = (rng.standard_normal(shape) * (2 + step) + step).astype(np.float32)
+        dy = rng.standard_normal(shape).astype(np.float32)
+        r = rng.standard_normal(shape).astype(np.float32) if mode == "residual" else None
+        kwargs = {"relu": mode != "plain"}
+        y_ref = pc.to_numpy(ref.forward(x, residual=r, **kwargs))
+        y = pc.to_numpy(sync.forward(x[lo:hi], residual=None if r is None else r[lo:hi], **kwargs))
+        g = np.where(y_ref > 0, dy, 0).astype(np.float32) if mode == "residual" else dy  # Residual masks
+        dx_ref = pc.to_numpy(ref.backward(g))
+        dx = pc.to_numpy(sync.backward(g[lo:hi]))
+        grads = {}
+        if affine:
+            for name in ("weight", "bias"):
+                local = np.asarray(pc.to_numpy(getattr(sync, name).grad), np.float64)
+                grads[name] = (COMM.allreduce(local), pc.to_numpy(getattr(ref, name).grad))
+        results.append((y, y_ref[lo:hi], dx, dx_ref[lo:hi], grads, sync.state_dict(), ref.state_dict()))
+
+    def check():
+        for step, (y, y_ref, dx, dx_ref, grads, state, state_ref) in enumerate(results):
+            np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5, err_msg=f"y, step {step}")
+            np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5, err_msg=f"dx, step {step}")
+            for name, (got, want) in grads.items():
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"d{name}, step {step}")
+            for k, v in state_ref.items():
+                np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-6, err_msg=f"{k}, step {step}")
+
+    on_all_ranks(check)
+    sync.eval()
+    x = rng.standard_normal(shape).astype(np.float32)
+    ref.eval()
+    np.testing.assert_allclose(pc.to_numpy(sync(x)), pc.to_numpy(ref(x)), rtol=1e-6, atol=1e-6)
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, batch_size, bn1d", [(24, 7, True), (22, 7, False)])
+def test_fit_with_sync_batchnorm_matches_serial_fit(n, batch_size, bn1d):
+    """A BatchNorm network converted to SyncBatchNorm trains data-parallel exactly as the serial network
+    on the global batch -- uneven shards, and a last batch smaller than the ranks (a rank then runs a
+    placeholder weighted 0) included -- with the same buffers on every rank; also from a DataLoader.
+    (A batch of one sample needs a network without BatchNorm1d, which needs two values per feature.)"""
+    x, y = data(n, seed=9)
+    results = []
+    for use_loader in (False, True):
+        # dropout draws per rank: off for an exact comparison
+        ref = make_bn_net("numpy", seed=4, dropout=0.0, bn1d=bn1d)
+        model = make_bn_net("numpy", seed=4 + RANK, sync=True, dropout=0.0, bn1d=bn1d)
+        dp = dist.DataParallel(model)
+        assert dp.needs_every_rank == (SIZE > 1)
+        runs = []
+        for net, fit in ((ref, ref.fit), (model, dp.fit)):
+            opt = pc.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+            if use_loader:  # the distributed fit shards it: each rank reads only its share
+                runs.append(fit(pc.data.DataLoader(x, y, batch_size=batch_size, seed=6, prefetch=1), epochs=2,
+                                verbose=False, optimizer=opt))
+            else:
+                runs.append(fit(x, y, epochs=2, batch_size=batch_size, seed=6, verbose=False, optimizer=opt))
+        results.append((ref.state_dict(), model.state_dict(), runs))
+
+    def check():
+        for want_state, state, (h_ref, h) in results:
+            for name, want in want_state.items():
+                np.testing.assert_allclose(state[name], want, rtol=2e-5, atol=2e-6, err_msg=name)
+            np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=1e-5)
+
+    on_all_ranks(check)
+    for _, state, _ in results:
+        assert_same_on_all_ranks(state)
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, batch_size, drop_last", [(23, 5, False), (23, 5, True), (6, 4, False)])
+def test_loader_shards_disjointly_and_covers_the_data_once_per_epoch(n, batch_size, drop_last):
+    """DataLoader(num_replicas, rank) as DistributedSampler: the same number of batches on every rank,
+    shares of each global batch that are disjoint and cover it, a new order every epoch from the shared
+    seed, and per-rank augmentation streams."""
+    x = np.arange(n, dtype=np.float32).reshape(n, 1)
+    y = np.arange(n)
+    loader = pc.data.DataLoader(x, y, batch_size=batch_size, seed=3, drop_last=drop_last, num_replicas=SIZE,
+                                rank=RANK, prefetch=0)
+    full = pc.data.DataLoader(x, y, batch_size=batch_size, seed=3, drop_last=drop_last, prefetch=0)
+    epochs = [[yb.tolist() for _, yb in loader.epoch(e)] for e in range(2)]
+    everyone = COMM.allgather(epochs)
+
+    def check():
+        assert len(loader) == len(full) and all(len(e) == len(full) for e in epochs)
+        for e in range(2):
+            want = [yb.tolist() for _, yb in full.epoch(e)]
+            for b, batch in enumerate(want):
+                shares = [everyone[r][e][b] for r in range(SIZE)]
+                assert sum(shares, []) == batch, f"epoch {e} batch {b}: shares {shares} of {batch}"
+                assert max(map(len, shares)) - min(map(len, shares)) <= 1
+            seen = sum((everyone[r][e][b] for r in range(SIZE) for b in range(len(want))), [])
+            assert len(seen) == len(set(seen)) == (n // batch_size * batch_size if drop_last else n)
+        assert [everyone[r][0] for r in range(SIZE)] != [everyone[r][1] for r in range(SIZE)], \
+            "the order did not change between epochs"
+
+    on_all_ranks(check)
+    with pytest.raises(ValueError, match="num_replicas and rank must be given together"):
+        pc.data.DataLoader(x, y, num_replicas=2)
+    with pytest.raises(ValueError, match="rank must be < num_replicas=2, got 2"):
+        pc.data.DataLoader(x, y, num_replicas=2, rank=2)
+    model = make_cnn("numpy", seed=0)
+    with pytest.raises(ValueError, match="the DataLoader is sharded as rank 0 of 3 ranks but this is a serial fit"):
+        model.fit(pc.data.DataLoader(np.zeros((6, 1, 10, 10)), np.zeros(6, int), num_replicas=3, rank=0),
+                  verbose=False)
+
+
+@needs_mpi_run
+@pytest.mark.mpi
+def test_data_parallel_fit_and_evaluate_take_a_sharded_loader():
+    """DataParallel.fit and evaluate accept a DataLoader (no y): each rank reads only its share of every
+    batch (counted through the transform), and the run equals the serial fit on the loader."""
+    x, y = data(30, seed=10)
+
+    class Counting:
+        rows = 0
+
+        def __call__(self, xb):
+            Counting.rows += len(xb)
+            return xb
+
+    ref = make_cnn("numpy", seed=2)
+    ref.fit(pc.data.DataLoader(x, y, batch_size=8, seed=4), epochs=2, verbose=False,
+            optimizer=pc.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9))
+    want = ref.evaluate(x, y)
+    model = make_cnn("numpy", seed=2 + RANK)
+    dp = dist.DataParallel(model)
+    dp.fit(pc.data.DataLoader(x, y, batch_size=8, seed=4, transform=Counting()), epochs=2, verbose=False,
+           optimizer=pc.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    rows = Counting.rows
+    got = dp.evaluate(pc.data.DataLoader(x, y, batch_size=7, seed=1))
+    total_rows = COMM.allreduce(rows)
+
+    def check():
+        assert total_rows == 2 * 30, total_rows  # every sample read once per epoch, by one rank
+        for name, w in ref.state_dict().items():
+            np.testing.assert_allclose(model.state_dict()[name], w, rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+        assert got["accuracy"] == want["accuracy"]
+
+    on_all_ranks(check)

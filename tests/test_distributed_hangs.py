@@ -129,6 +129,50 @@ JOB_WITHOUT_IMPORT = """
     print(f"rank {rank} finished", flush=True)
 """
 
+# a rank exits (cleanly or not) outside any parconv call while the other goes on into a collective
+JOB_EXIT = """
+    import os
+    import sys
+    import time
+
+    import numpy as np
+
+    import parconv as pc
+    from parconv import distributed as dist
+
+    comm = dist.MPI.COMM_WORLD
+    rank = comm.rank
+    case = sys.argv[1]
+    comm.Barrier()
+    os.write(1, f"READY {time.time():.6f}\\n".encode())
+    status = 1 if case.startswith("exit1") else 0
+
+
+    def exit_here(point):
+        if rank == 1 and case.endswith(point):
+            sys.exit(status)
+
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((40, 1, 4, 4)).astype(np.float32), rng.integers(0, 3, 40)
+    model = pc.Sequential(pc.Flatten(), pc.Linear(16, 3, rng=1), backend="numpy")
+    exit_here("before_data_parallel")
+    dp = dist.DataParallel(model)
+    dp.fit(x, y, epochs=1, batch_size=10, verbose=False)
+    exit_here("between_fits")
+    dp.fit(x, y, epochs=1, batch_size=10, verbose=False)
+    exit_here("before_evaluate")
+    dp.evaluate(x, y)
+    exit_here("before_user_barrier")
+    comm.Barrier()
+    print(f"rank {rank} finished", flush=True)
+"""
+
+EXIT_CASES = {f"exit{status}_{point}": (0 if status == 0 else 1,
+                                        f"rank 1 of 2 exited (sys.exit({status}))")
+              for status in (0, 1)
+              for point in ("before_data_parallel", "between_fits", "before_evaluate", "before_user_barrier")}
+
 ARG_ERROR = "parconv.distributed.DistributedArgumentError: Sequential.fit: every rank must pass the same"
 
 # case -> {rank: message that rank must print}
@@ -149,11 +193,13 @@ CASES = {
 }
 
 
-def _run(tmp_path, case):
+def _run(tmp_path, case, body=None, module=False):
     """Run the job for ``case``; returns (returncode, output, seconds from READY to the end)."""
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(JOB_WITHOUT_IMPORT if case.endswith("before_mpi") else JOB))
-    cmd = [_mpiexec(), "-n", "2", sys.executable, str(script), case]
+    if body is None:
+        body = JOB_WITHOUT_IMPORT if case.endswith("before_mpi") else JOB
+    script.write_text(textwrap.dedent(body))
+    cmd = [_mpiexec(), "-n", "2", sys.executable, *(["-m", "mpi4py"] if module else []), str(script), case]
     # a session of its own, so a hung job is killed with every rank it started
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -179,3 +225,31 @@ def test_disagreeing_or_exiting_rank_ends_the_job(tmp_path, case):
     for rank, message in CASES[case].items():
         lines = [line for line in out.splitlines() if line.startswith(f"[rank {rank} of 2]")]
         assert any(message in line for line in lines), f"{case}: rank {rank} did not report {message!r}:\n{out}"
+
+
+@pytest.mark.parametrize("case, module", [(case, False) for case in EXIT_CASES]
+                         + [("exit0_between_fits", True), ("exit1_before_evaluate", True)])
+def test_rank_exiting_outside_a_parconv_call_ends_the_job(tmp_path, case, module):
+    """``sys.exit(0)`` or ``sys.exit(1)`` on rank 1 before DataParallel, between two fits, before evaluate
+    or before the user's own Barrier: the job ends within seconds, a rank naming who exited and how."""
+    rc, out, seconds = _run(tmp_path, case, JOB_EXIT, module)
+    assert rc != 0, f"{case}: the job exited 0:\n{out}"
+    assert seconds < END_WITHIN, f"{case}: took {seconds:.1f} s after start-up to end:\n{out}"
+    assert "finished" not in out, f"{case}: a rank went past the failure:\n{out}"
+    reporter, message = EXIT_CASES[case]
+    lines = [line for line in out.splitlines() if line.startswith(f"[rank {reporter} of 2]")]
+    assert any(message in line and "aborting all ranks" in line for line in lines), \
+        f"{case}: rank {reporter} did not report {message!r}:\n{out}"
+
+
+def test_ranks_ending_together_or_rank_0_working_on_alone_end_cleanly(tmp_path):
+    """The exit watch never aborts a good job: rank 1 ends while rank 0 still saves the model (local work,
+    no collective), then both end; exit status 0 and every rank's last line printed."""
+    body = JOB_EXIT.replace('exit_here("before_user_barrier")\n    comm.Barrier()',
+                            'if rank == 0:\n        time.sleep(1.0)\n        model.save("m.npz")\n'
+                            '        time.sleep(1.0)')
+    assert body != JOB_EXIT
+    rc, out, _ = _run(tmp_path, "none", body)
+    assert rc == 0, out
+    assert "rank 0 finished" in out and "rank 1 finished" in out, out
+    assert (tmp_path / "m.npz").exists()

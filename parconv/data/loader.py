@@ -196,6 +196,16 @@ class DataLoader:
     prefetch : int, default 2
         Batches made ahead on the worker thread; 0 makes them in the
         consumer's thread.
+    num_replicas, rank : int, optional
+        Shard the batches over ``num_replicas`` data-parallel ranks, as PyTorch's
+        ``DistributedSampler``: every rank draws the same order (give every
+        rank the same ``seed``; it changes with the epoch), and this ``rank``
+        yields its contiguous share of every batch -- ``batch_size`` stays
+        the global batch, every rank has ``len(loader)`` batches, and over an
+        epoch the ranks' shares are disjoint and cover the data once. A share
+        may be empty (``(0, ...)`` arrays) in a last batch smaller than the
+        ranks. Transforms draw per rank. ``fit(loader, distributed=...)``
+        shards an unsharded loader over its ranks this way by itself.
 
     Attributes
     ----------
@@ -219,8 +229,16 @@ class DataLoader:
     """
 
     def __init__(self, x, y=None, batch_size: int = 32, shuffle: bool = True, transform=None,
-                 drop_last: bool = False, seed: int | None = None, prefetch: int = 2):
+                 drop_last: bool = False, seed: int | None = None, prefetch: int = 2, num_replicas: int | None = None,
+                 rank: int | None = None):
         self.batch_size = _check_int(batch_size, "batch_size", 1)
+        if (num_replicas is None) != (rank is None):
+            raise ValueError(f"DataLoader: num_replicas and rank must be given together (a shard of the data), "
+                             f"got num_replicas={num_replicas!r}, rank={rank!r}")
+        self.num_replicas = None if num_replicas is None else _check_int(num_replicas, "num_replicas", 1)
+        self.rank = None if rank is None else _check_int(rank, "rank", 0)
+        if self.rank is not None and self.rank >= self.num_replicas:
+            raise ValueError(f"DataLoader: rank must be < num_replicas={self.num_replicas}, got {self.rank}")
         self.shuffle = _check_bool(shuffle, "shuffle")
         self.drop_last = _check_bool(drop_last, "drop_last")
         self.prefetch = _check_int(prefetch, "prefetch", 0)
@@ -237,6 +255,9 @@ class DataLoader:
         if not array_like and hasattr(x, "__iter__"):
             if y is not None:
                 raise ValueError("DataLoader: y must be None when x is an iterable of (x, y) batches")
+            if self.num_replicas is not None:
+                raise ValueError("DataLoader: num_replicas/rank shard arrays; a batch source cannot be sharded "
+                                 "(let each rank's source yield its own batches)")
             self._source = x
             self.x = self.y = None
             self.num_samples = None
@@ -267,8 +288,9 @@ class DataLoader:
 
     def __repr__(self) -> str:
         what = f"num_samples={self.num_samples}" if self._source is None else f"source={type(self._source).__name__}"
+        shard = "" if self.num_replicas is None else f", num_replicas={self.num_replicas}, rank={self.rank}"
         return (f"DataLoader({what}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
-                f"transform={self.transform!r}, seed={self.seed})")
+                f"transform={self.transform!r}, seed={self.seed}{shard})")
 
     def order(self, epoch: int) -> np.ndarray:
         """The sample indices of ``epoch`` in the order they are batched (int64, length N).
@@ -283,14 +305,15 @@ class DataLoader:
         return np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(0, epoch))).permutation(
             self.num_samples)
 
-    def _batch_rng(self, epoch: int, index: int) -> np.random.Generator:
-        return np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(1, epoch, index)))
+    def _batch_rng(self, epoch: int, index: int, rank=None) -> np.random.Generator:
+        key = (1, epoch, index) if rank is None else (2, epoch, index, rank)  # a shard draws its own stream
+        return np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=key))
 
-    def _finish(self, xb: np.ndarray, epoch: int, index: int) -> np.ndarray:
+    def _finish(self, xb: np.ndarray, epoch: int, index: int, rank=None) -> np.ndarray:
         t = self.transform
-        if t is None:
+        if t is None or xb.shape[0] == 0:
             return xb
-        out = t(xb, self._batch_rng(epoch, index)) if isinstance(t, Transform) else t(xb)
+        out = t(xb, self._batch_rng(epoch, index, rank)) if isinstance(t, Transform) else t(xb)
         out = _float_batch(out, "DataLoader: transform output")
         if out.shape[0] != xb.shape[0]:
             raise ValueError(f"DataLoader: the transform changed the batch size from {xb.shape[0]} to "
@@ -337,8 +360,38 @@ class DataLoader:
         if start_batch > n_batches:
             raise ValueError(f"DataLoader.epoch: start_batch must be <= {n_batches} (batches per epoch), "
                              f"got {start_batch}")
+        if self.num_replicas is not None:
+            return self._shard_epoch(epoch, start_batch, self.rank, self.num_replicas)
         order = self.order(epoch)
         return _BatchIterator(lambda: self._array_batches(order, epoch, start_batch, n_batches), self.prefetch)
+
+    def _shard_epoch(self, epoch: int, start_batch: int, rank: int, size: int, placeholder: bool = False):
+        """Rank ``rank`` of ``size``'s share of every batch of ``epoch``: ``(x, y, global batch size)``
+        triples with ``placeholder``, else ``(x, y)`` pairs. With ``placeholder`` an empty share is the
+        batch's first sample instead (the caller weights it 0)."""
+        n_batches = len(self)
+        if start_batch > n_batches:
+            raise ValueError(f"DataLoader.epoch: start_batch must be <= {n_batches} (batches per epoch), "
+                             f"got {start_batch}")
+        order = self.order(epoch)
+        return _BatchIterator(lambda: self._shard_batches(order, epoch, start_batch, n_batches, rank, size,
+                                                          placeholder), self.prefetch)
+
+    def _shard_batches(self, order, epoch, start_batch, n_batches, rank, size, placeholder):
+        bs = self.batch_size
+        for b in range(start_batch, n_batches):
+            batch = order[b * bs:(b + 1) * bs]
+            count = len(batch)
+            # the split of parconv.distributed.shard_bounds: the first count % size ranks take one more
+            base, rem = divmod(count, size)
+            lo = rank * base + min(rank, rem)
+            idx = batch[lo:lo + base + (1 if rank < rem else 0)]
+            if placeholder and len(idx) == 0:
+                idx = batch[:1]
+            xb = np.ascontiguousarray(self._take(self.x, idx), dtype=np.float32)
+            yb = None if self.y is None else self._take(self.y, idx)
+            xb = self._finish(xb, epoch, b, rank)
+            yield (xb, yb, count) if placeholder else (xb, yb)
 
     def _array_batches(self, order, epoch, start_batch, n_batches):
         bs = self.batch_size
