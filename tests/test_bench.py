@@ -30,8 +30,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 @pytest.fixture(scope="module")
-
-
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     # the benchmark imports the same parconv as this process (installed or in place), never a bare source tree
@@ -362,8 +360,6 @@ def test_nets_cases_agree_with_the_oracle_on_every_backend(backend):
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch not installed (optional oracle)")
-
-
 def test_nets_torch_twins_agree_with_the_oracle():
     W, cases = _nets_cases()
     for case in cases:
