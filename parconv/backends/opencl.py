@@ -436,6 +436,9 @@ class OpenCLBackend(Backend):
         Tile and work-group sizes; default :func:`device_config` of the device, in the
         style env ``PARCONV_OPENCL_CONFIG`` names (``"cpu"`` or ``"gpu"``) when set, else
         the device type's (tests and CI run the GPU-style code paths on a CPU device so).
+        :meth:`verify` may switch a default configuration to the other style (with a
+        warning) when the device computes wrong results in this one; one passed in is
+        only ever refused.
 
     Attributes
     ----------
@@ -443,6 +446,8 @@ class OpenCLBackend(Backend):
         Every host <-> device copy (see the module docstring).
     device, context, queue, pool, config
         The pyopencl objects and the tuning in use.
+    config_style : str or None
+        ``"cpu"`` or ``"gpu"``: the style of :attr:`config`; None for a configuration passed in.
     """
 
     name = "opencl"
@@ -458,8 +463,6 @@ class OpenCLBackend(Backend):
             if kind not in (None, "cpu", "gpu"):
                 raise ValueError(f"PARCONV_OPENCL_CONFIG must be 'cpu' or 'gpu' (or unset), got {kind!r}")
             config = device_config(self.device, kind=kind)
-            #: the style of :attr:`config` ("cpu" or "gpu"); None for a configuration passed in, which
-            #: :meth:`verify` never replaces
             self.config_style = kind or ("cpu" if self.device.type & cl.device_type.CPU else "gpu")
         else:
             self.config_style = None
@@ -590,11 +593,10 @@ class OpenCLBackend(Backend):
             tried.append((self._style(), self.config, retry))
             self.config, self.config_style = saved
             self._build_within_limits()
-        detail = "; ".join(f"in the {style} configuration it computes {_ops(f)} wrongly ({_details(f)})"
-                           for style, _, f in tried)
+        detail = "; ".join(f"in the {style} configuration: {_details(f)}" for style, _, f in tried)
         raise RuntimeError(
-            f"{self._where()} computes {_ops(failed)} wrongly: {detail}; its results cannot be trusted "
-            f"(tile configuration {tried[0][1]}). Run 'parconv selftest --backend opencl' for details, choose "
+            f"{self._where()} computes {_ops(failed)} wrongly, so its results cannot be trusted ({detail}; "
+            f"tile configuration {tried[0][1]}). Run 'parconv selftest --backend opencl' for details, choose "
             f"another device with PARCONV_OPENCL_DEVICE, or use backend='openmp'")
 
     def _where(self) -> str:
