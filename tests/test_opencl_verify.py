@@ -233,3 +233,22 @@ def test_a_configuration_passed_in_is_refused_not_replaced(fresh, monkeypatch):
     with pytest.raises(RuntimeError, match="in the given configuration: linear_forward: "):
         be.verify()
     assert be.config_style is None and be.config == fresh.config
+
+
+def test_the_probe_sizes_follow_the_data_loader_and_the_ranks_share():
+    from parconv._fitguard import batch_sizes, sample_shape
+
+    class Ranks:  # this process is rank 1 of 3 (DataParallel.shard's split)
+        def shard(self, n):
+            base, rem = divmod(n, 3)
+            start = base + min(1, rem)
+            return start, start + base + (1 < rem)
+
+    assert batch_sizes(40, 16) == (8, 16) and batch_sizes(40, 16, drop_last=True) == (16,)
+    assert batch_sizes(10, 16) == (10,) and batch_sizes(None, 16) == ()
+    assert batch_sizes(40, 16, dp=Ranks()) == (3, 5)  # 16 -> 5 + 6 + 5, 8 -> 3 + 3 + 2
+    x, y = _data(10, (3, 12, 12))
+    crop = pc.data.DataLoader(x, y, batch_size=4, transform=pc.data.transforms.RandomCrop(9))
+    assert sample_shape(None, crop) == (3, 9, 9)
+    assert sample_shape(None, pc.data.DataLoader(x, y, batch_size=4, transform=lambda b: b)) is None
+    assert sample_shape(x, None) == (3, 12, 12)

@@ -568,6 +568,14 @@ class OpenCLBackend(Backend):
         device type's) the other style is tried: if every check passes there, this
         backend switches to it and a :class:`RuntimeWarning` names the ops that failed.
 
+        Parameters
+        ----------
+        probe : callable, optional
+            Called with no arguments; runs backend ops on this backend's arrays.
+        key : hashable, optional
+            Names what ``probe`` runs (model, shapes, batch sizes); a probe whose key
+            passed before on this device and configuration is not run again.
+
         Raises
         ------
         RuntimeError
