@@ -3,8 +3,8 @@
 A backend that can be wrong on a device (``OpenCLBackend``) offers ``verify(probe, key)``.
 The probe here runs what training will run -- one forward pass, loss and backward pass
 of the model in training mode at each batch size the epochs will use (the full batch
-and the last, smaller one), and the validation forward passes in eval mode -- on
-random data, so every kernel variant and tiling of the run is compared with the NumPy
+and the last, smaller one), and eval-mode forward passes at the validation batch sizes
+(else at the training batch) -- on random data, so every kernel variant and tiling of the run is compared with the NumPy
 reference before a step is taken. Kernels and tiles depend on shapes, not values: a
 device that is right at the selftest's sizes can still be wrong at the batch size of
 the run. The model is left as it was (buffers, dropout generators and gradient hooks
@@ -115,11 +115,13 @@ def verify_for_fit(model, x, loader, batch_size, loss, xv, dp) -> None:
         return
     n = loader.num_samples if loader is not None else x.shape[0]
     train = batch_sizes(n, batch_size, bool(getattr(loader, "drop_last", False)), dp)
-    evals = ()
+    # eval mode runs other fused ops (Conv2d -> BatchNorm2d folded, BatchNorm on running statistics):
+    # the validation batches, else the training batch (what evaluate runs after fit, tiled the same way)
+    evals = train[-1:]
     if xv is not None:
         nv = getattr(xv, "num_samples", None) if hasattr(xv, "epoch") else xv.shape[0]
         eb = getattr(xv, "batch_size", None) if hasattr(xv, "epoch") else max(batch_size, 256)
-        evals = batch_sizes(nv, eb, False, dp if not hasattr(xv, "epoch") else None)
+        evals = batch_sizes(nv, eb, False, dp if not hasattr(xv, "epoch") else None) or evals
 
     def probe():
         rng = np.random.default_rng(0)
