@@ -95,6 +95,7 @@ _RUSTICL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_RUSTICL is None, reason="Mesa rusticl (Debian mesa-opencl-icd) is not installed")
 def test_rusticl_cpu_style_is_switched_to_a_configuration_that_is_right(tmp_path):
     """The selftest catches the CPU style's wrong tiles, fit switches to the GPU style (the probe of the run alone
