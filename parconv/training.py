@@ -17,7 +17,6 @@ import warnings
 
 import numpy as np
 
-from ._fitguard import verify_for_fit
 from ._validation import check_int, to_host_labels
 from .losses import Loss, SoftmaxCrossEntropy
 
@@ -431,6 +430,8 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
         # a read-only or unusable directory fails now, not after an epoch (distributed: rank 0 writes,
         # and the command line checks there)
         check_writable_target(checkpoint)
+    from ._fitguard import verify_for_fit
+
     dp = _reducer(model, distributed)
     # a device that computes wrong results must fail (or switch to a configuration that is right) here,
     # not train to chance accuracy: every op of this run at its batch sizes, once per device, model and sizes
