@@ -360,6 +360,9 @@ _FIXED_CONV = [  # n, c, o, h, w, k, stride, pad, bias
     (2, 3, 4, 8, 8, 3, 1, 1, True), (1, 1, 1, 1, 1, 1, 1, 0, True), (3, 4, 9, 9, 7, 3, 2, 1, True),
     (2, 5, 16, 11, 13, 5, 3, 2, False), (1, 2, 3, 5, 5, 4, 1, 3, True), (2, 16, 10, 20, 20, 7, 1, 3, True),
     (4, 1, 8, 28, 28, 3, 1, 0, True), (2, 8, 24, 12, 12, 3, 1, 1, True),
+    # a weight gradient summed over more images than one work-group of the OpenCL dw kernel takes
+    # (a batch above a device's min_groups); small planes keep it cheap on a simulator
+    (40, 1, 8, 10, 10, 3, 1, 0, True),
 ]
 _FIXED_POOL = [(2, 3, 8, 8, 2, 2), (1, 1, 5, 5, 4, 1), (2, 4, 7, 9, 3, 2), (1, 2, 26, 26, 2, 2), (1, 1, 1, 1, 1, 1)]
 _FIXED_FUSED = [  # conv case + pool kernel, pool stride

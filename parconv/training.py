@@ -470,12 +470,12 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
         # a read-only or unusable directory fails now, not after an epoch (distributed: rank 0 writes,
         # and the command line checks there)
         check_writable_target(checkpoint)
-    verify = getattr(model.backend, "verify", None)
-    if verify is not None:
-        # a device that computes wrong results must fail here, not train to chance accuracy (once per
-        # device and configuration per process)
-        verify()
+    from ._fitguard import verify_for_fit
+
     dp = _reducer(model, distributed)
+    # a device that computes wrong results must fail (or switch to a configuration that is right) here,
+    # not train to chance accuracy: every op of this run at its batch sizes, once per device, model and sizes
+    verify_for_fit(model, x, loader, batch_size if loader is None else loader.batch_size, loss, xv, dp)
     run = _FitRun(model, x, y, loader, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose,
                   callbacks, scheduler, dp, checkpoint, checkpoint_every, resume)
     with _eval_mode(model, training=True):

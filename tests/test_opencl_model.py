@@ -34,7 +34,8 @@ def test_fit_step_residency():
     x, y = pc.datasets.load_mnist("test")
     model = pc.Sequential(pc.Conv2d(1, 4, 3), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(), pc.Linear(4 * 13 * 13, 10),
                           backend="opencl")
-    be.verify()  # fit checks the device once per process first; its own copies are not the step's
+    # fit checks the device first (once per device, model and batch sizes): its copies are not the steps'
+    model.fit(x[:30], y[:30], epochs=1, batch_size=10, verbose=False, shuffle=False)
     with be.transfers.recording():
         model.fit(x[:30], y[:30], epochs=1, batch_size=10, verbose=False, shuffle=False)
     reasons = be.transfers.d2h_reasons()
@@ -99,7 +100,7 @@ def test_fit_refuses_a_device_that_computes_wrong_results(monkeypatch):
     be = pc.backends.get("opencl")
     model = pc.Sequential(pc.Flatten(), pc.Linear(16, 3), backend="opencl")
 
-    def broken():
+    def broken(probe=None, key=None):
         raise RuntimeError(f"{be!r} computes linear wrongly")
 
     monkeypatch.setattr(be, "verify", broken)
