@@ -196,9 +196,10 @@ def test_cli_distributed_sync_bn_prints_the_accuracy_of_the_saved_model(tmp_path
     assert "21 SyncBatchNorm layers" in out, out
     printed = float(re.search(r"test accuracy: ([0-9.]+)% on 60 held-out images", out).group(1))
     ns = argparse.Namespace(dataset="mnist-sample", data=str(tmp_path), split="test", train_size=200)
-    _, (xte, yte), _ = cli._load_data(ns)
+    _, (xte, yte), _, _ = cli._load_data(ns)
     saved = pc.load(tmp_path / "ck.npz")
-    assert type(saved.layers[1]).__name__ == "SyncBatchNorm"
+    assert type(saved.layers[0]).__name__ == "Normalize"  # evaluated on the raw pixels below
+    assert sum(type(m).__name__ == "SyncBatchNorm" for m in saved.modules()) == 21
     assert printed == round(100 * saved.evaluate(xte, yte)["accuracy"], 2), out
     res = subprocess.run([sys.executable, "-P", "-m", "parconv.cli", "train", "--sync-bn", "--epochs", "1"],
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
