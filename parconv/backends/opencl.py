@@ -384,7 +384,13 @@ def build_program(context, family: str, options: tuple[str, ...]):
         try:
             program = cl.Program(handle, _kernel_source(family)).build(options=list(options))
         except cl.RuntimeError as exc:
-            raise RuntimeError(f"building kernels_cl/{family}.cl failed on this OpenCL device: {exc}") from exc
+            hint = ""
+            if "unknown target CPU" in str(exc):
+                # pip's PoCL ships an LLVM older than some CPUs it runs on
+                hint = ("; this driver's compiler does not know this CPU (pip's PoCL carries LLVM 14): "
+                        "use your distribution's PoCL (e.g. `apt install pocl-opencl-icd`, chosen with "
+                        "PARCONV_OPENCL_DEVICE) or a GPU vendor's driver")
+            raise RuntimeError(f"building kernels_cl/{family}.cl failed on this OpenCL device: {exc}{hint}") from exc
         # by name: pyopencl's all_kernels() leaves the kernels' native memory behind
         # (about 1 MB a program on PoCL) once they are released
         names = [n for n in program.get_info(cl.program_info.KERNEL_NAMES).split(";") if n]
