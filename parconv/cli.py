@@ -391,12 +391,14 @@ def cmd_info(args) -> int:
     print(f"cpu cores available: {pc._config._cpu_count()} | threads: {pc.get_num_threads()}"
           f" (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
     try:
-        from parconv._ext import _conv, _threads
+        from parconv._ext import _threads
 
-        print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'} | "
-              f"kernels: {_conv.kernel_isa()}")
+        print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'}")
     except ImportError as exc:
         print(f"openmp build: compiled kernels missing ({exc})")
+    from parconv._buildinfo import build_info, format_config
+
+    print(format_config(build_info()))
     print(f"default backend: {pc._config.get_default_backend_name()}")
     print("backends:")
     for name in backends.registered():
