@@ -341,6 +341,9 @@ def main(argv=None) -> int:
     p.add_argument("--wait-cores", type=float, default=0.0,
                    help="before each sample on n > 1 threads, wait up to this long until n threads get 0.8n "
                         "cores' worth of speed (as bench/run.py --wait-cores)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time samples by the wall clock or by the workers' CPU time (cpu: one-thread rows on "
+                        "a machine shared with other work)")
     p.add_argument("--threshold", type=float, default=THRESHOLD)
     p.add_argument("--quick", action="store_true", help="tiny shapes, checks and plumbing only (tests)")
     p.add_argument("--out", default=os.path.join(HERE, "out", "revisions.json"), help="JSON output")
@@ -350,6 +353,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return worker_main()
+    if args.clock == "cpu":
+        if any(t > 1 for t in args.threads):
+            raise SystemExit("compare_revisions.py: --clock cpu times one thread only (use --threads 1)")
+        os.environ["PARCONV_BENCH_CLOCK"] = "cpu"  # the workers inherit it
     import workloads as W
 
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -377,7 +384,7 @@ def main(argv=None) -> int:
     res = {"old": old, "old_label": old if args.old_tree else old[:12], "new": new, "new_label": new_label,
            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
            "settings": {k: getattr(args, k) for k in ("workloads", "backend", "threads", "repeat", "warmup",
-                                                      "min_time", "gap", "idle_wait", "wait_cores", "threshold",
+                                                      "min_time", "gap", "idle_wait", "wait_cores", "threshold", "clock",
                                                       "quick")}}
     res.update(compare(old_tree, new_tree, args, log))
     res["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
