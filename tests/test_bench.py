@@ -461,3 +461,32 @@ def test_compare_answers_takes_a_tolerance_per_key():
     assert res["ok"] and res["worst_key"] == "loss"  # loss uses half its default, grads a fifth of theirs
     res = harness.compare_answers(got, ref, {"grads": 5e-2, "loss": 1e-4})
     assert not res["ok"] and res["worst_key"] == "loss" and "tolerance 0.0001" in res["message"]
+
+
+def test_cpu_clock_leaves_out_the_time_other_processes_take(monkeypatch):
+    """PARCONV_BENCH_CLOCK=cpu (compare_revisions.py --clock cpu) times the process's CPU, not the wall."""
+    import importlib
+    import time
+
+    class Sleeper:  # stands for a sample during which the scheduler runs someone else
+        def prepare(self):
+            pass
+
+        def run(self):
+            time.sleep(0.05)
+
+        def sync(self):
+            pass
+
+    monkeypatch.syspath_prepend(BENCH)
+    harness = _bench_module("harness")
+    monkeypatch.setenv("PARCONV_BENCH_CLOCK", "cpu")
+    try:
+        assert importlib.reload(harness)._one_sample(Sleeper(), 2) < 0.02
+    finally:
+        monkeypatch.delenv("PARCONV_BENCH_CLOCK")
+        importlib.reload(harness)
+    assert harness._one_sample(Sleeper(), 1) >= 0.05
+    cr = _bench_module("compare_revisions")
+    with pytest.raises(SystemExit, match="--clock cpu times one thread only"):
+        cr.main(["--old-tree", ".", "--new-tree", ".", "--clock", "cpu", "--threads", "1,2"])
