@@ -19,6 +19,7 @@ import pytest
 MODULES = [
     "parconv",
     "parconv._config",
+    "parconv._buildinfo",
     "parconv.functional",
     "parconv.layers",
     "parconv.model",
