@@ -6,12 +6,14 @@
     python bench/compare_revisions.py                       # 5db3609 (before the refactor) vs HEAD
     python bench/compare_revisions.py --old v0.1 --new HEAD --threads 1,2 --repeat 9 --wait-cores 5
     python bench/compare_revisions.py --new-tree .          # 5db3609 vs this checkout's in-place build
+    python bench/compare_revisions.py --old-tree /tmp/native --new-tree .   # two builds of one commit
     python bench/compare_revisions.py --wait-cores 5 --docs # and put the table into docs/benchmarks.md
 
 Each revision is exported with ``git archive`` into its own directory under
 ``--workdir`` (nothing in the repository or its work tree changes) and built
 there in place with every Cython extension, under the same environment (so
-``PARCONV_PORTABLE`` and the compiler flags are the same for both). One worker
+the compiler flags and ``PARCONV_BUILD_LEVELS`` are the same for both; ``PARCONV_ISA``
+reaches both workers). One worker
 process per revision imports that build (``PYTHONPATH``) together with *this*
 checkout's benchmark code, so both time the same workload code. The driver
 then keeps the two workers in lockstep: every case is checked first (the two
@@ -282,7 +284,7 @@ def format_row(row: dict, threshold: float) -> str:
 
 
 def format_table(res: dict) -> str:
-    lines = [f"revision comparison: old {res['old'][:12]} vs new {res['new_label']} | "
+    lines = [f"revision comparison: old {res.get('old_label') or res['old'][:12]} vs new {res['new_label']} | "
              f"repeat {res['settings']['repeat']} (interleaved pairs) | load average at start "
              + "/".join(f"{v:.2f}" for v in res.get("load_average") or [])]
     lines += [format_row(r, res["settings"]["threshold"]) for r in res["rows"]]
@@ -320,6 +322,9 @@ def main(argv=None) -> int:
     p.add_argument("--new", default="HEAD", help="the new revision (default HEAD)")
     p.add_argument("--new-tree", default=None,
                    help="time this directory's in-place build as the new side instead of building --new")
+    p.add_argument("--old-tree", default=None,
+                   help="time this directory's in-place build as the old side instead of building --old "
+                        "(e.g. the same commit built with PARCONV_BUILD_LEVELS='avx512:-march=native')")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "parconv-revisions"),
                    help="where the revisions are exported and built (kept and reused; default %(default)s)")
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
@@ -336,6 +341,9 @@ def main(argv=None) -> int:
     p.add_argument("--wait-cores", type=float, default=0.0,
                    help="before each sample on n > 1 threads, wait up to this long until n threads get 0.8n "
                         "cores' worth of speed (as bench/run.py --wait-cores)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time samples by the wall clock or by the workers' CPU time (cpu: one-thread rows on "
+                        "a machine shared with other work)")
     p.add_argument("--threshold", type=float, default=THRESHOLD)
     p.add_argument("--quick", action="store_true", help="tiny shapes, checks and plumbing only (tests)")
     p.add_argument("--out", default=os.path.join(HERE, "out", "revisions.json"), help="JSON output")
@@ -345,6 +353,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return worker_main()
+    if args.clock == "cpu":
+        if any(t > 1 for t in args.threads):
+            raise SystemExit("compare_revisions.py: --clock cpu times one thread only (use --threads 1)")
+        os.environ["PARCONV_BENCH_CLOCK"] = "cpu"  # the workers inherit it
     import workloads as W
 
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -358,18 +370,21 @@ def main(argv=None) -> int:
     def log(text):
         print(text, flush=True)
 
-    old = resolve(args.old)
     os.makedirs(args.workdir, exist_ok=True)
-    old_tree = export_and_build(old, args.workdir, log)
+    if args.old_tree:
+        old, old_tree = _tree_label(args.old_tree), os.path.abspath(args.old_tree)
+    else:
+        old = resolve(args.old)
+        old_tree = export_and_build(old, args.workdir, log)
     if args.new_tree:
         new, new_label, new_tree = None, _tree_label(args.new_tree), os.path.abspath(args.new_tree)
     else:
         new = resolve(args.new)
         new_label, new_tree = new[:12], export_and_build(new, args.workdir, log)
-    res = {"old": old, "new": new, "new_label": new_label,
+    res = {"old": old, "old_label": old if args.old_tree else old[:12], "new": new, "new_label": new_label,
            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
            "settings": {k: getattr(args, k) for k in ("workloads", "backend", "threads", "repeat", "warmup",
-                                                      "min_time", "gap", "idle_wait", "wait_cores", "threshold",
+                                                      "min_time", "gap", "idle_wait", "wait_cores", "threshold", "clock",
                                                       "quick")}}
     res.update(compare(old_tree, new_tree, args, log))
     res["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None

@@ -335,6 +335,12 @@ def gc_paused():
             gc.enable()
 
 
+# PARCONV_BENCH_CLOCK=cpu times samples by the process's CPU time instead of the wall clock:
+# for one-thread comparisons on a shared machine, where time slices given to other processes
+# would otherwise land in some samples and not others.
+_CLOCK = time.process_time if os.environ.get("PARCONV_BENCH_CLOCK", "") == "cpu" else time.perf_counter
+
+
 def _one_sample(runner, inner: int) -> float:
     """Seconds per call of ``runner.run`` averaged over ``inner`` calls.
 
@@ -349,17 +355,17 @@ def _one_sample(runner, inner: int) -> float:
         total = 0.0
         for _ in range(inner):
             runner.prepare()
-            t0 = time.perf_counter()
+            t0 = _CLOCK()
             runner.run()
             runner.sync()
-            total += time.perf_counter() - t0
+            total += _CLOCK() - t0
         return total / inner
     runner.prepare()
-    t0 = time.perf_counter()
+    t0 = _CLOCK()
     for _ in range(inner):
         runner.run()
     runner.sync()
-    return (time.perf_counter() - t0) / inner
+    return (_CLOCK() - t0) / inner
 
 
 def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: float,

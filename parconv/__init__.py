@@ -26,6 +26,7 @@ from . import layers as _layers  # noqa: E402
 from .losses import BCELoss, CrossEntropyLoss, MSELoss, SoftmaxCrossEntropy  # noqa: E402
 from .model import History, Sequential, TrainingDivergedError, load  # noqa: E402
 from . import models  # noqa: E402  (the zoo builds on Sequential)
+from ._buildinfo import show_config  # noqa: E402
 
 
 def get_backend():
@@ -75,6 +76,7 @@ __all__ = [
     "get_conv_precision",
     "conv_precision",
     "to_numpy",
+    "show_config",
     "Sequential",
     "History",
     "load",

@@ -433,13 +433,15 @@ def cmd_info(args) -> int:
         source = why
     print(f"cpu cores available: {cores} | threads: {pc.get_num_threads()} ({source})")
     try:
-        from parconv._ext import WAIT_POLICY, _conv, _threads
+        from parconv._ext import WAIT_POLICY, _threads
 
-        print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'} | "
-              f"kernels: {_conv.kernel_isa()}")
+        print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'}")
         print(f"openmp wait policy: {WAIT_POLICY['policy']} ({WAIT_POLICY['source']})")
     except ImportError as exc:
         print(f"openmp build: compiled kernels missing ({exc})")
+    from parconv._buildinfo import build_info, format_config
+
+    print(format_config(build_info()))
     print(f"default backend: {pc._config.get_default_backend_name()}")
     print("backends:")
     for name in backends.registered():

@@ -597,3 +597,32 @@ def test_mpi_cost_model_hides_the_measured_window_only():
     windowed = [r["allreduce_s"] for r in mpi_bench.cost_model(**base, overlap=0.8, overlap_window_s=window)]
     np.testing.assert_allclose(windowed, [f - 0.8 * min(f, window) for f in full])
     assert windowed[1] > full[1] - window  # the window, not a share of the reduction, is what is hidden
+
+
+def test_cpu_clock_leaves_out_the_time_other_processes_take(monkeypatch):
+    """PARCONV_BENCH_CLOCK=cpu (compare_revisions.py --clock cpu) times the process's CPU, not the wall."""
+    import importlib
+    import time
+
+    class Sleeper:  # stands for a sample during which the scheduler runs someone else
+        def prepare(self):
+            pass
+
+        def run(self):
+            time.sleep(0.05)
+
+        def sync(self):
+            pass
+
+    monkeypatch.syspath_prepend(BENCH)
+    harness = _bench_module("harness")
+    monkeypatch.setenv("PARCONV_BENCH_CLOCK", "cpu")
+    try:
+        assert importlib.reload(harness)._one_sample(Sleeper(), 2) < 0.02
+    finally:
+        monkeypatch.delenv("PARCONV_BENCH_CLOCK")
+        importlib.reload(harness)
+    assert harness._one_sample(Sleeper(), 1) >= 0.05
+    cr = _bench_module("compare_revisions")
+    with pytest.raises(SystemExit, match="--clock cpu times one thread only"):
+        cr.main(["--old-tree", ".", "--new-tree", ".", "--clock", "cpu", "--threads", "1,2"])

@@ -20,6 +20,7 @@ True
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from typing import Callable
 
@@ -206,4 +207,6 @@ def _best_cpu_backend() -> str:
         get("openmp")
         return "openmp"
     except Exception:  # noqa: BLE001
+        if os.environ.get("PARCONV_ISA", "").strip():
+            raise  # kernels asked for by name: falling back to NumPy would hide the mistake
         return "numpy"

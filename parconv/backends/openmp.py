@@ -30,6 +30,7 @@ import threading
 
 import numpy as np
 
+from .. import _ext as _ext_dispatch
 from .._config import get_conv_precision, get_num_threads
 from .._ext import _activations, _conv, _conv_general, _dense, _losses, _norm, _optim, _pool, _threads
 from .._shapes import out_size as _out_size
@@ -350,6 +351,8 @@ class OpenMPBackend(HostArrays, Backend):
             "omp_max_threads": omp_max_threads(),
             "num_threads": get_num_threads(),
             "conv_kernels": _conv.kernel_isa(),
+            "isa_level": _ext_dispatch.STATE.get("level"),
+            "isa_levels_built": list(_ext_dispatch.STATE.get("built", [])),
             "blas": _blas_one_thread.info(),
         }
 
