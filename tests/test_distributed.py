@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import parconv as pc
+from test_sync_batchnorm import bn_and_sync_bn
 
 pytest.importorskip("mpi4py")
 
@@ -707,19 +708,6 @@ def test_buffers_equal_on_all_ranks_after_fit_and_every_forward(backend):
         dist.DataParallel(model, broadcast_buffers="yes")
 
 
-def _bn_reference(shape, backend, momentum, affine):
-    C = shape[1]
-    cls = pc.BatchNorm2d if len(shape) == 4 else pc.BatchNorm1d
-    ref = cls(C, momentum=momentum, affine=affine, backend=backend)
-    sync = pc.SyncBatchNorm(C, momentum=momentum, affine=affine, backend=backend)
-    if affine:
-        rng = np.random.default_rng(C)
-        ref.load_state_dict(dict(ref.state_dict(), weight=rng.standard_normal(C).astype(np.float32),
-                                 bias=rng.standard_normal(C).astype(np.float32)))
-    sync.load_state_dict(ref.state_dict())
-    return ref, sync
-
-
 @needs_mpi_run
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -735,7 +723,7 @@ def test_sync_batchnorm_matches_global_batchnorm(backend, shape, mode, momentum,
     """Forward output, dx, the gradients summed over ranks and the running statistics equal a
     single-process BatchNorm over the global batch (rtol 1e-5), step after step."""
     rng = np.random.default_rng(11)
-    ref, sync = _bn_reference(shape, backend, momentum, affine)
+    ref, sync = bn_and_sync_bn(shape, backend, momentum, affine)
     lo, hi = dist.shard_bounds(shape[0], SIZE, RANK)
     results = []
     for step in range(3):

@@ -16,7 +16,8 @@ import parconv as pc
 BACKENDS = pc.available_backends()
 
 
-def _pair(shape, backend, momentum=0.1, affine=True):
+def bn_and_sync_bn(shape, backend, momentum=0.1, affine=True):
+    """A BatchNorm and a SyncBatchNorm with the same state (also used by the MPI tests)."""
     C = shape[1]
     ref = (pc.BatchNorm2d if len(shape) == 4 else pc.BatchNorm1d)(C, momentum=momentum, affine=affine,
                                                                    backend=backend)
@@ -34,7 +35,7 @@ def _pair(shape, backend, momentum=0.1, affine=True):
     ((4, 3, 5, 5), False, 0.1, True), ((4, 3, 5, 5), True, 0.1, True), ((6, 4), False, None, False),
     ((3, 2, 7), False, 0.5, True)])
 def test_one_process_is_exactly_batchnorm(backend, shape, relu, momentum, affine):
-    ref, sync = _pair(shape, backend, momentum, affine)
+    ref, sync = bn_and_sync_bn(shape, backend, momentum, affine)
     rng = np.random.default_rng(0)
     for _ in range(2):
         x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
