@@ -150,6 +150,12 @@ def test_info_says_how_the_thread_count_was_found(tmp_path, monkeypatch, default
 
 
 # ---------------------------------------------------------------- OpenMP wait policy
+def _package_parent() -> str:
+    """The folder holding the parconv these tests import (children run with ``-P``, so a source
+    checkout in the working directory cannot shadow an installed build)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(pc.__file__)))
+
+
 def _gomp_env_report(env_extra: dict, first: str = "") -> tuple[str, str]:
     """(libgomp's OMP_DISPLAY_ENV report, what parconv recorded) in a fresh interpreter."""
     import subprocess
@@ -159,7 +165,9 @@ def _gomp_env_report(env_extra: dict, first: str = "") -> tuple[str, str]:
     env.update(env_extra, OMP_DISPLAY_ENV="VERBOSE")
     code = (f"{first}\nimport os, parconv\nfrom parconv._ext import WAIT_POLICY, _threads  # _threads loads libgomp\n"
             "print(WAIT_POLICY['policy'], '|', WAIT_POLICY['source'], '|', os.environ.get('OMP_WAIT_POLICY'))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    env["PYTHONPATH"] = _package_parent()
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
     return out.stderr, out.stdout.strip()
 
 
@@ -211,6 +219,7 @@ def test_importing_parconv_settles_the_policy_before_torch_loads_the_shared_runt
         pytest.skip("serial build")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["OMP_DISPLAY_ENV"] = "VERBOSE"
-    out = subprocess.run([sys.executable, "-c", "import parconv\nimport torch\ntorch.ones(2).sum()"], env=env,
+    env["PYTHONPATH"] = _package_parent()
+    out = subprocess.run([sys.executable, "-P", "-c", "import parconv\nimport torch\ntorch.ones(2).sum()"], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
     assert _spincount(out.stderr) == 0, out.stderr

@@ -23,7 +23,9 @@ ext = pytest.importorskip("parconv._ext")
 if not ext.STATE.get("built"):
     pytest.skip("the compiled kernels are not built", allow_module_level=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__)))
+# the folder holding the imported parconv (a source tree or site-packages); the children run "-P"
+# so that a source checkout in their working directory cannot shadow it
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
 RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
 
 
@@ -33,7 +35,7 @@ def _run(code, isa=None, timeout=600):
     if isa is not None:
         env["PARCONV_ISA"] = isa
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code)], env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -101,10 +101,13 @@ def test_rusticl_cpu_style_is_switched_to_a_configuration_that_is_right(tmp_path
     """The selftest catches the CPU style's wrong tiles, fit switches to the GPU style (the probe of the run alone
     catches the weight gradient at batch 50, the fixed checks alone the 7x7 convolution), and what it then runs is
     right."""
+    import parconv
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(parconv.__file__)))  # the parconv under test
     (tmp_path / "rusticl.icd").write_text(_RUSTICL + "\n")
     env = dict(os.environ, OCL_ICD_VENDORS=str(tmp_path), RUSTICL_ENABLE="llvmpipe", PARCONV_OPENCL_DEVICE="rusticl",
-               PARCONV_OPENCL_CONFIG="cpu")
-    out = subprocess.run([sys.executable, "-c", "import parconv.cli\n" + _RUSTICL_SCRIPT], env=env,
+               PARCONV_OPENCL_CONFIG="cpu", PYTHONPATH=home)
+    out = subprocess.run([sys.executable, "-P", "-c", "import parconv.cli\n" + _RUSTICL_SCRIPT], env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode == 77:
         pytest.skip(f"rusticl is installed but offers no device here: {out.stdout[-500:]}")
