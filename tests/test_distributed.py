@@ -59,18 +59,24 @@ needs_mpi_run = pytest.mark.skipif(not UNDER_MPI, reason="runs under mpiexec (re
 
 
 # ------------------------------------------------------------------ launcher side
+def _mpi_suite(ranks, *select):
+    """Run this file's MPI tests (``select``: more pytest arguments) under ``mpiexec -n ranks``; fail
+    with their output if any fails or the run hangs."""
+    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-P", "-m", "pytest", os.path.abspath(__file__), "-q",
+           "-x", "-p", "no:cacheprovider", "--noconftest", "-m", "mpi", *select]
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"MPI test run on {ranks} ranks hung (> {SUITE_TIMEOUT} s):\n{exc.stdout}\n{exc.stderr}")
+    assert res.returncode == 0, f"mpiexec -n {ranks} pytest failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    assert " passed" in res.stdout and "failed" not in res.stdout, res.stdout
+
+
 @needs_launcher
 @pytest.mark.mpi
 def test_suite_under_mpiexec():
     """Run the MPI tests of this file under ``mpiexec -n 2`` and fail with their output if any fails."""
-    cmd = [_mpiexec(), "-n", "2", sys.executable, "-P", "-m", "pytest", os.path.abspath(__file__), "-q", "-x",
-           "-p", "no:cacheprovider", "--noconftest", "-m", "mpi"]
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"MPI test run hung (> {SUITE_TIMEOUT} s):\n{exc.stdout}\n{exc.stderr}")
-    assert res.returncode == 0, f"mpiexec -n 2 pytest failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
-    assert " passed" in res.stdout and "failed" not in res.stdout, res.stdout
+    _mpi_suite(2)
 
 
 @needs_launcher
@@ -78,14 +84,7 @@ def test_suite_under_mpiexec():
 def test_sync_batchnorm_and_loader_shards_under_4_ranks():
     """The tests whose point is about more than two ranks (SyncBatchNorm's reductions, a loader's shards,
     a batch smaller than the ranks) again under ``mpiexec -n 4`` (oversubscribed on small machines)."""
-    cmd = [_mpiexec(), "-n", "4", sys.executable, "-P", "-m", "pytest", os.path.abspath(__file__), "-q", "-x",
-           "-p", "no:cacheprovider", "--noconftest", "-m", "mpi", "-k", "sync_batchnorm or shards"]
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=SUITE_TIMEOUT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"MPI test run on 4 ranks hung (> {SUITE_TIMEOUT} s):\n{exc.stdout}\n{exc.stderr}")
-    assert res.returncode == 0, f"mpiexec -n 4 pytest failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
-    assert " passed" in res.stdout and "failed" not in res.stdout, res.stdout
+    _mpi_suite(4, "-k", "sync_batchnorm or shards")
 
 
 def _run_job(tmp_path, body, args=(), ranks=2):
