@@ -40,14 +40,15 @@ from setuptools.command.build_ext import build_ext
 
 # The kernel modules: compiled once per ISA level (largest first, so the parallel build
 # starts the long compiles first).
-HOT_NAMES = ["_conv", "_conv_general", "_pool", "_dense", "_norm", "_activations", "_losses", "_optim"]
+HOT_NAMES = ["_conv", "_conv_general", "_pool", "_dense", "_norm", "_activations", "_losses", "_optim", "_bf16",
+             "_int8"]
 # Built once, for the baseline: build facts, the BLAS thread hooks (process-wide state) and
 # the CPU feature probe that chooses the level.
 ONCE_NAMES = ["_threads", "_cpu"]
 EXT_NAMES = ONCE_NAMES + HOT_NAMES
 
 HEADERS = ["pc_common.h", "pc_conv.h", "pc_winograd.h", "pc_winograd4.h", "pc_fused.h", "pc_dense.h",
-           "pc_optim.h", "pc_pool.h", "pc_conv_general.h", "pc_pool.pxd", "pc_helpers.pxd"]
+           "pc_optim.h", "pc_pool.h", "pc_conv_general.h", "pc_pool.pxd", "pc_helpers.pxd", "pc_bf16.h", "pc_int8.h"]
 
 # level -> (flags, fallback flags for compilers without the x86-64-vN names); highest first
 X86_LEVELS = {

@@ -28,7 +28,8 @@ import os
 import sys
 
 LEVELS = ("generic", "avx2", "avx512")  # lowest first
-KERNEL_MODULES = ("_activations", "_conv", "_conv_general", "_dense", "_losses", "_norm", "_optim", "_pool")
+KERNEL_MODULES = ("_activations", "_bf16", "_conv", "_conv_general", "_dense", "_int8", "_losses", "_norm", "_optim",
+                  "_pool")
 DESCRIPTION = {
     "generic": "portable C (x86-64 baseline: SSE2; NEON on aarch64)",
     "avx2": "x86-64-v3: AVX2 + FMA",
