@@ -249,9 +249,10 @@ def set_conv_precision(precision: str) -> None:
     precision : {"highest", "high", "medium"}
         ``"highest"``: direct summation everywhere, the results of the direct
         kernels (no Winograd). ``"high"`` (the default): Winograd F(2x2, 3x3) or
-        direct summation in the forward, F(4x4, 3x3) only for the gradients dx
+        direct summation in the forward, F(4x4, 3x3) for the gradients dx
         and dw, whose error (a few times float32 rounding) reaches no ReLU's
-        decision. ``"medium"``: F(4x4, 3x3) in the forward as well, the
+        decision, and for forwards under :func:`parconv.no_grad` (inference),
+        which no gradient follows. ``"medium"``: F(4x4, 3x3) in the forward as well, the
         fastest; its forward error (up to 8e-6 of a layer's largest output)
         flips ReLUs whose input lies that close to zero, and BatchNorm in training mode can turn one
         flip into a gradient error of 1e-2 (see the docs' "Convolution

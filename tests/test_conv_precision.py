@@ -113,7 +113,8 @@ def test_highest_gives_the_direct_kernels_bits(shape):
 
 @pytest.mark.parametrize("shape", STAGES)
 def test_high_keeps_f4_out_of_the_forward_only(shape):
-    """"high": the forward as F(2x2, 3x3) or direct (never F(4x4, 3x3)); dx and dw as "medium"."""
+    """"high" with gradients enabled: the forward as F(2x2, 3x3) or direct (never F(4x4, 3x3));
+    dx and dw as "medium"."""
     N, C, O, H, W = shape
     x, w, dy = _case(2, *shape)
     with num_threads(2):
@@ -131,6 +132,28 @@ def test_high_keeps_f4_out_of_the_forward_only(shape):
     want = pc.backends.get("numpy").conv2d_forward(x.astype(np.float64), w.astype(np.float64), None, 1, 1)
     for got in (y, y_medium):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("shape", STAGES)
+def test_high_runs_f4_in_forwards_under_no_grad(shape):
+    """An inference forward has no gradient for BatchNorm to spread a flipped ReLU into: under
+    ``no_grad``, "high" takes F(4x4, 3x3) as "medium" does, and leaves it again afterwards."""
+    N, C, O, H, W = shape
+    x, w, _ = _case(5, *shape)
+    with num_threads(2):
+        y_grad = omp.conv2d_forward(x, w, None, 1, 1).copy()
+        with pc.no_grad():
+            y_infer = omp.conv2d_forward(x, w, None, 1, 1).copy()
+        with pc.conv_precision("medium"):
+            y_medium = omp.conv2d_forward(x, w, None, 1, 1).copy()
+        with pc.no_grad(), pc.conv_precision("highest"):
+            y_highest = omp.conv2d_forward(x, w, None, 1, 1).copy()
+        y_after = omp.conv2d_forward(x, w, None, 1, 1)
+    assert np.array_equal(y_infer, y_medium)
+    assert not np.array_equal(y_infer, y_grad)
+    assert np.array_equal(y_after, y_grad)
+    _direct_y, _ = _direct(x, w, np.zeros((N, O, H, W), np.float32))
+    assert np.array_equal(y_highest, _direct_y)
 
 
 def test_setting_reaches_the_folded_batch_norm_forward():

@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import _ext as _ext_dispatch
 from .._config import get_conv_precision, get_num_threads
+from .._grad import is_grad_enabled
 from .._ext import _activations, _conv, _conv_general, _dense, _losses, _norm, _optim, _pool, _threads
 from .._shapes import out_size as _out_size
 from .base import Backend
@@ -333,11 +334,12 @@ class OpenMPBackend(HostArrays, Backend):
 
     @staticmethod
     def _winograd4(grad) -> bool:
-        """Whether F(4x4, 3x3) may run: at "medium" everywhere, at "high" for the gradients only.
-        Its forward error flips ReLUs whose input lies within it of zero, which BatchNorm in
-        training mode spreads over every gradient; dx and dw reach no such decision."""
+        """Whether F(4x4, 3x3) may run: at "medium" everywhere; at "high" for the gradients and
+        for forwards under ``no_grad``. Its forward error flips ReLUs whose input lies within it
+        of zero, which BatchNorm in training mode spreads over every gradient; dx and dw reach
+        no such decision, and an inference forward has no gradient to spread it into."""
         precision = get_conv_precision()
-        return precision == "medium" or (grad and precision == "high")
+        return precision == "medium" or (precision == "high" and (grad or not is_grad_enabled()))
 
     @property
     def openmp_enabled(self) -> bool:
