@@ -247,6 +247,12 @@ class Sequential(Layer):
         ``extra`` holds further arrays (e.g. optimizer state) stored under
         ``extra.<name>``.
         """
+        quantized = [type(m).__name__ for m in self.modules() if getattr(m, "_kind", "").startswith("Quantized")]
+        if quantized:
+            raise ValueError(f"save: this model has int8 quantized layers ({quantized[0]}), which the .npz format "
+                             "does not hold; write it with parconv.onnx.export(model, path, input_shape) (a QDQ "
+                             "graph that parconv.onnx.load reads back), or save the float model and quantize "
+                             "after loading")
         arrays = self.state_dict()
         for k, v in (extra or {}).items():
             arrays[f"extra.{k}"] = np.asarray(v)

@@ -641,7 +641,9 @@ def _calibration_batches(data, batch_size: int, where: str):
             for batch in data:
                 yield batch[0] if isinstance(batch, tuple) else batch
         return len(data), gen()
-    if isinstance(data, (np.ndarray, list)) or hasattr(data, "__array__"):
+    batch_list = isinstance(data, (list, tuple)) and len(data) > 0 and all(
+        isinstance(b, (np.ndarray, tuple)) for b in data)
+    if not batch_list and (isinstance(data, (np.ndarray, list)) or hasattr(data, "__array__")):
         x = as_host_float(data, "calibration_data", where)
         if x.ndim < 2:
             raise ValueError(f"{where}: calibration_data must be a batch of inputs (N, C, H, W) or (N, F), got "
