@@ -51,7 +51,7 @@ from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Identity, Layer, Linear, R
 from .layers import _check_bool, _pair, _scalar_or_pair, layer_from_spec
 
 __all__ = [
-    "quantize", "fuse_conv_bn_eval", "MinMaxObserver", "QuantizedConv2d", "QuantizedLinear",
+    "quantize", "fuse_conv_bn_eval", "MinMaxObserver", "QuantizedConv2d", "QuantizedLinear", "QuantDequant",
     "quantize_per_tensor", "quantize_weight_per_channel", "quantize_bias", "conv2d_int8_reference",
     "linear_int8_reference", "requantize", "int8_path",
 ]
@@ -509,6 +509,41 @@ class QuantizedLinear(_Quantized):
             y = np.asarray(self.backend.to_numpy(y)).astype(np.int64)
             acc = y if acc is None else acc + y
         return self._output(acc)
+
+
+class QuantDequant(Layer):
+    """Round to a per-tensor uint8 grid and back: ``(quantize_per_tensor(x, scale, zero_point) - zero_point) * scale``.
+
+    An ONNX ``QuantizeLinear -> DequantizeLinear`` pair that feeds ops other than a
+    convolution or a fully connected layer (e.g. the clamp that stands for a ReLU in
+    ONNX Runtime's QDQ graphs) loads as this layer; it exports as that pair.
+    """
+
+    def __init__(self, scale: float, zero_point: int, backend=None):
+        super().__init__(backend)
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"QuantDequant: scale must be positive and finite, got {scale!r}")
+        self.scale = float(np.float32(scale))
+        self.zero_point = check_int(zero_point, "zero_point", "QuantDequant", 0)
+        if self.zero_point > 255:
+            raise ValueError(f"QuantDequant: zero_point must be in 0..255, got {self.zero_point}")
+
+    def config(self):
+        return {"scale": self.scale, "zero_point": self.zero_point}
+
+    def forward(self, x):
+        x = self._host(x)
+        q = quantize_per_tensor(x, self.scale, self.zero_point)
+        y = ((q.astype(np.int32) - self.zero_point).astype(np.float32) * np.float32(self.scale)).astype(np.float32)
+        return y if self.backend.host_arrays else self.backend.asarray(y)
+
+    def _host(self, x):
+        x = self._input(x)
+        return x if isinstance(x, np.ndarray) else np.asarray(self.backend.to_numpy(x))
+
+    def backward(self, dy, need_dx: bool = True):
+        raise RuntimeError(f"{self!r}: runs inference only (no backward)")
 
 
 # ======================================================================= model transformation
