@@ -528,6 +528,7 @@ class QuantDequant(Layer):
         self.zero_point = check_int(zero_point, "zero_point", "QuantDequant", 0)
         if self.zero_point > 255:
             raise ValueError(f"QuantDequant: zero_point must be in 0..255, got {self.zero_point}")
+        self.training = False  # inference only, as the quantized layers
 
     def config(self):
         return {"scale": self.scale, "zero_point": self.zero_point}

@@ -398,3 +398,141 @@ def test_int8_path_is_reported():
     from parconv._buildinfo import build_info, format_config
 
     assert f"int8 inference: {Q.int8_path()}" in format_config(build_info())
+
+
+# ----------------------------------------------------------------------------- ONNX QDQ
+def _small_int8():
+    """Quantized conv (BatchNorm folded, ReLU fused), depthwise conv, a QuantDequant, pooling, quantized linear."""
+    model = pc.Sequential(pc.Conv2d(2, 8, 3, padding=1, rng=1), pc.BatchNorm2d(8), pc.ReLU(),
+                          pc.Conv2d(8, 8, 3, groups=8, rng=2), pc.MaxPool2d(2), pc.Flatten(), pc.Linear(128, 5, rng=3),
+                          backend="numpy")
+    _trained_bn(model[1], np.random.default_rng(4))
+    x = np.random.default_rng(0).standard_normal((16, 2, 10, 10)).astype(np.float32)
+    qmodel = Q.quantize(model.eval(), x)
+    qmodel.layers.insert(5, Q.QuantDequant(0.05, 128))
+    return qmodel
+
+
+def _int8_resnet():
+    model, x = _zoo("resnet20", "numpy", np.random.default_rng(1))
+    return Q.quantize(model, x[:16])
+
+
+#: int8 models whose QDQ export is checked against onnxruntime and loaded back (tests/test_onnx_coverage.py reads it)
+ONNX_MODELS = {"small": (_small_int8, (1, 2, 10, 10)), "resnet20": (_int8_resnet, (1, 3, 32, 32))}
+
+
+def _onnx():
+    pytest.importorskip("onnx", reason="onnx not installed")
+    return pytest.importorskip("onnxruntime", reason="onnxruntime not installed")
+
+
+def _ort(ort, path, x, optimize: bool):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+
+
+@pytest.mark.parametrize("name", list(ONNX_MODELS))
+def test_qdq_export_runs_in_onnxruntime_and_loads_back_bit_identical(tmp_path, name):
+    ort = _onnx()
+    import onnx
+
+    make, shape = ONNX_MODELS[name]
+    qmodel = make()
+    path = tmp_path / f"{name}.onnx"
+    pc.onnx.export(qmodel, path, shape)
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    inits = {t.name: t for t in onnx.load(str(path)).graph.initializer}
+    first = next(k for k in inits if k.endswith("weight") and inits[k].data_type == onnx.TensorProto.INT8)
+    assert first  # int8 weight initializers
+    x = np.random.default_rng(5).standard_normal((3,) + shape[1:]).astype(np.float32)
+    want = pc.to_numpy(qmodel(x))
+    # the reference QDQ semantics (dequantize, float op): equal up to float32 rounding of the dequantized products
+    exact = _ort(ort, path, x, optimize=False)
+    np.testing.assert_allclose(exact, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    # fused into QLinearConv / QGemm, which requantise between layers in integers: one step of a layer's input
+    fused = _ort(ort, path, x, optimize=True)
+    np.testing.assert_allclose(fused, want, rtol=0, atol=1e-2 * np.abs(want).max())
+    assert (fused.argmax(1) == want.argmax(1)).all()
+    for backend in BACKENDS:
+        loaded = pc.onnx.load(path, backend=backend)
+        assert [type(m).__name__ for m in loaded.modules() if "Quant" in type(m).__name__] == \
+            [type(m).__name__ for m in qmodel.modules() if "Quant" in type(m).__name__]
+        got = pc.to_numpy(loaded(x))
+        if backend == qmodel.backend.name:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_onnxruntime_quantize_static_qdq_graphs_load(tmp_path):
+    ort = _onnx()
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    model, x = _zoo("mobilenet-small", "numpy", np.random.default_rng(2))
+    pc.onnx.export(model, tmp_path / "f.onnx", (1, 3, 32, 32))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"input": x[i:i + 16]} for i in range(0, 32, 16)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantize_static(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
+    loaded = pc.onnx.load(tmp_path / "q.onnx", backend="numpy")
+    kinds = [type(m).__name__ for m in loaded.modules()]
+    assert kinds.count("QuantizedConv2d") == 13 and kinds.count("QuantizedLinear") == 1
+    want = _ort(ort, tmp_path / "q.onnx", x[32:], optimize=False)
+    np.testing.assert_allclose(loaded.predict(x[32:]), want, rtol=0, atol=1e-2 * np.abs(want).max())
+
+
+def test_qdq_load_refuses_malformed_quantization(tmp_path):
+    _onnx()
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def write(nodes, inits, name):
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4])],
+                                  [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 3])],
+                                  initializer=[numpy_helper.from_array(v, k) for k, v in inits.items()])
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        return path
+
+    base = {"s": np.array(0.1, np.float32), "z": np.array(3, np.uint8), "w": np.ones((3, 4), np.int8),
+            "ws": np.full(3, 0.5, np.float32), "wz": np.zeros(3, np.int8)}
+    dq_w = helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"], axis=0)
+    good = [helper.make_node("QuantizeLinear", ["input", "s", "z"], ["q"]),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]), dq_w,
+            helper.make_node("Gemm", ["d", "wf"], ["output"], transB=1)]
+    loaded = pc.onnx.load(write(good, base, "good"), backend="numpy")
+    assert type(loaded[0]).__name__ == "QuantizedLinear" and loaded[0].input_zero_point[0] == 3
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_array_equal(loaded.predict(x), Q.requantize(Q.linear_int8_reference(
+        Q.quantize_per_tensor(x, 0.1, 3), 3, base["w"]), None, Q.requant_scale(0.1, base["ws"])))
+    bad_scale = dict(base, s=np.array(-1.0, np.float32))
+    with pytest.raises(ValueError, match="positive finite"):
+        pc.onnx.load(write(good, bad_scale, "neg"), backend="numpy")
+    bad_axis = [good[0], good[1], helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"], axis=5), good[3]]
+    with pytest.raises(ValueError, match="axis"):
+        pc.onnx.load(write(bad_axis, base, "axis"), backend="numpy")
+    bad_zp = dict(base, wz=np.zeros(2, np.int8))
+    with pytest.raises(ValueError, match="zero point"):
+        pc.onnx.load(write(good, bad_zp, "zp"), backend="numpy")
+    mismatch = [good[0], helper.make_node("DequantizeLinear", ["q", "ws2", "z"], ["d"]), dq_w, good[3]]
+    with pytest.raises(ValueError, match="other parameters"):
+        pc.onnx.load(write(mismatch, dict(base, ws2=np.array(0.2, np.float32)), "mismatch"), backend="numpy")
+    lonely = [helper.make_node("QuantizeLinear", ["input", "s", "z"], ["q"]),
+              helper.make_node("Cast", ["q"], ["c"], to=TensorProto.FLOAT), dq_w,
+              helper.make_node("Gemm", ["c", "wf"], ["output"], transB=1)]
+    with pytest.raises(ValueError, match="Cast|other than DequantizeLinear"):
+        pc.onnx.load(write(lonely, base, "lonely"), backend="numpy")
+    with pytest.warns(UserWarning, match="-128"):
+        loaded = pc.onnx.load(write(good, dict(base, w=np.full((3, 4), -128, np.int8)), "m128"), backend="numpy")
+    assert [type(m).__name__ for m in loaded] == ["QuantDequant", "Linear"]
