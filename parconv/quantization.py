@@ -212,13 +212,6 @@ class MinMaxObserver:
 
 
 # ======================================================================= quantized layers
-def _quantized_array(value, dtype, shape, name: str, where: str) -> np.ndarray:
-    a = np.asarray(value)
-    if tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{where}: {name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
-    return np.ascontiguousarray(a, dtype=dtype)
-
-
 class _Quantized(Layer):
     """Shared state and checks of the int8 layers: buffers live on the host (the quantization runs there)."""
 
