@@ -53,7 +53,7 @@ from .layers import _check_bool, _pair, _scalar_or_pair, layer_from_spec
 __all__ = [
     "quantize", "fuse_conv_bn_eval", "MinMaxObserver", "QuantizedConv2d", "QuantizedLinear", "QuantDequant",
     "quantize_per_tensor", "quantize_weight_per_channel", "quantize_bias", "conv2d_int8_reference",
-    "linear_int8_reference", "requantize", "int8_path",
+    "linear_int8_reference", "requantize", "requant_scale", "int8_path",
 ]
 
 #: weights are symmetric int8 in [-QMAX_WEIGHT, QMAX_WEIGHT] (-128 is left out, as oneDNN and ONNX Runtime's
@@ -71,10 +71,19 @@ def quantize_per_tensor(x, scale, zero_point) -> np.ndarray:
     ``x / scale`` is computed in float32 and rounded half to even; NaN maps to
     ``zero_point``. Returns a uint8 array of ``x``'s shape.
     """
+    return (_centred(x, scale, zero_point) + np.float32(zero_point)).astype(np.uint8)
+
+
+def _centred(x, scale, zero_point) -> np.ndarray:
+    """``quantize_per_tensor(x) - zero_point`` as integer-valued float32 (what the products read)."""
     x = np.asarray(x, dtype=np.float32)
-    q = np.rint(x / np.float32(scale))
-    q = np.nan_to_num(q, nan=0.0, posinf=255.0, neginf=-255.0)
-    return np.clip(q + np.float32(zero_point), 0, 255).astype(np.uint8)
+    q = np.divide(x, np.float32(scale), dtype=np.float32)
+    np.rint(q, out=q)
+    nan = np.isnan(q)
+    np.clip(q, -float(zero_point), 255.0 - float(zero_point), out=q)
+    if nan.any():
+        q[nan] = 0.0
+    return q
 
 
 def quantize_weight_per_channel(w) -> tuple:
@@ -318,6 +327,34 @@ class _Quantized(Layer):
         chunks.append((start, per_block.shape[1]))
         return chunks
 
+    def _centred_input(self, x) -> np.ndarray:
+        """``xq - z_x`` as integer-valued float32 (the float emulation's input)."""
+        return _centred(x, self.input_scale[0], self.input_zero_point[0])
+
+    def _bias_in_float(self, chunks, wq2d: np.ndarray):
+        """The bias as float32 for the float kernels to add, when one chunk covers the reduction and
+        ``max sum |wq| * max |xq - z_x| + max |bias_q| < 2**24``: every partial sum, bias included, is then an
+        exact float32 integer and the kernel's output is exactly ``float32(acc + bias_q)``. Else None."""
+        if len(chunks) != 1:
+            return None
+        zx = int(self.input_zero_point[0])
+        bound = int(np.abs(wq2d.astype(np.int64)).sum(axis=1).max()) * max(zx, 255 - zx, 1)
+        bmax = 0 if self.bias is None else int(np.abs(self.bias.astype(np.int64)).max())
+        if bound + bmax >= _EXACT_F32:
+            return None
+        b = np.zeros(wq2d.shape[0], np.float32) if self.bias is None else self.bias.astype(np.float32)
+        return self.backend.asarray(b)
+
+    def _scaled(self, y):
+        """``y * scale[o]`` (then ReLU) in place on the float kernels' exact ``float32(acc + bias_q)``."""
+        y = np.asarray(self.backend.to_numpy(y)) if not isinstance(y, np.ndarray) else y
+        if not y.flags.writeable:
+            y = y.copy()
+        y *= self.scale.reshape((1, -1) + (1,) * (y.ndim - 2))
+        if self.relu:
+            np.maximum(y, 0, out=y)
+        return self.backend.asarray(y) if not self.backend.host_arrays else y
+
     def _output(self, acc, y_host=None):
         y = requantize(acc, self.bias, self.scale, self.relu) if y_host is None else y_host
         return self.backend.asarray(y) if not self.backend.host_arrays else y
@@ -403,15 +440,21 @@ class QuantizedConv2d(_Quantized):
             chunks = [(0, self.weight.shape[1])] if bound * max(zx, 255 - zx, 1) < _EXACT_F32 else None
         wchunks = None if chunks is None else [self.backend.asarray(np.ascontiguousarray(wf[:, a:b]))
                                                for a, b in chunks]
-        self._prepared = (native, chunks, wchunks)
+        bias_f = None if chunks is None else self._bias_in_float(chunks, self.weight.reshape(self.out_channels, -1))
+        self._prepared = (native, chunks, wchunks, bias_f)
         return self._prepared
 
     def forward(self, x):
         x = self._host_input(x)
         self.output_shape(shape_of(x))
-        native, chunks, wchunks = self._prepare()
-        xq = self.quantize_input(x)
+        native, chunks, wchunks, bias_f = self._prepare()
         zx = int(self.input_zero_point[0])
+        if bias_f is not None and native is None:
+            with conv_precision("highest"):  # direct summation: Winograd's transforms are not exact on integers
+                y = F.conv2d(self.backend.asarray(self._centred_input(x)), wchunks[0], bias_f, **self._fargs,
+                             backend=self.backend)
+            return self._scaled(y)
+        xq = self.quantize_input(x)
         if native is not None:
             kind, fn, packed, row_sums = native
             y = np.empty(self.output_shape(x.shape), np.float32)
@@ -428,7 +471,7 @@ class QuantizedConv2d(_Quantized):
             return self._output(acc)
         xi = xq.astype(np.float32) - np.float32(zx)  # exact: integers in [-255, 255]
         acc = None
-        with conv_precision("highest"):  # direct summation: Winograd's transforms are not exact on integers
+        with conv_precision("highest"):  # as above
             for (a, b), wc in zip(chunks, wchunks):
                 part = xi if (a, b) == (0, self.weight.shape[1]) else np.ascontiguousarray(xi[:, a:b])
                 y = F.conv2d(self.backend.asarray(part), wc, None, **self._fargs, backend=self.backend)
@@ -480,15 +523,18 @@ class QuantizedLinear(_Quantized):
             chunks = self._chunks(self.weight, 1)
             wf = self.weight.astype(np.float32)
             wchunks = [self.backend.asarray(np.ascontiguousarray(wf[:, a:b])) for a, b in chunks]
-            self._prepared = (native, chunks, wchunks)
+            self._prepared = (native, chunks, wchunks, self._bias_in_float(chunks, self.weight))
         return self._prepared
 
     def forward(self, x):
         x = self._host_input(x)
         self._check_x(shape_of(x))
-        native, chunks, wchunks = self._prepare()
-        xq = self.quantize_input(x)
+        native, chunks, wchunks, bias_f = self._prepare()
         zx = int(self.input_zero_point[0])
+        if bias_f is not None and native is None:
+            y = F.linear(self.backend.asarray(self._centred_input(x)), wchunks[0], bias_f, backend=self.backend)
+            return self._scaled(y)
+        xq = self.quantize_input(x)
         if native is not None:
             fn, packed, row_sums = native
             y = np.empty((x.shape[0], self.out_features), np.float32)
