@@ -427,7 +427,11 @@ def export(model, path, input_shape) -> None:
         BatchNorm1d/2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d (output 1, or a
         size that divides the input), ReLU, LeakyReLU, ELU, Sigmoid, Tanh, Softmax,
         Flatten, Dropout, Identity, Normalize (as ``Sub`` and ``Div``), Residual and
-        nested Sequential. A model in
+        nested Sequential, and the int8 layers of :func:`parconv.quantization.quantize`
+        (as QDQ: ``QuantizeLinear``/``DequantizeLinear`` around each quantized
+        ``Conv``/``Gemm`` input, int8 weight initializers with a per-channel
+        ``DequantizeLinear`` on axis 0, the int32 bias through a ``DequantizeLinear`` at
+        scale ``input_scale * weight_scale``). A model in
         training mode is written in eval form (running BatchNorm statistics,
         no Dropout), with a warning; its mode is left as it was.
     path : str or os.PathLike
@@ -1377,7 +1381,13 @@ def load(path, backend=None):
         branch the ``None`` shortcut); a constant subgraph (shape arithmetic, a transposed
         weight) is folded first. A ``Sub`` and/or ``Div`` of constants of one value or
         one per channel (``(x - mean) / std``, an input normalisation) becomes a
-        :class:`parconv.Normalize`.
+        :class:`parconv.Normalize`. A QDQ graph (as :func:`export` writes for a quantized
+        model, or ONNX Runtime's ``quantize_static`` in QDQ format) loads as int8 layers: a
+        ``Conv``/``Gemm``/``MatMul`` whose input comes through ``QuantizeLinear ->
+        DequantizeLinear`` (per tensor, uint8 or int8) and whose weight is a symmetric int8
+        ``DequantizeLinear`` becomes a :class:`parconv.quantization.QuantizedConv2d` /
+        :class:`~parconv.quantization.QuantizedLinear`; a pair before another op becomes a
+        :class:`~parconv.quantization.QuantDequant`.
 
     Raises
     ------

@@ -370,6 +370,8 @@ def test_quantized_model_is_inference_only_and_saves_to_onnx_not_npz(tmp_path):
     qmodel(x)
     with pytest.raises(RuntimeError, match="inference only"):
         qmodel.layers[0].backward(np.zeros((8, 4, 26, 26), np.float32))
+    with pytest.raises(ValueError, match="inference only"):
+        qmodel.fit(x, np.zeros(8, np.int64), epochs=1, verbose=False)
     with pytest.raises(ValueError, match="onnx.export"):
         qmodel.save(tmp_path / "q.npz")
     assert not (tmp_path / "q.npz").exists()
