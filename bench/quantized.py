@@ -15,6 +15,7 @@ training images.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ from parconv import quantization as Q
 
 NETS = ("lenet5", "vgg-small", "resnet20", "mobilenet-small", "mlp")
 QUICK_NETS = ("lenet5", "resnet20", "mlp")
+HERE = os.path.dirname(os.path.abspath(__file__))
 #: an int8 answer passes when at least this share of arg-maxes agree with fp32 and the largest error is within
 #: this share of the largest fp32 output
 MIN_AGREEMENT, MAX_ERROR = 0.9, 0.05
@@ -198,3 +200,107 @@ def accuracy(nets, log, epochs: int = 1) -> list:
         log(f"  accuracy {name:16s} fp32 {100 * fp32:6.2f}%  int8 {100 * int8:6.2f}%  "
             f"drop {row['drop_points']:+.2f} points")
     return rows
+
+
+HEADING = "## int8 inference"
+
+
+def docs_section(out: dict, command: str, note: str = "") -> list:
+    """The "## int8 inference" section of docs/benchmarks.md from :func:`run_int8`'s results."""
+    lines = [HEADING, "",
+             "parconv int8 inference (`pc.quantization.quantize`, calibrated on random inputs for the timings) "
+             "against parconv fp32, PyTorch fp32 and PyTorch's int8 (static quantization with the `x86` qconfig "
+             "through `torch.ao.quantization`'s FX mode for the CNNs, dynamic for the MLP), timed interleaved on the "
+             f"same threads; every int8 answer is checked against its fp32 model first. parconv's int8 path here: "
+             f"**{out['int8_path']}**" + (" (the float kernels on integer-valued arrays: exact, and no faster than "
+                                          "fp32; the native int8 kernels are what make int8 fast)"
+                                          if out["int8_path"] == "float32 emulation" else "") + ".", ""]
+    if note:
+        lines += [f"*{note}*", ""]
+    lines += [f"*`{command}`*", "",
+              "| net | batch | threads | parconv fp32 ms | parconv int8 ms | PyTorch fp32 ms | PyTorch int8 ms "
+              "| int8 / fp32 | int8 vs PyTorch fp32 | int8 vs PyTorch int8 |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    ratio = lambda v: "–" if v is None else f"{v:.2f}x"  # noqa: E731
+    for entry in out["nets"]:
+        for r in entry["rows"]:
+            ms = r["median_ms"]
+            lines.append(f"| {entry['net']} | {r['batch']} | {r['threads']} | {fmt(ms.get('parconv-fp32'))} | "
+                         f"{fmt(ms.get('parconv-int8'))} | {fmt(ms.get('torch-fp32'))} | {fmt(ms.get('torch-int8'))} | "
+                         f"{ratio(r.get('int8_vs_fp32'))} | {ratio(r.get('int8_vs_torch-fp32'))} | "
+                         f"{ratio(r.get('int8_vs_torch-int8'))} |")
+    lines += ["", "Answers (64 random inputs; error: largest difference over the largest fp32 output):", "",
+              "| net | parconv int8: arg-max agreement | error | PyTorch int8: agreement | error |",
+              "| --- | ---: | ---: | ---: | ---: |"]
+    for entry in out["nets"]:
+        p, t = entry["checks"]["parconv-int8"], entry["checks"].get("torch-int8")
+        lines.append(f"| {entry['net']} | {100 * p['agreement']:.1f}% | {p['error']:.4f} | "
+                     + (f"{100 * t['agreement']:.1f}% | {t['error']:.4f} |" if t else "– | – |"))
+    if out.get("accuracy"):
+        a0 = out["accuracy"][0]
+        lines += ["", f"Held-out accuracy on the bundled MNIST sample (1x28x28): each network trained "
+                      f"{a0['epochs']} epoch(s) in fp32 on {a0['train_images']:,} images (Adam, lr 2e-3, batch 64), "
+                      f"quantized with {a0['calibration_images']} of those images for calibration, both evaluated on "
+                      f"{a0['test_images']:,} other images:", "",
+                  "| net | fp32 | int8 | drop (points) |", "| --- | ---: | ---: | ---: |"]
+        for a in out["accuracy"]:
+            lines.append(f"| {a['net']} | {100 * a['fp32']:.2f}% | {100 * a['int8']:.2f}% | {a['drop_points']:+.2f} |")
+    return lines + [""]
+
+
+def main(argv=None) -> int:
+    """``python bench/quantized.py``: the int8 rows alone (``bench/run.py --precision int8`` adds them to a
+    nets run); ``--docs`` writes their section of docs/benchmarks.md."""
+    import argparse
+    import json
+    import sys
+
+    from machine import machine_info, summary_line
+    from parconv._io import atomic_open
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny batches and two nets: checks answers only")
+    p.add_argument("--no-accuracy", action="store_true", help="skip the MNIST-sample accuracy part")
+    p.add_argument("--no-torch", action="store_true", help="parconv only")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--docs", action="store_true", help="write the section of docs/benchmarks.md")
+    args = p.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    if args.repeat < 1 or args.warmup < 0 or not threads or min(threads) < 1:
+        raise SystemExit("bench/quantized.py: --repeat >= 1, --warmup >= 0 and positive --threads, please")
+    args.min_time, args.gap, args.idle_wait = (0.0, 0.0, 0.0) if args.quick else (0.05, 0.01, 0.5)
+    try:
+        import torch  # noqa: F401
+        with_torch = not args.no_torch
+    except ImportError:
+        with_torch = False
+    info = machine_info({"openmp": pc.backends.get("openmp")} if "openmp" in pc.available_backends() else {},
+                        with_torch)
+    print(summary_line(info))
+    global accuracy
+    if args.no_accuracy:
+        accuracy = lambda nets, log, epochs=1: []  # noqa: E731
+    out = run_int8(args, threads, with_torch, print)
+    command = "python bench/quantized.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.json:
+        with atomic_open(args.json, "w") as f:
+            json.dump({"command": command, "machine": info, "int8": out}, f, indent=1, default=float)
+    if args.docs:
+        from make_docs import replace_section
+
+        page = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
+        with open(page, encoding="utf-8") as f:
+            text = f.read()
+        note = f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}, {summary_line(info)}"
+        with atomic_open(page, "w") as f:
+            f.write(replace_section(text, HEADING, docs_section(out, command, note)))
+        print(f"wrote {page}")
+    return 1 if out["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -555,6 +555,22 @@ def run_int8_rows(args, threads, with_torch: bool, local_names, results) -> bool
     return results["int8"]["failed"]
 
 
+def write_int8_docs(results: dict, docs_dir: str) -> None:
+    """Put the int8 rows into docs/benchmarks.md as its "## int8 inference" section."""
+    from make_docs import replace_section
+    from quantized import HEADING, docs_section
+
+    page = os.path.join(docs_dir, "benchmarks.md")
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    load = results["machine"].get("load_average")
+    note = f"{results['machine'].get('cpu', '')}; load average at the start {load}" if load else ""
+    text = replace_section(text, HEADING, docs_section(results["int8"], results["command"], note))
+    with atomic_open(page, "w") as f:
+        f.write(text)
+    print(f"wrote {page} ({HEADING[3:]})")
+
+
 def _mpi_rank() -> int:
     mpi = sys.modules.get("mpi4py.MPI")
     return mpi.COMM_WORLD.Get_rank() if mpi is not None else 0
@@ -726,6 +742,8 @@ def main(argv=None) -> int:
         else:  # some workloads only: their sections replace those of the page, the rest stays
             page = splice_docs(results, args.docs_dir)
         print(f"wrote {page}")
+        if "int8" in results:
+            write_int8_docs(results, args.docs_dir)
     if any_failed:
         print("FAILED: some answers disagree with the NumPy oracle (see CHECK FAILED above)", file=sys.stderr)
         return 1
