@@ -188,6 +188,17 @@ def _native(name: str):
     return getattr(mod, name, None) if mod is not None else None
 
 
+def _pack(pack, wq2d):
+    """``(packed, row_sums)`` from the native ``pack_weights``, or None where it is missing or refuses the
+    layer (a reduction too long for its int32 sums): the float emulation then runs the layer."""
+    if pack is None:
+        return None
+    try:
+        return tuple(pack(np.ascontiguousarray(wq2d, dtype=np.int8)))
+    except ValueError:
+        return None
+
+
 # ======================================================================= observers
 class MinMaxObserver:
     """Running min and max of the tensors it sees; per-tensor affine uint8 parameters from them.
@@ -423,9 +434,9 @@ class QuantizedConv2d(_Quantized):
         if self.backend.name == "openmp" and self.dilation == (1, 1) and (top, left) == (bottom, right):
             if self.groups == 1 and kh == kw and self.stride[0] == self.stride[1] and top == left:
                 fn, pack = _native("conv2d_forward"), _native("pack_weights")
-                if fn is not None and pack is not None:
-                    packed, row_sums = pack(np.ascontiguousarray(self.weight.reshape(self.out_channels, -1)))
-                    native = ("conv", fn, packed, row_sums)
+                packed = _pack(pack, self.weight.reshape(self.out_channels, -1)) if fn is not None else None
+                if packed is not None:
+                    native = ("conv", fn) + packed
             elif self.groups == self.in_channels == self.out_channels:
                 fn = _native("depthwise_forward")
                 if fn is not None:
@@ -517,9 +528,9 @@ class QuantizedLinear(_Quantized):
         if self._prepared is None:
             native = None
             fn, pack = _native("linear_forward"), _native("pack_weights")
-            if self.backend.name == "openmp" and fn is not None and pack is not None:
-                packed, row_sums = pack(np.ascontiguousarray(self.weight))
-                native = (fn, packed, row_sums)
+            packed = _pack(pack, self.weight) if self.backend.name == "openmp" and fn is not None else None
+            if packed is not None:
+                native = (fn,) + packed
             chunks = self._chunks(self.weight, 1)
             wf = self.weight.astype(np.float32)
             wchunks = [self.backend.asarray(np.ascontiguousarray(wf[:, a:b])) for a, b in chunks]
