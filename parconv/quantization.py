@@ -247,7 +247,7 @@ class _Quantized(Layer):
         self.input_scale = np.ones(1, np.float32)
         self.input_zero_point = np.zeros(1, np.uint8)
         self.training = False
-        self._prepared = None
+        self._prepared = self._quantize_fn = None
 
     def set_quantized(self, weight, weight_scale, bias, input_scale, input_zero_point) -> "_Quantized":
         """Set the quantized state: int8 ``weight``, float32 ``weight_scale`` (O,), int32 ``bias`` (O,) or None,
@@ -292,7 +292,7 @@ class _Quantized(Layer):
     def _set_state(self, attr: str, value: np.ndarray) -> None:
         old = getattr(self, attr)
         setattr(self, attr, np.array(value, dtype=old.dtype, order="C", copy=True).reshape(old.shape))
-        self._prepared = None
+        self._prepared = self._quantize_fn = None
 
     def _moved(self) -> None:
         # Layer.to moves float32 buffers to the backend; the quantization state stays on the host
@@ -300,7 +300,7 @@ class _Quantized(Layer):
 
         for n in ("weight_scale", "input_scale"):
             setattr(self, n, np.ascontiguousarray(to_numpy(getattr(self, n)), dtype=np.float32))
-        self._prepared = None
+        self._prepared = self._quantize_fn = None
 
     def backward(self, dy, need_dx: bool = True):
         raise RuntimeError(f"{self!r}: int8 quantized layers run inference only (no backward); train the float "
@@ -314,8 +314,10 @@ class _Quantized(Layer):
     def quantize_input(self, x) -> np.ndarray:
         """The layer's uint8 input: ``quantize_per_tensor(x, input_scale, input_zero_point)`` (native when built)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        fn = _native("quantize") if self.backend.name == "openmp" else None
-        if fn is None:
+        if self._quantize_fn is None:  # looked up once per layer and process (False: none)
+            self._quantize_fn = (_native("quantize") if self.backend.name == "openmp" else None) or False
+        fn = self._quantize_fn
+        if not fn:
             return quantize_per_tensor(x, self.input_scale[0], self.input_zero_point[0])
         out = np.empty(x.shape, np.uint8)
         fn(x.reshape(-1), float(self.input_scale[0]), int(self.input_zero_point[0]), out.reshape(-1),
@@ -457,7 +459,7 @@ class QuantizedConv2d(_Quantized):
 
     def forward(self, x):
         x = self._host_input(x)
-        self.output_shape(shape_of(x))
+        out_shape = self.output_shape(shape_of(x))
         native, chunks, wchunks, bias_f = self._prepare()
         zx = int(self.input_zero_point[0])
         if bias_f is not None and native is None:
@@ -468,7 +470,7 @@ class QuantizedConv2d(_Quantized):
         xq = self.quantize_input(x)
         if native is not None:
             kind, fn, packed, row_sums = native
-            y = np.empty(self.output_shape(x.shape), np.float32)
+            y = np.empty(out_shape, np.float32)
             top, _, left, _ = self._pads()
             if kind == "conv":
                 fn(xq, zx, packed, row_sums, self.out_channels, self.kernel_size[0], self.stride[0], top,
