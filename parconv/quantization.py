@@ -51,7 +51,7 @@ from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Identity, Layer, Linear, R
 from .layers import _check_bool, _pair, _scalar_or_pair, layer_from_spec
 
 __all__ = [
-    "quantize", "fuse_conv_bn_eval", "MinMaxObserver", "QuantizedConv2d", "QuantizedLinear", "QuantDequant",
+    "quantize", "fuse_conv_bn_eval", "MinMaxObserver", "PercentileObserver", "QuantizedConv2d", "QuantizedLinear", "QuantDequant",
     "quantize_per_tensor", "quantize_weight_per_channel", "quantize_bias", "conv2d_int8_reference",
     "linear_int8_reference", "requantize", "requant_scale", "int8_path",
 ]
@@ -229,6 +229,56 @@ class MinMaxObserver:
         scale = np.float32(max((hi - lo) / 255.0, float(np.finfo(np.float32).eps)))
         zero_point = int(np.clip(-np.rint(lo / float(scale)), 0, 255))
         return scale, zero_point
+
+
+class PercentileObserver(MinMaxObserver):
+    """A histogram of the tensors it sees; the range is cut at percentiles, so rare outliers do not widen the
+    quantization step of everything else (as PyTorch's ``HistogramObserver`` aims to, by a simpler rule).
+
+    ``percentile`` (e.g. 99.99) keeps that share of the values inside the range at each end: the range is
+    ``[q(100 - p), q(p)]``, widened to include 0. The histogram has ``bins`` bins over the running
+    min/max; when a batch widens the range, the old counts move to the new bins at their bin centres.
+    """
+
+    def __init__(self, percentile: float = 99.99, bins: int = 2048):
+        super().__init__()
+        if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 50 < percentile <= 100:
+            raise ValueError(f"PercentileObserver: percentile must be a number in (50, 100], got {percentile!r}")
+        self.percentile = float(percentile)
+        self.bins = check_int(bins, "bins", "PercentileObserver", 16)
+        self.hist = None
+
+    def __call__(self, x) -> None:
+        x = np.asarray(x, dtype=np.float32).reshape(-1)
+        if not x.size:
+            return
+        super().__call__(x)
+        lo, hi = min(self.min_val, 0.0), max(self.max_val, 0.0)
+        if hi == lo:
+            hi = lo + 1.0
+        if self.hist is not None and (lo, hi) != self.range:
+            edges = np.linspace(*self.range, self.bins + 1)
+            centres = (edges[:-1] + edges[1:]) / 2
+            self.hist = np.histogram(centres, self.bins, (lo, hi), weights=self.hist)[0]
+        elif self.hist is None:
+            self.hist = np.zeros(self.bins)
+        self.range = (lo, hi)
+        self.hist = self.hist + np.histogram(x, self.bins, self.range)[0]
+
+    forward = __call__
+
+    def calculate_qparams(self) -> tuple:
+        if self.count == 0:
+            raise RuntimeError("PercentileObserver: no data was observed (the calibration data never reached this "
+                               "layer)")
+        cdf = np.cumsum(self.hist) / self.hist.sum()
+        edges = np.linspace(*self.range, self.bins + 1)
+        tail = 1.0 - self.percentile / 100.0
+        lo = edges[min(int(np.searchsorted(cdf, tail, side="right")), self.bins)]
+        hi = edges[min(int(np.searchsorted(cdf, 1.0 - tail, side="left")) + 1, self.bins)]
+        lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+        scale = np.float32(max((hi - lo) / 255.0, float(np.finfo(np.float32).eps)))
+        return scale, int(np.clip(-np.rint(lo / float(scale)), 0, 255))
 
 
 # ======================================================================= quantized layers
@@ -703,9 +753,9 @@ def _fold_batchnorm(model) -> set:
 class _Observed(Layer):
     """A float Conv2d/Linear that records its inputs' range while calibration data runs through it."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, observer):
         super().__init__(layer.backend)
-        self.layer, self.observer = layer, MinMaxObserver()
+        self.layer, self.observer = layer, observer()
 
     def children(self) -> list:
         return [("layer", self.layer)]
@@ -750,7 +800,7 @@ def _calibration_batches(data, batch_size: int, where: str):
                     f"or an iterable of batches, got {type(data).__name__}")
 
 
-def quantize(model, calibration_data, batch_size: int = 256, progress=None):
+def quantize(model, calibration_data, batch_size: int = 256, progress=None, observer="minmax"):
     """Post-training static int8 quantization: a new model whose Conv2d and Linear layers compute in int8.
 
     Parameters
@@ -767,6 +817,13 @@ def quantize(model, calibration_data, batch_size: int = 256, progress=None):
     progress : bool or None, default None
         Show a progress bar over the calibration batches; None shows one when
         there are more than 20 batches and standard error is a terminal.
+    observer : {"minmax", "percentile"} or callable, default "minmax"
+        How each layer's input range is taken from the calibration data:
+        :class:`MinMaxObserver` (the whole range), :class:`PercentileObserver`
+        (cut at the 0.01% tails, for inputs with rare outliers), or a callable
+        returning a new observer (an object with ``__call__(x)`` and
+        ``calculate_qparams() -> (scale, zero_point)``), e.g.
+        ``lambda: PercentileObserver(99.9)``.
 
     Returns
     -------
@@ -802,6 +859,16 @@ def quantize(model, calibration_data, batch_size: int = 256, progress=None):
     batch_size = check_int(batch_size, "batch_size", where, 1)
     if progress is not None and not isinstance(progress, (bool, np.bool_)):
         raise TypeError(f"{where}: progress must be True, False or None, got {type(progress).__name__}")
+    if isinstance(observer, str):
+        if observer not in ("minmax", "percentile"):
+            raise ValueError(f"{where}: observer must be 'minmax', 'percentile' or a callable returning an "
+                             f"observer, got {observer!r}")
+        make_observer = MinMaxObserver if observer == "minmax" else PercentileObserver
+    elif callable(observer):
+        make_observer = observer
+    else:
+        raise TypeError(f"{where}: observer must be 'minmax', 'percentile' or a callable returning an observer, "
+                        f"got {type(observer).__name__}")
     if any(isinstance(m, _Quantized) for m in model.modules()):
         raise ValueError(f"{where}: the model is already quantized")
     qmodel = _copy(model).eval()
@@ -817,7 +884,7 @@ def quantize(model, calibration_data, batch_size: int = 256, progress=None):
     for box in _containers(qmodel):
         for get, put in _slots(box):
             if type(get()) in (Conv2d, Linear):
-                wrapped = _Observed(get())
+                wrapped = _Observed(get(), make_observer)
                 put(wrapped)
                 observed.append((box, get, put, wrapped))
     if not observed:

@@ -41,6 +41,44 @@ def test_min_max_observer_includes_zero_and_matches_pytorch_formula():
         Q.MinMaxObserver().calculate_qparams()
 
 
+def test_percentile_observer_cuts_rare_outliers():
+    rng = np.random.default_rng(0)
+    data = [np.abs(rng.standard_normal(20_000)).astype(np.float32) for _ in range(3)]
+    data[1][7] = 1000.0  # one outlier in 60,000 values, in a later batch: the histogram is re-binned
+    mm, pct = Q.MinMaxObserver(), Q.PercentileObserver(99.99)
+    for d in data:
+        mm(d)
+        pct(d)
+    s_mm, z_mm = mm.calculate_qparams()
+    s_pct, z_pct = pct.calculate_qparams()
+    assert z_mm == z_pct == 0
+    assert s_mm == np.float32(1000.0 / 255)
+    q9999 = np.percentile(np.concatenate(data), 99.99)
+    assert q9999 / 255 <= s_pct <= 1.02 * q9999 / 255 + 1000.0 / 2048 / 255  # within one histogram bin
+    with pytest.raises(ValueError, match="percentile"):
+        Q.PercentileObserver(20)
+    with pytest.raises(RuntimeError, match="no data"):
+        Q.PercentileObserver().calculate_qparams()
+
+
+def test_quantize_takes_an_observer():
+    rng = np.random.default_rng(0)
+    model = pc.models.lenet5(backend="numpy", rng=0)
+    x = rng.random((32, 1, 28, 28), dtype=np.float32)
+    x[0, 0, 0, 0] = 50.0  # an outlier pixel
+    wide = Q.quantize(model, x)
+    cut = Q.quantize(model, x, observer="percentile")
+    custom = Q.quantize(model, x, observer=lambda: Q.PercentileObserver(99.99))
+    assert cut[0].input_scale[0] < wide[0].input_scale[0] / 10
+    assert custom[0].input_scale[0] == cut[0].input_scale[0]
+    want = model.predict(x[1:])
+    assert np.abs(cut.predict(x[1:]) - want).max() < np.abs(wide.predict(x[1:]) - want).max()
+    with pytest.raises(ValueError, match="observer must be"):
+        Q.quantize(model, x, observer="entropy")
+    with pytest.raises(TypeError, match="observer must be"):
+        Q.quantize(model, x, observer=3)
+
+
 def test_weight_quantization_is_symmetric_per_channel():
     w = np.array([[1.0, -0.5], [0.0, 0.0], [-2.0, 0.01]], np.float32)
     wq, ws = Q.quantize_weight_per_channel(w)
