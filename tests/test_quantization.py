@@ -275,6 +275,21 @@ def test_fuse_conv_bn_eval_matches_conv_then_batchnorm(groups, bias):
     assert fused.bias is not None and (conv.bias is not None) == bias  # the inputs are untouched
 
 
+def test_linear_batchnorm1d_is_folded_and_the_relu_fused():
+    rng = np.random.default_rng(1)
+    bn = pc.BatchNorm1d(16, backend="numpy")
+    _trained_bn(bn, rng)
+    model = pc.Sequential(pc.Flatten(), pc.Linear(12, 16, rng=0), bn, pc.ReLU(), pc.Linear(16, 3, rng=1),
+                          backend="numpy").eval()
+    x = rand(rng, 64, 3, 2, 2)
+    qmodel = Q.quantize(model, x)
+    assert [type(m).__name__ for m in qmodel] == ["Flatten", "QuantizedLinear", "Identity", "Identity",
+                                                 "QuantizedLinear"]
+    assert qmodel[1].relu and not qmodel[4].relu
+    want = model.predict(x)
+    assert np.abs(qmodel.predict(x) - want).max() < 0.03 * np.abs(want).max()
+
+
 def test_fuse_conv_bn_eval_validates():
     conv = pc.Conv2d(2, 3, 1, backend="numpy")
     with pytest.raises(TypeError, match="bn must be a BatchNorm2d"):
