@@ -413,8 +413,9 @@ def _sections(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-#: sections another script writes (bench/precision.py): a full regeneration keeps them
-KEPT_SECTIONS = ("## Conv precision",)
+#: sections another script writes (bench/precision.py, the int8 rows of bench/quantized.py): a full
+#: regeneration keeps them
+KEPT_SECTIONS = ("## Conv precision", "## int8 inference")
 
 
 def _top_sections(text: str) -> list[tuple[str, list[str]]]:

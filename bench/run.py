@@ -149,6 +149,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true",
                    help="with the nets workload: skip the peak-memory comparison of a resnet20 training step "
                         "(bench/peak_memory.py)")
+    p.add_argument("--precision", type=_name_list, default=["fp32"], metavar="fp32,int8",
+                   help="with the nets workload: int8 adds parconv int8 inference (and PyTorch's int8) next to fp32")
     p.add_argument("--target-backend", default="openmp", help="backend the targets are evaluated for")
     p.add_argument("--out", default=os.path.join(HERE, "out"), help="output directory (results.json, PNGs)")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
@@ -543,6 +545,32 @@ def run_memory(args, threads, with_torch: bool, log) -> dict:
     return res
 
 
+def run_int8_rows(args, threads, with_torch: bool, local_names, results) -> bool:
+    """The int8 rows (bench/quantized.py) into ``results["int8"]``; returns True when a check failed."""
+    if "nets" not in local_names:
+        raise SystemExit("bench/run.py: --precision int8 adds rows to the nets workload; add it to --workloads")
+    from quantized import run_int8
+
+    results["int8"] = run_int8(args, threads, with_torch, print)
+    return results["int8"]["failed"]
+
+
+def write_int8_docs(results: dict, docs_dir: str) -> None:
+    """Put the int8 rows into docs/benchmarks.md as its "## int8 inference" section."""
+    from make_docs import replace_section
+    from quantized import HEADING, docs_section
+
+    page = os.path.join(docs_dir, "benchmarks.md")
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    load = results["machine"].get("load_average")
+    note = f"{results['machine'].get('cpu', '')}; load average at the start {load}" if load else ""
+    text = replace_section(text, HEADING, docs_section(results["int8"], results["command"], note))
+    with atomic_open(page, "w") as f:
+        f.write(text)
+    print(f"wrote {page} ({HEADING[3:]})")
+
+
 def _mpi_rank() -> int:
     mpi = sys.modules.get("mpi4py.MPI")
     return mpi.COMM_WORLD.Get_rank() if mpi is not None else 0
@@ -571,6 +599,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench/run.py: --passes must be between 1 and --repeat ({args.repeat}), got {args.passes}")
     # repetitions of each pass: --repeat split as evenly as it goes, the larger shares first
     per_pass = [args.repeat // args.passes + (k < args.repeat % args.passes) for k in range(args.passes)]
+    unknown_precision = [p for p in args.precision if p not in ("fp32", "bf16", "int8")]
+    if unknown_precision:
+        raise SystemExit(f"bench/run.py: unknown --precision {unknown_precision}; known: fp32, bf16, int8")
     threads = args.threads or default_threads()
     if 1 not in threads:
         print("note: adding 1 thread (speedups are relative to it)")
@@ -675,6 +706,8 @@ def main(argv=None) -> int:
         progress.close()
     if "nets" in local_names and not args.no_memory:
         results["memory"] = run_memory(args, threads, "torch" in kinds, print)
+    if "int8" in args.precision:
+        any_failed |= run_int8_rows(args, threads, "torch" in kinds, local_names, results)
 
     if args.quick:
         results["targets_note"] = "not evaluated in --quick mode (tiny shapes; timings mean nothing)"
@@ -709,6 +742,8 @@ def main(argv=None) -> int:
         else:  # some workloads only: their sections replace those of the page, the rest stays
             page = splice_docs(results, args.docs_dir)
         print(f"wrote {page}")
+        if "int8" in results:
+            write_int8_docs(results, args.docs_dir)
     if any_failed:
         print("FAILED: some answers disagree with the NumPy oracle (see CHECK FAILED above)", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ from . import layers as _layers  # noqa: E402
 from .losses import BCELoss, CrossEntropyLoss, MSELoss, SoftmaxCrossEntropy  # noqa: E402
 from .model import History, Sequential, TrainingDivergedError, load  # noqa: E402
 from . import models  # noqa: E402  (the zoo builds on Sequential)
+from . import quantization  # noqa: E402  (its layers register for pc.load and onnx)
 from ._buildinfo import show_config  # noqa: E402
 
 
@@ -93,5 +94,6 @@ __all__ = [
     "onnx",
     "callbacks",
     "data",
+    "quantization",
 ]
 __all__ += [name for name in _layers.__all__ if name not in __all__]

@@ -38,7 +38,17 @@ def build_info() -> dict:
         info["build"]["openmp_runtime_threads"] = int(_threads.omp_max_threads())
     except ImportError:
         pass
+    info["kernels"]["int8"] = _int8_path()
     return info
+
+
+def _int8_path() -> str:
+    """The int8 dot-product path quantized layers run (see :func:`parconv.quantization.int8_path`)."""
+    try:
+        from .quantization import int8_path
+    except ImportError as exc:  # pragma: no cover - a broken install
+        return f"unavailable ({exc})"
+    return int8_path()
 
 
 def show_config(mode: str = "stdout"):
@@ -83,6 +93,8 @@ def format_config(info: dict) -> str:
         lines.append(f"  cpu runs: {', '.join(k['cpu_runs'])} | built: {', '.join(k['built']) or 'none'}")
         feats = [f for f in k["cpu_features"] if not f.startswith("x86-64")]
         lines.append(f"  cpu features: {', '.join(feats) or 'none reported (not x86)'}")
+    if k.get("int8"):
+        lines.append(f"  int8 inference: {k['int8']}")
     if b.get("levels"):
         lines.append(f"  build: {b.get('compiler_version', '?')} | target {b.get('target', '?')} | "
                      f"openmp {'yes' if b.get('openmp') else 'NO'}")

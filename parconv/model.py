@@ -247,12 +247,23 @@ class Sequential(Layer):
         ``extra`` holds further arrays (e.g. optimizer state) stored under
         ``extra.<name>``.
         """
+        quantized = self._quantized_layer()
+        if quantized:
+            raise ValueError(f"save: this model has int8 quantized layers ({quantized}), which the .npz format "
+                             "does not hold; write it with parconv.onnx.export(model, path, input_shape) (a QDQ "
+                             "graph that parconv.onnx.load reads back), or save the float model and quantize "
+                             "after loading")
         arrays = self.state_dict()
         for k, v in (extra or {}).items():
             arrays[f"extra.{k}"] = np.asarray(v)
         from . import __version__
 
         save_npz(path, arrays, {"format": FORMAT_VERSION, "parconv": __version__, "model": self.config()})
+
+    def _quantized_layer(self) -> str | None:
+        """The class name of the first int8 layer (from :func:`parconv.quantization.quantize`), or None."""
+        return next((type(m).__name__ for m in self.modules() if getattr(m, "_kind", "").startswith("Quantized")),
+                    None)
 
     # ---------------------------------------------------------------- summary
     def summary(self, input_shape=None, print_fn=print):
@@ -300,6 +311,11 @@ class Sequential(Layer):
     def fit(self, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None, loss=None, **kwargs) -> History:
         """Train with mini-batch gradient descent; see :func:`parconv.training.fit`."""
         from .training import fit
+
+        if self._quantized_layer():
+            raise ValueError(f"fit: this model has int8 quantized layers ({self._quantized_layer()}), which run "
+                             "inference only; train the float model and quantize it again with "
+                             "parconv.quantization.quantize")
 
         return fit(self, x, y, epochs=epochs, batch_size=batch_size, optimizer=optimizer, loss=loss, **kwargs)
 

@@ -45,7 +45,7 @@ _IR_VERSION = 8
 SUPPORTED_OPS = (
     "Conv", "BatchNormalization", "Gemm", "MatMul", "Add", "Relu", "LeakyRelu", "Elu", "Sigmoid", "Tanh", "Softmax",
     "MaxPool", "AveragePool", "GlobalAveragePool", "ReduceMean", "Flatten", "Reshape", "Squeeze", "Dropout",
-    "Identity", "Sub", "Div",
+    "Identity", "Sub", "Div", "QuantizeLinear", "DequantizeLinear",
 )
 
 _HINTS = {
@@ -175,6 +175,52 @@ def _export_linear(g, layer, x, prefix, x_shape):
     return g.node("Gemm", [x, g.init(_key(prefix, "weight"), w), bias], prefix, transB=1)
 
 
+def _export_qdq_input(g, layer, x, prefix):
+    """``QuantizeLinear -> DequantizeLinear`` of a quantized layer's input (per tensor, uint8)."""
+    scale = g.init(_key(prefix, "input_scale"), np.float32(layer.input_scale[0]))
+    zero = g.init(_key(prefix, "input_zero_point"), np.uint8(layer.input_zero_point[0]))
+    return g.node("DequantizeLinear", [g.node("QuantizeLinear", [x, scale, zero], prefix), scale, zero], prefix)
+
+
+def _export_dq_weights(g, layer, prefix):
+    """Per-output-channel ``DequantizeLinear`` (axis 0) of the int8 weight and of the int32 bias (at scale
+    ``s_x * s_w[o]``; zeros where the layer has none, which some runtimes need for their fused ops)."""
+    o = layer.weight.shape[0]
+    w = g.node("DequantizeLinear", [g.init(_key(prefix, "weight"), layer.weight),
+                                    g.init(_key(prefix, "weight_scale"), layer.weight_scale),
+                                    g.init(_key(prefix, "weight_zero_point"), np.zeros(o, np.int8))], prefix, axis=0)
+    bias = layer.bias if layer.bias is not None else np.zeros(o, np.int32)
+    b = g.node("DequantizeLinear", [g.init(_key(prefix, "bias" if layer.bias is not None else "bias_zeros"), bias),
+                                    g.init(_key(prefix, "bias_scale"), layer.scale),
+                                    g.init(_key(prefix, "bias_zero_point"), np.zeros(o, np.int32))], prefix, axis=0)
+    return w, b
+
+
+def _export_quantized_conv(g, layer, x, prefix, x_shape):
+    from ._shapes import conv_pads
+
+    where = f"onnx.export: QuantizedConv2d {prefix!r}"
+    xd = _export_qdq_input(g, layer, x, prefix)
+    w, b = _export_dq_weights(g, layer, prefix)
+    top, bottom, left, right = conv_pads(layer.padding, layer.kernel_size, layer.dilation, layer.stride, where)
+    y = g.node("Conv", [xd, w, b], prefix, kernel_shape=list(layer.kernel_size), strides=list(layer.stride),
+               pads=[top, left, bottom, right], dilations=list(layer.dilation), group=int(layer.groups))
+    return g.node("Relu", [y], prefix) if layer.relu else y
+
+
+def _export_quant_dequant(g, layer, x, prefix, x_shape):
+    scale = g.init(_key(prefix, "scale"), np.float32(layer.scale))
+    zero = g.init(_key(prefix, "zero_point"), np.uint8(layer.zero_point))
+    return g.node("DequantizeLinear", [g.node("QuantizeLinear", [x, scale, zero], prefix), scale, zero], prefix)
+
+
+def _export_quantized_linear(g, layer, x, prefix, x_shape):
+    xd = _export_qdq_input(g, layer, x, prefix)
+    w, b = _export_dq_weights(g, layer, prefix)
+    y = g.node("Gemm", [xd, w, b], prefix, transB=1)
+    return g.node("Relu", [y], prefix) if layer.relu else y
+
+
 def _export_batchnorm(g, layer, x, prefix, x_shape):
     c = int(layer.num_features)
     w, b = _param(layer, "weight"), _param(layer, "bias")
@@ -274,6 +320,9 @@ def _export_identity(g, layer, x, prefix, x_shape):
 _EXPORTERS = {
     "Conv2d": _export_conv,
     "Linear": _export_linear,
+    "QuantizedConv2d": _export_quantized_conv,  # as QDQ: QuantizeLinear/DequantizeLinear around a float Conv
+    "QuantizedLinear": _export_quantized_linear,
+    "QuantDequant": _export_quant_dequant,
     "BatchNorm1d": _export_batchnorm,
     "BatchNorm2d": _export_batchnorm,
     "SyncBatchNorm": _export_batchnorm,  # exported in eval form: the same normalisation
@@ -378,7 +427,11 @@ def export(model, path, input_shape) -> None:
         BatchNorm1d/2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d (output 1, or a
         size that divides the input), ReLU, LeakyReLU, ELU, Sigmoid, Tanh, Softmax,
         Flatten, Dropout, Identity, Normalize (as ``Sub`` and ``Div``), Residual and
-        nested Sequential. A model in
+        nested Sequential, and the int8 layers of :func:`parconv.quantization.quantize`
+        (as QDQ: ``QuantizeLinear``/``DequantizeLinear`` around each quantized
+        ``Conv``/``Gemm`` input, int8 weight initializers with a per-channel
+        ``DequantizeLinear`` on axis 0, the int32 bias through a ``DequantizeLinear`` at
+        scale ``input_scale * weight_scale``). A model in
         training mode is written in eval form (running BatchNorm statistics,
         no Dropout), with a warning; its mode is left as it was.
     path : str or os.PathLike
@@ -482,7 +535,8 @@ _MAX_FORK_NODES = 20_000
 _MIN_FOLD_LIMIT = 1 << 20
 
 _FOLDABLE = ("Constant", "Identity", "Cast", "Transpose", "Unsqueeze", "Squeeze", "Concat", "Gather", "Slice",
-             "Reshape", "Shape", "ConstantOfShape", "Add", "Sub", "Mul", "Div", "Neg", "Sqrt")
+             "Reshape", "Shape", "ConstantOfShape", "Add", "Sub", "Mul", "Div", "Neg", "Sqrt", "QuantizeLinear",
+             "DequantizeLinear")
 
 
 class _Node:
@@ -521,6 +575,10 @@ class _Loader:
         self.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
         self.from_parconv = proto.producer_name == "parconv"
         self.consts = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+        # DequantizeLinear of constants (quantized weights): tensor -> (integers, scale, zero point, axis)
+        self.qconst = {}
+        # QuantizeLinear of data: output -> (scale, uint8 zero point); DequantizeLinear of that: the same
+        self.quantized, self.dequantized = {}, {}
         self.fold_limit = max(_MIN_FOLD_LIMIT, sum(int(v.size) for v in self.consts.values()))
         self.depth = 0
         inputs = [v for v in graph.input if v.name not in self.consts]
@@ -681,6 +739,8 @@ class _Loader:
         elif op == "ConstantOfShape":
             fill = self.onnx.numpy_helper.to_array(a["value"]) if "value" in a else np.zeros(1, np.float32)
             out = np.full([int(v) for v in x], fill.ravel()[0], dtype=fill.dtype)
+        elif op in ("QuantizeLinear", "DequantizeLinear"):
+            out = self._qdq_const(node, ins)
         elif op == "Neg":
             out = -x
         elif op == "Sqrt":
@@ -718,6 +778,131 @@ class _Loader:
             self.fail(node, f"would make a constant of shape {tuple(shape)} ({size:,} values); parconv folds "
                             f"constants of at most {self.fold_limit:,} values (as many as the file's initializers "
                             f"hold, or {_MIN_FOLD_LIMIT:,})")
+
+    # --------------------------------------------------------------- quantization
+    def _qparams(self, node, ins, axis_size):
+        """The scale and zero point of a QuantizeLinear/DequantizeLinear: per tensor, or one per index of the axis."""
+        scale = np.asarray(ins[1])
+        zero = np.asarray(ins[2]) if len(ins) > 2 and ins[2] is not None else np.zeros(scale.shape, np.uint8)
+        if scale.dtype.kind != "f" or not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+            self.fail(node, "needs positive finite float scales")
+        if zero.dtype not in (np.uint8, np.int8, np.int32) or zero.size != scale.size or zero.ndim > 1:
+            self.fail(node, f"needs a uint8, int8 or int32 zero point of the scale's shape {scale.shape}, got "
+                            f"{zero.dtype} {zero.shape}")
+        if scale.ndim > 1 or (scale.ndim == 1 and scale.size != axis_size and scale.size != 1):
+            self.fail(node, f"has scales of shape {scale.shape}; parconv reads one per tensor or one per index of "
+                            f"the axis ({axis_size})")
+        return scale.astype(np.float32).reshape(scale.shape), zero.reshape(scale.shape)
+
+    def _axis(self, node, x) -> int:
+        axis = int(node.attrs.get("axis", 1))
+        if not -max(x.ndim, 1) <= axis < max(x.ndim, 1):
+            self._bad_attr(node, "axis", axis, f"an axis of the {x.ndim}-D input")
+        return axis % max(x.ndim, 1)
+
+    def _qdq_const(self, node, ins):
+        """QuantizeLinear / DequantizeLinear of constants (weights and biases), keeping the integers."""
+        x = np.asarray(ins[0])
+        per_channel = np.ndim(ins[1]) == 1 and np.size(ins[1]) > 1
+        axis = self._axis(node, x) if per_channel else 0  # ONNX ignores the axis of per-tensor parameters
+        scale, zero = self._qparams(node, ins, x.shape[axis] if x.ndim else 1)
+        shape = [1] * x.ndim
+        if scale.ndim == 1 and x.ndim:
+            shape[axis] = -1
+        s, z = scale.reshape(shape), zero.astype(np.int64).reshape(shape)
+        if node.op == "QuantizeLinear":
+            if x.dtype.kind != "f":
+                self.fail(node, f"quantizes {x.dtype} data; QuantizeLinear takes float")
+            info = np.iinfo(zero.dtype)
+            return np.clip(np.rint(x.astype(np.float32) / s) + z, info.min, info.max).astype(zero.dtype)
+        if x.dtype not in (np.uint8, np.int8, np.int32) or x.dtype != zero.dtype:
+            self.fail(node, f"dequantizes {x.dtype} data with a {zero.dtype} zero point; parconv reads uint8, int8 "
+                            f"and int32 of the zero point's type")
+        out = ((x.astype(np.int64) - z).astype(np.float32) * s).astype(np.float32)
+        self.qconst[node.outputs[0]] = (x, scale, zero, axis)
+        return out
+
+    def _op_QuantizeLinear(self, node, a, specs, rank):
+        # per-tensor quantization of the data: the next DequantizeLinear must undo it (QDQ); the pair becomes the
+        # input quantization of the Conv/Gemm after it, or nothing before other ops (which run in float)
+        scale, zero = self._qparams(node, [None] + [self.const(node, t, "scale or zero point")
+                                                   for t in node.inputs[1:3] if t], 1)
+        if scale.size != 1 or zero.dtype == np.int32:
+            self.fail(node, "quantizes data per channel or to int32; parconv reads per-tensor uint8/int8 activations")
+        zp = int(zero.reshape(-1)[0]) + (128 if zero.dtype == np.int8 else 0)  # int8 data is uint8 shifted by 128
+        self.quantized[node.outputs[0]] = (np.float32(scale.reshape(-1)[0]), zp)
+        if any(c.op != "DequantizeLinear" for c in self.consumers.get(node.outputs[0], [])):
+            self.fail(node, "feeds integer data to an op other than DequantizeLinear; parconv loads QDQ graphs "
+                            "(QuantizeLinear -> DequantizeLinear -> Conv/Gemm), not QLinear* ops")
+        return rank
+
+    def _op_DequantizeLinear(self, node, a, specs, rank):
+        got = self.quantized.get(node.inputs[0])
+        if got is None:
+            self.fail(node, "dequantizes data that no QuantizeLinear of this graph produced")
+        scale, zero = self._qparams(node, [None] + [self.const(node, t, "scale or zero point")
+                                                   for t in node.inputs[1:3] if t], 1)
+        zp = int(zero.reshape(-1)[0]) + (128 if zero.dtype == np.int8 else 0)
+        if scale.size != 1 or (np.float32(scale.reshape(-1)[0]), zp) != got:
+            self.fail(node, "dequantizes with other parameters than its QuantizeLinear quantized with")
+        self.dequantized[node.outputs[0]] = got
+        cons = self.consumers.get(node.outputs[0], [])
+        if len(cons) != 1 or not self._absorbs(cons[0], node.outputs[0]):
+            # the rounding and clamping matter to other consumers (a clamp is how QDQ graphs write a ReLU)
+            specs.append(_spec("QuantDequant", scale=float(got[0]), zero_point=got[1]))
+        return rank
+
+    def _absorbs(self, node, x_name: str) -> bool:
+        """Whether ``node`` becomes a quantized layer that quantizes its input ``x_name`` itself."""
+        if node.op not in ("Conv", "Gemm", "MatMul") or not node.inputs or node.inputs[0] != x_name or \
+                len(node.inputs) < 2:
+            return False
+        if node.op == "Gemm" and (float(node.attrs.get("alpha", 1.0)) != 1.0 or node.attrs.get("transA", 0)):
+            return False
+        axis = 0 if node.op == "Conv" or (node.op == "Gemm" and node.attrs.get("transB", 0)) else 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self._quantized_weight(node, node.inputs[1], axis) is not None
+
+    def _quantized_weight(self, node, name: str, out_axis: int):
+        """``(int8 weight, float32 scale (O,))`` when tensor ``name`` is a symmetric int8 DequantizeLinear over
+        the output channels (``out_axis``) within [-127, 127]; else None (the layer is then loaded in float)."""
+        q = self.qconst.get(name)
+        if q is None:
+            return None
+        x, scale, zero, axis = q
+        o = x.shape[out_axis] if x.ndim > out_axis else 0
+        if x.dtype != np.int8 or np.any(zero != 0) or (scale.size > 1 and axis != out_axis) or o == 0:
+            return None
+        if x.size and (x.min() < -127):
+            warnings.warn(f"onnx.load: {self.path!r}: node {node}: int8 weights use -128, outside parconv's "
+                          f"symmetric [-127, 127]; the layer is loaded in float32", UserWarning, stacklevel=4)
+            return None
+        return x, np.ascontiguousarray(np.broadcast_to(scale.reshape(-1), (o,)), dtype=np.float32)
+
+    def _quantized_spec(self, node, spec, x_name, wq, bias_name):
+        """Turn a float Conv2d/Linear spec into its quantized form when its input comes through QDQ."""
+        qin = self.dequantized.get(x_name)
+        if qin is None:
+            return spec
+        if wq is None:  # float weights: the QuantDequant before it keeps the rounding (_op_DequantizeLinear)
+            return spec
+        from .quantization import quantize_bias, requant_scale
+
+        wq, ws = wq
+        s_x, z_x = qin
+        kind = "QuantizedConv2d" if spec["type"] == "Conv2d" else "QuantizedLinear"
+        qb = None
+        bq = self.qconst.get(bias_name) if bias_name else None
+        scale = requant_scale(s_x, ws)
+        if bq is not None and bq[0].dtype == np.int32 and np.all(bq[2] == 0) and np.array_equal(
+                np.broadcast_to(bq[1].reshape(-1), scale.shape), scale):
+            qb = bq[0].reshape(-1).astype(np.int32)
+        elif spec["params"].get("bias") is not None:
+            qb = quantize_bias(spec["params"]["bias"], s_x, ws)
+        params = {"weight": wq.reshape(spec["params"]["weight"].shape), "weight_scale": ws, "bias": qb,
+                  "input_scale": np.array([s_x], np.float32), "input_zero_point": np.array([z_x], np.uint8)}
+        return {"type": kind, "kwargs": dict(spec["kwargs"]), "params": params}
 
     # ---------------------------------------------------------------- the walk
     def reach(self, node) -> int:
@@ -884,7 +1069,9 @@ class _Loader:
             kwargs["dilation"] = _int_or_pair(*dilations)
         if groups != 1:
             kwargs["groups"] = groups
-        specs.append(_spec("Conv2d", {"weight": w, "bias": b}, **kwargs))
+        spec = _spec("Conv2d", {"weight": w, "bias": b}, **kwargs)
+        specs.append(self._quantized_spec(node, spec, node.inputs[0], self._quantized_weight(node, node.inputs[1], 0),
+                                          node.inputs[2] if len(node.inputs) > 2 else ""))
         return 4
 
     def _linear(self, node, w, b, specs):
@@ -906,20 +1093,36 @@ class _Loader:
             if c.size not in (1, w.shape[0]) or (c.ndim == 2 and c.shape[0] != 1) or c.ndim > 2:
                 self.fail(node, f"C has shape {c.shape}; parconv needs a bias of shape ({w.shape[0]},)")
             b = np.broadcast_to(c.reshape(-1), (w.shape[0],)).copy()
-        return self._linear(node, np.ascontiguousarray(w), b, specs)
+        rank = self._linear(node, np.ascontiguousarray(w), b, specs)
+        wq = None
+        if float(a.get("alpha", 1.0)) == 1.0:
+            trans = bool(a.get("transB", 0))
+            wq = self._quantized_weight(node, node.inputs[1], 0 if trans else 1)
+            if wq is not None and not trans:
+                wq = (np.ascontiguousarray(wq[0].T), wq[1])
+        bias_name = node.inputs[2] if len(node.inputs) > 2 and float(a.get("beta", 1.0)) == 1.0 else ""
+        specs[-1] = self._quantized_spec(node, specs[-1], node.inputs[0], wq, bias_name)
+        return rank
 
     def _op_MatMul(self, node, a, specs, rank):
         self._need_rank(node, rank, (2,))
         w = self.const(node, node.inputs[1], "B").astype(np.float32)
         if w.ndim != 2:
             self.fail(node, f"B has shape {w.shape}, expected 2-D (in_features, out_features)")
-        return self._linear(node, np.ascontiguousarray(w.T), None, specs)
+        rank = self._linear(node, np.ascontiguousarray(w.T), None, specs)
+        wq = self._quantized_weight(node, node.inputs[1], 1)
+        if wq is not None:
+            wq = (np.ascontiguousarray(wq[0].T), wq[1])
+        specs[-1] = self._quantized_spec(node, specs[-1], node.inputs[0], wq, "")
+        return rank
 
     def _op_Add(self, node, a, specs, rank):
         # a constant added to a Conv/Linear output is its bias (MatMul + Add, Conv + Add)
         c = self.const(node, node.inputs[1], "addend").astype(np.float32)
         last = specs[-1] if specs else None
         kind = last["type"] if last else None
+        if kind in ("QuantizedConv2d", "QuantizedLinear"):
+            return self._add_quantized_bias(node, last, c, rank)
         if kind in ("Conv2d", "Linear", "BatchNorm1d", "BatchNorm2d"):
             n = last["params"]["weight"].shape[0]
             want = {(n,), (1, n)} if kind == "Linear" or rank == 2 else {(n, 1, 1), (1, n, 1, 1)}
@@ -932,6 +1135,21 @@ class _Loader:
                 return rank
         self.fail(node, f"adds a constant of shape {c.shape} after {kind or 'the input'}; parconv loads an Add "
                         f"of a constant only as the bias of a Conv, Gemm/MatMul or BatchNormalization before it")
+
+    def _add_quantized_bias(self, node, last, c, rank):
+        """A float bias added after a quantized MatMul/Conv: quantized to int32 at the layer's scale."""
+        from .quantization import quantize_bias, requant_scale
+
+        params = last["params"]
+        n = params["weight"].shape[0]
+        if c.size not in (1, n):
+            self.fail(node, f"adds a constant of shape {c.shape} after a quantized layer of {n} outputs")
+        scale = requant_scale(params["input_scale"][0], params["weight_scale"]).astype(np.float64)
+        old = 0.0 if params["bias"] is None else params["bias"].astype(np.float64) * scale
+        params["bias"] = quantize_bias(old + np.broadcast_to(c.reshape(-1), (n,)), params["input_scale"][0],
+                                       params["weight_scale"])
+        last["kwargs"]["bias"] = True
+        return rank
 
     def _op_Sum(self, node, a, specs, rank):
         self._unsupported(node, why="(outside an Add of two branches)")
@@ -950,6 +1168,11 @@ class _Loader:
         return rank
 
     def _op_Relu(self, node, a, specs, rank):
+        last = specs[-1] if specs else None
+        if last is not None and last["type"] in ("QuantizedConv2d", "QuantizedLinear") and \
+                not last["kwargs"].get("relu"):
+            last["kwargs"]["relu"] = True  # applied by the quantized layer, as quantize() fuses it
+            return rank
         specs.append(_spec("ReLU"))
         return rank
 
@@ -1127,7 +1350,8 @@ def _build(specs: list, backend):
             sub = {f"body.{k}": v for k, v in body_state.items()}
             sub.update({f"shortcut.{k}": v for k, v in short_state.items()})
         else:
-            layer = getattr(_layers, spec["type"])(**spec["kwargs"], backend=backend)
+            cls = _layers.LAYER_TYPES[spec["type"]]  # parconv's layers, the quantized ones included
+            layer = cls(**spec["kwargs"], backend=backend)
             sub = {k: v for k, v in spec["params"].items() if v is not None}
         layers.append(layer)
         state.update({f"{i}.{k}": v for k, v in sub.items()})
@@ -1157,7 +1381,13 @@ def load(path, backend=None):
         branch the ``None`` shortcut); a constant subgraph (shape arithmetic, a transposed
         weight) is folded first. A ``Sub`` and/or ``Div`` of constants of one value or
         one per channel (``(x - mean) / std``, an input normalisation) becomes a
-        :class:`parconv.Normalize`.
+        :class:`parconv.Normalize`. A QDQ graph (as :func:`export` writes for a quantized
+        model, or ONNX Runtime's ``quantize_static`` in QDQ format) loads as int8 layers: a
+        ``Conv``/``Gemm``/``MatMul`` whose input comes through ``QuantizeLinear ->
+        DequantizeLinear`` (per tensor, uint8 or int8) and whose weight is a symmetric int8
+        ``DequantizeLinear`` becomes a :class:`parconv.quantization.QuantizedConv2d` /
+        :class:`~parconv.quantization.QuantizedLinear`; a pair before another op becomes a
+        :class:`~parconv.quantization.QuantDequant`.
 
     Raises
     ------

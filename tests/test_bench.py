@@ -626,3 +626,34 @@ def test_cpu_clock_leaves_out_the_time_other_processes_take(monkeypatch):
     cr = _bench_module("compare_revisions")
     with pytest.raises(SystemExit, match="--clock cpu times one thread only"):
         cr.main(["--old-tree", ".", "--new-tree", ".", "--clock", "cpu", "--threads", "1,2"])
+
+
+def test_int8_rows_check_every_answer_before_timing(monkeypatch):
+    # --precision int8 on the nets workload: parconv int8 against its fp32 model, PyTorch's fp32 twin and its
+    # int8 model (where PyTorch runs) checked, then timed per batch and thread count
+    import argparse
+
+    sys.path.insert(0, BENCH)
+    try:
+        import quantized
+    finally:
+        sys.path.remove(BENCH)
+    monkeypatch.setattr(quantized, "QUICK_NETS", ("lenet5", "mlp"))
+    args = argparse.Namespace(quick=True, repeat=1, warmup=1, min_time=0.0, gap=0.0, idle_wait=0.0)
+    lines = []
+    out = quantized.run_int8(args, [1], HAVE_TORCH, lines.append)
+    assert not out["failed"], lines
+    assert [e["net"] for e in out["nets"]] == ["lenet5", "mlp"]
+    for entry in out["nets"]:
+        assert entry["checks"]["parconv-int8"]["ok"]
+        if HAVE_TORCH:
+            assert {"torch-fp32", "torch-int8"} <= set(entry["checks"]) or "torch_int8_error" in entry
+        assert [(r["batch"], r["threads"]) for r in entry["rows"]] == [(1, 1), (4, 1)]
+        assert all(r["int8_vs_fp32"] > 0 for r in entry["rows"])
+
+
+def test_unknown_precision_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--precision", "fp8",
+                           "--workloads", "nets", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "unknown --precision" in proc.stderr

@@ -36,6 +36,7 @@ MODULES = [
     "parconv.backends.numpy_ref",
     "parconv.selftest",
     "parconv.distributed",
+    "parconv.quantization",
     "parconv.callbacks",
     "parconv.data",
     "parconv.data.loader",

@@ -60,8 +60,10 @@ def test_every_exported_layer_is_in_a_round_trip_test():
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed")
     from test_onnx import MODELS
 
+    from test_quantization import ONNX_MODELS  # int8 models: their QDQ round trip is checked there
+
     seen = set()
-    for make, _ in MODELS.values():
+    for make, _ in list(MODELS.values()) + list(ONNX_MODELS.values()):
         pc.manual_seed(0)
         seen |= {type(m).__name__ for m in make().modules()}
     untested = sorted(set(pox.SUPPORTED_LAYERS) - seen)

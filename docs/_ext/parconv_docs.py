@@ -34,6 +34,7 @@ PUBLIC_MODULES = (
     "parconv.optim.lr_scheduler",
     "parconv.datasets",
     "parconv.distributed",
+    "parconv.quantization",
     "parconv.backends",
     "parconv.selftest",
     "parconv.callbacks",

@@ -1,0 +1,592 @@
+"""int8 post-training quantization: the quantized ops on every backend against the NumPy model of the
+arithmetic (bit-identical), BatchNorm folding, quantize() on every zoo network, accuracy after
+calibration on the bundled MNIST sample, input validation, and the ONNX QDQ round trip."""
+
+import os
+import types
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import parconv as pc
+import parconv.functional as F
+from parconv import quantization as Q
+from conftest import BACKENDS, rand
+
+ORACLE = pc.backends.get("numpy")
+
+
+# ----------------------------------------------------------------------------- the reference arithmetic
+def test_quantize_per_tensor_rounds_half_to_even_and_saturates():
+    x = np.array([-1.0, -0.25, 0.0, 0.25, 0.75, 1.25, 100.0, np.nan, np.inf, -np.inf], np.float32)
+    q = Q.quantize_per_tensor(x, 0.5, 10)
+    # -2 -> 8, -0.5 -> -0 -> 10, 0.5 -> 0 -> 10, 1.5 -> 2 -> 12, 2.5 -> 2 -> 12, 200 -> 210, nan -> zp
+    assert q.tolist() == [8, 10, 10, 10, 12, 12, 210, 10, 255, 0]
+    assert q.dtype == np.uint8
+
+
+def test_min_max_observer_includes_zero_and_matches_pytorch_formula():
+    obs = Q.MinMaxObserver()
+    obs(np.array([0.5, 2.0], np.float32))
+    obs(np.array([1.0, 3.0], np.float32))
+    scale, zp = obs.calculate_qparams()
+    assert scale == np.float32(3.0 / 255) and zp == 0  # range [0, 3]: zero included
+    obs = Q.MinMaxObserver()
+    obs(np.array([-1.0, 3.0], np.float32))
+    scale, zp = obs.calculate_qparams()
+    assert scale == np.float32(4.0 / 255) and zp == 64  # -rint(-1 / (4/255)) = rint(63.75)
+    with pytest.raises(RuntimeError, match="no data"):
+        Q.MinMaxObserver().calculate_qparams()
+
+
+def test_percentile_observer_cuts_rare_outliers():
+    rng = np.random.default_rng(0)
+    data = [np.abs(rng.standard_normal(20_000)).astype(np.float32) for _ in range(3)]
+    data[1][7] = 1000.0  # one outlier in 60,000 values, in a later batch: the histogram is re-binned
+    mm, pct = Q.MinMaxObserver(), Q.PercentileObserver(99.99)
+    for d in data:
+        mm(d)
+        pct(d)
+    s_mm, z_mm = mm.calculate_qparams()
+    s_pct, z_pct = pct.calculate_qparams()
+    assert z_mm == z_pct == 0
+    assert s_mm == np.float32(1000.0 / 255)
+    q9999 = np.percentile(np.concatenate(data), 99.99)
+    assert q9999 / 255 <= s_pct <= 1.02 * q9999 / 255 + 1000.0 / 2048 / 255  # within one histogram bin
+    with pytest.raises(ValueError, match="percentile"):
+        Q.PercentileObserver(20)
+    with pytest.raises(RuntimeError, match="no data"):
+        Q.PercentileObserver().calculate_qparams()
+
+
+def test_quantize_takes_an_observer():
+    rng = np.random.default_rng(0)
+    model = pc.models.lenet5(backend="numpy", rng=0)
+    x = rng.random((32, 1, 28, 28), dtype=np.float32)
+    x[0, 0, 0, 0] = 50.0  # an outlier pixel
+    wide = Q.quantize(model, x)
+    cut = Q.quantize(model, x, observer="percentile")
+    custom = Q.quantize(model, x, observer=lambda: Q.PercentileObserver(99.99))
+    assert cut[0].input_scale[0] < wide[0].input_scale[0] / 10
+    assert custom[0].input_scale[0] == cut[0].input_scale[0]
+    want = model.predict(x[1:])
+    assert np.abs(cut.predict(x[1:]) - want).max() < np.abs(wide.predict(x[1:]) - want).max()
+    with pytest.raises(ValueError, match="observer must be"):
+        Q.quantize(model, x, observer="entropy")
+    with pytest.raises(TypeError, match="observer must be"):
+        Q.quantize(model, x, observer=3)
+
+
+def test_weight_quantization_is_symmetric_per_channel():
+    w = np.array([[1.0, -0.5], [0.0, 0.0], [-2.0, 0.01]], np.float32)
+    wq, ws = Q.quantize_weight_per_channel(w)
+    assert wq.dtype == np.int8 and ws.dtype == np.float32
+    assert wq.tolist() == [[127, -64], [0, 0], [-127, 1]]
+    np.testing.assert_allclose(ws, [1 / 127, 1.0, 2 / 127], rtol=1e-7)
+
+
+@st.composite
+def qconv_case(draw):
+    groups = draw(st.sampled_from([1, 1, 2, 3]))
+    cg, og = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        cg, og = 1, 1  # depthwise
+    n, h, w = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    kh = draw(st.integers(1, 3))
+    kw = kh if draw(st.booleans()) else draw(st.integers(1, 3))
+    dilation = (1, 1) if draw(st.booleans()) else (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    mode = draw(st.sampled_from(["int", "int", "pair", "same"]))
+    stride = 1 if mode == "same" else draw(st.integers(1, 2))
+    padding = {"int": draw(st.integers(0, 2)), "pair": (draw(st.integers(0, 2)), draw(st.integers(0, 2))),
+               "same": "same"}[mode]
+    x_shape, w_shape = (n, groups * cg, h, w), (groups * og, cg, kh, kw)
+    kwargs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    try:
+        F.conv2d_output_shape(x_shape, w_shape, **kwargs)
+    except ValueError:
+        assume(False)
+    return x_shape, w_shape, kwargs, draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
+
+
+def _qconv(case, backend):
+    x_shape, w_shape, kwargs, bias, relu, seed = case
+    rng = np.random.default_rng(seed)
+    x = rand(rng, *x_shape) + np.float32(rng.uniform(-0.5, 0.5))
+    conv = pc.Conv2d(x_shape[1], w_shape[0], w_shape[2:], bias=bias, rng=seed % 1000, backend=backend, **kwargs)
+    obs = Q.MinMaxObserver()
+    obs(x)
+    scale, zp = obs.calculate_qparams()
+    return x, Q.QuantizedConv2d.from_float(conv, scale, zp, relu=relu)
+
+
+def _reference_conv(layer, x):
+    """The NumPy model: quantize, exact int64 accumulation, fp32 requantisation."""
+    xq = Q.quantize_per_tensor(x, layer.input_scale[0], layer.input_zero_point[0])
+    acc = Q.conv2d_int8_reference(xq, layer.input_zero_point[0], layer.weight, layer.stride, layer.padding,
+                                  layer.dilation, layer.groups)
+    return Q.requantize(acc, layer.bias, layer.scale, layer.relu)
+
+
+@given(case=qconv_case())
+def test_quantized_conv2d_is_bit_identical_to_the_numpy_model_on_every_backend(case):
+    for name in BACKENDS:
+        x, layer = _qconv(case, name)
+        want = _reference_conv(layer, x)
+        got = pc.to_numpy(layer(x))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want, err_msg=f"backend {name}")
+
+
+def test_reference_conv_agrees_with_dequantized_float_convolution():
+    # the integer model is the float convolution of the dequantized operands, up to float rounding
+    rng = np.random.default_rng(1)
+    x = rand(rng, 2, 5, 7, 7)
+    conv = pc.Conv2d(5, 4, 3, padding=1, stride=2, backend="numpy", rng=3)
+    layer = Q.QuantizedConv2d.from_float(conv, *_observe(x))
+    xq = Q.quantize_per_tensor(x, layer.input_scale[0], layer.input_zero_point[0])
+    xd = (xq.astype(np.float64) - layer.input_zero_point[0]) * layer.input_scale[0]
+    wd = layer.weight.astype(np.float64) * layer.weight_scale.reshape(-1, 1, 1, 1)
+    bd = layer.bias.astype(np.float64) * layer.scale
+    want = ORACLE.to_numpy(F.conv2d(xd.astype(np.float32), wd.astype(np.float32), bd.astype(np.float32), stride=2,
+                                    padding=1, backend="numpy"))
+    np.testing.assert_allclose(pc.to_numpy(layer(x)), want, rtol=1e-5, atol=1e-5)
+    # and the float layer within the quantization error
+    np.testing.assert_allclose(pc.to_numpy(layer(x)), pc.to_numpy(conv(x)), atol=0.05)
+
+
+def _observe(x):
+    obs = Q.MinMaxObserver()
+    obs(x)
+    return obs.calculate_qparams()
+
+
+@given(n=st.integers(1, 5), f=st.integers(1, 40), g=st.integers(1, 12), bias=st.booleans(), relu=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_quantized_linear_is_bit_identical_to_the_numpy_model_on_every_backend(n, f, g, bias, relu, seed):
+    rng = np.random.default_rng(seed)
+    x = rand(rng, n, f)
+    for name in BACKENDS:
+        lin = pc.Linear(f, g, bias=bias, backend=name, rng=seed % 1000)
+        layer = Q.QuantizedLinear.from_float(lin, *_observe(x), relu=relu)
+        xq = Q.quantize_per_tensor(x, layer.input_scale[0], layer.input_zero_point[0])
+        want = Q.requantize(Q.linear_int8_reference(xq, layer.input_zero_point[0], layer.weight), layer.bias,
+                            layer.scale, relu)
+        np.testing.assert_array_equal(pc.to_numpy(layer(x)), want, err_msg=f"backend {name}")
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_wide_layers_stay_exact_where_float32_could_not_hold_the_sums(backend_name):
+    # Kdim * 255 * 127 far beyond 2**24: the float path must split the reduction and still match exactly
+    rng = np.random.default_rng(5)
+    x = np.abs(rand(rng, 2, 4096)) * 3
+    lin = pc.Linear(4096, 3, backend=backend_name, rng=1)
+    lin.weight.data = lin.backend.asarray(np.sign(rand(rng, 3, 4096)).astype(np.float32))  # every |wq| = 127
+    layer = Q.QuantizedLinear.from_float(lin, np.float32(3 * 4.5 / 255), 0)
+    assert len(layer._prepare()[1]) > 1
+    xq = Q.quantize_per_tensor(x, layer.input_scale[0], 0)
+    want = Q.requantize(Q.linear_int8_reference(xq, 0, layer.weight), layer.bias, layer.scale)
+    np.testing.assert_array_equal(pc.to_numpy(layer(x)), want)
+    conv = pc.Conv2d(300, 2, 3, padding=1, backend=backend_name, rng=2)
+    conv.weight.data = conv.backend.asarray(np.sign(rand(rng, 2, 300, 3, 3)).astype(np.float32))
+    xc = np.abs(rand(rng, 1, 300, 4, 4))
+    qc = Q.QuantizedConv2d.from_float(conv, *_observe(xc))
+    assert len(qc._prepare()[1]) > 1
+    np.testing.assert_array_equal(pc.to_numpy(qc(xc)), _reference_conv(qc, xc))
+
+
+class _FakeInt8:
+    """The int8 kernel contract (docs: LOWP), implemented with the NumPy model, to check the calls the layers make."""
+
+    calls: list
+
+    def __init__(self):
+        self.calls = []
+
+    def path(self):
+        return "portable"
+
+    def quantize(self, x, scale, zero_point, out, num_threads):
+        self.calls.append("quantize")
+        out[...] = Q.quantize_per_tensor(np.asarray(x), scale, zero_point)
+
+    def pack_weights(self, wq):
+        wq = np.asarray(wq)
+        assert wq.dtype == np.int8 and wq.ndim == 2 and wq.flags.c_contiguous
+        return wq[:, ::-1].copy(), wq.astype(np.int32).sum(axis=1).astype(np.int32)
+
+    def conv2d_forward(self, xq, zx, packed, row_sums, O, K, stride, padding, scale, bias_q, y, relu, num_threads):
+        self.calls.append("conv2d_forward")
+        c = xq.shape[1]
+        wq = np.asarray(packed)[:, ::-1].reshape(O, c, K, K)
+        assert np.array_equal(row_sums, wq.reshape(O, -1).sum(1))
+        acc = Q.conv2d_int8_reference(xq, zx, wq, stride, padding)
+        y[...] = Q.requantize(acc, bias_q, scale, relu)
+
+    def depthwise_forward(self, xq, zx, wq, sh, sw, ph, pw, scale, bias_q, y, relu, num_threads):
+        self.calls.append("depthwise_forward")
+        acc = Q.conv2d_int8_reference(xq, zx, wq, (sh, sw), (ph, pw), 1, xq.shape[1])
+        y[...] = Q.requantize(acc, bias_q, scale, relu)
+
+    def linear_forward(self, xq, zx, packed, row_sums, scale, bias_q, y, relu, num_threads):
+        self.calls.append("linear_forward")
+        acc = Q.linear_int8_reference(xq, zx, np.asarray(packed)[:, ::-1])
+        y[...] = Q.requantize(acc, bias_q, scale, relu)
+
+
+@pytest.mark.skipif("openmp" not in BACKENDS, reason="the native int8 kernels belong to the openmp backend")
+def test_native_kernels_are_called_as_the_contract_says(monkeypatch):
+    fake = _FakeInt8()
+    monkeypatch.setattr(Q, "_int8_module", lambda: fake)
+    assert Q.int8_path() == "portable"
+    rng = np.random.default_rng(2)
+    model = pc.models.mobilenet_small(backend="openmp", rng=0)
+    x = rand(rng, 4, 3, 32, 32)
+    monkeypatch.setattr(Q, "_int8_module", lambda: None)
+    qmodel = Q.quantize(model, x)
+    emulated = qmodel.predict(x)
+    qmodel.to("openmp")  # drops what each layer prepared for the kernels it found
+    monkeypatch.setattr(Q, "_int8_module", lambda: fake)
+    np.testing.assert_array_equal(qmodel.predict(x), emulated)
+    assert {"quantize", "conv2d_forward", "depthwise_forward", "linear_forward"} <= set(fake.calls)
+
+
+# ----------------------------------------------------------------------------- BatchNorm folding
+def _trained_bn(bn, rng):
+    c = bn.num_features
+    bn.running_mean = bn.backend.asarray(rand(rng, c))
+    bn.running_var = bn.backend.asarray(np.abs(rand(rng, c)) + 0.5)
+    bn.weight.data = bn.backend.asarray(rand(rng, c))
+    bn.bias.data = bn.backend.asarray(rand(rng, c))
+
+
+@pytest.mark.parametrize("groups,bias", [(1, True), (1, False), (4, False)])
+def test_fuse_conv_bn_eval_matches_conv_then_batchnorm(groups, bias):
+    rng = np.random.default_rng(0)
+    conv = pc.Conv2d(4, 8, 3, padding=1, groups=groups, bias=bias, backend="numpy", rng=1)
+    bn = pc.BatchNorm2d(8, backend="numpy")
+    _trained_bn(bn, rng)
+    model = pc.Sequential(conv, bn, backend="numpy", fuse=False).eval()
+    x = rand(rng, 3, 4, 6, 6)
+    want = pc.to_numpy(model(x)).astype(np.float64)
+    fused = Q.fuse_conv_bn_eval(conv, bn)
+    np.testing.assert_allclose(pc.to_numpy(fused(x)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert fused.bias is not None and (conv.bias is not None) == bias  # the inputs are untouched
+
+
+def test_linear_batchnorm1d_is_folded_and_the_relu_fused():
+    rng = np.random.default_rng(1)
+    bn = pc.BatchNorm1d(16, backend="numpy")
+    _trained_bn(bn, rng)
+    model = pc.Sequential(pc.Flatten(), pc.Linear(12, 16, rng=0), bn, pc.ReLU(), pc.Linear(16, 3, rng=1),
+                          backend="numpy").eval()
+    x = rand(rng, 64, 3, 2, 2)
+    qmodel = Q.quantize(model, x)
+    assert [type(m).__name__ for m in qmodel] == ["Flatten", "QuantizedLinear", "Identity", "Identity",
+                                                 "QuantizedLinear"]
+    assert qmodel[1].relu and not qmodel[4].relu
+    want = model.predict(x)
+    assert np.abs(qmodel.predict(x) - want).max() < 0.03 * np.abs(want).max()
+
+
+def test_fuse_conv_bn_eval_validates():
+    conv = pc.Conv2d(2, 3, 1, backend="numpy")
+    with pytest.raises(TypeError, match="bn must be a BatchNorm2d"):
+        Q.fuse_conv_bn_eval(conv, pc.ReLU())
+    with pytest.raises(ValueError, match="4 features"):
+        Q.fuse_conv_bn_eval(conv, pc.BatchNorm2d(4, backend="numpy"))
+    with pytest.raises(ValueError, match="running statistics"):
+        Q.fuse_conv_bn_eval(conv, pc.BatchNorm2d(3, track_running_stats=False, backend="numpy"))
+    with pytest.raises(TypeError, match="conv must be a parconv Conv2d"):
+        Q.fuse_conv_bn_eval(pc.ReLU(), pc.BatchNorm2d(3))
+
+
+# ----------------------------------------------------------------------------- quantize() on models
+ZOO = ["cnn-mnist", "lenet5", "vgg-small", "resnet20", "mobilenet-small"]
+
+
+def _zoo(name, backend, rng):
+    model = pc.models.build(name, backend=backend, rng=0)
+    x = rng.random((48,) + model.input_shape, dtype=np.float32)
+    model.train()
+    with pc.no_grad():
+        model(x)  # BatchNorm running statistics that are not the identity
+    return model.eval(), x
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_quantize_every_zoo_network(name):
+    be = "openmp" if "openmp" in BACKENDS else "numpy"
+    rng = np.random.default_rng(0)
+    model, x = _zoo(name, be, rng)
+    before = model.state_dict()
+    qmodel = Q.quantize(model, x[:32], batch_size=16)
+    assert qmodel is not model and not qmodel.training and not model.training
+    after = model.state_dict()
+    assert all(np.array_equal(before[k], after[k]) for k in before)  # the input model is untouched
+    kinds = {type(m).__name__ for m in qmodel.modules()}
+    assert "Conv2d" not in kinds and "Linear" not in kinds and "BatchNorm2d" not in kinds
+    assert {"QuantizedConv2d", "QuantizedLinear"} <= kinds
+    yf, yq = model.predict(x[32:]), qmodel.predict(x[32:])
+    assert (yf.argmax(1) == yq.argmax(1)).mean() >= 0.85
+    assert np.abs(yq - yf).max() <= 0.03 * np.abs(yf).max()
+    text = qmodel.summary(print_fn=None)
+    assert "QuantizedConv2d" in text and "forward multiply-adds" in text
+
+
+def test_relu_is_fused_and_residual_blocks_are_quantized():
+    model = pc.models.resnet20(backend="numpy", rng=0).eval()
+    qmodel = Q.quantize(model, np.random.default_rng(0).random((4, 3, 32, 32), dtype=np.float32))
+    assert type(qmodel[0]).__name__ == "QuantizedConv2d" and qmodel[0].relu
+    assert [type(m).__name__ for m in qmodel[1:3]] == ["Identity", "Identity"]  # BatchNorm and ReLU
+    block = qmodel[6][0]  # a stride-2 block with a projection shortcut
+    assert type(block).__name__ == "Residual"
+    body = [type(m).__name__ for m in block.body]
+    assert body == ["QuantizedConv2d", "Identity", "Identity", "QuantizedConv2d", "Identity"]
+    assert block.body[0].relu and not block.body[3].relu  # the add comes before the block's ReLU
+    assert type(block.shortcut[0]).__name__ == "QuantizedConv2d"
+    assert type(qmodel[6][1]).__name__ == "ReLU"
+
+
+def test_quantized_models_agree_across_backends():
+    # the quantized ops are bit-identical (above); the float layers between them (pooling) round differently per
+    # backend, which may move a value across a rounding boundary of the next layer's input: one step at most
+    rng = np.random.default_rng(3)
+    model, x = _zoo("mobilenet-small", "numpy", rng)
+    want = Q.quantize(model, x).predict(x)
+    for name in BACKENDS:
+        got = Q.quantize(model.to(name), x).predict(x)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("name,epochs", [("lenet5", 3), pytest.param("mobilenet-small", 2, marks=pytest.mark.slow)])
+def test_accuracy_after_quantization_on_the_mnist_sample(name, epochs):
+    # train briefly in fp32, calibrate on 512 training images, compare on 2,000 held-out images
+    be = "openmp" if "openmp" in BACKENDS else "numpy"
+    x, y = pc.datasets.load_mnist("test")
+    x_train, y_train, x_test, y_test = x[:6000], y[:6000], x[8000:], y[8000:]
+    model = pc.models.build(name, input_shape=(1, 28, 28), backend=be, rng=0)
+    model.fit(x_train, y_train, epochs=epochs, batch_size=64, optimizer=pc.optim.Adam(model.parameters(), lr=2e-3),
+              verbose=False, seed=0)
+    fp32 = model.evaluate(x_test, y_test)["accuracy"]
+    qmodel = Q.quantize(model, x_train[:512])
+    int8 = qmodel.evaluate(x_test, y_test)["accuracy"]
+    assert fp32 > 0.93
+    assert fp32 - int8 <= 0.005, (fp32, int8)
+
+
+def test_quantize_accepts_a_dataloader_and_iterables():
+    rng = np.random.default_rng(0)
+    model = pc.models.cnn_mnist(filters=4, backend="numpy", rng=0)
+    x = rng.random((40, 1, 28, 28), dtype=np.float32)
+    want = Q.quantize(model, x, batch_size=8)
+    loader = pc.data.DataLoader(x, np.zeros(40, np.int64), batch_size=8, shuffle=False)
+    for data in (loader, [x[:20], x[20:]], ((x[:20], None), (x[20:], None))):
+        got = Q.quantize(model, data)
+        assert got[0].input_scale[0] == want[0].input_scale[0]
+        assert got[0].input_zero_point[0] == want[0].input_zero_point[0]
+        np.testing.assert_array_equal(got.predict(x), want.predict(x))
+
+
+def test_quantize_validates_its_arguments():
+    model = pc.models.cnn_mnist(filters=4, backend="numpy", rng=0)
+    x = np.zeros((4, 1, 28, 28), np.float32)
+    with pytest.raises(TypeError, match="model must be a parconv"):
+        Q.quantize("model", x)
+    with pytest.raises(TypeError, match="calibration_data must be"):
+        Q.quantize(model, 3)
+    with pytest.raises(ValueError, match="calibration_data is empty"):
+        Q.quantize(model, x[:0])
+    with pytest.raises(ValueError, match="calibration_data"):
+        Q.quantize(model, np.zeros((4, 3, 28, 28), np.float32))
+    with pytest.raises(ValueError, match="NaN or Inf|finite"):
+        Q.quantize(model, np.full((4, 1, 28, 28), np.nan, np.float32))
+    with pytest.raises(ValueError, match="batch_size"):
+        Q.quantize(model, x, batch_size=0)
+    with pytest.raises(TypeError, match="progress"):
+        Q.quantize(model, x, progress="yes")
+    with pytest.raises(ValueError, match="no batches"):
+        Q.quantize(model, iter([]))
+    with pytest.raises(ValueError, match="no Conv2d or Linear"):
+        Q.quantize(pc.Sequential(pc.ReLU(), backend="numpy"), x)
+    qmodel = Q.quantize(model, x)
+    with pytest.raises(ValueError, match="already quantized"):
+        Q.quantize(qmodel, x)
+
+
+def test_quantized_model_is_inference_only_and_saves_to_onnx_not_npz(tmp_path):
+    model = pc.models.cnn_mnist(filters=4, backend="numpy", rng=0)
+    x = np.random.default_rng(0).random((8, 1, 28, 28), dtype=np.float32)
+    qmodel = Q.quantize(model, x)
+    qmodel(x)
+    with pytest.raises(RuntimeError, match="inference only"):
+        qmodel.layers[0].backward(np.zeros((8, 4, 26, 26), np.float32))
+    with pytest.raises(ValueError, match="inference only"):
+        qmodel.fit(x, np.zeros(8, np.int64), epochs=1, verbose=False)
+    with pytest.raises(ValueError, match="onnx.export"):
+        qmodel.save(tmp_path / "q.npz")
+    assert not (tmp_path / "q.npz").exists()
+    with pytest.raises(ValueError, match="in_features=676"):
+        qmodel.layers[-1](np.zeros((2, 5), np.float32))
+
+
+def test_quantized_layer_state_is_checked():
+    layer = Q.QuantizedLinear(3, 2)
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        layer.set_quantized(np.full((2, 3), -128), np.ones(2), np.zeros(2), 0.1, 0)
+    with pytest.raises(ValueError, match="positive and finite"):
+        layer.set_quantized(np.zeros((2, 3)), np.zeros(2), np.zeros(2), 0.1, 0)
+    with pytest.raises(ValueError, match="0..255"):
+        layer.set_quantized(np.zeros((2, 3)), np.ones(2), np.zeros(2), 0.1, 300)
+    with pytest.raises(ValueError, match="shape"):
+        layer.set_quantized(np.zeros((3, 3)), np.ones(2), np.zeros(2), 0.1, 0)
+    state = layer.state_dict()
+    assert state["weight"].dtype == np.int8 and state["bias"].dtype == np.int32
+    layer.load_state_dict(state)
+
+
+def test_int8_path_is_reported():
+    assert Q.int8_path() in ("avx512_vnni", "avx2", "portable", "float32 emulation")
+    assert pc.show_config(mode="dicts")["kernels"]["int8"] == Q.int8_path()
+    from parconv._buildinfo import build_info, format_config
+
+    assert f"int8 inference: {Q.int8_path()}" in format_config(build_info())
+
+
+# ----------------------------------------------------------------------------- ONNX QDQ
+def _small_int8():
+    """Quantized conv (BatchNorm folded, ReLU fused), depthwise conv, a QuantDequant, pooling, quantized linear."""
+    model = pc.Sequential(pc.Conv2d(2, 8, 3, padding=1, rng=1), pc.BatchNorm2d(8), pc.ReLU(),
+                          pc.Conv2d(8, 8, 3, groups=8, rng=2), pc.MaxPool2d(2), pc.Flatten(), pc.Linear(128, 5, rng=3),
+                          backend="numpy")
+    _trained_bn(model[1], np.random.default_rng(4))
+    x = np.random.default_rng(0).standard_normal((16, 2, 10, 10)).astype(np.float32)
+    qmodel = Q.quantize(model.eval(), x)
+    qmodel.layers.insert(5, Q.QuantDequant(0.05, 128))
+    return qmodel
+
+
+def _int8_resnet():
+    model, x = _zoo("resnet20", "numpy", np.random.default_rng(1))
+    return Q.quantize(model, x[:16])
+
+
+#: int8 models whose QDQ export is checked against onnxruntime and loaded back (tests/test_onnx_coverage.py reads it)
+ONNX_MODELS = {"small": (_small_int8, (1, 2, 10, 10)), "resnet20": (_int8_resnet, (1, 3, 32, 32))}
+
+
+def _onnx():
+    pytest.importorskip("onnx", reason="onnx not installed")
+    return pytest.importorskip("onnxruntime", reason="onnxruntime not installed")
+
+
+def _ort(ort, path, x, optimize: bool):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+
+
+@pytest.mark.parametrize("name", list(ONNX_MODELS))
+def test_qdq_export_runs_in_onnxruntime_and_loads_back_bit_identical(tmp_path, name):
+    ort = _onnx()
+    import onnx
+
+    make, shape = ONNX_MODELS[name]
+    qmodel = make()
+    path = tmp_path / f"{name}.onnx"
+    pc.onnx.export(qmodel, path, shape)
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    inits = {t.name: t for t in onnx.load(str(path)).graph.initializer}
+    first = next(k for k in inits if k.endswith("weight") and inits[k].data_type == onnx.TensorProto.INT8)
+    assert first  # int8 weight initializers
+    x = np.random.default_rng(5).standard_normal((3,) + shape[1:]).astype(np.float32)
+    want = pc.to_numpy(qmodel(x))
+    # the reference QDQ semantics (dequantize, float op): equal up to float32 rounding of the dequantized products
+    exact = _ort(ort, path, x, optimize=False)
+    np.testing.assert_allclose(exact, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    # fused into QLinearConv / QGemm, which requantise between layers in integers: one step of a layer's input
+    fused = _ort(ort, path, x, optimize=True)
+    np.testing.assert_allclose(fused, want, rtol=0, atol=1e-2 * np.abs(want).max())
+    assert (fused.argmax(1) == want.argmax(1)).all()
+    for backend in BACKENDS:
+        loaded = pc.onnx.load(path, backend=backend)
+        assert [type(m).__name__ for m in loaded.modules() if "Quant" in type(m).__name__] == \
+            [type(m).__name__ for m in qmodel.modules() if "Quant" in type(m).__name__]
+        got = pc.to_numpy(loaded(x))
+        if backend == qmodel.backend.name:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_onnxruntime_quantize_static_qdq_graphs_load(tmp_path):
+    ort = _onnx()
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    model, x = _zoo("mobilenet-small", "numpy", np.random.default_rng(2))
+    pc.onnx.export(model, tmp_path / "f.onnx", (1, 3, 32, 32))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"input": x[i:i + 16]} for i in range(0, 32, 16)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantize_static(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
+    loaded = pc.onnx.load(tmp_path / "q.onnx", backend="numpy")
+    kinds = [type(m).__name__ for m in loaded.modules()]
+    assert kinds.count("QuantizedConv2d") == 13 and kinds.count("QuantizedLinear") == 1
+    want = _ort(ort, tmp_path / "q.onnx", x[32:], optimize=False)
+    np.testing.assert_allclose(loaded.predict(x[32:]), want, rtol=0, atol=1e-2 * np.abs(want).max())
+
+
+def test_qdq_load_refuses_malformed_quantization(tmp_path):
+    _onnx()
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def write(nodes, inits, name):
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4])],
+                                  [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 3])],
+                                  initializer=[numpy_helper.from_array(v, k) for k, v in inits.items()])
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        return path
+
+    base = {"s": np.array(0.1, np.float32), "z": np.array(3, np.uint8), "w": np.ones((3, 4), np.int8),
+            "ws": np.full(3, 0.5, np.float32), "wz": np.zeros(3, np.int8)}
+    dq_w = helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"], axis=0)
+    good = [helper.make_node("QuantizeLinear", ["input", "s", "z"], ["q"]),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]), dq_w,
+            helper.make_node("Gemm", ["d", "wf"], ["output"], transB=1)]
+    loaded = pc.onnx.load(write(good, base, "good"), backend="numpy")
+    assert type(loaded[0]).__name__ == "QuantizedLinear" and loaded[0].input_zero_point[0] == 3
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_array_equal(loaded.predict(x), Q.requantize(Q.linear_int8_reference(
+        Q.quantize_per_tensor(x, 0.1, 3), 3, base["w"]), None, Q.requant_scale(0.1, base["ws"])))
+    bad_scale = dict(base, s=np.array(-1.0, np.float32))
+    with pytest.raises(ValueError, match="positive finite"):
+        pc.onnx.load(write(good, bad_scale, "neg"), backend="numpy")
+    bad_axis = [good[0], good[1], helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"], axis=5), good[3]]
+    with pytest.raises(ValueError, match="axis"):
+        pc.onnx.load(write(bad_axis, base, "axis"), backend="numpy")
+    bad_zp = dict(base, wz=np.zeros(2, np.int8))
+    with pytest.raises(ValueError, match="zero point"):
+        pc.onnx.load(write(good, bad_zp, "zp"), backend="numpy")
+    mismatch = [good[0], helper.make_node("DequantizeLinear", ["q", "ws2", "z"], ["d"]), dq_w, good[3]]
+    with pytest.raises(ValueError, match="other parameters"):
+        pc.onnx.load(write(mismatch, dict(base, ws2=np.array(0.2, np.float32)), "mismatch"), backend="numpy")
+    lonely = [helper.make_node("QuantizeLinear", ["input", "s", "z"], ["q"]),
+              helper.make_node("Cast", ["q"], ["c"], to=TensorProto.FLOAT), dq_w,
+              helper.make_node("Gemm", ["c", "wf"], ["output"], transB=1)]
+    with pytest.raises(ValueError, match="Cast|other than DequantizeLinear"):
+        pc.onnx.load(write(lonely, base, "lonely"), backend="numpy")
+    with pytest.warns(UserWarning, match="-128"):
+        loaded = pc.onnx.load(write(good, dict(base, w=np.full((3, 4), -128, np.int8)), "m128"), backend="numpy")
+    assert [type(m).__name__ for m in loaded] == ["QuantDequant", "Linear"]
