@@ -39,9 +39,10 @@ cdef extern from "pc_int8.h":
                            const int8_t *w8, const int16_t *w16, int c0, int c1, int G, const int32_t *zb32,
                            const int64_t *zb64, int wide, const float *scale, int relu, float *y,
                            int32_t *acc) noexcept nogil
+    Py_ssize_t pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P) noexcept nogil
     void pci8_dw_plane(const uint8_t *x, int H, int W, int z, const int8_t *w, int KH, int KW, int SH, int SW,
                        int PH, int PW, int P, int Q, int32_t zb32, int64_t zb64, int wide, float scale, int relu,
-                       int16_t *pad, int32_t *row, float *y) noexcept nogil
+                       void *scratch, float *y) noexcept nogil
 
 _PATH_NAMES = {PCI8_VNNI: "avx512_vnni", PCI8_AVX2: "avx2", PCI8_PORTABLE: "portable"}
 cdef int _best = pci8_best_path()
@@ -453,26 +454,23 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef const int8_t *wp = &wv[0, 0, 0, 0]
     cdef float *yp = &yv[0, 0, 0, 0]
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
-    cdef Py_ssize_t pad_n = <Py_ssize_t>SW * (H + 2 * PH) * ((W + 2 * PW + SW - 1) // SW)
+    cdef Py_ssize_t scratch_n = pci8_dw_scratch(H, W, KH, KW, SH, SW, PH, PW, P)
     cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, i, c
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KK, planes, nt))
-    cdef int16_t *padbuf = NULL
-    cdef int32_t *row = NULL
+    cdef int16_t *scratch = NULL
     cdef int failed[1]
     failed[0] = 0
     with nogil, parallel(num_threads=team):
-        padbuf = <int16_t *>malloc(sizeof(int16_t) * pad_n)
-        row = <int32_t *>malloc(sizeof(int32_t) * Q)
+        scratch = <int16_t *>malloc(sizeof(int16_t) * scratch_n + 64)
         for i in prange(planes, schedule="dynamic"):
-            if padbuf == NULL or row == NULL:
+            if scratch == NULL:
                 failed[0] = 1
                 continue
             c = i % C
             pci8_dw_plane(xp + i * HW, H, W, z, wp + c * KK, KH, KW, SH, SW, PH, PW, P, Q, z32[c], z64[c], wide_,
-                          sv[c], relu_, padbuf, row, yp + i * PQ)
-        free(padbuf)
-        free(row)
+                          sv[c], relu_, scratch, yp + i * PQ)
+        free(scratch)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
 

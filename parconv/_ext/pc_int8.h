@@ -74,20 +74,52 @@ static inline int64_t pci8_ld64(const void *p)
 
 /* ---------------------------------------------------------------- quantize */
 
-/* out = clamp(rint(x / scale) + zp, 0, 255), NaN -> zp. x / scale is clamped to +-1024 first
- * (the result saturates there anyway), so the 1.5 * 2^23 trick rounds half to even without a
- * libm call and the loop vectorises on every level. */
+/* clamp(rint(v) + zp, 0, 255), NaN -> zp. v is clamped to +-1024 first (the result saturates
+ * there anyway), so the 1.5 * 2^23 trick rounds half to even without a libm call and the loops
+ * vectorise on every level. */
+static inline uint8_t pci8_q1(float v, int zp)
+{
+    int nan = v != v;
+    float c = nan ? 0.0f : (v < -1024.0f ? -1024.0f : (v > 1024.0f ? 1024.0f : v));
+    float r = (c + 12582912.0f) - 12582912.0f;
+    int q = (int)r + zp;
+    q = q < 0 ? 0 : (q > 255 ? 255 : q);
+    return (uint8_t)(nan ? zp : q);
+}
+
+#define PCI8_QBLOCK 256
+
+/* out = clamp(rint(x / scale) + zp, 0, 255), NaN -> zp, x / scale rounded in float32.
+ * Division is several times slower than multiplication, so each block first uses x * (1 / scale):
+ * within 3 * 2^-24 relative of x / scale (|x / scale| <= 1024 matters; beyond it saturates), it
+ * rounds to the same integer unless it lies within 1e-3 of a half-integer; a block with such a
+ * value is redone with the division. Scales whose reciprocal is not a normal float always divide. */
 static inline void pci8_quantize(const float *restrict x, pc_idx n, float scale, int zp, uint8_t *restrict out)
 {
-    PC_SIMD
-    for (pc_idx i = 0; i < n; i++) {
-        float v = x[i] / scale;
-        int nan = v != v;
-        float c = nan ? 0.0f : (v < -1024.0f ? -1024.0f : (v > 1024.0f ? 1024.0f : v));
-        float r = (c + 12582912.0f) - 12582912.0f;
-        int q = (int)r + zp;
-        q = q < 0 ? 0 : (q > 255 ? 255 : q);
-        out[i] = (uint8_t)(nan ? zp : q);
+    const float rcp = 1.0f / scale;
+    const int fast = scale > 1e-37f && scale < 1e37f;
+    for (pc_idx i0 = 0; i0 < n; i0 += PCI8_QBLOCK) {
+        int m = n - i0 < PCI8_QBLOCK ? (int)(n - i0) : PCI8_QBLOCK;
+        const float *xb = x + i0;
+        uint8_t *ob = out + i0;
+        int near = 1;
+        if (fast) {
+            near = 0;
+#if defined(_OPENMP)
+#pragma omp simd reduction(|:near)
+#endif
+            for (int i = 0; i < m; i++) {
+                float v = xb[i] * rcp;
+                float c = v != v ? 0.0f : (v < -1024.0f ? -1024.0f : (v > 1024.0f ? 1024.0f : v));
+                float d = c - ((c + 12582912.0f) - 12582912.0f);
+                near |= (d > 0.499f) | (d < -0.499f);
+                ob[i] = pci8_q1(v, zp);
+            }
+        }
+        if (near) {
+            PC_SIMD
+            for (int i = 0; i < m; i++) ob[i] = pci8_q1(xb[i] / scale, zp);
+        }
     }
 }
 
@@ -525,37 +557,64 @@ static inline void pci8_linear_block(int path, const uint8_t *restrict x, pc_idx
 
 /* ------------------------------------------------------------- depthwise */
 
+/* Scratch of one depthwise plane (int16 elements for the grid, then int32 sums): see pci8_dw_plane. */
+static inline pc_idx pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P)
+{
+    int ah = SH < KH ? SH : KH, aw = SW < KW ? SW : KW;
+    pc_idx Hg = (H + 2 * PH + SH - 1) / SH, Wg = (W + 2 * PW + SW - 1) / SW;
+    pc_idx grid = (pc_idx)ah * aw * Hg * Wg + 32;
+    return (grid + 1) / 2 * 2 + 2 * ((pc_idx)P * Wg + 32);
+}
+
 /* One plane: x (H, W) uint8 with zero point z, w (KH, KW) int8, y (P, Q) overwritten.
- * pad: scratch of SW * Hp * Wg int16 for (x - z) padded with zeros and split into SW column
- * phases (so every tap is one contiguous run), Hp = H + 2 PH, Wg = ceil((W + 2 PW) / SW);
- * row: scratch of Q int32. The int16 x int16 -> int32 loops vectorise on every level. */
+ * The plane goes into scratch as an int16 grid of x - z (zeros for padding) split into stride
+ * phases as in the convolution, so every tap is one long contiguous multiply-add over the
+ * flattened output grid s = p * Wg + q (int16 x int16 -> int32, vectorised on every level);
+ * columns q >= Q are dropped by the epilogue. */
 static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z, const int8_t *restrict w, int KH,
                                  int KW, int SH, int SW, int PH, int PW, int P, int Q, int32_t zb32, int64_t zb64,
-                                 int wide, float scale, int relu, int16_t *restrict pad, int32_t *restrict row,
-                                 float *restrict y)
+                                 int wide, float scale, int relu, void *restrict scratch, float *restrict y)
 {
-    int Hp = H + 2 * PH, Wp = W + 2 * PW, Wg = (Wp + SW - 1) / SW;
-    memset(pad, 0, sizeof(int16_t) * (size_t)SW * Hp * Wg);
-    for (int h = 0; h < H; h++) {
-        const uint8_t *src = x + (pc_idx)h * W;
-        for (int w_ = 0; w_ < W; w_++) {
-            int wp = w_ + PW;
-            pad[((pc_idx)(wp % SW) * Hp + h + PH) * Wg + wp / SW] = (int16_t)(src[w_] - z);
-        }
-    }
-    for (int p = 0; p < P; p++) {
-        memset(row, 0, sizeof(int32_t) * (size_t)Q);
-        for (int kh = 0; kh < KH; kh++) {
-            int h = p * SH + kh;
-            for (int kw = 0; kw < KW; kw++) {
-                const int16_t *s = pad + ((pc_idx)(kw % SW) * Hp + h) * Wg + kw / SW;
-                const int32_t wv = w[kh * KW + kw];
-                PC_SIMD
-                for (int q = 0; q < Q; q++) row[q] += wv * s[q];
+    int ah = SH < KH ? SH : KH, aw = SW < KW ? SW : KW;
+    int Hg = (H + 2 * PH + SH - 1) / SH, Wg = (W + 2 * PW + SW - 1) / SW;
+    pc_idx plane = (pc_idx)Hg * Wg, s_end = (pc_idx)(P - 1) * Wg + Q;
+    int16_t *grid = (int16_t *)scratch;
+    pc_idx gsize = (pc_idx)ah * aw * plane + 32;
+    int32_t *acc = (int32_t *)(grid + (gsize + 1) / 2 * 2);
+    memset(grid, 0, sizeof(int16_t) * (size_t)gsize);
+    for (int a = 0; a < ah; a++) {
+        for (int b = 0; b < aw; b++) {
+            /* phase (a, b) holds padded pixels (gh * SH + a, gw * SW + b) */
+            int off = b - PW;
+            int lo = off >= 0 ? 0 : (-off + SW - 1) / SW;
+            int hi = W - 1 - off >= 0 ? (W - 1 - off) / SW + 1 : 0;
+            if (hi > Wg) hi = Wg;
+            if (lo > hi) lo = hi;
+            for (int gh = 0; gh < Hg; gh++) {
+                int h = gh * SH + a - PH;
+                if (h < 0 || h >= H) continue;
+                const uint8_t *src = x + (pc_idx)h * W + off;
+                int16_t *dst = grid + ((pc_idx)a * aw + b) * plane + (pc_idx)gh * Wg;
+                if (SW == 1) {
+                    PC_SIMD
+                    for (int gw = lo; gw < hi; gw++) dst[gw] = (int16_t)(src[gw] - z);
+                } else {
+                    for (int gw = lo; gw < hi; gw++) dst[gw] = (int16_t)(src[(pc_idx)gw * SW] - z);
+                }
             }
         }
-        pci8_epi_run(row, Q, zb32, zb64, wide, scale, relu, y + (pc_idx)p * Q);
     }
+    memset(acc, 0, sizeof(int32_t) * (size_t)s_end);
+    for (int kh = 0; kh < KH; kh++) {
+        for (int kw = 0; kw < KW; kw++) {
+            const int16_t *g = grid + ((pc_idx)(kh % SH) * aw + kw % SW) * plane + (pc_idx)(kh / SH) * Wg + kw / SW;
+            const int32_t wv = w[kh * KW + kw];
+            PC_SIMD
+            for (pc_idx s = 0; s < s_end; s++) acc[s] += wv * g[s];
+        }
+    }
+    for (int p = 0; p < P; p++)
+        pci8_epi_run(acc + (pc_idx)p * Wg, Q, zb32, zb64, wide, scale, relu, y + (pc_idx)p * Q);
 }
 
 #endif /* PARCONV_PC_INT8_H */
