@@ -341,8 +341,16 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef Py_ssize_t s_end = <Py_ssize_t>(P - 1) * Wg + Q
     cdef Py_ssize_t tiles = (s_end + PCI8_TILE - 1) // PCI8_TILE
     # reads past an image's grid land in the next one's or in this slack (those pixels are dropped)
-    grid = np.empty(<Py_ssize_t>N * img * 4 + (tiles * PCI8_TILE + Wg + 16) * 4 + 64 * K_ * K_ * 4, dtype=np.uint8)
-    grid[<Py_ssize_t>N * img * 4:] = z
+    cdef Py_ssize_t slack = (tiles * PCI8_TILE + Wg + 16) * 4 + 64 * K_ * K_ * 4
+    cdef Py_ssize_t per_img = 1
+    while N * per_img < <Py_ssize_t>nt * PC_BLOCKS_PER_THREAD and per_img < tiles:
+        per_img *= 2
+    if per_img > tiles:
+        per_img = tiles
+    # the batch's grids (a job with a whole image makes its own in scratch instead)
+    grid = np.empty(<Py_ssize_t>N * img * 4 + slack if per_img > 1 else 1, dtype=np.uint8)
+    if per_img > 1:
+        grid[<Py_ssize_t>N * img * 4:] = z
     off = np.empty(kg, dtype=np.intc)
     cdef int cg, kh, kw, g = 0
     for cg in range(CG):
@@ -369,39 +377,55 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     cdef Py_ssize_t i, n, jobs
 
-    # 1. the grids, one (image, channel group) per job
-    jobs = <Py_ssize_t>N * CG
-    with nogil:
-        for i in prange(jobs, schedule="dynamic", num_threads=pc_team(jobs, pc_threads_for(N * img * 4, jobs, nt))):
-            n = i // CG
-            pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, <int>(i - n * CG), <uint8_t>z,
-                            gp + (n * img + (i - n * CG) * plane) * 4)
-
-    # 2. runs of tiles: whole images where there are enough, else as many runs per image as
-    #    give each thread PC_BLOCKS_PER_THREAD blocks
-    cdef Py_ssize_t per_img = 1
-    while N * per_img < <Py_ssize_t>nt * PC_BLOCKS_PER_THREAD and per_img < tiles:
-        per_img *= 2
-    if per_img > tiles:
-        per_img = tiles
     cdef Py_ssize_t run = (tiles + per_img - 1) // per_img * PCI8_TILE
     jobs = <Py_ssize_t>N * per_img
     cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * PQ * O_ * kdim // 64, jobs, nt))
     cdef int32_t *acc = NULL
+    cdef uint8_t *own = NULL
+    cdef Py_ssize_t r
     cdef int failed[1]
     failed[0] = 0
-    cdef Py_ssize_t r
-    with nogil, parallel(num_threads=team):
-        acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
-        for i in prange(jobs, schedule="dynamic"):
-            if acc == NULL:
-                failed[0] = 1
-                continue
-            n = i // per_img
-            r = i - n * per_img
-            pci8_conv_tiles(path_, gp + n * img * 4, &offv[0], kg, w8, w16, O_, P, Q, Wg, r * run, (r + 1) * run,
-                            &z32[0], &z64[0], wide_, &sv[0], relu_, yp + n * O_ * PQ, acc)
-        free(acc)
+    if per_img == 1:
+        # one image per job: the job lays out its image's grid in its own buffer (still in cache
+        # when the tiles read it; no pass over the batch, no barrier)
+        with nogil, parallel(num_threads=team):
+            acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
+            own = <uint8_t *>malloc(img * 4 + slack)
+            if own != NULL:
+                memset(own + img * 4, z, slack)
+            for n in prange(N, schedule="dynamic"):
+                if acc == NULL or own == NULL:
+                    failed[0] = 1
+                    continue
+                for cg in range(CG):
+                    pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, cg, <uint8_t>z,
+                                    own + cg * plane * 4)
+                pci8_conv_tiles(path_, own, &offv[0], kg, w8, w16, O_, P, Q, Wg, 0, run, &z32[0], &z64[0], wide_,
+                                &sv[0], relu_, yp + n * O_ * PQ, acc)
+            free(acc)
+            free(own)
+    else:
+        # few images split into runs: their grids first (one thread below ~1 MB of grid: waking the
+        # team costs more), then the runs
+        jobs = <Py_ssize_t>N * CG
+        with nogil:
+            for i in prange(jobs, schedule="dynamic",
+                            num_threads=pc_team(jobs, pc_threads_for(N * img * 4 // 32, jobs, nt))):
+                n = i // CG
+                pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, <int>(i - n * CG), <uint8_t>z,
+                                gp + (n * img + (i - n * CG) * plane) * 4)
+        jobs = <Py_ssize_t>N * per_img
+        with nogil, parallel(num_threads=team):
+            acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
+            for i in prange(jobs, schedule="dynamic"):
+                if acc == NULL:
+                    failed[0] = 1
+                    continue
+                n = i // per_img
+                r = i - n * per_img
+                pci8_conv_tiles(path_, gp + n * img * 4, &offv[0], kg, w8, w16, O_, P, Q, Wg, r * run,
+                                (r + 1) * run, &z32[0], &z64[0], wide_, &sv[0], relu_, yp + n * O_ * PQ, acc)
+            free(acc)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
 

@@ -367,6 +367,66 @@ static void pci8_px_vnni(const uint8_t *restrict xg, const int *restrict off, in
     PCI8_VNNI_STORE(6);
     PCI8_VNNI_STORE(7);
 }
+
+/* One tile's runs of real output pixels, as AVX-512 masked stores: run k writes lanes set in
+ * m0[k] / m1[k] (lanes 0-15 / 16-31) to y + base[k] + lane. */
+typedef struct {
+    int n;
+    pc_idx base[PCI8_TILE];
+    __mmask16 m0[PCI8_TILE], m1[PCI8_TILE];
+} pci8_runs;
+
+#define PCI8_VNNI_EPI(j)                                                                          \
+    do {                                                                                          \
+        if ((j) < oe) {                                                                           \
+            const __m512 sc = _mm512_set1_ps(scale[j]);                                           \
+            const __m512i zb = _mm512_set1_epi32(zb32[j]);                                        \
+            __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##0, zb)), sc);     \
+            __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##1, zb)), sc);     \
+            if (relu) { /* max(0, v): NaN and -0 pass as with v < 0 ? 0 : v */                   \
+                v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                      \
+                v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                      \
+            }                                                                                     \
+            float *yj = y + (j) * PQ;                                                             \
+            for (int k = 0; k < runs->n; k++) {                                                   \
+                _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                       \
+                _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);                  \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+
+/* pci8_px_vnni with the epilogue on the registers (sums that fit int32 only): oe of the 8
+ * channels are real; y points at the first one's output plane (PQ floats per channel). */
+PCI8_VNNI_TARGET
+static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
+                             int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,
+                             const pci8_runs *restrict runs, float *y, pc_idx PQ)
+{
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+            a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00;
+    for (int g = 0; g < Kg; g++) {
+        const uint8_t *p = xg + (pc_idx)off[g] * 4;
+        const int8_t *wg = w + (pc_idx)g * 64;
+        __m512i x0 = _mm512_loadu_si512((const void *)p);
+        __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
+        PCI8_VNNI_STEP(0);
+        PCI8_VNNI_STEP(1);
+        PCI8_VNNI_STEP(2);
+        PCI8_VNNI_STEP(3);
+        PCI8_VNNI_STEP(4);
+        PCI8_VNNI_STEP(5);
+        PCI8_VNNI_STEP(6);
+        PCI8_VNNI_STEP(7);
+    }
+    PCI8_VNNI_EPI(0);
+    PCI8_VNNI_EPI(1);
+    PCI8_VNNI_EPI(2);
+    PCI8_VNNI_EPI(3);
+    PCI8_VNNI_EPI(4);
+    PCI8_VNNI_EPI(5);
+    PCI8_VNNI_EPI(6);
+    PCI8_VNNI_EPI(7);
+}
 #endif
 
 /* Tiles of grid pixels [s0, s1) of one image (multiples of PCI8_TILE but s1 may pass s_end):
@@ -398,6 +458,23 @@ static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const
             ns++;
             lane += len;
         }
+#if defined(PCI8_VNNI_CODE)
+        if (path == PCI8_VNNI && !wide) {
+            pci8_runs runs;
+            runs.n = ns;
+            for (int k = 0; k < ns; k++) {
+                uint32_t bits = (seg_len[k] >= 32 ? 0xFFFFFFFFu : ((1u << seg_len[k]) - 1u)) << seg_lane[k];
+                runs.base[k] = seg_dst[k] - seg_lane[k];
+                runs.m0[k] = (__mmask16)(bits & 0xFFFFu);
+                runs.m1[k] = (__mmask16)(bits >> 16);
+            }
+            for (int o0 = 0; o0 < O; o0 += PCI8_OB)
+                pci8_px_vnni_epi(grid + s * 4, off, Kg, w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4,
+                                 O - o0 < PCI8_OB ? O - o0 : PCI8_OB, zb32 + o0, scale + o0, relu, &runs,
+                                 y + (pc_idx)o0 * PQ, PQ);
+            continue;
+        }
+#endif
         for (int o0 = 0; o0 < O; o0 += PCI8_OB) {
             pc_idx pw = (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4;
 #if defined(PCI8_VNNI_CODE)
