@@ -480,8 +480,11 @@ def _child_code():
                             np.array([np.nan, np.inf, -np.inf, 1e30], np.float32),
                             rng.standard_normal(5000).astype(np.float32) * 9])
         q = np.empty(x.shape, np.uint8)
-        _int8.quantize(x, 0.05, 128, q, 2)
-        fails += [] if np.array_equal(q, quantize_model(x, 0.05, 128)) else [("quantize",)]
+        for scale, zp in ((0.05, 128), (1 / 3, 0), (1e-38, 255), (3e38, 7), (7.3, 200)):
+            xs = np.concatenate([x, (np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(scale)])
+            q = np.empty(xs.shape, np.uint8)
+            _int8.quantize(xs, scale, zp, q, 2)
+            fails += [] if np.array_equal(q, quantize_model(xs, scale, zp)) else [("quantize", scale, zp)]
         print(json.dumps({"path": _int8.path(), "fails": fails}))
     """)
     return "import numpy as np\n" + models + "\n" + body

@@ -98,7 +98,34 @@ static inline void pci8_quantize(const float *restrict x, pc_idx n, float scale,
 {
     const float rcp = 1.0f / scale;
     const int fast = scale > 1e-37f && scale < 1e37f;
-    for (pc_idx i0 = 0; i0 < n; i0 += PCI8_QBLOCK) {
+    pc_idx start = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* the same with vcvtps2dq (rounds half to even in the default MXCSR mode) and a division only
+     * for a vector that holds a near-tie */
+    {
+        const __m512 vr = _mm512_set1_ps(rcp), vs = _mm512_set1_ps(scale);
+        const __m512 lo = _mm512_set1_ps(-1024.0f), hi = _mm512_set1_ps(1024.0f), tie = _mm512_set1_ps(0.499f);
+        const __m512i vz = _mm512_set1_epi32(zp), top = _mm512_set1_epi32(255), zero = _mm512_setzero_si512();
+        for (; start + 16 <= n; start += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + start);
+            __m512 v = fast ? _mm512_mul_ps(xv, vr) : _mm512_div_ps(xv, vs);
+            __m512 c = _mm512_min_ps(_mm512_max_ps(v, lo), hi); /* NaN -> -1024, replaced below */
+            __m512i k = _mm512_cvtps_epi32(c);
+            if (fast) {
+                __m512 d = _mm512_abs_ps(_mm512_sub_ps(c, _mm512_cvtepi32_ps(k)));
+                if (_mm512_cmp_ps_mask(d, tie, _CMP_GT_OQ)) {
+                    v = _mm512_div_ps(xv, vs);
+                    c = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+                    k = _mm512_cvtps_epi32(c);
+                }
+            }
+            k = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(k, vz), zero), top);
+            k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), vz);
+            _mm_storeu_si128((__m128i *)(out + start), _mm512_cvtepi32_epi8(k));
+        }
+    }
+#endif
+    for (pc_idx i0 = start; i0 < n; i0 += PCI8_QBLOCK) {
         int m = n - i0 < PCI8_QBLOCK ? (int)(n - i0) : PCI8_QBLOCK;
         const float *xb = x + i0;
         uint8_t *ob = out + i0;
@@ -599,6 +626,25 @@ static void pci8_cl_vnni(const uint8_t *const *restrict xr, int Kg, const int8_t
 }
 #endif
 
+#if defined(PCI8_VNNI_CODE)
+/* pci8_cl_vnni for one row (acc[0][64]): a short last block and batch 1 do not pay for four. */
+PCI8_VNNI_TARGET
+static void pci8_cl_vnni1(const uint8_t *restrict x0, int Kg, const int8_t *restrict w, int32_t *restrict acc)
+{
+    const pc_idx ps = (pc_idx)Kg * 64;
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00;
+    for (int g = 0; g < Kg; g++) {
+        const int8_t *wg = w + (pc_idx)g * 64;
+        __m512i w0 = _mm512_loadu_si512((const void *)wg);
+        __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));
+        __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));
+        __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps));
+        PCI8_CL_ROW(0);
+    }
+    PCI8_CL_STORE(0);
+}
+#endif
+
 /* Rows [r0, r1) of x (ldx bytes apart, groups of 4 valid up to Kg) times output channels
  * [c0, c1) (c0 a multiple of 64), epilogue into y (N, G). acc: scratch [4][64]. */
 static inline void pci8_linear_block(int path, const uint8_t *restrict x, pc_idx ldx, pc_idx r0, pc_idx r1, int Kg,
@@ -617,6 +663,13 @@ static inline void pci8_linear_block(int path, const uint8_t *restrict x, pc_idx
             /* a short last block repeats its last row; those results are dropped */
             for (int i = 0; i < PCI8_RB; i++) xr[i] = x + (r + (i < rn ? i : rn - 1)) * ldx;
 #if defined(PCI8_VNNI_CODE)
+            if (path == PCI8_VNNI && rn < PCI8_RB) {
+                for (int i = 0; i < rn; i++) {
+                    pci8_cl_vnni1(xr[i], Kg, w8 + pw, acc);
+                    pci8_epi_row(acc, ce, zb32 + c, zb64 + c, wide, scale + c, relu, y + (r + i) * (pc_idx)G + c);
+                }
+                continue;
+            }
             if (path == PCI8_VNNI) pci8_cl_vnni(xr, Kg, w8 + pw, acc);
             else
 #endif
