@@ -60,6 +60,9 @@ cdef enum:
     H_KG_CAP = 4            # groups the panel space holds (the most any valid K needs)
     H_K = 5                 # kernel size the panels are laid out for
     H_KG = 6
+    # int8 multiply-adds per unit of pc_threads_for's work: 64 per vpdpbusd, and below ~8M of
+    # them one thread finishes before a woken team would
+    WORK_PER_MAC = 256
     # largest reduction whose raw sums (|xq * wq| <= 255 * 127 each) fit int32
     MAX_KDIM = 2147483647 // (255 * 127)
 
@@ -145,15 +148,33 @@ cdef object _threads(object num_threads, str fn):
 cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sums, int z, Py_ssize_t kdim):
     """(scale, zb32, zb64, wide): zb = bias_q - z * row_sums; wide where a sum may leave int32."""
     scale = _shaped(scale, fn, "scale", np.float32, (O,), "float32 (O,): s_x * s_w[o]")
-    zb = np.zeros(O, dtype=np.int64)
     if bias_q is not None:
-        zb += _shaped(bias_q, fn, "bias_q", np.int32, (O,), "int32 (O,) or None")
+        bias_q = _shaped(bias_q, fn, "bias_q", np.int32, (O,), "int32 (O,) or None")
+    zb = np.empty(O, dtype=np.int64)
+    zb32 = np.empty(O, dtype=np.int32)
+    cdef int64_t[::1] z64 = zb
+    cdef int32_t[::1] z32 = zb32
+    cdef const int32_t[::1] bv
+    cdef const int32_t[::1] rv
+    cdef int o
+    cdef int64_t v, most = 0
+    for o in range(O):
+        z64[o] = 0
+    if bias_q is not None:
+        bv = bias_q
+        for o in range(O):
+            z64[o] = bv[o]
     if row_sums is not None:
-        zb -= z * row_sums.astype(np.int64)
+        rv = row_sums
+        for o in range(O):
+            z64[o] -= <int64_t>z * rv[o]
+    for o in range(O):
+        v = z64[o] if z64[o] >= 0 else -z64[o]
+        if v > most:
+            most = v
+        z32[o] = <int32_t>z64[o]
     # raw sums lie in +-kdim * 255 * 127; a fast int32 epilogue needs raw + zb inside int32
-    bound = int(np.abs(zb).max()) + kdim * 255 * 127 if O else 0
-    wide = bound >= 2 ** 31
-    zb32 = zb.astype(np.int32) if not wide else np.zeros(O, dtype=np.int32)
+    wide = most + <int64_t>kdim * 255 * 127 >= (<int64_t>1 << 31)
     return scale, zb32, zb, wide
 
 
@@ -352,16 +373,16 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     if per_img > 1:
         grid[<Py_ssize_t>N * img * 4:] = z
     off = np.empty(kg, dtype=np.intc)
+    cdef int[::1] offv = off
     cdef int cg, kh, kw, g = 0
     for cg in range(CG):
         for kh in range(K_):
             for kw in range(K_):
-                off[g] = cg * plane + ((kh % S) * nph + kw % S) * Hg * Wg + (kh // S) * Wg + kw // S
+                offv[g] = cg * plane + ((kh % S) * nph + kw % S) * Hg * Wg + (kh // S) * Wg + kw // S
                 g += 1
 
     cdef const uint8_t[:, :, :, ::1] xv = xq
     cdef uint8_t[::1] gv = grid
-    cdef int[::1] offv = off
     cdef uint8_t[::1] pv = packed
     cdef const float[::1] sv = scale
     cdef int32_t[::1] z32 = zb32
@@ -379,7 +400,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
 
     cdef Py_ssize_t run = (tiles + per_img - 1) // per_img * PCI8_TILE
     jobs = <Py_ssize_t>N * per_img
-    cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * PQ * O_ * kdim // 64, jobs, nt))
+    cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * PQ * O_ * kdim // WORK_PER_MAC, jobs, nt))
     cdef int32_t *acc = NULL
     cdef uint8_t *own = NULL
     cdef Py_ssize_t r
@@ -552,7 +573,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     while rb > PCI8_RB and ((N + rb - 1) // rb) * cblocks < <Py_ssize_t>nt * PC_BLOCKS_PER_THREAD:
         rb = (rb // 2 + PCI8_RB - 1) // PCI8_RB * PCI8_RB
     cdef Py_ssize_t rblocks = (N + rb - 1) // rb, jobs = rblocks * cblocks, i, ri, ci, r1
-    cdef int team = pc_team(jobs, pc_threads_for(N * G * F // 16, jobs, nt))
+    cdef int team = pc_team(jobs, pc_threads_for(N * G * F // WORK_PER_MAC, jobs, nt))
     cdef int32_t *acc = NULL
     cdef int failed[1]
     failed[0] = 0
