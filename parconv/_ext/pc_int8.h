@@ -228,6 +228,36 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
                         d[gw * 4 + 2] = s2[gw];
                         d[gw * 4 + 3] = s3[gw];
                     }
+                } else if (nc == 4) {
+                    const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
+                    int gw = lo;
+#if defined(__SSE2__)
+                    if (S == 2) {
+                        /* even bytes of 32 (this phase's columns) from each row, then interleaved */
+                        const __m128i even = _mm_set1_epi16(0x00FF);
+                        /* gw + 17 <= hi: the odd byte after the last even one is still in the row */
+                        for (; gw + 17 <= hi; gw += 16) {
+                            pc_idx w = (pc_idx)gw * 2;
+#define PCI8_EVEN(p) _mm_packus_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w)), even), \
+                                      _mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w + 16)), even))
+                            __m128i r0 = PCI8_EVEN(s0), r1 = PCI8_EVEN(s1), r2 = PCI8_EVEN(s2), r3 = PCI8_EVEN(s3);
+#undef PCI8_EVEN
+                            __m128i l01 = _mm_unpacklo_epi8(r0, r1), h01 = _mm_unpackhi_epi8(r0, r1);
+                            __m128i l23 = _mm_unpacklo_epi8(r2, r3), h23 = _mm_unpackhi_epi8(r2, r3);
+                            uint8_t *o = d + (pc_idx)gw * 4;
+                            _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi16(l01, l23));
+                            _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi16(l01, l23));
+                            _mm_storeu_si128((__m128i *)(o + 32), _mm_unpacklo_epi16(h01, h23));
+                            _mm_storeu_si128((__m128i *)(o + 48), _mm_unpackhi_epi16(h01, h23));
+                        }
+                    }
+#endif
+                    for (; gw < hi; gw++) {
+                        pc_idx w = (pc_idx)gw * S;
+                        uint32_t v = (uint32_t)s0[w] | (uint32_t)s1[w] << 8 | (uint32_t)s2[w] << 16 |
+                                     (uint32_t)s3[w] << 24;
+                        memcpy(d + (pc_idx)gw * 4, &v, 4);
+                    }
                 } else {
                     for (int j = 0; j < nc; j++) {
                         const uint8_t *s = src[j];
