@@ -218,9 +218,9 @@ cdef int _layout(object packed, int K) except -1:
     cdef int kg = pci8_groups(kdim, K)
     if kg > hdr[H_KG_CAP]:
         raise ValueError(f"packed: kernel size {K} does not divide the reduction size {kdim} into channels")
-    with nogil:
-        pci8_pack(<const int8_t *>&buf[HEADER], O, kdim, K, O64, <int8_t *>&buf[p8],
-                  <int16_t *>&buf[p8 + <Py_ssize_t>O64 * hdr[H_KG_CAP] * 4])
+    # with the GIL held: another thread using the same buffer never sees half a layout
+    pci8_pack(<const int8_t *>&buf[HEADER], O, kdim, K, O64, <int8_t *>&buf[p8],
+              <int16_t *>&buf[p8 + <Py_ssize_t>O64 * hdr[H_KG_CAP] * 4])
     hdr[H_KG] = kg
     hdr[H_K] = K
     return kg

@@ -13,7 +13,9 @@
  * so the 4 bytes a VNNI lane needs (4 channels of one tap at one pixel) are contiguous and 16
  * output pixels of one tap are one 64-byte load: no im2col. Output pixel (p, q) is grid position
  * s = p * Wg + q; columns q >= Q of the grid are computed and dropped. Weights are packed into
- * panels of 16 output channels, [Kg][16][4], with g = (cg * K + kh) * K + kw (zeros past C).
+ * panels of 16 output channels, [Kg][16][4], with g = (cg * K + kh) * K + kw (zeros past C);
+ * pack_weights keeps the raw (O, Kdim) copy, since the order depends on K, which only the
+ * convolution call knows: the panels are laid out for a K on its first use.
  * Linear uses the same panels with K = 1 and puts output channels on the vector lanes instead
  * (x rows broadcast), so y comes out row-major.
  */
@@ -340,7 +342,8 @@ static inline void pci8_px_portable(const uint8_t *restrict xg, const int *restr
 /* vpmaddubsw would saturate (two 255 * 127 products exceed int16), so the bytes are widened to
  * int16 (vpmovzxbw; weights pre-widened) and multiplied in pairs into int32 by vpmaddwd: exact.
  * Each int32 lane holds one pixel's pair sum; the pairs are added when the tile is stored. */
-static inline void pci8_px_avx2(const uint8_t *restrict xg, const int *restrict off, int Kg,
+__attribute__((noinline)) /* inlined, its 8 accumulators spill to the stack */
+static void pci8_px_avx2(const uint8_t *restrict xg, const int *restrict off, int Kg,
                                 const int16_t *restrict w16, int32_t *restrict acc)
 {
     for (int q4 = 0; q4 < PCI8_OB / 4; q4++) {
@@ -578,7 +581,8 @@ static inline void pci8_cl_portable(const uint8_t *const *restrict xr, int Kg, c
 
 #if defined(PCI8_AVX2_CODE)
 /* int16 widening as in pci8_px_avx2 (exact); a ymm holds 4 channels x 2 pair sums. */
-static inline void pci8_cl_avx2(const uint8_t *const *restrict xr, int Kg, const int16_t *restrict w16,
+__attribute__((noinline))
+static void pci8_cl_avx2(const uint8_t *const *restrict xr, int Kg, const int16_t *restrict w16,
                                 int32_t *restrict acc)
 {
     for (int r = 0; r < PCI8_RB; r += 2) {
