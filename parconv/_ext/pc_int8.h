@@ -721,13 +721,16 @@ static inline void pci8_linear_block(int path, const uint8_t *restrict x, pc_idx
 
 /* ------------------------------------------------------------- depthwise */
 
-/* Scratch of one depthwise plane (int16 elements for the grid, then int32 sums): see pci8_dw_plane. */
+#define PCI8_DW_SLACK 96      /* zeroed elements after the grid: the 64-wide blocks read past it */
+#define PCI8_DW_MAXPAIRS 64   /* tap pairs the AVX-512 depthwise takes (larger kernels: the loop) */
+
+/* Scratch of one depthwise plane in int16 elements (the grid, its tap pairs, the int32 sums). */
 static inline pc_idx pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P)
 {
     int ah = SH < KH ? SH : KH, aw = SW < KW ? SW : KW;
     pc_idx Hg = (H + 2 * PH + SH - 1) / SH, Wg = (W + 2 * PW + SW - 1) / SW;
-    pc_idx grid = (pc_idx)ah * aw * Hg * Wg + 32;
-    return (grid + 1) / 2 * 2 + 2 * ((pc_idx)P * Wg + 32);
+    pc_idx grid = ((pc_idx)ah * aw * Hg * Wg + PCI8_DW_SLACK + 1) / 2 * 2;
+    return grid + 2 * grid + 2 * ((pc_idx)P * Wg + 64) + 16;
 }
 
 /* One plane: x (H, W) uint8 with zero point z, w (KH, KW) int8, y (P, Q) overwritten.
@@ -743,8 +746,9 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
     int Hg = (H + 2 * PH + SH - 1) / SH, Wg = (W + 2 * PW + SW - 1) / SW;
     pc_idx plane = (pc_idx)Hg * Wg, s_end = (pc_idx)(P - 1) * Wg + Q;
     int16_t *grid = (int16_t *)scratch;
-    pc_idx gsize = (pc_idx)ah * aw * plane + 32;
-    int32_t *acc = (int32_t *)(grid + (gsize + 1) / 2 * 2);
+    pc_idx gsize = ((pc_idx)ah * aw * plane + PCI8_DW_SLACK + 1) / 2 * 2;
+    int32_t *pairs = (int32_t *)(grid + gsize);
+    int32_t *acc = pairs + gsize;
     memset(grid, 0, sizeof(int16_t) * (size_t)gsize);
     for (int a = 0; a < ah; a++) {
         for (int b = 0; b < aw; b++) {
@@ -768,13 +772,56 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
             }
         }
     }
-    memset(acc, 0, sizeof(int32_t) * (size_t)s_end);
-    for (int kh = 0; kh < KH; kh++) {
-        for (int kw = 0; kw < KW; kw++) {
-            const int16_t *g = grid + ((pc_idx)(kh % SH) * aw + kw % SW) * plane + (pc_idx)(kh / SH) * Wg + kw / SW;
-            const int32_t wv = w[kh * KW + kw];
-            PC_SIMD
-            for (pc_idx s = 0; s < s_end; s++) acc[s] += wv * g[s];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (KW <= 64 && KH * (KW / 2 + SW + 1) <= PCI8_DW_MAXPAIRS) {
+        /* vpmaddwd on tap pairs: taps kw and kw + SW read neighbouring elements of one phase, so
+         * pairs[s] = (grid[s], grid[s + 1]) times (w[kw], w[kw + SW]) sums both in one instruction */
+        pc_idx off[PCI8_DW_MAXPAIRS];
+        int32_t wp[PCI8_DW_MAXPAIRS];
+        int np = 0;
+        for (int kh = 0; kh < KH; kh++) {
+            uint64_t used = 0;
+            for (int kw = 0; kw < KW; kw++) {
+                if (used >> kw & 1) continue;
+                int w2 = 0;
+                if (kw + SW < KW) {
+                    w2 = w[kh * KW + kw + SW];
+                    used |= (uint64_t)1 << (kw + SW);
+                }
+                off[np] = ((pc_idx)(kh % SH) * aw + kw % SW) * plane + (pc_idx)(kh / SH) * Wg + kw / SW;
+                wp[np] = (int32_t)((uint32_t)(uint16_t)(int16_t)w[kh * KW + kw] | (uint32_t)(uint16_t)(int16_t)w2 << 16);
+                np++;
+            }
+        }
+        for (pc_idx i = 0; i + 1 < gsize; i++)
+            pairs[i] = (int32_t)((uint32_t)(uint16_t)grid[i] | (uint32_t)(uint16_t)grid[i + 1] << 16);
+        pairs[gsize - 1] = 0;
+        for (pc_idx s0 = 0; s0 < s_end; s0 += 64) {
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+            for (int k = 0; k < np; k++) {
+                const int32_t *pp = pairs + off[k] + s0;
+                const __m512i wv = _mm512_set1_epi32(wp[k]);
+                a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(_mm512_loadu_si512((const void *)pp), wv));
+                a1 = _mm512_add_epi32(a1, _mm512_madd_epi16(_mm512_loadu_si512((const void *)(pp + 16)), wv));
+                a2 = _mm512_add_epi32(a2, _mm512_madd_epi16(_mm512_loadu_si512((const void *)(pp + 32)), wv));
+                a3 = _mm512_add_epi32(a3, _mm512_madd_epi16(_mm512_loadu_si512((const void *)(pp + 48)), wv));
+            }
+            _mm512_storeu_si512((void *)(acc + s0), a0);
+            _mm512_storeu_si512((void *)(acc + s0 + 16), a1);
+            _mm512_storeu_si512((void *)(acc + s0 + 32), a2);
+            _mm512_storeu_si512((void *)(acc + s0 + 48), a3);
+        }
+    } else
+#endif
+    {
+        memset(acc, 0, sizeof(int32_t) * (size_t)s_end);
+        for (int kh = 0; kh < KH; kh++) {
+            for (int kw = 0; kw < KW; kw++) {
+                const int16_t *g = grid + ((pc_idx)(kh % SH) * aw + kw % SW) * plane + (pc_idx)(kh / SH) * Wg + kw / SW;
+                const int32_t wv = w[kh * KW + kw];
+                PC_SIMD
+                for (pc_idx s = 0; s < s_end; s++) acc[s] += wv * g[s];
+            }
         }
     }
     for (int p = 0; p < P; p++)
