@@ -482,21 +482,23 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         raise ValueError(f"{fn}: xq must have at least one channel, got shape {xq.shape}")
     if H + 2 * PH < KH or W + 2 * PW < KW:
         raise ValueError(f"{fn}: kernel ({KH}, {KW}) is larger than the padded input ({H + 2 * PH}, {W + 2 * PW})")
-    if wq.size and int(wq.min()) < -127:
-        raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
+    cdef const int8_t[:, :, :, ::1] wv = wq
+    cdef const int8_t *wp = &wv[0, 0, 0, 0]
+    cdef Py_ssize_t k
+    for k in range(<Py_ssize_t>C * KH * KW):
+        if wp[k] == -128:
+            raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
     cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
     y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
     scale, zb32, zb64, wide = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
     if N == 0:
         return
     cdef const uint8_t[:, :, :, ::1] xv = xq
-    cdef const int8_t[:, :, :, ::1] wv = wq
     cdef const float[::1] sv = scale
     cdef int32_t[::1] z32 = zb32
     cdef int64_t[::1] z64 = zb64
     cdef float[:, :, :, ::1] yv = y
     cdef const uint8_t *xp = &xv[0, 0, 0, 0]
-    cdef const int8_t *wp = &wv[0, 0, 0, 0]
     cdef float *yp = &yv[0, 0, 0, 0]
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t scratch_n = pci8_dw_scratch(H, W, KH, KW, SH, SW, PH, PW, P)
