@@ -1,9 +1,596 @@
-"""int8 convolution and linear kernels (uint8 activations, int8 weights, int32 accumulation)."""
+# Shape legend: N batch, C in-channels, O out-channels, H, W input, P, Q output, K kernel,
+# F in-features, G out-features; Kdim = C*K*K (conv) or F (linear), the reduction.
+"""int8 convolution and linear kernels (uint8 activations, int8 weights, int32 accumulation).
+
+Quantization scheme (post-training static, as PyTorch's x86 backend and ONNX QDQ): activations
+per-tensor asymmetric uint8 (scale s_x, zero point z_x), weights per-output-channel symmetric
+int8 in [-127, 127], bias int32 with scale s_x * s_w[o]. Each output is
+
+    acc[o] = sum over taps of (xq - z_x) * wq[o]       (padded taps count as xq = z_x)
+    y[o]   = float32(acc[o] + bias_q[o]) * scale[o]    (then ReLU if asked)
+
+Integer sums are exact, so every path (:func:`path`: AVX512_VNNI ``vpdpbusd``, AVX2 int16
+``vpmaddwd``, portable C) gives the same bits at every thread count. The kernels are in
+``pc_int8.h``; this module validates every argument (the kernels run without bounds checks)
+and hands work out in blocks, dynamically.
+"""
+
+import numpy as np
+
+from cython.parallel cimport parallel, prange
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset, memcpy
+from .pc_helpers cimport pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD
 
 cdef extern from "pc_int8.h":
-    pass
+    int PCI8_PORTABLE, PCI8_AVX2, PCI8_VNNI, PCI8_TILE, PCI8_OB, PCI8_CB, PCI8_RB
+    int pci8_best_path() noexcept nogil
+    void pci8_quantize(const float *x, Py_ssize_t n, float scale, int zp, uint8_t *out) noexcept nogil
+    int pci8_groups(int Kdim, int K) noexcept nogil
+    void pci8_pack(const int8_t *raw, int O, int Kdim, int K, int O64, int8_t *p8, int16_t *p16) noexcept nogil
+    void pci8_grid_group(const uint8_t *x, int C, int H, int W, int pad, int S, int nph, int Hg, int Wg, int cg,
+                         uint8_t z, uint8_t *dst) noexcept nogil
+    void pci8_conv_tiles(int path, const uint8_t *grid, const int *off, int Kg, const int8_t *w8,
+                         const int16_t *w16, int O, int P, int Q, int Wg, Py_ssize_t s0, Py_ssize_t s1,
+                         const int32_t *zb32, const int64_t *zb64, int wide, const float *scale, int relu,
+                         float *y, int32_t *acc) noexcept nogil
+    void pci8_linear_block(int path, const uint8_t *x, Py_ssize_t ldx, Py_ssize_t r0, Py_ssize_t r1, int Kg,
+                           const int8_t *w8, const int16_t *w16, int c0, int c1, int G, const int32_t *zb32,
+                           const int64_t *zb64, int wide, const float *scale, int relu, float *y,
+                           int32_t *acc) noexcept nogil
+    Py_ssize_t pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P) noexcept nogil
+    void pci8_dw_plane(const uint8_t *x, int H, int W, int z, const int8_t *w, int KH, int KW, int SH, int SW,
+                       int PH, int PW, int P, int Q, int32_t zb32, int64_t zb64, int wide, float scale, int relu,
+                       void *scratch, float *y) noexcept nogil
+
+_PATH_NAMES = {PCI8_VNNI: "avx512_vnni", PCI8_AVX2: "avx2", PCI8_PORTABLE: "portable"}
+cdef int _best = pci8_best_path()
+cdef int _path = _best
+
+# the packed weights: a uint8 array, HEADER bytes of int32 fields, the raw (O, Kdim) weights, then
+# the panels for one kernel size (int8, then the same widened to int16); see pc_int8.h
+cdef enum:
+    HEADER = 64
+    MAGIC = 0x38494350      # "PCI8"
+    H_MAGIC = 0
+    H_O = 1
+    H_KDIM = 2
+    H_O64 = 3
+    H_KG_CAP = 4            # groups the panel space holds (the most any valid K needs)
+    H_K = 5                 # kernel size the panels are laid out for
+    H_KG = 6
+    # int8 multiply-adds per unit of pc_threads_for's work: 64 per vpdpbusd, and below ~8M of
+    # them one thread finishes before a woken team would
+    WORK_PER_MAC = 256
+    # largest reduction whose raw sums (|xq * wq| <= 255 * 127 each) fit int32
+    MAX_KDIM = 2147483647 // (255 * 127)
 
 
 def path():
-    """Which int8 dot-product path this build level and CPU run."""
-    return "portable"
+    """Which int8 dot-product path this build level and CPU run.
+
+    Returns
+    -------
+    str
+        ``"avx512_vnni"`` (VPDPBUSD), ``"avx2"`` (int16 multiply-adds) or ``"portable"`` (C).
+    """
+    return _PATH_NAMES[_path]
+
+
+def _use_path(name):
+    """Run a lower path than the best (tests compare paths in one process); returns the old name."""
+    global _path
+    order = {"portable": PCI8_PORTABLE, "avx2": PCI8_AVX2, "avx512_vnni": PCI8_VNNI}
+    if name not in order:
+        raise ValueError(f"path must be one of {', '.join(order)}, got {name!r}")
+    if order[name] > _best:
+        raise ValueError(f"path {name!r} is not available here (the best is {_PATH_NAMES[_best]!r})")
+    old = _PATH_NAMES[_path]
+    _path = order[name]
+    return old
+
+
+# ----------------------------------------------------------------- validation
+
+cdef object _array(object a, str fn, str name, object dtype, int ndim, str what):
+    """``a`` as is when it is a C-contiguous ndarray of this dtype and rank, else a clear error."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{fn}: {name} must be a numpy.ndarray ({what}), got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise TypeError(f"{fn}: {name} must have dtype {np.dtype(dtype).name} ({what}), got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{fn}: {name} must be {ndim}-D ({what}), got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must be C-contiguous (use numpy.ascontiguousarray), got strides "
+                         f"{a.strides}")
+    return a
+
+
+cdef object _shaped(object a, str fn, str name, object dtype, tuple shape, str what):
+    a = _array(a, fn, name, dtype, len(shape), what)
+    if a.shape != shape:
+        raise ValueError(f"{fn}: {name} must have shape {shape} ({what}), got {a.shape}")
+    return a
+
+
+cdef object _out(object a, str fn, str name, object dtype, tuple shape, str what):
+    a = _shaped(a, fn, name, dtype, shape, what)
+    if not a.flags.writeable:
+        raise ValueError(f"{fn}: {name} is read-only; pass a writable array")
+    return a
+
+
+cdef int _zero_point(object z, str fn) except -1:
+    if isinstance(z, (bool, np.bool_)) or not isinstance(z, (int, np.integer)):
+        raise TypeError(f"{fn}: x_zero_point must be an int in 0..255, got {type(z).__name__}")
+    if not 0 <= z <= 255:
+        raise ValueError(f"{fn}: x_zero_point must be in 0..255 (uint8 activations), got {z}")
+    return <int>z
+
+
+cdef int _positive(object v, str fn, str name, int least) except -1:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__}")
+    if v < least or v > 1 << 20:
+        raise ValueError(f"{fn}: {name} must be in {least}..{1 << 20}, got {v}")
+    return <int>v
+
+
+cdef object _threads(object num_threads, str fn):
+    if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, (int, np.integer)):
+        raise TypeError(f"{fn}: num_threads must be an int, got {type(num_threads).__name__}")
+    if num_threads < 1:
+        raise ValueError(f"{fn}: num_threads must be >= 1, got {num_threads}")
+    return int(num_threads)
+
+
+cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sums, int z, Py_ssize_t kdim):
+    """(scale, zb32, zb64, wide): zb = bias_q - z * row_sums; wide where a sum may leave int32."""
+    scale = _shaped(scale, fn, "scale", np.float32, (O,), "float32 (O,): s_x * s_w[o]")
+    if bias_q is not None:
+        bias_q = _shaped(bias_q, fn, "bias_q", np.int32, (O,), "int32 (O,) or None")
+    zb = np.empty(O, dtype=np.int64)
+    zb32 = np.empty(O, dtype=np.int32)
+    cdef int64_t[::1] z64 = zb
+    cdef int32_t[::1] z32 = zb32
+    cdef const int32_t[::1] bv
+    cdef const int32_t[::1] rv
+    cdef int o
+    cdef int64_t v, most = 0
+    for o in range(O):
+        z64[o] = 0
+    if bias_q is not None:
+        bv = bias_q
+        for o in range(O):
+            z64[o] = bv[o]
+    if row_sums is not None:
+        rv = row_sums
+        for o in range(O):
+            z64[o] -= <int64_t>z * rv[o]
+    for o in range(O):
+        v = z64[o] if z64[o] >= 0 else -z64[o]
+        if v > most:
+            most = v
+        z32[o] = <int32_t>z64[o]
+    # raw sums lie in +-kdim * 255 * 127; a fast int32 epilogue needs raw + zb inside int32
+    wide = most + <int64_t>kdim * 255 * 127 >= (<int64_t>1 << 31)
+    return scale, zb32, zb, wide
+
+
+cdef object _packed(object packed, object row_sums, str fn, int O, Py_ssize_t kdim, str kdim_what):
+    """Check a pack_weights result against the layer it is used with."""
+    packed = _array(packed, fn, "packed", np.uint8, 1, "the buffer pack_weights returned")
+    if packed.shape[0] < HEADER:
+        raise ValueError(f"{fn}: packed is not a pack_weights buffer ({packed.shape[0]} bytes)")
+    hdr = packed[:HEADER].view(np.int32)
+    if hdr[H_MAGIC] != MAGIC:
+        raise ValueError(f"{fn}: packed is not a pack_weights buffer (bad header); pass the first value "
+                         f"pack_weights(wq) returned")
+    if packed.shape[0] != _packed_size(hdr[H_O], hdr[H_KDIM], hdr[H_O64], hdr[H_KG_CAP]):
+        raise ValueError(f"{fn}: packed has {packed.shape[0]} bytes, not what its header says; pass the "
+                         f"buffer pack_weights returned, unmodified")
+    if hdr[H_O] != O:
+        raise ValueError(f"{fn}: packed holds weights for {hdr[H_O]} output channels, but this layer has O={O}; "
+                         f"pack this layer's own weights")
+    if hdr[H_KDIM] != kdim:
+        raise ValueError(f"{fn}: packed holds weights of reduction size {hdr[H_KDIM]}, but this layer needs "
+                         f"{kdim_what} = {kdim}; pack this layer's own weights")
+    if not packed.flags.writeable:
+        raise ValueError(f"{fn}: packed is read-only; the kernels lay the panels out on first use")
+    row_sums = _shaped(row_sums, fn, "row_sums", np.int32, (O,), "int32 (O,), the second value pack_weights returned")
+    return packed
+
+
+cdef Py_ssize_t _packed_size(Py_ssize_t O, Py_ssize_t kdim, Py_ssize_t O64, Py_ssize_t kg_cap):
+    return HEADER + (O * kdim + 63) // 64 * 64 + O64 * kg_cap * 4 * 3
+
+
+cdef int _layout(object packed, int K) except -1:
+    """Lay the panels out for kernel size K if they are not already (under the GIL, once per K)."""
+    cdef int32_t[::1] hdr = packed[:HEADER].view(np.int32)
+    if hdr[H_K] == K:
+        return hdr[H_KG]
+    cdef int O = hdr[H_O], kdim = hdr[H_KDIM], O64 = hdr[H_O64]
+    cdef uint8_t[::1] buf = packed
+    cdef Py_ssize_t raw_bytes = (<Py_ssize_t>O * kdim + 63) // 64 * 64
+    cdef Py_ssize_t p8 = HEADER + raw_bytes
+    cdef int kg = pci8_groups(kdim, K)
+    if kg > hdr[H_KG_CAP]:
+        raise ValueError(f"packed: kernel size {K} does not divide the reduction size {kdim} into channels")
+    # with the GIL held: another thread using the same buffer never sees half a layout
+    pci8_pack(<const int8_t *>&buf[HEADER], O, kdim, K, O64, <int8_t *>&buf[p8],
+              <int16_t *>&buf[p8 + <Py_ssize_t>O64 * hdr[H_KG_CAP] * 4])
+    hdr[H_KG] = kg
+    hdr[H_K] = K
+    return kg
+
+
+# --------------------------------------------------------------------- quantize
+
+def quantize(x,            # IN  float32 (n,)
+             scale,        # float > 0
+             zero_point,   # int in 0..255
+             out,          # OUT uint8 (n,), overwritten
+             num_threads):
+    """Quantize float32 to uint8: ``out = clamp(rint(x / scale) + zero_point, 0, 255)``.
+
+    ``x / scale`` is computed in float32 and rounded half to even (ONNX QuantizeLinear's rule);
+    NaN maps to ``zero_point``, +-inf to 255 / 0.
+    """
+    fn = "quantize"
+    x = _array(x, fn, "x", np.float32, 1, "float32 (n,)")
+    out = _out(out, fn, "out", np.uint8, (x.shape[0],), "uint8, the length of x")
+    cdef int nt = _threads(num_threads, fn)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (float, int, np.floating, np.integer)):
+        raise TypeError(f"{fn}: scale must be a float, got {type(scale).__name__}")
+    cdef float s = <float>scale
+    if not (np.isfinite(s) and s > 0.0):
+        raise ValueError(f"{fn}: scale must be a finite float32 > 0, got {scale!r}")
+    cdef int z = _zero_point(zero_point, fn)
+    cdef Py_ssize_t n = x.shape[0]
+    if n == 0:
+        return
+    cdef const float[::1] xv = x
+    cdef uint8_t[::1] ov = out
+    cdef const float *xp = &xv[0]
+    cdef uint8_t *op = &ov[0]
+    cdef Py_ssize_t block = 1 << 16
+    cdef Py_ssize_t nb = (n + block - 1) // block, b, lo, hi
+    with nogil:
+        for b in prange(nb, schedule="dynamic", num_threads=pc_team(nb, pc_threads_for(n, nb, nt))):
+            lo = b * block
+            hi = lo + block if lo + block < n else n
+            pci8_quantize(xp + lo, hi - lo, s, z, op + lo)
+
+
+# ---------------------------------------------------------------------- packing
+
+def pack_weights(wq):
+    """Pack int8 weights once for :func:`conv2d_forward` / :func:`linear_forward`.
+
+    Parameters
+    ----------
+    wq : int8 (O, Kdim), C-contiguous
+        Kdim = C*K*K in (c, kh, kw) order for a convolution, F for a linear layer; values in
+        [-127, 127].
+
+    Returns
+    -------
+    packed : uint8 ndarray
+        Opaque; valid on every kernel level of this build (the panels are laid out for the
+        kernel size on first use, in place).
+    row_sums : int32 (O,)
+        ``sum_k wq[o, k]`` (folds the activation zero point).
+    """
+    fn = "pack_weights"
+    wq = _array(wq, fn, "wq", np.int8, 2, "int8 (O, Kdim)")
+    cdef Py_ssize_t O = wq.shape[0], kdim = wq.shape[1]
+    if O < 1 or kdim < 1:
+        raise ValueError(f"{fn}: wq must have at least one row and column, got shape {wq.shape}")
+    if kdim > MAX_KDIM:
+        raise ValueError(f"{fn}: Kdim={kdim} is too large for int32 accumulation (at most {MAX_KDIM}); "
+                         f"split the reduction")
+    if O > 1 << 24:
+        raise ValueError(f"{fn}: O={O} is too large (at most {1 << 24})")
+    if wq.size and int(wq.min()) < -127:
+        raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
+    cdef Py_ssize_t O64 = (O + 63) // 64 * 64
+    # panel space for the largest layout any kernel size K (K*K dividing Kdim) asks for
+    cdef Py_ssize_t kg_cap = 0, K = 1
+    while K * K <= kdim:
+        if kdim % (K * K) == 0:
+            kg_cap = max(kg_cap, pci8_groups(<int>kdim, <int>K))
+        K += 1
+    packed = np.zeros(_packed_size(O, kdim, O64, kg_cap), dtype=np.uint8)
+    hdr = packed[:HEADER].view(np.int32)
+    hdr[H_MAGIC] = MAGIC
+    hdr[H_O] = O
+    hdr[H_KDIM] = kdim
+    hdr[H_O64] = O64
+    hdr[H_KG_CAP] = kg_cap
+    hdr[H_K] = 0
+    packed[HEADER:HEADER + O * kdim] = wq.reshape(-1).view(np.uint8)
+    _layout(packed, 1)
+    row_sums = wq.sum(axis=1, dtype=np.int64).astype(np.int32)
+    return packed, row_sums
+
+
+# ------------------------------------------------------------------------- conv
+
+def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
+                   x_zero_point,  # int in 0..255
+                   packed,        # IN  pack_weights(wq (O, C*K*K))[0]
+                   row_sums,      # IN  int32 (O,)
+                   O, K, stride, padding,
+                   scale,         # IN  float32 (O,)
+                   bias_q,        # IN  int32 (O,) or None
+                   y,             # OUT float32 (N, O, P, Q), overwritten
+                   relu,
+                   num_threads):
+    """Quantized 2-D convolution (groups 1, square K, dilation 1); see the module docstring.
+
+    P = (H + 2 padding - K) // stride + 1, likewise Q; y is overwritten.
+    """
+    fn = "conv2d_forward"
+    xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
+    cdef int z = _zero_point(x_zero_point, fn)
+    cdef int O_ = _positive(O, fn, "O", 1), K_ = _positive(K, fn, "K", 1)
+    cdef int S = _positive(stride, fn, "stride", 1), pad = _positive(padding, fn, "padding", 0)
+    cdef int nt = _threads(num_threads, fn)
+    cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
+    if C < 1:
+        raise ValueError(f"{fn}: xq must have at least one channel, got shape {xq.shape}")
+    if H + 2 * pad < K_ or W + 2 * pad < K_:
+        raise ValueError(f"{fn}: kernel size K={K_} is larger than the padded input {H + 2 * pad}x{W + 2 * pad}")
+    cdef Py_ssize_t kdim = <Py_ssize_t>C * K_ * K_
+    packed = _packed(packed, row_sums, fn, O_, kdim, f"C*K*K = {C}*{K_}*{K_}")
+    cdef int P = (H + 2 * pad - K_) // S + 1, Q = (W + 2 * pad - K_) // S + 1
+    y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
+    scale, zb32, zb64, wide = _epilogue(fn, O_, scale, bias_q, row_sums, z, kdim)
+    if N == 0:
+        return
+    cdef int kg = _layout(packed, K_)
+    cdef int O64 = packed[:HEADER].view(np.int32)[H_O64], kg_cap = packed[:HEADER].view(np.int32)[H_KG_CAP]
+
+    # the grid (pc_int8.h): padded, stride phases (only those a tap reads), channels in fours
+    cdef int nph = S if S < K_ else K_
+    cdef int Hg = (H + 2 * pad + S - 1) // S, Wg = (W + 2 * pad + S - 1) // S
+    cdef int CG = (C + 3) // 4
+    cdef Py_ssize_t plane = <Py_ssize_t>nph * nph * Hg * Wg          # pixels of one channel group
+    cdef Py_ssize_t img = CG * plane                                  # pixels of one image's grid
+    cdef Py_ssize_t s_end = <Py_ssize_t>(P - 1) * Wg + Q
+    cdef Py_ssize_t tiles = (s_end + PCI8_TILE - 1) // PCI8_TILE
+    # reads past an image's grid land in the next one's or in this slack (those pixels are dropped)
+    cdef Py_ssize_t slack = (tiles * PCI8_TILE + Wg + 16) * 4 + 64 * K_ * K_ * 4
+    cdef Py_ssize_t per_img = 1
+    while N * per_img < <Py_ssize_t>nt * PC_BLOCKS_PER_THREAD and per_img < tiles:
+        per_img *= 2
+    if per_img > tiles:
+        per_img = tiles
+    # the batch's grids (a job with a whole image makes its own in scratch instead)
+    grid = np.empty(<Py_ssize_t>N * img * 4 + slack if per_img > 1 else 1, dtype=np.uint8)
+    if per_img > 1:
+        grid[<Py_ssize_t>N * img * 4:] = z
+    off = np.empty(kg, dtype=np.intc)
+    cdef int[::1] offv = off
+    cdef int cg, kh, kw, g = 0
+    for cg in range(CG):
+        for kh in range(K_):
+            for kw in range(K_):
+                offv[g] = cg * plane + ((kh % S) * nph + kw % S) * Hg * Wg + (kh // S) * Wg + kw // S
+                g += 1
+
+    cdef const uint8_t[:, :, :, ::1] xv = xq
+    cdef uint8_t[::1] gv = grid
+    cdef uint8_t[::1] pv = packed
+    cdef const float[::1] sv = scale
+    cdef int32_t[::1] z32 = zb32
+    cdef int64_t[::1] z64 = zb64
+    cdef float[:, :, :, ::1] yv = y
+    cdef const uint8_t *xp = &xv[0, 0, 0, 0]
+    cdef uint8_t *gp = &gv[0]
+    cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>O_ * kdim + 63) // 64 * 64
+    cdef const int8_t *w8 = <const int8_t *>&pv[p8]
+    cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
+    cdef float *yp = &yv[0, 0, 0, 0]
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
+    cdef Py_ssize_t i, n, jobs
+
+    cdef Py_ssize_t run = (tiles + per_img - 1) // per_img * PCI8_TILE
+    jobs = <Py_ssize_t>N * per_img
+    cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * PQ * O_ * kdim // WORK_PER_MAC, jobs, nt))
+    cdef int32_t *acc = NULL
+    cdef uint8_t *own = NULL
+    cdef Py_ssize_t r
+    cdef int failed[1]
+    failed[0] = 0
+    if per_img == 1:
+        # one image per job: the job lays out its image's grid in its own buffer (still in cache
+        # when the tiles read it; no pass over the batch, no barrier)
+        with nogil, parallel(num_threads=team):
+            acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
+            own = <uint8_t *>malloc(img * 4 + slack)
+            if own != NULL:
+                memset(own + img * 4, z, slack)
+            for n in prange(N, schedule="dynamic"):
+                if acc == NULL or own == NULL:
+                    failed[0] = 1
+                    continue
+                for cg in range(CG):
+                    pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, cg, <uint8_t>z,
+                                    own + cg * plane * 4)
+                pci8_conv_tiles(path_, own, &offv[0], kg, w8, w16, O_, P, Q, Wg, 0, run, &z32[0], &z64[0], wide_,
+                                &sv[0], relu_, yp + n * O_ * PQ, acc)
+            free(acc)
+            free(own)
+    else:
+        # few images split into runs: their grids first (one thread below ~1 MB of grid: waking the
+        # team costs more), then the runs
+        jobs = <Py_ssize_t>N * CG
+        with nogil:
+            for i in prange(jobs, schedule="dynamic",
+                            num_threads=pc_team(jobs, pc_threads_for(N * img * 4 // 32, jobs, nt))):
+                n = i // CG
+                pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, <int>(i - n * CG), <uint8_t>z,
+                                gp + (n * img + (i - n * CG) * plane) * 4)
+        jobs = <Py_ssize_t>N * per_img
+        with nogil, parallel(num_threads=team):
+            acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
+            for i in prange(jobs, schedule="dynamic"):
+                if acc == NULL:
+                    failed[0] = 1
+                    continue
+                n = i // per_img
+                r = i - n * per_img
+                pci8_conv_tiles(path_, gp + n * img * 4, &offv[0], kg, w8, w16, O_, P, Q, Wg, r * run,
+                                (r + 1) * run, &z32[0], &z64[0], wide_, &sv[0], relu_, yp + n * O_ * PQ, acc)
+            free(acc)
+    if failed[0]:
+        raise MemoryError(f"{fn}: could not allocate scratch")
+
+
+# -------------------------------------------------------------------- depthwise
+
+def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
+                      x_zero_point,  # int in 0..255
+                      wq,            # IN  int8 (C, 1, KH, KW)
+                      sh, sw, ph, pw,
+                      scale,         # IN  float32 (C,)
+                      bias_q,        # IN  int32 (C,) or None
+                      y,             # OUT float32 (N, C, P, Q), overwritten
+                      relu,
+                      num_threads):
+    """Quantized depthwise convolution (groups == C == O); see the module docstring.
+
+    P = (H + 2 ph - KH) // sh + 1, Q = (W + 2 pw - KW) // sw + 1; y is overwritten.
+    """
+    fn = "depthwise_forward"
+    xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
+    cdef int z = _zero_point(x_zero_point, fn)
+    wq = _array(wq, fn, "wq", np.int8, 4, "int8 (C, 1, KH, KW)")
+    cdef int SH = _positive(sh, fn, "sh", 1), SW = _positive(sw, fn, "sw", 1)
+    cdef int PH = _positive(ph, fn, "ph", 0), PW = _positive(pw, fn, "pw", 0)
+    cdef int nt = _threads(num_threads, fn)
+    cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
+    cdef int KH = wq.shape[2], KW = wq.shape[3]
+    if wq.shape[0] != C or wq.shape[1] != 1 or KH < 1 or KW < 1:
+        raise ValueError(f"{fn}: wq must have shape (C, 1, KH, KW) = ({C}, 1, KH, KW) for xq with C={C}, "
+                         f"got {wq.shape}")
+    if C < 1:
+        raise ValueError(f"{fn}: xq must have at least one channel, got shape {xq.shape}")
+    if H + 2 * PH < KH or W + 2 * PW < KW:
+        raise ValueError(f"{fn}: kernel ({KH}, {KW}) is larger than the padded input ({H + 2 * PH}, {W + 2 * PW})")
+    cdef const int8_t[:, :, :, ::1] wv = wq
+    cdef const int8_t *wp = &wv[0, 0, 0, 0]
+    cdef Py_ssize_t k
+    for k in range(<Py_ssize_t>C * KH * KW):
+        if wp[k] == -128:
+            raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
+    cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
+    y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
+    scale, zb32, zb64, wide = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
+    if N == 0:
+        return
+    cdef const uint8_t[:, :, :, ::1] xv = xq
+    cdef const float[::1] sv = scale
+    cdef int32_t[::1] z32 = zb32
+    cdef int64_t[::1] z64 = zb64
+    cdef float[:, :, :, ::1] yv = y
+    cdef const uint8_t *xp = &xv[0, 0, 0, 0]
+    cdef float *yp = &yv[0, 0, 0, 0]
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
+    cdef Py_ssize_t scratch_n = pci8_dw_scratch(H, W, KH, KW, SH, SW, PH, PW, P)
+    cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
+    cdef Py_ssize_t planes = <Py_ssize_t>N * C, i, c
+    cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KK, planes, nt))
+    cdef int16_t *scratch = NULL
+    cdef int failed[1]
+    failed[0] = 0
+    with nogil, parallel(num_threads=team):
+        scratch = <int16_t *>malloc(sizeof(int16_t) * scratch_n + 64)
+        for i in prange(planes, schedule="dynamic"):
+            if scratch == NULL:
+                failed[0] = 1
+                continue
+            c = i % C
+            pci8_dw_plane(xp + i * HW, H, W, z, wp + c * KK, KH, KW, SH, SW, PH, PW, P, Q, z32[c], z64[c], wide_,
+                          sv[c], relu_, scratch, yp + i * PQ)
+        free(scratch)
+    if failed[0]:
+        raise MemoryError(f"{fn}: could not allocate scratch")
+
+
+# ----------------------------------------------------------------------- linear
+
+def linear_forward(xq,            # IN  uint8 (N, F)
+                   x_zero_point,  # int in 0..255
+                   packed,        # IN  pack_weights(wq (G, F))[0]
+                   row_sums,      # IN  int32 (G,)
+                   scale,         # IN  float32 (G,)
+                   bias_q,        # IN  int32 (G,) or None
+                   y,             # OUT float32 (N, G), overwritten
+                   relu,
+                   num_threads):
+    """Quantized linear layer ``y = dequant(xq @ wq.T + bias_q)``; see the module docstring."""
+    fn = "linear_forward"
+    xq = _array(xq, fn, "xq", np.uint8, 2, "uint8 (N, F)")
+    cdef int z = _zero_point(x_zero_point, fn)
+    cdef int nt = _threads(num_threads, fn)
+    y = _array(y, fn, "y", np.float32, 2, "float32 (N, G)")
+    cdef Py_ssize_t N = xq.shape[0], F = xq.shape[1]
+    cdef int G = y.shape[1]
+    if F < 1:
+        raise ValueError(f"{fn}: xq must have at least one feature, got shape {xq.shape}")
+    packed = _packed(packed, row_sums, fn, G, F, f"F (xq.shape[1])")
+    y = _out(y, fn, "y", np.float32, (N, G), "float32 (N, G)")
+    scale, zb32, zb64, wide = _epilogue(fn, G, scale, bias_q, row_sums, z, F)
+    if N == 0:
+        return
+    cdef int kg = _layout(packed, 1)
+    cdef int O64 = packed[:HEADER].view(np.int32)[H_O64], kg_cap = packed[:HEADER].view(np.int32)[H_KG_CAP]
+    cdef Py_ssize_t ldx = F
+    if F % 4:
+        # whole 4-byte groups: the features padded with the zero point (their weights are zero)
+        xpad = np.full((N, kg * 4), z, dtype=np.uint8)
+        xpad[:, :F] = xq
+        xq = xpad
+        ldx = kg * 4
+    cdef const uint8_t[:, ::1] xv = xq
+    cdef uint8_t[::1] pv = packed
+    cdef const float[::1] sv = scale
+    cdef int32_t[::1] z32 = zb32
+    cdef int64_t[::1] z64 = zb64
+    cdef float[:, ::1] yv = y
+    cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>G * F + 63) // 64 * 64
+    cdef const int8_t *w8 = <const int8_t *>&pv[p8]
+    cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
+    cdef const uint8_t *xp = &xv[0, 0]
+    cdef float *yp = &yv[0, 0]
+    cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
+    # blocks of rows x blocks of 64 output channels: the rows split finer until every thread has
+    # PC_BLOCKS_PER_THREAD blocks (a block of 4 rows is the least)
+    cdef Py_ssize_t cblocks = (G + PCI8_CB - 1) // PCI8_CB, rb = (N + PCI8_RB - 1) // PCI8_RB * PCI8_RB
+    while rb > PCI8_RB and ((N + rb - 1) // rb) * cblocks < <Py_ssize_t>nt * PC_BLOCKS_PER_THREAD:
+        rb = (rb // 2 + PCI8_RB - 1) // PCI8_RB * PCI8_RB
+    cdef Py_ssize_t rblocks = (N + rb - 1) // rb, jobs = rblocks * cblocks, i, ri, ci, r1
+    cdef int team = pc_team(jobs, pc_threads_for(N * G * F // WORK_PER_MAC, jobs, nt))
+    cdef int32_t *acc = NULL
+    cdef int failed[1]
+    failed[0] = 0
+    with nogil, parallel(num_threads=team):
+        acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_RB * PCI8_CB + 64)
+        for i in prange(jobs, schedule="dynamic"):
+            if acc == NULL:
+                failed[0] = 1
+                continue
+            ci = i // rblocks
+            ri = i - ci * rblocks
+            r1 = (ri + 1) * rb if (ri + 1) * rb < N else N
+            pci8_linear_block(path_, xp, ldx, ri * rb, r1, kg, w8, w16, <int>(ci * PCI8_CB),
+                              <int>((ci + 1) * PCI8_CB if (ci + 1) * PCI8_CB < G else G), G, &z32[0], &z64[0],
+                              wide_, &sv[0], relu_, yp, acc)
+        free(acc)
+    if failed[0]:
+        raise MemoryError(f"{fn}: could not allocate scratch")

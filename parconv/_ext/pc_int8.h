@@ -1,4 +1,831 @@
-/* int8 kernels (see _int8.pyx). */
-#ifndef PC_INT8_H
-#define PC_INT8_H
+/* int8 inference kernels for _int8.pyx: uint8 activations, int8 weights, int32 accumulation.
+ *
+ * Shape legend: N batch, C in-channels (C4: C rounded up to 4), O out-channels (O64: rounded up
+ * to 64), H, W input, P, Q output, K kernel, S stride, F in-features, G out-features,
+ * Kg the reduction in 4-byte groups.
+ *
+ * Every product is u8 x s8 summed exactly in int32, so every path (VNNI, AVX2, portable C) gives
+ * the same integers; y = float32(acc + zb[o]) * scale[o] (then ReLU), where zb folds the bias and
+ * the activation zero point (acc sums raw xq * wq; zb = bias_q - z_x * row_sums).
+ *
+ * Convolution is direct, on a "grid": the image padded with the zero point, channels interleaved
+ * in fours ([C4/4][phase][Hg][Wg][4] bytes; stride S splits the padded image into S x S phases),
+ * so the 4 bytes a VNNI lane needs (4 channels of one tap at one pixel) are contiguous and 16
+ * output pixels of one tap are one 64-byte load: no im2col. Output pixel (p, q) is grid position
+ * s = p * Wg + q; columns q >= Q of the grid are computed and dropped. Weights are packed into
+ * panels of 16 output channels, [Kg][16][4], with g = (cg * K + kh) * K + kw (zeros past C);
+ * pack_weights keeps the raw (O, Kdim) copy, since the order depends on K, which only the
+ * convolution call knows: the panels are laid out for a K on its first use.
+ * Linear uses the same panels with K = 1 and puts output channels on the vector lanes instead
+ * (x rows broadcast), so y comes out row-major.
+ */
+#ifndef PARCONV_PC_INT8_H
+#define PARCONV_PC_INT8_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "pc_common.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 #endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__GNUC__)
+#define PCI8_VNNI_CODE 1
+#define PCI8_VNNI_TARGET __attribute__((target("avx512vnni,avx512f,avx512bw")))
+#endif
+#if defined(__AVX2__)
+#define PCI8_AVX2_CODE 1
+#endif
+
+#define PCI8_TILE 32   /* output pixels per conv micro-tile (two 16-lane vectors) */
+#define PCI8_OB 8      /* output channels per conv micro-tile */
+#define PCI8_CB 64     /* output channels per linear micro-tile (four panels) */
+#define PCI8_RB 4      /* x rows per linear micro-tile */
+
+enum { PCI8_PORTABLE = 0, PCI8_AVX2 = 1, PCI8_VNNI = 2 };
+
+/* The fastest path this object and CPU run. */
+static inline int pci8_best_path(void)
+{
+#if defined(PCI8_VNNI_CODE)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni")) return PCI8_VNNI;
+#endif
+#if defined(PCI8_AVX2_CODE)
+    return PCI8_AVX2;
+#else
+    return PCI8_PORTABLE;
+#endif
+}
+
+static inline int32_t pci8_ld32(const void *p)
+{
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline int64_t pci8_ld64(const void *p)
+{
+    int64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* ---------------------------------------------------------------- quantize */
+
+/* clamp(rint(v) + zp, 0, 255), NaN -> zp. v is clamped to +-1024 first (the result saturates
+ * there anyway), so the 1.5 * 2^23 trick rounds half to even without a libm call and the loops
+ * vectorise on every level. */
+static inline uint8_t pci8_q1(float v, int zp)
+{
+    int nan = v != v;
+    float c = nan ? 0.0f : (v < -1024.0f ? -1024.0f : (v > 1024.0f ? 1024.0f : v));
+    float r = (c + 12582912.0f) - 12582912.0f;
+    int q = (int)r + zp;
+    q = q < 0 ? 0 : (q > 255 ? 255 : q);
+    return (uint8_t)(nan ? zp : q);
+}
+
+#define PCI8_QBLOCK 256
+
+/* out = clamp(rint(x / scale) + zp, 0, 255), NaN -> zp, x / scale rounded in float32.
+ * Division is several times slower than multiplication, so each block first uses x * (1 / scale):
+ * within 3 * 2^-24 relative of x / scale (|x / scale| <= 1024 matters; beyond it saturates), it
+ * rounds to the same integer unless it lies within 1e-3 of a half-integer; a block with such a
+ * value is redone with the division. Scales whose reciprocal is not a normal float always divide. */
+static inline void pci8_quantize(const float *restrict x, pc_idx n, float scale, int zp, uint8_t *restrict out)
+{
+    const float rcp = 1.0f / scale;
+    const int fast = scale > 1e-37f && scale < 1e37f;
+    pc_idx start = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* the same with vcvtps2dq (rounds half to even in the default MXCSR mode) and a division only
+     * for a vector that holds a near-tie */
+    {
+        const __m512 vr = _mm512_set1_ps(rcp), vs = _mm512_set1_ps(scale);
+        const __m512 lo = _mm512_set1_ps(-1024.0f), hi = _mm512_set1_ps(1024.0f), tie = _mm512_set1_ps(0.499f);
+        const __m512i vz = _mm512_set1_epi32(zp), top = _mm512_set1_epi32(255), zero = _mm512_setzero_si512();
+        for (; start + 16 <= n; start += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + start);
+            __m512 v = fast ? _mm512_mul_ps(xv, vr) : _mm512_div_ps(xv, vs);
+            __m512 c = _mm512_min_ps(_mm512_max_ps(v, lo), hi); /* NaN -> -1024, replaced below */
+            __m512i k = _mm512_cvtps_epi32(c);
+            if (fast) {
+                __m512 d = _mm512_abs_ps(_mm512_sub_ps(c, _mm512_cvtepi32_ps(k)));
+                if (_mm512_cmp_ps_mask(d, tie, _CMP_GT_OQ)) {
+                    v = _mm512_div_ps(xv, vs);
+                    c = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+                    k = _mm512_cvtps_epi32(c);
+                }
+            }
+            k = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(k, vz), zero), top);
+            k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), vz);
+            _mm_storeu_si128((__m128i *)(out + start), _mm512_cvtepi32_epi8(k));
+        }
+    }
+#endif
+    for (pc_idx i0 = start; i0 < n; i0 += PCI8_QBLOCK) {
+        int m = n - i0 < PCI8_QBLOCK ? (int)(n - i0) : PCI8_QBLOCK;
+        const float *xb = x + i0;
+        uint8_t *ob = out + i0;
+        int near = 1;
+        if (fast) {
+            near = 0;
+#if defined(_OPENMP)
+#pragma omp simd reduction(|:near)
+#endif
+            for (int i = 0; i < m; i++) {
+                float v = xb[i] * rcp;
+                float c = v != v ? 0.0f : (v < -1024.0f ? -1024.0f : (v > 1024.0f ? 1024.0f : v));
+                float d = c - ((c + 12582912.0f) - 12582912.0f);
+                near |= (d > 0.499f) | (d < -0.499f);
+                ob[i] = pci8_q1(v, zp);
+            }
+        }
+        if (near) {
+            PC_SIMD
+            for (int i = 0; i < m; i++) ob[i] = pci8_q1(xb[i] / scale, zp);
+        }
+    }
+}
+
+/* -------------------------------------------------------------- packing */
+
+/* Groups of 4 bytes along the reduction for kernel size K: ceil(C / 4) * K * K, C = Kdim / (K*K). */
+static inline int pci8_groups(int Kdim, int K)
+{
+    int KK = K * K, C = Kdim / KK;
+    return (C + 3) / 4 * KK;
+}
+
+/* Lay raw (O, Kdim) int8 weights out as panels for kernel size K (see the top of the file):
+ * p8 [O64/16][Kg][16][4] int8 and the same widened to int16 in p16 (the AVX2 path multiplies
+ * int16 pairs). Channels past O and C are zero. */
+static inline void pci8_pack(const int8_t *restrict raw, int O, int Kdim, int K, int O64, int8_t *restrict p8,
+                             int16_t *restrict p16)
+{
+    int KK = K * K, C = Kdim / KK, Kg = pci8_groups(Kdim, K);
+    pc_idx total = (pc_idx)O64 * Kg * 4;
+    memset(p8, 0, (size_t)total);
+    for (int o = 0; o < O; o++) {
+        int8_t *panel = p8 + (pc_idx)(o / 16) * Kg * 64 + (o % 16) * 4;
+        const int8_t *row = raw + (pc_idx)o * Kdim;
+        for (int c = 0; c < C; c++)
+            for (int t = 0; t < KK; t++)
+                panel[(pc_idx)((c / 4) * KK + t) * 64 + (c % 4)] = row[c * KK + t];
+    }
+    for (pc_idx i = 0; i < total; i++) p16[i] = p8[i];
+}
+
+/* ------------------------------------------------------------------ grid */
+
+/* One channel group of one image's grid: channels 4cg..4cg+3 of x (C, H, W), padded by pad
+ * with z, split into nph x nph stride phases of Hg x Wg, channels interleaved:
+ * dst[((a * nph + b) * Hg + gh) * Wg + gw][j] = x[4cg + j][gh * S + a - pad][gw * S + b - pad]. */
+static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int W, int pad, int S, int nph, int Hg,
+                                   int Wg, int cg, uint8_t z, uint8_t *restrict dst)
+{
+    const uint8_t *src[4];
+    int nc = C - 4 * cg < 4 ? C - 4 * cg : 4;
+    for (int a = 0; a < nph; a++) {
+        for (int b = 0; b < nph; b++) {
+            /* columns gw whose input column gw*S + b - pad lies in [0, W) */
+            int off = b - pad;
+            int lo = off >= 0 ? 0 : (-off + S - 1) / S;
+            int hi = W - 1 - off >= 0 ? (W - 1 - off) / S + 1 : 0;
+            if (hi > Wg) hi = Wg;
+            if (lo > hi) lo = hi;
+            for (int gh = 0; gh < Hg; gh++) {
+                uint8_t *d = dst + (((pc_idx)a * nph + b) * Hg + gh) * Wg * 4;
+                int h = gh * S + a - pad;
+                if (h < 0 || h >= H || nc < 4) memset(d, z, (size_t)Wg * 4);
+                if (h < 0 || h >= H) continue;
+                for (int j = 0; j < nc; j++) src[j] = x + ((pc_idx)(4 * cg + j) * H + h) * W + off;
+                memset(d, z, (size_t)lo * 4);
+                if (nc == 4 && S == 1) {
+                    const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
+                    int gw = lo;
+#if defined(__SSE2__)
+                    /* four rows interleaved bytewise, 16 pixels at a time */
+                    for (; gw + 16 <= hi; gw += 16) {
+                        __m128i r0 = _mm_loadu_si128((const __m128i *)(s0 + gw));
+                        __m128i r1 = _mm_loadu_si128((const __m128i *)(s1 + gw));
+                        __m128i r2 = _mm_loadu_si128((const __m128i *)(s2 + gw));
+                        __m128i r3 = _mm_loadu_si128((const __m128i *)(s3 + gw));
+                        __m128i l01 = _mm_unpacklo_epi8(r0, r1), h01 = _mm_unpackhi_epi8(r0, r1);
+                        __m128i l23 = _mm_unpacklo_epi8(r2, r3), h23 = _mm_unpackhi_epi8(r2, r3);
+                        uint8_t *o = d + (pc_idx)gw * 4;
+                        _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi16(l01, l23));
+                        _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi16(l01, l23));
+                        _mm_storeu_si128((__m128i *)(o + 32), _mm_unpacklo_epi16(h01, h23));
+                        _mm_storeu_si128((__m128i *)(o + 48), _mm_unpackhi_epi16(h01, h23));
+                    }
+#endif
+                    for (; gw < hi; gw++) {
+                        d[gw * 4] = s0[gw];
+                        d[gw * 4 + 1] = s1[gw];
+                        d[gw * 4 + 2] = s2[gw];
+                        d[gw * 4 + 3] = s3[gw];
+                    }
+                } else if (nc == 4) {
+                    const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
+                    int gw = lo;
+#if defined(__SSE2__)
+                    if (S == 2) {
+                        /* even bytes of 32 (this phase's columns) from each row, then interleaved */
+                        const __m128i even = _mm_set1_epi16(0x00FF);
+                        /* gw + 17 <= hi: the odd byte after the last even one is still in the row */
+                        for (; gw + 17 <= hi; gw += 16) {
+                            pc_idx w = (pc_idx)gw * 2;
+#define PCI8_EVEN(p) _mm_packus_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w)), even), \
+                                      _mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w + 16)), even))
+                            __m128i r0 = PCI8_EVEN(s0), r1 = PCI8_EVEN(s1), r2 = PCI8_EVEN(s2), r3 = PCI8_EVEN(s3);
+#undef PCI8_EVEN
+                            __m128i l01 = _mm_unpacklo_epi8(r0, r1), h01 = _mm_unpackhi_epi8(r0, r1);
+                            __m128i l23 = _mm_unpacklo_epi8(r2, r3), h23 = _mm_unpackhi_epi8(r2, r3);
+                            uint8_t *o = d + (pc_idx)gw * 4;
+                            _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi16(l01, l23));
+                            _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi16(l01, l23));
+                            _mm_storeu_si128((__m128i *)(o + 32), _mm_unpacklo_epi16(h01, h23));
+                            _mm_storeu_si128((__m128i *)(o + 48), _mm_unpackhi_epi16(h01, h23));
+                        }
+                    }
+#endif
+                    for (; gw < hi; gw++) {
+                        pc_idx w = (pc_idx)gw * S;
+                        uint32_t v = (uint32_t)s0[w] | (uint32_t)s1[w] << 8 | (uint32_t)s2[w] << 16 |
+                                     (uint32_t)s3[w] << 24;
+                        memcpy(d + (pc_idx)gw * 4, &v, 4);
+                    }
+                } else {
+                    for (int j = 0; j < nc; j++) {
+                        const uint8_t *s = src[j];
+                        for (int gw = lo; gw < hi; gw++) d[gw * 4 + j] = s[(pc_idx)gw * S];
+                    }
+                }
+                memset(d + (pc_idx)hi * 4, z, (size_t)(Wg - hi) * 4);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------- epilogues */
+
+/* out[i] = float32(a[i] + zb) * scale, ReLU'd if relu. wide: zb and the sum need int64
+ * (else every sum fits int32 and the conversion is one vector instruction). */
+static inline void pci8_epi_run(const int32_t *restrict a, int n, int32_t zb32, int64_t zb64, int wide, float scale,
+                                int relu, float *restrict out)
+{
+    if (!wide) {
+        if (relu) {
+            PC_SIMD
+            for (int i = 0; i < n; i++) {
+                float v = (float)(a[i] + zb32) * scale;
+                out[i] = v < 0.0f ? 0.0f : v;
+            }
+        } else {
+            PC_SIMD
+            for (int i = 0; i < n; i++) out[i] = (float)(a[i] + zb32) * scale;
+        }
+    } else {
+        for (int i = 0; i < n; i++) {
+            float v = (float)((int64_t)a[i] + zb64) * scale;
+            out[i] = relu && v < 0.0f ? 0.0f : v;
+        }
+    }
+}
+
+/* out[o] = float32(a[o] + zb[o]) * scale[o] over n channels (a linear row). */
+static inline void pci8_epi_row(const int32_t *restrict a, int n, const int32_t *restrict zb32,
+                                const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
+                                float *restrict out)
+{
+    if (!wide) {
+        PC_SIMD
+        for (int i = 0; i < n; i++) {
+            float v = (float)(a[i] + zb32[i]) * scale[i];
+            out[i] = relu && v < 0.0f ? 0.0f : v;
+        }
+    } else {
+        for (int i = 0; i < n; i++) {
+            float v = (float)((int64_t)a[i] + zb64[i]) * scale[i];
+            out[i] = relu && v < 0.0f ? 0.0f : v;
+        }
+    }
+}
+
+/* ------------------------------------------------ conv micro-kernels
+ * acc[8][32] = raw sums over the Kg groups for 8 output channels and 32 grid pixels:
+ * xg is the grid at the tile's first pixel, off[g] the pixel offset of group g, w (w16) the
+ * panel at the first of the 8 channels (64 bytes, 64 int16, per group). */
+
+static inline void pci8_px_portable(const uint8_t *restrict xg, const int *restrict off, int Kg,
+                                    const int8_t *restrict w, int32_t *restrict acc)
+{
+    memset(acc, 0, sizeof(int32_t) * PCI8_OB * PCI8_TILE);
+    for (int g = 0; g < Kg; g++) {
+        const uint8_t *p = xg + (pc_idx)off[g] * 4;
+        const int8_t *wg = w + (pc_idx)g * 64;
+        for (int j = 0; j < PCI8_OB; j++) {
+            const int w0 = wg[4 * j], w1 = wg[4 * j + 1], w2 = wg[4 * j + 2], w3 = wg[4 * j + 3];
+            int32_t *a = acc + j * PCI8_TILE;
+            for (int t = 0; t < PCI8_TILE; t++)
+                a[t] += p[4 * t] * w0 + p[4 * t + 1] * w1 + p[4 * t + 2] * w2 + p[4 * t + 3] * w3;
+        }
+    }
+}
+
+#if defined(PCI8_AVX2_CODE)
+/* vpmaddubsw would saturate (two 255 * 127 products exceed int16), so the bytes are widened to
+ * int16 (vpmovzxbw; weights pre-widened) and multiplied in pairs into int32 by vpmaddwd: exact.
+ * Each int32 lane holds one pixel's pair sum; the pairs are added when the tile is stored. */
+__attribute__((noinline)) /* inlined, its 8 accumulators spill to the stack */
+static void pci8_px_avx2(const uint8_t *restrict xg, const int *restrict off, int Kg,
+                                const int16_t *restrict w16, int32_t *restrict acc)
+{
+    for (int q4 = 0; q4 < PCI8_OB / 4; q4++) {
+        for (int st = 0; st < PCI8_TILE / 8; st++) {
+            __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+                    a30 = a00, a31 = a00;
+            const uint8_t *xs = xg + st * 32;
+            const int16_t *ws = w16 + q4 * 16;
+            for (int g = 0; g < Kg; g++) {
+                const uint8_t *p = xs + (pc_idx)off[g] * 4;
+                const int16_t *wg = ws + (pc_idx)g * 64;
+                __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+                __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+                __m256i b = _mm256_set1_epi64x(pci8_ld64(wg));
+                a00 = _mm256_add_epi32(a00, _mm256_madd_epi16(x0, b));
+                a01 = _mm256_add_epi32(a01, _mm256_madd_epi16(x1, b));
+                b = _mm256_set1_epi64x(pci8_ld64(wg + 4));
+                a10 = _mm256_add_epi32(a10, _mm256_madd_epi16(x0, b));
+                a11 = _mm256_add_epi32(a11, _mm256_madd_epi16(x1, b));
+                b = _mm256_set1_epi64x(pci8_ld64(wg + 8));
+                a20 = _mm256_add_epi32(a20, _mm256_madd_epi16(x0, b));
+                a21 = _mm256_add_epi32(a21, _mm256_madd_epi16(x1, b));
+                b = _mm256_set1_epi64x(pci8_ld64(wg + 12));
+                a30 = _mm256_add_epi32(a30, _mm256_madd_epi16(x0, b));
+                a31 = _mm256_add_epi32(a31, _mm256_madd_epi16(x1, b));
+            }
+            /* [p0 p0 p1 p1 | p2 p2 p3 p3] and the next four: hadd + lane fix -> p0..p7 */
+            int32_t *d = acc + (q4 * 4) * PCI8_TILE + st * 8;
+            _mm256_storeu_si256((__m256i *)d, _mm256_permute4x64_epi64(_mm256_hadd_epi32(a00, a01), 0xD8));
+            _mm256_storeu_si256((__m256i *)(d + PCI8_TILE),
+                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(a10, a11), 0xD8));
+            _mm256_storeu_si256((__m256i *)(d + 2 * PCI8_TILE),
+                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(a20, a21), 0xD8));
+            _mm256_storeu_si256((__m256i *)(d + 3 * PCI8_TILE),
+                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(a30, a31), 0xD8));
+        }
+    }
+}
+#endif
+
+#if defined(PCI8_VNNI_CODE)
+/* vpdpbusd: 16 lanes x 4 (u8 x s8) products added into int32 exactly, one instruction. */
+#define PCI8_VNNI_STEP(j)                                                             \
+    do {                                                                              \
+        __m512i b = _mm512_set1_epi32(pci8_ld32(wg + 4 * (j)));                       \
+        a##j##0 = _mm512_dpbusd_epi32(a##j##0, x0, b);                                \
+        a##j##1 = _mm512_dpbusd_epi32(a##j##1, x1, b);                                \
+    } while (0)
+#define PCI8_VNNI_STORE(j)                                                            \
+    do {                                                                              \
+        _mm512_storeu_si512((void *)(acc + (j) * PCI8_TILE), a##j##0);                \
+        _mm512_storeu_si512((void *)(acc + (j) * PCI8_TILE + 16), a##j##1);           \
+    } while (0)
+
+PCI8_VNNI_TARGET
+static void pci8_px_vnni(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
+                         int32_t *restrict acc)
+{
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+            a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00;
+    for (int g = 0; g < Kg; g++) {
+        const uint8_t *p = xg + (pc_idx)off[g] * 4;
+        const int8_t *wg = w + (pc_idx)g * 64;
+        __m512i x0 = _mm512_loadu_si512((const void *)p);
+        __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
+        PCI8_VNNI_STEP(0);
+        PCI8_VNNI_STEP(1);
+        PCI8_VNNI_STEP(2);
+        PCI8_VNNI_STEP(3);
+        PCI8_VNNI_STEP(4);
+        PCI8_VNNI_STEP(5);
+        PCI8_VNNI_STEP(6);
+        PCI8_VNNI_STEP(7);
+    }
+    PCI8_VNNI_STORE(0);
+    PCI8_VNNI_STORE(1);
+    PCI8_VNNI_STORE(2);
+    PCI8_VNNI_STORE(3);
+    PCI8_VNNI_STORE(4);
+    PCI8_VNNI_STORE(5);
+    PCI8_VNNI_STORE(6);
+    PCI8_VNNI_STORE(7);
+}
+
+/* One tile's runs of real output pixels, as AVX-512 masked stores: run k writes lanes set in
+ * m0[k] / m1[k] (lanes 0-15 / 16-31) to y + base[k] + lane. */
+typedef struct {
+    int n;
+    pc_idx base[PCI8_TILE];
+    __mmask16 m0[PCI8_TILE], m1[PCI8_TILE];
+} pci8_runs;
+
+#define PCI8_VNNI_EPI(j)                                                                          \
+    do {                                                                                          \
+        if ((j) < oe) {                                                                           \
+            const __m512 sc = _mm512_set1_ps(scale[j]);                                           \
+            const __m512i zb = _mm512_set1_epi32(zb32[j]);                                        \
+            __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##0, zb)), sc);     \
+            __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##1, zb)), sc);     \
+            if (relu) { /* max(0, v): NaN and -0 pass as with v < 0 ? 0 : v */                   \
+                v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                      \
+                v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                      \
+            }                                                                                     \
+            float *yj = y + (j) * PQ;                                                             \
+            for (int k = 0; k < runs->n; k++) {                                                   \
+                _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                       \
+                _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);                  \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+
+/* pci8_px_vnni with the epilogue on the registers (sums that fit int32 only): oe of the 8
+ * channels are real; y points at the first one's output plane (PQ floats per channel). */
+PCI8_VNNI_TARGET
+static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
+                             int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,
+                             const pci8_runs *restrict runs, float *y, pc_idx PQ)
+{
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+            a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00;
+    for (int g = 0; g < Kg; g++) {
+        const uint8_t *p = xg + (pc_idx)off[g] * 4;
+        const int8_t *wg = w + (pc_idx)g * 64;
+        __m512i x0 = _mm512_loadu_si512((const void *)p);
+        __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
+        PCI8_VNNI_STEP(0);
+        PCI8_VNNI_STEP(1);
+        PCI8_VNNI_STEP(2);
+        PCI8_VNNI_STEP(3);
+        PCI8_VNNI_STEP(4);
+        PCI8_VNNI_STEP(5);
+        PCI8_VNNI_STEP(6);
+        PCI8_VNNI_STEP(7);
+    }
+    PCI8_VNNI_EPI(0);
+    PCI8_VNNI_EPI(1);
+    PCI8_VNNI_EPI(2);
+    PCI8_VNNI_EPI(3);
+    PCI8_VNNI_EPI(4);
+    PCI8_VNNI_EPI(5);
+    PCI8_VNNI_EPI(6);
+    PCI8_VNNI_EPI(7);
+}
+#endif
+
+/* Tiles of grid pixels [s0, s1) of one image (multiples of PCI8_TILE but s1 may pass s_end):
+ * every output channel, then the epilogue into y (O, P, Q). acc: scratch [8][32]. */
+static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const int *restrict off, int Kg,
+                                   const int8_t *restrict w8, const int16_t *restrict w16, int O, int P, int Q,
+                                   int Wg, pc_idx s0, pc_idx s1, const int32_t *restrict zb32,
+                                   const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
+                                   float *restrict y, int32_t *restrict acc)
+{
+    pc_idx s_end = (pc_idx)(P - 1) * Wg + Q, PQ = (pc_idx)P * Q;
+    int seg_lane[PCI8_TILE], seg_len[PCI8_TILE];
+    pc_idx seg_dst[PCI8_TILE];
+    (void)w16;
+    for (pc_idx s = s0; s < s1 && s < s_end; s += PCI8_TILE) {
+        /* the tile's runs of real output pixels: one per output row it crosses */
+        int ns = 0;
+        for (int lane = 0; lane < PCI8_TILE && s + lane < s_end;) {
+            pc_idx si = s + lane;
+            int p = (int)(si / Wg), q = (int)(si - (pc_idx)p * Wg);
+            if (q >= Q) {
+                lane += Wg - q;
+                continue;
+            }
+            int len = Q - q < PCI8_TILE - lane ? Q - q : PCI8_TILE - lane;
+            seg_lane[ns] = lane;
+            seg_len[ns] = len;
+            seg_dst[ns] = (pc_idx)p * Q + q;
+            ns++;
+            lane += len;
+        }
+#if defined(PCI8_VNNI_CODE)
+        if (path == PCI8_VNNI && !wide) {
+            pci8_runs runs;
+            runs.n = ns;
+            for (int k = 0; k < ns; k++) {
+                uint32_t bits = (seg_len[k] >= 32 ? 0xFFFFFFFFu : ((1u << seg_len[k]) - 1u)) << seg_lane[k];
+                runs.base[k] = seg_dst[k] - seg_lane[k];
+                runs.m0[k] = (__mmask16)(bits & 0xFFFFu);
+                runs.m1[k] = (__mmask16)(bits >> 16);
+            }
+            for (int o0 = 0; o0 < O; o0 += PCI8_OB)
+                pci8_px_vnni_epi(grid + s * 4, off, Kg, w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4,
+                                 O - o0 < PCI8_OB ? O - o0 : PCI8_OB, zb32 + o0, scale + o0, relu, &runs,
+                                 y + (pc_idx)o0 * PQ, PQ);
+            continue;
+        }
+#endif
+        for (int o0 = 0; o0 < O; o0 += PCI8_OB) {
+            pc_idx pw = (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4;
+#if defined(PCI8_VNNI_CODE)
+            if (path == PCI8_VNNI) pci8_px_vnni(grid + s * 4, off, Kg, w8 + pw, acc);
+            else
+#endif
+#if defined(PCI8_AVX2_CODE)
+            if (path == PCI8_AVX2) pci8_px_avx2(grid + s * 4, off, Kg, w16 + pw, acc);
+            else
+#endif
+                pci8_px_portable(grid + s * 4, off, Kg, w8 + pw, acc);
+            int oe = O - o0 < PCI8_OB ? O - o0 : PCI8_OB;
+            for (int j = 0; j < oe; j++) {
+                int o = o0 + j;
+                for (int k = 0; k < ns; k++)
+                    pci8_epi_run(acc + j * PCI8_TILE + seg_lane[k], seg_len[k], zb32[o], zb64[o], wide, scale[o],
+                                 relu, y + (pc_idx)o * PQ + seg_dst[k]);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------- linear micro-kernels
+ * acc[4][64] = raw sums for 4 rows of x (row pointers, 4-byte groups) and 64 output channels:
+ * w (w16) at the first of four panels, each panel Kg * 64 bytes (int16: elements) apart. */
+
+static inline void pci8_cl_portable(const uint8_t *const *restrict xr, int Kg, const int8_t *restrict w,
+                                    int32_t *restrict acc)
+{
+    memset(acc, 0, sizeof(int32_t) * PCI8_RB * PCI8_CB);
+    for (int r = 0; r < PCI8_RB; r++) {
+        int32_t *a = acc + r * PCI8_CB;
+        for (int g = 0; g < Kg; g++) {
+            const int x0 = xr[r][4 * g], x1 = xr[r][4 * g + 1], x2 = xr[r][4 * g + 2], x3 = xr[r][4 * g + 3];
+            for (int k = 0; k < 4; k++) {
+                const int8_t *wg = w + ((pc_idx)k * Kg + g) * 64;
+                int32_t *ak = a + k * 16;
+                for (int c = 0; c < 16; c++)
+                    ak[c] += x0 * wg[4 * c] + x1 * wg[4 * c + 1] + x2 * wg[4 * c + 2] + x3 * wg[4 * c + 3];
+            }
+        }
+    }
+}
+
+#if defined(PCI8_AVX2_CODE)
+/* int16 widening as in pci8_px_avx2 (exact); a ymm holds 4 channels x 2 pair sums. */
+__attribute__((noinline))
+static void pci8_cl_avx2(const uint8_t *const *restrict xr, int Kg, const int16_t *restrict w16,
+                                int32_t *restrict acc)
+{
+    for (int r = 0; r < PCI8_RB; r += 2) {
+        const uint8_t *xa = xr[r], *xb = xr[r + 1];
+        for (int k = 0; k < 4; k++) {
+            const int16_t *wk = w16 + (pc_idx)k * Kg * 64;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int g = 0; g < Kg; g++) {
+                const int16_t *wg = wk + (pc_idx)g * 64;
+                __m256i va = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(pci8_ld32(xa + 4 * g))));
+                __m256i vb = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(pci8_ld32(xb + 4 * g))));
+                __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);
+                __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 16));
+                __m256i w2 = _mm256_loadu_si256((const __m256i *)(wg + 32));
+                __m256i w3 = _mm256_loadu_si256((const __m256i *)(wg + 48));
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, va));
+                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, va));
+                a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(w2, va));
+                a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(w3, va));
+                b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(w0, vb));
+                b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(w1, vb));
+                b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(w2, vb));
+                b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(w3, vb));
+            }
+            int32_t *da = acc + r * PCI8_CB + k * 16, *db = da + PCI8_CB;
+            _mm256_storeu_si256((__m256i *)da, _mm256_permute4x64_epi64(_mm256_hadd_epi32(a0, a1), 0xD8));
+            _mm256_storeu_si256((__m256i *)(da + 8), _mm256_permute4x64_epi64(_mm256_hadd_epi32(a2, a3), 0xD8));
+            _mm256_storeu_si256((__m256i *)db, _mm256_permute4x64_epi64(_mm256_hadd_epi32(b0, b1), 0xD8));
+            _mm256_storeu_si256((__m256i *)(db + 8), _mm256_permute4x64_epi64(_mm256_hadd_epi32(b2, b3), 0xD8));
+        }
+    }
+}
+#endif
+
+#if defined(PCI8_VNNI_CODE)
+#define PCI8_CL_ROW(r)                                                                \
+    do {                                                                              \
+        __m512i v = _mm512_set1_epi32(pci8_ld32(x##r + 4 * (pc_idx)g));               \
+        a##r##0 = _mm512_dpbusd_epi32(a##r##0, v, w0);                                \
+        a##r##1 = _mm512_dpbusd_epi32(a##r##1, v, w1);                                \
+        a##r##2 = _mm512_dpbusd_epi32(a##r##2, v, w2);                                \
+        a##r##3 = _mm512_dpbusd_epi32(a##r##3, v, w3);                                \
+    } while (0)
+#define PCI8_CL_STORE(r)                                                              \
+    do {                                                                              \
+        _mm512_storeu_si512((void *)(acc + (r) * PCI8_CB), a##r##0);                  \
+        _mm512_storeu_si512((void *)(acc + (r) * PCI8_CB + 16), a##r##1);             \
+        _mm512_storeu_si512((void *)(acc + (r) * PCI8_CB + 32), a##r##2);             \
+        _mm512_storeu_si512((void *)(acc + (r) * PCI8_CB + 48), a##r##3);             \
+    } while (0)
+
+PCI8_VNNI_TARGET
+static void pci8_cl_vnni(const uint8_t *const *restrict xr, int Kg, const int8_t *restrict w,
+                         int32_t *restrict acc)
+{
+    const uint8_t *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
+    const pc_idx ps = (pc_idx)Kg * 64;
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+            a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    for (int g = 0; g < Kg; g++) {
+        const int8_t *wg = w + (pc_idx)g * 64;
+        __m512i w0 = _mm512_loadu_si512((const void *)wg);
+        __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));
+        __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));
+        __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps));
+        PCI8_CL_ROW(0);
+        PCI8_CL_ROW(1);
+        PCI8_CL_ROW(2);
+        PCI8_CL_ROW(3);
+    }
+    PCI8_CL_STORE(0);
+    PCI8_CL_STORE(1);
+    PCI8_CL_STORE(2);
+    PCI8_CL_STORE(3);
+}
+#endif
+
+#if defined(PCI8_VNNI_CODE)
+/* pci8_cl_vnni for one row (acc[0][64]): a short last block and batch 1 do not pay for four. */
+PCI8_VNNI_TARGET
+static void pci8_cl_vnni1(const uint8_t *restrict x0, int Kg, const int8_t *restrict w, int32_t *restrict acc)
+{
+    const pc_idx ps = (pc_idx)Kg * 64;
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00;
+    for (int g = 0; g < Kg; g++) {
+        const int8_t *wg = w + (pc_idx)g * 64;
+        __m512i w0 = _mm512_loadu_si512((const void *)wg);
+        __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));
+        __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));
+        __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps));
+        PCI8_CL_ROW(0);
+    }
+    PCI8_CL_STORE(0);
+}
+#endif
+
+/* Rows [r0, r1) of x (ldx bytes apart, groups of 4 valid up to Kg) times output channels
+ * [c0, c1) (c0 a multiple of 64), epilogue into y (N, G). acc: scratch [4][64]. */
+static inline void pci8_linear_block(int path, const uint8_t *restrict x, pc_idx ldx, pc_idx r0, pc_idx r1, int Kg,
+                                     const int8_t *restrict w8, const int16_t *restrict w16, int c0, int c1, int G,
+                                     const int32_t *restrict zb32, const int64_t *restrict zb64, int wide,
+                                     const float *restrict scale, int relu, float *restrict y,
+                                     int32_t *restrict acc)
+{
+    (void)w16;
+    for (int c = c0; c < c1; c += PCI8_CB) {
+        pc_idx pw = (pc_idx)(c / 16) * Kg * 64;
+        int ce = c1 - c < PCI8_CB ? c1 - c : PCI8_CB;
+        for (pc_idx r = r0; r < r1; r += PCI8_RB) {
+            const uint8_t *xr[PCI8_RB];
+            int rn = r1 - r < PCI8_RB ? (int)(r1 - r) : PCI8_RB;
+            /* a short last block repeats its last row; those results are dropped */
+            for (int i = 0; i < PCI8_RB; i++) xr[i] = x + (r + (i < rn ? i : rn - 1)) * ldx;
+#if defined(PCI8_VNNI_CODE)
+            if (path == PCI8_VNNI && rn < PCI8_RB) {
+                for (int i = 0; i < rn; i++) {
+                    pci8_cl_vnni1(xr[i], Kg, w8 + pw, acc);
+                    pci8_epi_row(acc, ce, zb32 + c, zb64 + c, wide, scale + c, relu, y + (r + i) * (pc_idx)G + c);
+                }
+                continue;
+            }
+            if (path == PCI8_VNNI) pci8_cl_vnni(xr, Kg, w8 + pw, acc);
+            else
+#endif
+#if defined(PCI8_AVX2_CODE)
+            if (path == PCI8_AVX2) pci8_cl_avx2(xr, Kg, w16 + pw, acc);
+            else
+#endif
+                pci8_cl_portable(xr, Kg, w8 + pw, acc);
+            for (int i = 0; i < rn; i++)
+                pci8_epi_row(acc + i * PCI8_CB, ce, zb32 + c, zb64 + c, wide, scale + c, relu,
+                             y + (r + i) * (pc_idx)G + c);
+        }
+    }
+}
+
+/* ------------------------------------------------------------- depthwise */
+
+#define PCI8_DW_SLACK 96      /* zeroed elements after the grid: the 64-wide blocks read past it */
+#define PCI8_DW_MAXPAIRS 64   /* tap pairs the AVX-512 depthwise takes (larger kernels: the loop) */
+
+/* Scratch of one depthwise plane in int16 elements (the grid, its tap pairs, the int32 sums). */
+static inline pc_idx pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P)
+{
+    int ah = SH < KH ? SH : KH, aw = SW < KW ? SW : KW;
+    pc_idx Hg = (H + 2 * PH + SH - 1) / SH, Wg = (W + 2 * PW + SW - 1) / SW;
+    pc_idx grid = ((pc_idx)ah * aw * Hg * Wg + PCI8_DW_SLACK + 1) / 2 * 2;
+    return grid + 2 * grid + 2 * ((pc_idx)P * Wg + 64) + 16;
+}
+
+/* One plane: x (H, W) uint8 with zero point z, w (KH, KW) int8, y (P, Q) overwritten.
+ * The plane goes into scratch as an int16 grid of x - z (zeros for padding) split into stride
+ * phases as in the convolution, so every tap is one long contiguous multiply-add over the
+ * flattened output grid s = p * Wg + q (int16 x int16 -> int32, vectorised on every level);
+ * columns q >= Q are dropped by the epilogue. */
+static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z, const int8_t *restrict w, int KH,
+                                 int KW, int SH, int SW, int PH, int PW, int P, int Q, int32_t zb32, int64_t zb64,
+                                 int wide, float scale, int relu, void *restrict scratch, float *restrict y)
+{
+    int ah = SH < KH ? SH : KH, aw = SW < KW ? SW : KW;
+    int Hg = (H + 2 * PH + SH - 1) / SH, Wg = (W + 2 * PW + SW - 1) / SW;
+    pc_idx plane = (pc_idx)Hg * Wg, s_end = (pc_idx)(P - 1) * Wg + Q;
+    int16_t *grid = (int16_t *)scratch;
+    pc_idx gsize = ((pc_idx)ah * aw * plane + PCI8_DW_SLACK + 1) / 2 * 2;
+    int32_t *pairs = (int32_t *)(grid + gsize);
+    int32_t *acc = pairs + gsize;
+    memset(grid, 0, sizeof(int16_t) * (size_t)gsize);
+    for (int a = 0; a < ah; a++) {
+        for (int b = 0; b < aw; b++) {
+            /* phase (a, b) holds padded pixels (gh * SH + a, gw * SW + b) */
+            int off = b - PW;
+            int lo = off >= 0 ? 0 : (-off + SW - 1) / SW;
+            int hi = W - 1 - off >= 0 ? (W - 1 - off) / SW + 1 : 0;
+            if (hi > Wg) hi = Wg;
+            if (lo > hi) lo = hi;
+            for (int gh = 0; gh < Hg; gh++) {
+                int h = gh * SH + a - PH;
+                if (h < 0 || h >= H) continue;
+                const uint8_t *src = x + (pc_idx)h * W + off;
+                int16_t *dst = grid + ((pc_idx)a * aw + b) * plane + (pc_idx)gh * Wg;
+                if (SW == 1) {
+                    PC_SIMD
+                    for (int gw = lo; gw < hi; gw++) dst[gw] = (int16_t)(src[gw] - z);
+                } else {
+                    for (int gw = lo; gw < hi; gw++) dst[gw] = (int16_t)(src[(pc_idx)gw * SW] - z);
+                }
+            }
+        }
+    }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (KW <= 64 && KH * (KW / 2 + SW + 1) <= PCI8_DW_MAXPAIRS) {
+        /* vpmaddwd on tap pairs: taps kw and kw + SW read neighbouring elements of one phase, so
+         * pairs[s] = (grid[s], grid[s + 1]) times (w[kw], w[kw + SW]) sums both in one instruction */
+        pc_idx off[PCI8_DW_MAXPAIRS];
+        int32_t wp[PCI8_DW_MAXPAIRS];
+        int np = 0;
+        for (int kh = 0; kh < KH; kh++) {
+            uint64_t used = 0;
+            for (int kw = 0; kw < KW; kw++) {
+                if (used >> kw & 1) continue;
+                int w2 = 0;
+                if (kw + SW < KW) {
+                    w2 = w[kh * KW + kw + SW];
+                    used |= (uint64_t)1 << (kw + SW);
+                }
+                off[np] = ((pc_idx)(kh % SH) * aw + kw % SW) * plane + (pc_idx)(kh / SH) * Wg + kw / SW;
+                wp[np] = (int32_t)((uint32_t)(uint16_t)(int16_t)w[kh * KW + kw] | (uint32_t)(uint16_t)(int16_t)w2 << 16);
+                np++;
+            }
+        }
+        for (pc_idx i = 0; i + 1 < gsize; i++)
+            pairs[i] = (int32_t)((uint32_t)(uint16_t)grid[i] | (uint32_t)(uint16_t)grid[i + 1] << 16);
+        pairs[gsize - 1] = 0;
+        for (pc_idx s0 = 0; s0 < s_end; s0 += 64) {
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+            for (int k = 0; k < np; k++) {
+                const int32_t *pp = pairs + off[k] + s0;
+                const __m512i wv = _mm512_set1_epi32(wp[k]);
+                a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(_mm512_loadu_si512((const void *)pp), wv));
+                a1 = _mm512_add_epi32(a1, _mm512_madd_epi16(_mm512_loadu_si512((const void *)(pp + 16)), wv));
+                a2 = _mm512_add_epi32(a2, _mm512_madd_epi16(_mm512_loadu_si512((const void *)(pp + 32)), wv));
+                a3 = _mm512_add_epi32(a3, _mm512_madd_epi16(_mm512_loadu_si512((const void *)(pp + 48)), wv));
+            }
+            _mm512_storeu_si512((void *)(acc + s0), a0);
+            _mm512_storeu_si512((void *)(acc + s0 + 16), a1);
+            _mm512_storeu_si512((void *)(acc + s0 + 32), a2);
+            _mm512_storeu_si512((void *)(acc + s0 + 48), a3);
+        }
+    } else
+#endif
+    {
+        memset(acc, 0, sizeof(int32_t) * (size_t)s_end);
+        for (int kh = 0; kh < KH; kh++) {
+            for (int kw = 0; kw < KW; kw++) {
+                const int16_t *g = grid + ((pc_idx)(kh % SH) * aw + kw % SW) * plane + (pc_idx)(kh / SH) * Wg + kw / SW;
+                const int32_t wv = w[kh * KW + kw];
+                PC_SIMD
+                for (pc_idx s = 0; s < s_end; s++) acc[s] += wv * g[s];
+            }
+        }
+    }
+    for (int p = 0; p < P; p++)
+        pci8_epi_run(acc + (pc_idx)p * Wg, Q, zb32, zb64, wide, scale, relu, y + (pc_idx)p * Q);
+}
+
+#endif /* PARCONV_PC_INT8_H */

@@ -1,0 +1,511 @@
+"""The int8 kernels (parconv._ext._int8) against NumPy int64 models of the same arithmetic.
+
+Integer accumulation is exact, so every path (AVX512_VNNI, AVX2, portable C), every kernel level
+and every thread count must give exactly the model's float32 y: the models sum in int64, add the
+int32 bias, convert to float32 and multiply by the float32 scale, as the contract says. Extreme
+inputs (uint8 0/255 against int8 -127/127) would saturate a vpmaddubsw-style int16 pair sum, so
+they are drawn often.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ext = pytest.importorskip("parconv._ext")
+if not ext.STATE.get("built"):
+    pytest.skip("the compiled kernels are not built", allow_module_level=True)
+
+from parconv._ext import _int8  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
+RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
+PATH_ORDER = ["portable", "avx2", "avx512_vnni"]
+# every path this process can run: the best and all below it
+PATHS = PATH_ORDER[:PATH_ORDER.index(_int8.path()) + 1]
+
+
+# ------------------------------------------------------------------ NumPy models
+
+def quantize_model(x, scale, zp):
+    """clamp(rint(x / scale) + zp, 0, 255) with x / scale in float32, half to even; NaN -> zp."""
+    with np.errstate(all="ignore"):
+        v = np.asarray(x, np.float32) / np.float32(scale)
+        nan = np.isnan(v)
+        q = np.clip(np.rint(np.where(nan, 0, v)).astype(np.float64) + zp, 0, 255)
+    return np.where(nan, zp, q).astype(np.uint8)
+
+
+def _finish(acc, bias_q, scale, relu, axis):
+    shape = [1] * acc.ndim
+    shape[axis] = -1
+    if bias_q is not None:
+        acc = acc + bias_q.astype(np.int64).reshape(shape)
+    y = acc.astype(np.float32) * scale.reshape(shape)
+    return np.maximum(y, np.float32(0)) if relu else y
+
+
+def conv_model(xq, z, wq, bias_q, scale, stride, pad, relu):
+    """acc = sum over taps of (xq - z) * wq, padded taps as xq = z; wq (O, C, K, K)."""
+    N, C, H, W = xq.shape
+    O, _, K, _ = wq.shape
+    xp = np.zeros((N, C, H + 2 * pad, W + 2 * pad), np.int64)
+    xp[:, :, pad:pad + H, pad:pad + W] = xq.astype(np.int64) - z
+    P, Q = (H + 2 * pad - K) // stride + 1, (W + 2 * pad - K) // stride + 1
+    acc = np.zeros((N, O, P, Q), np.int64)
+    for kh in range(K):
+        for kw in range(K):
+            patch = xp[:, :, kh:kh + stride * (P - 1) + 1:stride, kw:kw + stride * (Q - 1) + 1:stride]
+            acc += np.einsum("ncpq,oc->nopq", patch, wq[:, :, kh, kw].astype(np.int64))
+    return _finish(acc, bias_q, scale, relu, 1)
+
+
+def depthwise_model(xq, z, wq, sh, sw, ph, pw, bias_q, scale, relu):
+    """Depthwise: channel c with filter wq[c, 0]."""
+    N, C, H, W = xq.shape
+    KH, KW = wq.shape[2:]
+    xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw), np.int64)
+    xp[:, :, ph:ph + H, pw:pw + W] = xq.astype(np.int64) - z
+    P, Q = (H + 2 * ph - KH) // sh + 1, (W + 2 * pw - KW) // sw + 1
+    acc = np.zeros((N, C, P, Q), np.int64)
+    for kh in range(KH):
+        for kw in range(KW):
+            patch = xp[:, :, kh:kh + sh * (P - 1) + 1:sh, kw:kw + sw * (Q - 1) + 1:sw]
+            acc += patch * wq[:, 0, kh, kw].astype(np.int64)[None, :, None, None]
+    return _finish(acc, bias_q, scale, relu, 1)
+
+
+def linear_model(xq, z, wq, bias_q, scale, relu):
+    acc = (xq.astype(np.int64) - z) @ wq.astype(np.int64).T
+    return _finish(acc, bias_q, scale, relu, 1)
+
+
+# -------------------------------------------------------------------- strategies
+
+ZPS = st.one_of(st.sampled_from([0, 128, 255]), st.integers(0, 255))
+
+
+def _uint8(rng, shape, extreme):
+    if extreme:
+        return rng.choice(np.array([0, 255], np.uint8), size=shape)
+    return rng.integers(0, 256, size=shape, dtype=np.uint8)
+
+
+def _int8w(rng, shape, extreme):
+    if extreme:
+        return rng.choice(np.array([-127, 127], np.int8), size=shape)
+    return rng.integers(-127, 128, size=shape, dtype=np.int8)
+
+
+def _epilogue_args(rng, O, bias_kind):
+    scale = rng.uniform(1e-5, 1e-1, O).astype(np.float32)
+    if bias_kind == "none":
+        bias = None
+    elif bias_kind == "small":
+        bias = rng.integers(-10 ** 6, 10 ** 6, O).astype(np.int32)
+    else:  # near the int32 limits: the epilogue must add in int64
+        bias = rng.choice(np.array([2 ** 31 - 1, -2 ** 31, 2 ** 30], np.int64), O).astype(np.int32)
+    return scale, bias
+
+
+@st.composite
+def conv_cases(draw):
+    K = draw(st.sampled_from([1, 3, 5, 7]))
+    S = draw(st.sampled_from([1, 2]))
+    pad = draw(st.integers(0, K - 1))
+    H = draw(st.integers(max(1, K - 2 * pad), 13))
+    # wide rows reach the 16-pixel vector loops of the grid layout (and their tails)
+    W = draw(st.one_of(st.integers(max(1, K - 2 * pad), 13), st.integers(30, 70)))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 2, 3, 4, 5, 7, 9, 16, 17])),
+                O=draw(st.sampled_from([1, 3, 8, 13, 16, 17, 33, 70])), H=H, W=W, K=K, S=S, pad=pad,
+                z=draw(ZPS), extreme=draw(st.booleans()), relu=draw(st.booleans()),
+                bias=draw(st.sampled_from(["none", "small", "huge"])), seed=draw(st.integers(0, 2 ** 31)))
+
+
+def _run_conv(case, path, nt):
+    rng = np.random.default_rng(case["seed"])
+    N, C, O, H, W, K, S, pad = (case[k] for k in ("N", "C", "O", "H", "W", "K", "S", "pad"))
+    xq = _uint8(rng, (N, C, H, W), case["extreme"])
+    wq = _int8w(rng, (O, C, K, K), case["extreme"])
+    scale, bias = _epilogue_args(rng, O, case["bias"])
+    packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+    P, Q = (H + 2 * pad - K) // S + 1, (W + 2 * pad - K) // S + 1
+    y = np.full((N, O, P, Q), np.nan, np.float32)
+    old = _int8._use_path(path)
+    try:
+        _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, K, S, pad, scale, bias, y, case["relu"], nt)
+    finally:
+        _int8._use_path(old)
+    return y, conv_model(xq, case["z"], wq, bias, scale, S, pad, case["relu"])
+
+
+@settings(max_examples=60)
+@given(case=conv_cases())
+def test_conv2d_forward_is_exact_on_every_path_and_thread_count(case):
+    for path in PATHS:
+        for nt in (1, 2):
+            y, ref = _run_conv(case, path, nt)
+            np.testing.assert_array_equal(y, ref, err_msg=f"path {path}, {nt} threads, {case}")
+
+
+def test_conv2d_extremes_do_not_saturate():
+    # every product 255 * 127 with every tap: a saturating u8 x s8 pair sum would lose most of it
+    for path in PATHS:
+        for K, C in ((3, 64), (1, 256), (5, 9)):
+            xq = np.full((1, C, 6, 6), 255, np.uint8)
+            wq = np.full((16, C, K, K), 127, np.int8)
+            wq[1::2] = -127
+            packed, row_sums = _int8.pack_weights(wq.reshape(16, -1))
+            scale = np.ones(16, np.float32)
+            y = np.empty((1, 16, 6, 6), np.float32)
+            old = _int8._use_path(path)
+            try:
+                _int8.conv2d_forward(xq, 0, packed, row_sums, 16, K, 1, K // 2, scale, None, y, False, 2)
+            finally:
+                _int8._use_path(old)
+            np.testing.assert_array_equal(y, conv_model(xq, 0, wq, None, scale, 1, K // 2, False))
+            assert y[0, 0, 3, 3] == C * K * K * 255 * 127
+
+
+def test_conv2d_realistic_layers_every_path():
+    # resnet-like shapes: 16..64 channels, 32x32..8x8, stride 1 and 2, 1x1 projections
+    rng = np.random.default_rng(7)
+    for (N, C, O, HW, K, S) in ((2, 16, 16, 32, 3, 1), (2, 16, 32, 32, 3, 2), (1, 32, 64, 16, 1, 2),
+                                (3, 64, 64, 8, 3, 1), (1, 3, 16, 32, 3, 1)):
+        xq = rng.integers(0, 256, (N, C, HW, HW), dtype=np.uint8)
+        wq = rng.integers(-127, 128, (O, C, K, K), dtype=np.int8)
+        scale, bias = _epilogue_args(rng, O, "small")
+        packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+        ref = conv_model(xq, 131, wq, bias, scale, S, K // 2, True)
+        for path in PATHS:
+            y = np.empty_like(ref)
+            old = _int8._use_path(path)
+            try:
+                _int8.conv2d_forward(xq, 131, packed, row_sums, O, K, S, K // 2, scale, bias, y, True, 2)
+            finally:
+                _int8._use_path(old)
+            np.testing.assert_array_equal(y, ref, err_msg=path)
+
+
+@st.composite
+def dw_cases(draw):
+    KH, KW = draw(st.sampled_from([1, 3, 5])), draw(st.sampled_from([1, 3, 5]))
+    ph, pw = draw(st.integers(0, KH - 1)), draw(st.integers(0, KW - 1))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.integers(1, 11)), KH=KH, KW=KW, ph=ph, pw=pw,
+                H=draw(st.integers(max(1, KH - 2 * ph), 12)), W=draw(st.integers(max(1, KW - 2 * pw), 12)),
+                sh=draw(st.sampled_from([1, 2, 3])), sw=draw(st.sampled_from([1, 2])), z=draw(ZPS),
+                extreme=draw(st.booleans()), relu=draw(st.booleans()),
+                bias=draw(st.sampled_from(["none", "small", "huge"])), seed=draw(st.integers(0, 2 ** 31)))
+
+
+@settings(max_examples=60)
+@given(case=dw_cases())
+def test_depthwise_forward_is_exact(case):
+    rng = np.random.default_rng(case["seed"])
+    N, C, H, W, KH, KW = (case[k] for k in ("N", "C", "H", "W", "KH", "KW"))
+    sh, sw, ph, pw = (case[k] for k in ("sh", "sw", "ph", "pw"))
+    xq = _uint8(rng, (N, C, H, W), case["extreme"])
+    wq = _int8w(rng, (C, 1, KH, KW), case["extreme"])
+    scale, bias = _epilogue_args(rng, C, case["bias"])
+    ref = depthwise_model(xq, case["z"], wq, sh, sw, ph, pw, bias, scale, case["relu"])
+    for nt in (1, 2):
+        y = np.full(ref.shape, np.nan, np.float32)
+        _int8.depthwise_forward(xq, case["z"], wq, sh, sw, ph, pw, scale, bias, y, case["relu"], nt)
+        np.testing.assert_array_equal(y, ref, err_msg=f"{nt} threads, {case}")
+
+
+@st.composite
+def linear_cases(draw):
+    return dict(N=draw(st.sampled_from([1, 2, 3, 4, 5, 9, 17])), F=draw(st.sampled_from([1, 3, 4, 7, 64, 130, 784])),
+                G=draw(st.sampled_from([1, 10, 16, 17, 64, 65, 130])), z=draw(ZPS), extreme=draw(st.booleans()),
+                relu=draw(st.booleans()), bias=draw(st.sampled_from(["none", "small", "huge"])),
+                seed=draw(st.integers(0, 2 ** 31)))
+
+
+@settings(max_examples=60)
+@given(case=linear_cases())
+def test_linear_forward_is_exact_on_every_path_and_thread_count(case):
+    rng = np.random.default_rng(case["seed"])
+    N, F, G = case["N"], case["F"], case["G"]
+    xq = _uint8(rng, (N, F), case["extreme"])
+    wq = _int8w(rng, (G, F), case["extreme"])
+    scale, bias = _epilogue_args(rng, G, case["bias"])
+    packed, row_sums = _int8.pack_weights(wq)
+    ref = linear_model(xq, case["z"], wq, bias, scale, case["relu"])
+    for path in PATHS:
+        for nt in (1, 2):
+            y = np.full((N, G), np.nan, np.float32)
+            old = _int8._use_path(path)
+            try:
+                _int8.linear_forward(xq, case["z"], packed, row_sums, scale, bias, y, case["relu"], nt)
+            finally:
+                _int8._use_path(old)
+            np.testing.assert_array_equal(y, ref, err_msg=f"path {path}, {nt} threads, {case}")
+
+
+def test_one_packed_buffer_serves_conv_and_linear_in_any_order():
+    # the panels are laid out per kernel size on first use; switching back and forth stays exact
+    rng = np.random.default_rng(3)
+    wq = rng.integers(-127, 128, (20, 8, 3, 3), dtype=np.int8)
+    packed, row_sums = _int8.pack_weights(wq.reshape(20, -1))
+    xq = rng.integers(0, 256, (2, 8, 5, 5), dtype=np.uint8)
+    xl = rng.integers(0, 256, (3, 72), dtype=np.uint8)
+    scale = np.full(20, 0.5, np.float32)
+    for _ in range(2):
+        y = np.empty((2, 20, 5, 5), np.float32)
+        _int8.conv2d_forward(xq, 9, packed, row_sums, 20, 3, 1, 1, scale, None, y, False, 2)
+        np.testing.assert_array_equal(y, conv_model(xq, 9, wq, None, scale, 1, 1, False))
+        yl = np.empty((3, 20), np.float32)
+        _int8.linear_forward(xl, 9, packed, row_sums, scale, None, yl, False, 2)
+        np.testing.assert_array_equal(yl, linear_model(xl, 9, wq.reshape(20, -1), None, scale, False))
+
+
+def test_pack_weights_row_sums_and_limits():
+    rng = np.random.default_rng(0)
+    wq = rng.integers(-127, 128, (5, 11), dtype=np.int8)
+    packed, row_sums = _int8.pack_weights(wq)
+    assert packed.dtype == np.uint8 and packed.ndim == 1
+    assert row_sums.dtype == np.int32
+    np.testing.assert_array_equal(row_sums, wq.sum(axis=1))
+    with pytest.raises(ValueError, match=r"wq .*\[-127, 127\]"):
+        _int8.pack_weights(np.full((2, 3), -128, np.int8))
+    with pytest.raises(TypeError, match="wq must have dtype int8"):
+        _int8.pack_weights(wq.astype(np.int16))
+    with pytest.raises(ValueError, match="wq must be 2-D"):
+        _int8.pack_weights(wq.reshape(-1))
+    with pytest.raises(ValueError, match="wq must be C-contiguous"):
+        _int8.pack_weights(np.asfortranarray(wq))
+    with pytest.raises(ValueError, match="too large for int32"):
+        _int8.pack_weights(np.zeros((1, 70000), np.int8))
+
+
+# ---------------------------------------------------------------------- quantize
+
+def _check_quantize(x, scale, zp):
+    x = np.ascontiguousarray(x, np.float32)
+    ref = quantize_model(x, scale, zp)
+    for nt in (1, 2):
+        out = np.full(x.shape, 77, np.uint8)
+        _int8.quantize(x, scale, zp, out, nt)
+        bad = np.flatnonzero(out != ref)
+        assert bad.size == 0, (f"scale {scale!r} zp {zp}: x {x[bad[:5]]} -> {out[bad[:5]]}, "
+                               f"expected {ref[bad[:5]]}")
+
+
+def test_quantize_ties_specials_and_range():
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30, 3.4e38, -3.4e38, 1e-45, -1e-45],
+                       np.float32)
+    for scale in (1.0, 0.1, 0.05, 1.0 / 3.0, 2.0 ** -7, 7.3, 1e-38, 3e38, 1e-30, 1e30):
+        for zp in (0, 1, 128, 254, 255):
+            s = np.float32(scale)
+            with np.errstate(over="ignore"):
+                ties = (np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * s
+            _check_quantize(np.concatenate([special, ties, np.nextafter(ties, np.float32(np.inf)),
+                                            np.nextafter(ties, np.float32(-np.inf))]), s, zp)
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2 ** 31), scale=st.floats(float(np.float32(1e-6)), 1e3, width=32), zp=ZPS, n=st.integers(1, 3000))
+def test_quantize_matches_numpy(seed, scale, zp, n):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * scale * rng.choice([1, 50, 300], n)).astype(np.float32)
+    # values whose quotient lies within float32 rounding of a half-integer
+    k = rng.integers(-300, 300, n // 3)
+    x[: k.size] = ((k + 0.5) * np.float64(scale) * (1 + rng.uniform(-1e-6, 1e-6, k.size))).astype(np.float32)
+    _check_quantize(x, scale, zp)
+
+
+def test_quantize_validates():
+    x, out = np.zeros(4, np.float32), np.zeros(4, np.uint8)
+    with pytest.raises(TypeError, match="x must have dtype float32"):
+        _int8.quantize(x.astype(np.float64), 1.0, 0, out, 1)
+    with pytest.raises(ValueError, match="out must have shape"):
+        _int8.quantize(x, 1.0, 0, np.zeros(5, np.uint8), 1)
+    with pytest.raises(ValueError, match="scale must be a finite float32 > 0"):
+        _int8.quantize(x, 0.0, 0, out, 1)
+    with pytest.raises(ValueError, match="scale must be a finite float32 > 0"):
+        _int8.quantize(x, float("nan"), 0, out, 1)
+    with pytest.raises(ValueError, match="x_zero_point must be in 0..255"):
+        _int8.quantize(x, 1.0, 256, out, 1)
+    with pytest.raises(ValueError, match="x must be C-contiguous"):
+        _int8.quantize(np.zeros(8, np.float32)[::2], 1.0, 0, out, 1)
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        _int8.quantize(x, 1.0, 0, out, 0)
+
+
+# -------------------------------------------------------------------- validation
+
+def _conv_args():
+    rng = np.random.default_rng(1)
+    wq = rng.integers(-127, 128, (6, 3 * 3 * 3), dtype=np.int8)
+    packed, row_sums = _int8.pack_weights(wq)
+    return dict(xq=rng.integers(0, 256, (2, 3, 5, 5), dtype=np.uint8), x_zero_point=3, packed=packed,
+                row_sums=row_sums, O=6, K=3, stride=1, padding=1, scale=np.ones(6, np.float32),
+                bias_q=np.zeros(6, np.int32), y=np.empty((2, 6, 5, 5), np.float32), relu=False, num_threads=2)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(xq=np.zeros((2, 3, 5, 5), np.float32)), TypeError, "xq must have dtype uint8"),
+    (dict(xq=np.zeros((3, 5, 5), np.uint8)), ValueError, "xq must be 4-D"),
+    (dict(xq=np.zeros((2, 3, 5, 10), np.uint8)[..., ::2]), ValueError, "xq must be C-contiguous"),
+    (dict(xq=np.zeros((2, 4, 5, 5), np.uint8)), ValueError, "packed holds weights of reduction size 27"),
+    (dict(O=7), ValueError, "packed holds weights for 6 output channels"),
+    (dict(K=1), ValueError, "packed holds weights of reduction size 27"),
+    (dict(x_zero_point=-1), ValueError, "x_zero_point must be in 0..255"),
+    (dict(x_zero_point=1.5), TypeError, "x_zero_point must be an int"),
+    (dict(stride=0), ValueError, "stride must be in 1"),
+    (dict(padding=-1), ValueError, "padding must be in 0"),
+    (dict(packed=np.zeros(100, np.uint8)), ValueError, "packed is not a pack_weights buffer"),
+    (dict(packed=np.zeros(10, np.uint8)), ValueError, "packed is not a pack_weights buffer"),
+    (dict(packed=[1, 2]), TypeError, "packed must be a numpy.ndarray"),
+    (dict(row_sums=np.zeros(6, np.int64)), TypeError, "row_sums must have dtype int32"),
+    (dict(row_sums=np.zeros(5, np.int32)), ValueError, "row_sums must have shape"),
+    (dict(scale=np.ones(6, np.float64)), TypeError, "scale must have dtype float32"),
+    (dict(scale=np.ones(5, np.float32)), ValueError, "scale must have shape"),
+    (dict(bias_q=np.zeros(6, np.float32)), TypeError, "bias_q must have dtype int32"),
+    (dict(y=np.empty((2, 6, 4, 4), np.float32)), ValueError, r"y must have shape \(2, 6, 5, 5\)"),
+    (dict(y=np.empty((2, 6, 5, 5), np.float64)), TypeError, "y must have dtype float32"),
+    (dict(K=9, packed=_int8.pack_weights(np.zeros((6, 3 * 81), np.int8))[0]), ValueError, "larger than the padded"),
+    (dict(num_threads=0), ValueError, "num_threads must be >= 1"),
+])
+def test_conv2d_forward_validates(change, error, match):
+    args = {**_conv_args(), **change}
+    with pytest.raises(error, match=match):
+        _int8.conv2d_forward(**args)
+
+
+def test_conv2d_forward_rejects_read_only_and_tampered_buffers():
+    args = _conv_args()
+    args["y"].setflags(write=False)
+    with pytest.raises(ValueError, match="y is read-only"):
+        _int8.conv2d_forward(**args)
+    args = _conv_args()
+    args["packed"] = args["packed"][:-64].copy()
+    with pytest.raises(ValueError, match="packed has .* bytes"):
+        _int8.conv2d_forward(**args)
+
+
+def test_linear_and_depthwise_validate():
+    rng = np.random.default_rng(2)
+    wq = rng.integers(-127, 128, (5, 12), dtype=np.int8)
+    packed, row_sums = _int8.pack_weights(wq)
+    xq = rng.integers(0, 256, (3, 12), dtype=np.uint8)
+    s = np.ones(5, np.float32)
+    with pytest.raises(ValueError, match=r"packed holds weights of reduction size 12, but this layer needs F"):
+        _int8.linear_forward(rng.integers(0, 256, (3, 13), dtype=np.uint8), 0, packed, row_sums, s, None,
+                             np.empty((3, 5), np.float32), False, 1)
+    with pytest.raises(ValueError, match="packed holds weights for 5 output channels, but this layer has O=6"):
+        _int8.linear_forward(xq, 0, packed, row_sums, np.ones(6, np.float32), None, np.empty((3, 6), np.float32),
+                             False, 1)
+    with pytest.raises(ValueError, match=r"y must have shape \(3, 5\)"):
+        _int8.linear_forward(xq, 0, packed, row_sums, s, None, np.empty((2, 5), np.float32), False, 1)
+    with pytest.raises(TypeError, match="xq must have dtype uint8"):
+        _int8.linear_forward(xq.astype(np.int8), 0, packed, row_sums, s, None, np.empty((3, 5), np.float32),
+                             False, 1)
+    xd = rng.integers(0, 256, (1, 4, 6, 6), dtype=np.uint8)
+    wd = rng.integers(-127, 128, (4, 1, 3, 3), dtype=np.int8)
+    y = np.empty((1, 4, 6, 6), np.float32)
+    s4 = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match=r"wq must have shape \(C, 1, KH, KW\)"):
+        _int8.depthwise_forward(xd, 0, wd[:3], 1, 1, 1, 1, s4, None, y, False, 1)
+    with pytest.raises(TypeError, match="wq must have dtype int8"):
+        _int8.depthwise_forward(xd, 0, wd.astype(np.uint8), 1, 1, 1, 1, s4, None, y, False, 1)
+    with pytest.raises(ValueError, match=r"y must have shape \(1, 4, 3, 3\)"):
+        _int8.depthwise_forward(xd, 0, wd, 2, 2, 1, 1, s4, None, y, False, 1)
+    with pytest.raises(ValueError, match="sh must be in 1"):
+        _int8.depthwise_forward(xd, 0, wd, 0, 1, 1, 1, s4, None, y, False, 1)
+    with pytest.raises(ValueError, match=r"wq must lie in \[-127, 127\]"):
+        _int8.depthwise_forward(xd, 0, np.full((4, 1, 3, 3), -128, np.int8), 1, 1, 1, 1, s4, None, y, False, 1)
+
+
+def test_path_names_what_runs():
+    assert _int8.path() in PATH_ORDER
+    level = ext.STATE["level"]
+    if level == "generic":
+        assert _int8.path() == "portable"
+    elif level == "avx2":
+        assert _int8.path() == "avx2"
+    elif ext.cpu_features().get("avx512_vnni"):
+        assert _int8.path() == "avx512_vnni"
+    with pytest.raises(ValueError, match="path must be one of"):
+        _int8._use_path("sse")
+
+
+# ------------------------------------------------------- every level, in children
+
+def _child_code():
+    models = "\n".join(inspect.getsource(f) for f in (quantize_model, _finish, conv_model, depthwise_model,
+                                                       linear_model))
+    body = textwrap.dedent("""
+        import json
+        from parconv._ext import _int8
+        rng = np.random.default_rng(11)
+        fails = []
+        for N, C, O, H, W, K, S, pad, z in ((2, 5, 17, 9, 7, 3, 2, 1, 255), (1, 16, 70, 8, 8, 3, 1, 1, 0),
+                                            (3, 3, 8, 6, 11, 5, 1, 2, 128), (1, 9, 16, 7, 7, 1, 2, 0, 77),
+                                            (1, 2, 4, 9, 9, 7, 3, 3, 5)):
+            for extreme in (False, True):
+                xq = rng.choice(np.array([0, 255], np.uint8), (N, C, H, W)) if extreme else \\
+                    rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)
+                wq = rng.choice(np.array([-127, 127], np.int8), (O, C, K, K)) if extreme else \\
+                    rng.integers(-127, 128, (O, C, K, K), dtype=np.int8)
+                scale = rng.uniform(1e-4, 1e-1, O).astype(np.float32)
+                bias = rng.integers(-10 ** 6, 10 ** 6, O).astype(np.int32)
+                packed, rs = _int8.pack_weights(wq.reshape(O, -1))
+                ref = conv_model(xq, z, wq, bias, scale, S, pad, True)
+                wl = rng.integers(-127, 128, (O, C * H * W), dtype=np.int8)
+                pl, rl = _int8.pack_weights(wl)
+                lin = linear_model(xq.reshape(N, -1), z, wl, bias, scale, False)
+                dw = depthwise_model(xq, z, wq[:C, :1], S, 1, pad, pad, bias[:C], scale[:C], True)
+                for nt in (1, 2):
+                    y = np.empty_like(ref)
+                    _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt)
+                    fails += [] if np.array_equal(y, ref) else [("conv", N, C, O, K, S, nt)]
+                    yl = np.empty_like(lin)
+                    _int8.linear_forward(xq.reshape(N, -1), z, pl, rl, scale, bias, yl, False, nt)
+                    fails += [] if np.array_equal(yl, lin) else [("linear", N, C, O, nt)]
+                    if O >= C:
+                        yd = np.empty_like(dw)
+                        _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
+                                                scale[:C], bias[:C], yd, True, nt)
+                        fails += [] if np.array_equal(yd, dw) else [("depthwise", N, C, K, S, nt)]
+        x = np.concatenate([(np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(0.05),
+                            np.array([np.nan, np.inf, -np.inf, 1e30], np.float32),
+                            rng.standard_normal(5000).astype(np.float32) * 9])
+        q = np.empty(x.shape, np.uint8)
+        for scale, zp in ((0.05, 128), (1 / 3, 0), (1e-38, 255), (3e38, 7), (7.3, 200)):
+            xs = np.concatenate([x, (np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(scale)])
+            q = np.empty(xs.shape, np.uint8)
+            _int8.quantize(xs, scale, zp, q, 2)
+            fails += [] if np.array_equal(q, quantize_model(xs, scale, zp)) else [("quantize", scale, zp)]
+        print(json.dumps({"path": _int8.path(), "fails": fails}))
+    """)
+    return "import numpy as np\n" + models + "\n" + body
+
+
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
+def test_every_level_is_exact(level):
+    if level not in RUNNABLE:
+        pytest.skip(f"this host or build does not run the {level} level")
+    env = dict(os.environ)
+    env["PARCONV_ISA"] = level
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-P", "-c", _child_code()], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["fails"] == []
+    expected = {"generic": "portable", "avx2": "avx2"}.get(level)
+    if expected is None:
+        expected = "avx512_vnni" if ext.cpu_features().get("avx512_vnni") else "avx2"
+    assert result["path"] == expected
