@@ -48,10 +48,20 @@ cdef extern from "pc_bf16.h":
                   int accumulate) noexcept nogil
     void pcb_conv_fwd_block(const float *x, int C, int H, int W, const uint32_t *wr, int O, int K, int S,
                             int pad, const float *b, float *y, int P, int Q, int p0, int p1,
-                            uint32_t *panel, uint16_t *tmp) noexcept nogil
+                            uint32_t *panel, uint16_t *xb) noexcept nogil
     void pcb_conv_dw_block(const float *x, int C, int H, int W, int K, int S, int pad, const float *dy,
                            int O, int P, int Q, int p0, int p1, float *part, pc_idx ldo,
-                           uint32_t *cols, uint32_t *dyt) noexcept nogil
+                           uint32_t *cols, uint32_t *dyt, uint16_t *xb) noexcept nogil
+    Py_ssize_t pcb_s1_pairs(int C, int K) noexcept nogil
+    Py_ssize_t pcb_s1_len(int nr, int K, int Wp) noexcept nogil
+    void pcb_s1_schedule(const float *w, int O, int C, int K, int Wp, Py_ssize_t L, Py_ssize_t *boff,
+                         uint32_t *ws) noexcept nogil
+    void pcb_s1_fwd_block(const float *x, int C, int H, int W, int K, int pad, const uint32_t *ws,
+                          const Py_ssize_t *boff, int O, const float *b, float *y, int P, int Q, int p0, int p1,
+                          Py_ssize_t L, uint16_t *xb, uint32_t *img, float *acc) noexcept nogil
+    void pcb_s1_dw_block(const float *x, int C, int H, int W, int K, int pad, const float *dy, int O, int P,
+                         int Q, int p0, int p1, Py_ssize_t L, float *part, Py_ssize_t ldo, uint16_t *xb,
+                         const uint32_t **arow, uint32_t *dyt) noexcept nogil
     void pcb_conv_dx_image(const uint32_t *wt, int C, int H, int W, int K, int S, int pad, const float *dy,
                            int O, int P, int Q, int rb, float *dx, uint32_t *panel, float *dcols) noexcept nogil
 
@@ -245,23 +255,31 @@ def round_to_bf16(x, out, int num_threads):
 
 # ------------------------------------------------------------------ convolution
 
-cdef int _conv_fwd(const float *x, int N, int C, int H, int W, const uint32_t *wr, int O, int K, int S, int pad,
+cdef int _conv_fwd(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int S, int pad,
                    const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
-    """y = conv(x, w) + b over blocks of (image, output rows); wr: the filters as pairs [O][ceil(Kd/2)]."""
-    cdef Py_ssize_t kp = (<Py_ssize_t>C * K * K + 1) // 2
+    """y = conv(x, w) + b over blocks of (image, output rows); w: (O, C, K, K) fp32, packed here."""
+    if S == 1:
+        return _conv_fwd_s1(x, N, C, H, W, w, O, K, pad, b, y, P, Q, num_threads)
+    cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, kp = (Kd + 1) // 2
     cdef int rb = _rows_per_block(kp * 4, P, Q, N, num_threads)
     cdef int nbp = (P + rb - 1) // rb
     cdef Py_ssize_t nblocks = <Py_ssize_t>N * nbp, blk
     cdef Py_ssize_t ldb = pcb_up16(<Py_ssize_t>rb * Q)
+    # the block's rounded, padded input rows
+    cdef Py_ssize_t xbn = <Py_ssize_t>C * ((rb - 1) * S + K) * (W + 2 * pad)
     cdef int nt = pc_team(nblocks, num_threads)
     cdef int failed[1]
     cdef int n, p0
     cdef void *raw
     cdef uint32_t *panel
+    cdef uint32_t *wr = <uint32_t *>malloc(sizeof(uint32_t) * O * kp)
+    if wr == NULL:
+        return 1
+    _pack(ALONG, w, Kd, O, Kd, wr, kp, O, num_threads)
     failed[0] = 0
     raw, panel = NULL, NULL  # private to each thread below; initialised for the firstprivate copy
     with parallel(num_threads=nt):
-        raw = malloc(sizeof(uint32_t) * kp * ldb + sizeof(uint16_t) * 2 * ldb + 64)
+        raw = malloc(sizeof(uint32_t) * kp * ldb + sizeof(uint16_t) * xbn + 64)
         panel = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
@@ -273,6 +291,50 @@ cdef int _conv_fwd(const float *x, int N, int C, int H, int W, const uint32_t *w
                                    y + <Py_ssize_t>n * O * P * Q, P, Q, p0, _imin(P, p0 + rb), panel,
                                    <uint16_t *>(panel + kp * ldb))
         free(raw)
+    free(wr)
+    return failed[0]
+
+
+cdef int _conv_fwd_s1(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int pad,
+                      const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
+    """Stride 1 without im2col (pcb_s1_fwd_block): blocks of (image, output rows)."""
+    cdef int Wp = W + 2 * pad
+    # per output row of a block: the flat input (2 bytes), its pair views (2.5 words) and the sums
+    cdef int rb = _rows_per_block(<Py_ssize_t>C * 12 + O * 4, P, Wp, N, num_threads)
+    cdef int nbp = (P + rb - 1) // rb
+    cdef Py_ssize_t nblocks = <Py_ssize_t>N * nbp, blk
+    cdef Py_ssize_t L = pcb_s1_len(rb, K, Wp), kp = pcb_s1_pairs(C, K)
+    cdef Py_ssize_t nimg = (2 * C + (C + 1) // 2) * L, lda = pcb_up16(<Py_ssize_t>rb * Wp)
+    cdef int nt = pc_team(nblocks, num_threads)
+    cdef int failed[1]
+    cdef int n, p0
+    cdef void *raw
+    cdef uint32_t *img
+    cdef Py_ssize_t *boff = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * kp)
+    cdef uint32_t *ws = <uint32_t *>malloc(sizeof(uint32_t) * O * kp)
+    if boff == NULL or ws == NULL:
+        free(boff)
+        free(ws)
+        return 1
+    pcb_s1_schedule(w, O, C, K, Wp, L, boff, ws)
+    failed[0] = 0
+    raw, img = NULL, NULL
+    with parallel(num_threads=nt):
+        raw = malloc(sizeof(uint32_t) * nimg + sizeof(float) * O * lda + sizeof(uint16_t) * C * L + 192)
+        img = <uint32_t *>pc_align64(raw)
+        if raw == NULL:
+            failed[0] = 1
+        for blk in prange(nblocks, schedule="dynamic"):
+            if raw != NULL:
+                n = <int>(blk // nbp)
+                p0 = <int>(blk % nbp) * rb
+                pcb_s1_fwd_block(x + <Py_ssize_t>n * C * H * W, C, H, W, K, pad, ws, boff, O, b,
+                                 y + <Py_ssize_t>n * O * P * Q, P, Q, p0, _imin(P, p0 + rb), L,
+                                 <uint16_t *>pc_align64(<float *>pc_align64(img + nimg) + O * lda), img,
+                                 <float *>pc_align64(img + nimg))
+        free(raw)
+    free(boff)
+    free(ws)
     return failed[0]
 
 
@@ -315,16 +377,10 @@ def conv2d_forward(x, w, b, y, int stride, int padding, int num_threads):
     if b is not None:
         bv = b
         bp = &bv[0]
-    cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, kp = (Kd + 1) // 2
-    cdef uint32_t *wr = <uint32_t *>malloc(sizeof(uint32_t) * O * kp)
     cdef int failed = 1
-    if wr == NULL:
-        raise MemoryError(f"{fn}: could not allocate the packed filters")
     with nogil:
-        _pack(ALONG, &wv[0, 0, 0, 0], Kd, O, Kd, wr, kp, O, num_threads)
-        failed = _conv_fwd(&xv[0, 0, 0, 0], N, C, H, W, wr, O, K, stride, padding, bp, &yv[0, 0, 0, 0], P, Q,
-                           num_threads)
-    free(wr)
+        failed = _conv_fwd(&xv[0, 0, 0, 0], N, C, H, W, &wv[0, 0, 0, 0], O, K, stride, padding, bp,
+                           &yv[0, 0, 0, 0], P, Q, num_threads)
     if failed:
         raise MemoryError(f"{fn}: could not allocate scratch")
 
@@ -359,39 +415,58 @@ cdef int _conv_dx_gemm(const float *dy, int N, int O, int P, int Q, const uint32
 cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int pad, const float *dy, int O,
                   int P, int Q, float *dw, int num_threads) noexcept nogil:
     """dw over groups of images, each group's partial (transposed, Kd x ldo) summed in its own order,
-    then the partials added in group order: the same bits at a fixed thread count."""
+    then the partials added in group order: the same bits at a fixed thread count. Stride 1 reads
+    im2col's rows as views of the input (pcb_s1_dw_block), other strides build them."""
     cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, ldo = pcb_up16(O)
     cdef int ng = 1 if num_threads <= 1 else _imin(N, num_threads * PC_BLOCKS_PER_THREAD)
-    cdef int rb = _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1)
-    cdef Py_ssize_t npp = (<Py_ssize_t>rb * Q + 1) // 2
+    cdef bint s1 = S == 1
+    cdef int Wp = W + 2 * pad
+    # per output pixel: im2col's row elements (or, at stride 1, two flat copies of the input) and dy's pairs
+    cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2, P, Wp, 1, 1) if s1 else
+                   _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
     cdef int nbp = (P + rb - 1) // rb, ib
+    cdef Py_ssize_t L = pcb_s1_len(rb, K, Wp)
+    cdef Py_ssize_t npp = ((<Py_ssize_t>rb * (Wp if s1 else Q)) + 1) // 2
+    cdef Py_ssize_t xbn = 2 * C * L if s1 else <Py_ssize_t>C * ((rb - 1) * S + K) * Wp
+    # stride 1: the rows' pointers; else the im2col rows themselves
+    cdef Py_ssize_t colsn = Kd * 2 if s1 else Kd * npp
     cdef float *part = <float *>malloc(sizeof(float) * ng * Kd * ldo)
     cdef int nt = pc_team(ng, num_threads)
     cdef int failed[1]
-    cdef int g, n
+    cdef int g, n, p1
     cdef Py_ssize_t k, o, gi
     cdef float s
     cdef void *raw
     cdef uint32_t *cols
+    cdef uint32_t *dyt
+    cdef uint16_t *xb
     cdef float *mine
     if part == NULL:
         return 1
     failed[0] = 0
     raw, cols = NULL, NULL
     with parallel(num_threads=nt):
-        raw = malloc(sizeof(uint32_t) * (Kd * npp + npp * ldo) + 128)
+        raw = malloc(sizeof(uint32_t) * (colsn + npp * ldo) + sizeof(uint16_t) * xbn + 192)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
         for g in prange(ng, schedule="dynamic"):
             if raw != NULL:
+                dyt = <uint32_t *>pc_align64(cols + colsn)
+                xb = <uint16_t *>pc_align64(dyt + npp * ldo)
                 mine = part + g * Kd * ldo
                 memset(mine, 0, sizeof(float) * Kd * ldo)
                 for n in range(<int>(<Py_ssize_t>N * g // ng), <int>(<Py_ssize_t>N * (g + 1) // ng)):
                     for ib in range(nbp):
-                        pcb_conv_dw_block(x + <Py_ssize_t>n * C * H * W, C, H, W, K, S, pad,
-                                          dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, _imin(P, ib * rb + rb),
-                                          mine, ldo, cols, <uint32_t *>pc_align64(cols + Kd * npp))
+                        p1 = _imin(P, ib * rb + rb)
+                        if s1:
+                            pcb_s1_dw_block(x + <Py_ssize_t>n * C * H * W, C, H, W, K, pad,
+                                            dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,
+                                            xb, <const uint32_t **>cols, dyt)
+                        else:
+                            pcb_conv_dw_block(x + <Py_ssize_t>n * C * H * W, C, H, W, K, S, pad,
+                                              dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1,
+                                              mine, ldo, cols, dyt, xb)
         free(raw)
     if not failed[0]:
         for k in prange(Kd, schedule="static", num_threads=pc_threads_for(ng * Kd * O, Kd, num_threads)):
@@ -451,7 +526,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
     cdef float[:, :, :, ::1] dxv
     cdef float[:, :, :, ::1] dwv = dw
     cdef float[::1] dbv
-    cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, Kd2 = <Py_ssize_t>O * K * K
+    cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K
     cdef bint by_conv = stride == 1 and padding <= K - 1
     cdef uint32_t *wp = NULL
     cdef int failed = 0
@@ -461,15 +536,13 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
         if by_conv:
             # dx = conv(dy, w flipped and transposed to (C, O, K, K), padding K - 1 - padding)
             wf = np.ascontiguousarray(np.asarray(w)[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
-            wp = <uint32_t *>malloc(sizeof(uint32_t) * C * ((Kd2 + 1) // 2))
         else:
             wp = <uint32_t *>malloc(sizeof(uint32_t) * Kd * ((O + 1) // 2))
-        if wp == NULL:
+        if wp == NULL and not by_conv:
             raise MemoryError(f"{fn}: could not allocate the packed filters")
         with nogil:
             if by_conv:
-                _pack(ALONG, &wf[0, 0, 0, 0], Kd2, C, Kd2, wp, (Kd2 + 1) // 2, C, num_threads)
-                failed = _conv_fwd(&dyv[0, 0, 0, 0], N, O, P, Q, wp, C, K, 1, K - 1 - padding, NULL,
+                failed = _conv_fwd(&dyv[0, 0, 0, 0], N, O, P, Q, &wf[0, 0, 0, 0], C, K, 1, K - 1 - padding, NULL,
                                    &dxv[0, 0, 0, 0], H, W, num_threads)
             else:
                 _pack(DOWN_T, &wv[0, 0, 0, 0], Kd, O, Kd, wp, (O + 1) // 2, Kd, num_threads)

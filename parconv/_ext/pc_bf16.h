@@ -144,54 +144,64 @@ static inline void pcb_pack(int kind, const float *src, pc_idx lds, pc_idx rows,
     }
 }
 
-/* One row k = (c, kh, kw) of the im2col matrix of one image (C, H, W) for output rows [p0, p1),
- * rounded: dst[(p - p0) * Q + q] = bf16(x[c][p*S + kh - pad][q*S + kw - pad]), 0 outside. */
-static inline void pcb_im2col_row(const float *restrict x, int H, int W, int K, int S, int pad, int Q,
-                                  int p0, int p1, int k, uint16_t *restrict dst)
+/* Input rows [hp0, hp0 + R) of one image (C, H, W), in padded coordinates (row hp is x's row
+ * hp - pad), rounded to bf16 and zero-padded: xb[c][r][Wp], Wp = W + 2 pad. Every im2col row of a
+ * block of output rows is then a plain (strided) copy out of this small buffer, and each input
+ * element is rounded once per block instead of once per tap. */
+static inline void pcb_pad_rows(const float *restrict x, int C, int H, int W, int pad, int hp0, int R,
+                                uint16_t *restrict xb)
 {
-    int c = k / (K * K), kh = (k / K) % K, kw = k % K;
-    int q_lo, q_hi;
-    pc_valid_q(W, Q, S, kw, pad, &q_lo, &q_hi);
-    const float *xc = x + (pc_idx)c * H * W;
-    for (int p = p0; p < p1; p++) {
-        uint16_t *d = dst + (pc_idx)(p - p0) * Q;
-        int h = p * S + kh - pad;
-        if (h < 0 || h >= H) {
-            memset(d, 0, sizeof(uint16_t) * (size_t)Q);
-            continue;
-        }
-        const float *s = xc + (pc_idx)h * W + (kw - pad);
-        for (int q = 0; q < q_lo; q++) d[q] = 0;
-        if (S == 1) {
+    int Wp = W + 2 * pad;
+    for (int c = 0; c < C; c++) {
+        for (int r = 0; r < R; r++) {
+            uint16_t *d = xb + ((pc_idx)c * R + r) * Wp;
+            int h = hp0 + r - pad;
+            if (h < 0 || h >= H) {
+                memset(d, 0, sizeof(uint16_t) * (size_t)Wp);
+                continue;
+            }
+            const float *s = x + ((pc_idx)c * H + h) * W;
+            for (int q = 0; q < pad; q++) d[q] = d[pad + W + q] = 0;
+            d += pad;
             PC_SIMD
-            for (int q = q_lo; q < q_hi; q++) d[q] = (uint16_t)pcb_bf16(s[q]);
-        } else {
-            for (int q = q_lo; q < q_hi; q++) d[q] = (uint16_t)pcb_bf16(s[(pc_idx)q * S]);
+            for (int q = 0; q < W; q++) d[q] = (uint16_t)pcb_bf16(s[q]);
         }
-        for (int q = q_hi; q < Q; q++) d[q] = 0;
     }
 }
 
-/* The B panel of a convolution's forward for output rows [p0, p1) of one image: pairs of im2col
- * rows interleaved, panel[t][j] = (row 2t, row 2t+1)[j], j < npix, zero up to ldb. tmp: 2 x ldb u16. */
-static inline void pcb_im2col_pairs(const float *restrict x, int C, int H, int W, int K, int S, int pad,
-                                    int Q, int p0, int p1, uint32_t *restrict panel, pc_idx ldb,
-                                    uint16_t *restrict tmp)
+/* The rows of pcb_pad_rows a block of output rows [p0, p1) reads. */
+static inline int pcb_block_rows(int p0, int p1, int K, int S) { return (p1 - 1 - p0) * S + K; }
+
+/* Where im2col row k = (c, kh, kw) of output row p starts in xb (the block's first row is p0). */
+static inline const uint16_t *pcb_tap(const uint16_t *xb, int R, int Wp, int K, int S, int p0, int p, int k)
 {
-    int Kd = C * K * K;
+    int c = k / (K * K), kh = (k / K) % K, kw = k % K;
+    return xb + ((pc_idx)c * R + (p - p0) * S + kh) * Wp + kw;
+}
+
+/* The B panel of a convolution's forward for output rows [p0, p1): pairs of im2col rows
+ * interleaved, panel[t][j] = (row 2t, row 2t+1)[j], j < npix, zero up to ldb; xb from pcb_pad_rows. */
+static inline void pcb_im2col_pairs(const uint16_t *restrict xb, int R, int Wp, int Kd, int K, int S,
+                                    int Q, int p0, int p1, uint32_t *restrict panel, pc_idx ldb)
+{
     pc_idx npix = (pc_idx)(p1 - p0) * Q;
-    uint16_t *t0 = tmp, *t1 = tmp + ldb;
     for (int t = 0; 2 * t < Kd; t++) {
         uint32_t *d = panel + (pc_idx)t * ldb;
-        pcb_im2col_row(x, H, W, K, S, pad, Q, p0, p1, 2 * t, t0);
-        if (2 * t + 1 < Kd) {
-            pcb_im2col_row(x, H, W, K, S, pad, Q, p0, p1, 2 * t + 1, t1);
-            PC_SIMD
-            for (pc_idx j = 0; j < npix; j++) d[j] = (uint32_t)t0[j] | (uint32_t)t1[j] << 16;
-        } else {
-            PC_SIMD
-            for (pc_idx j = 0; j < npix; j++) d[j] = t0[j];
+        for (int p = p0; p < p1; p++, d += Q) {
+            const uint16_t *s0 = pcb_tap(xb, R, Wp, K, S, p0, p, 2 * t);
+            if (2 * t + 1 < Kd) {
+                const uint16_t *s1 = pcb_tap(xb, R, Wp, K, S, p0, p, 2 * t + 1);
+                if (S == 1) {
+                    PC_SIMD
+                    for (int q = 0; q < Q; q++) d[q] = (uint32_t)s0[q] | (uint32_t)s1[q] << 16;
+                } else {
+                    for (int q = 0; q < Q; q++) d[q] = (uint32_t)s0[q * S] | (uint32_t)s1[q * S] << 16;
+                }
+            } else {
+                for (int q = 0; q < Q; q++) d[q] = s0[q * S];
+            }
         }
+        d = panel + (pc_idx)t * ldb;
         for (pc_idx j = npix; j < ldb; j++) d[j] = 0;
     }
 }
@@ -212,11 +222,35 @@ static int pcb_cpu_native(void)
     return __builtin_cpu_supports("avx512bf16") != 0;
 }
 
-/* One tile: Cm[r][j] (= or +=) sum_t dot(A[r][t], B[t][j]) for r < rows <= PCB_MR, j < cols <= PCB_NR,
- * over kp reduction pairs. Stores add brow[r] (per row) or bcol[j] (per column) when given; with
+/* One tile: Cm[r][j] (= or +=) sum_t dot(a[r][t], B_t[j]) for r < rows <= PCB_MR, j < cols <= PCB_NR,
+ * over kp reduction pairs; B_t = B + boff[t] where the rows of B lie apart (shifted views of one
+ * image), else B + t * ldb. Stores add brow[r] (per row) or bcol[j] (per column) when given; with
  * accumulate, the sum is added to Cm instead. Rows past `rows` re-read row 0 and are not stored. */
-PCB_TARGET static void pcb_tile(const uint32_t *restrict A, pc_idx lda, int rows,
-                                const uint32_t *restrict B, pc_idx ldb, pc_idx kp,
+#define PCB_TILE_LOOP(BROW)                                                                        \
+    if (cols > 16) {                                                                               \
+        for (pc_idx t = 0; t < kp; t++) {                                                          \
+            const uint32_t *bt = BROW;                                                             \
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)bt);                    \
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(bt + 16));             \
+            _Pragma("GCC unroll 8")                                                                \
+            for (int r = 0; r < PCB_MR; r++) {                                                     \
+                const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r][t]);                     \
+                c0[r] = _mm512_dpbf16_ps(c0[r], ar, b0);                                           \
+                c1[r] = _mm512_dpbf16_ps(c1[r], ar, b1);                                           \
+            }                                                                                      \
+        }                                                                                          \
+    } else {                                                                                       \
+        for (pc_idx t = 0; t < kp; t++) {                                                          \
+            const uint32_t *bt = BROW;                                                             \
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)bt);                    \
+            _Pragma("GCC unroll 8")                                                                \
+            for (int r = 0; r < PCB_MR; r++)                                                       \
+                c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)_mm512_set1_epi32((int)a[r][t]), b0);    \
+        }                                                                                          \
+    }
+
+PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
+                                const uint32_t *restrict B, const pc_idx *restrict boff, pc_idx ldb, pc_idx kp,
                                 float *restrict Cm, pc_idx ldc, int cols,
                                 const float *restrict brow, const float *restrict bcol, int accumulate)
 {
@@ -224,28 +258,14 @@ PCB_TARGET static void pcb_tile(const uint32_t *restrict A, pc_idx lda, int rows
     __m512 c0[PCB_MR], c1[PCB_MR];
 #pragma GCC unroll 8
     for (int r = 0; r < PCB_MR; r++) {
-        a[r] = A + (r < rows ? (pc_idx)r * lda : 0);
+        a[r] = arow[r < rows ? r : 0];
         c0[r] = _mm512_setzero_ps();
         c1[r] = _mm512_setzero_ps();
     }
-    if (cols > 16) {
-        for (pc_idx t = 0; t < kp; t++) {
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(B + t * ldb));
-            const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(B + t * ldb + 16));
-#pragma GCC unroll 8
-            for (int r = 0; r < PCB_MR; r++) {
-                const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r][t]);
-                c0[r] = _mm512_dpbf16_ps(c0[r], ar, b0);
-                c1[r] = _mm512_dpbf16_ps(c1[r], ar, b1);
-            }
-        }
+    if (boff != NULL) {
+        PCB_TILE_LOOP(B + boff[t])
     } else {
-        for (pc_idx t = 0; t < kp; t++) {
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(B + t * ldb));
-#pragma GCC unroll 8
-            for (int r = 0; r < PCB_MR; r++)
-                c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)_mm512_set1_epi32((int)a[r][t]), b0);
-        }
+        PCB_TILE_LOOP(B + t * ldb)
     }
     const __mmask16 m0 = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
     const __mmask16 m1 = cols >= 32 ? (__mmask16)0xffff : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1u) : 0;
@@ -273,20 +293,34 @@ PCB_TARGET static void pcb_tile(const uint32_t *restrict A, pc_idx lda, int rows
 }
 
 /* Cm (rows x cols) (= or +=) A B over kp pairs, in tiles: column blocks of PCB_NR outside, so one
- * block of B (kp x 32 pairs) stays in cache while every block of rows of A passes over it. */
-PCB_TARGET static void pcb_gemm(const uint32_t *restrict A, pc_idx lda, pc_idx rows,
-                                const uint32_t *restrict B, pc_idx ldb, pc_idx kp,
-                                float *restrict Cm, pc_idx ldc, pc_idx cols,
-                                const float *restrict brow, const float *restrict bcol, int accumulate)
+ * block of B (kp x 32 pairs) stays in cache while every block of rows of A passes over it. Row r of
+ * A is arow[r] where given (rows scattered over shifted views), else A + r * lda; B's rows as
+ * pcb_tile's. */
+PCB_TARGET static void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                                  const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                                  float *Cm, pc_idx ldc, pc_idx cols,
+                                  const float *brow, const float *bcol, int accumulate)
 {
+    const uint32_t *rowp[PCB_MR];
     for (pc_idx j = 0; j < cols; j += PCB_NR) {
         int nc = (int)(cols - j < PCB_NR ? cols - j : PCB_NR);
         for (pc_idx r = 0; r < rows; r += PCB_MR) {
             int nr = (int)(rows - r < PCB_MR ? rows - r : PCB_MR);
-            pcb_tile(A + r * lda, lda, nr, B + j, ldb, kp, Cm + r * ldc + j, ldc, nc,
+            const uint32_t *const *ap = arow + r;
+            if (arow == NULL) {
+                for (int i = 0; i < nr; i++) rowp[i] = A + (r + i) * lda;
+                ap = rowp;
+            }
+            pcb_tile(ap, nr, B + j, boff, ldb, kp, Cm + r * ldc + j, ldc, nc,
                      brow ? brow + r : NULL, bcol ? bcol + j : NULL, accumulate);
         }
     }
+}
+
+static inline void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const uint32_t *B, pc_idx ldb, pc_idx kp,
+                            float *Cm, pc_idx ldc, pc_idx cols, const float *brow, const float *bcol, int accumulate)
+{
+    pcb_gemm_x(A, lda, NULL, rows, B, NULL, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate);
 }
 
 #else
@@ -294,11 +328,18 @@ PCB_TARGET static void pcb_gemm(const uint32_t *restrict A, pc_idx lda, pc_idx r
 static int pcb_cpu_native(void) { return 0; }
 
 /* this level has no VDPBF16PS: _bf16.pyx raises before any caller gets here */
-static void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const uint32_t *B, pc_idx ldb, pc_idx kp,
-                     float *Cm, pc_idx ldc, pc_idx cols, const float *brow, const float *bcol, int accumulate)
+static void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                       const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, float *Cm, pc_idx ldc,
+                       pc_idx cols, const float *brow, const float *bcol, int accumulate)
 {
-    (void)A; (void)lda; (void)rows; (void)B; (void)ldb; (void)kp;
+    (void)A; (void)lda; (void)arow; (void)rows; (void)B; (void)boff; (void)ldb; (void)kp;
     (void)Cm; (void)ldc; (void)cols; (void)brow; (void)bcol; (void)accumulate;
+}
+
+static inline void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const uint32_t *B, pc_idx ldb, pc_idx kp,
+                            float *Cm, pc_idx ldc, pc_idx cols, const float *brow, const float *bcol, int accumulate)
+{
+    pcb_gemm_x(A, lda, NULL, rows, B, NULL, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate);
 }
 #endif
 
@@ -306,34 +347,204 @@ static void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const uint32_t 
 
 /* Forward for output rows [p0, p1) of one image: y[o][p][q] = b[o] + sum_k wr[o][k] cols[k][p, q].
  * wr: the rounded filters as pairs [O][kp] (kp = ceil(Kd/2)); panel: kp x ldb pairs, ldb =
- * up16(npix); tmp: 2 x ldb u16. y: the image's (O, P, Q) output. */
+ * up16(npix); xb: C x pcb_block_rows x (W + 2 pad) u16. y: the image's (O, P, Q) output. */
 static inline void pcb_conv_fwd_block(const float *restrict x, int C, int H, int W, const uint32_t *restrict wr,
                                       int O, int K, int S, int pad, const float *restrict b,
                                       float *restrict y, int P, int Q, int p0, int p1,
-                                      uint32_t *restrict panel, uint16_t *restrict tmp)
+                                      uint32_t *restrict panel, uint16_t *restrict xb)
 {
     pc_idx npix = (pc_idx)(p1 - p0) * Q, ldb = pcb_up16(npix), kp = ((pc_idx)C * K * K + 1) / 2;
-    pcb_im2col_pairs(x, C, H, W, K, S, pad, Q, p0, p1, panel, ldb, tmp);
+    int R = pcb_block_rows(p0, p1, K, S), Wp = W + 2 * pad;
+    pcb_pad_rows(x, C, H, W, pad, p0 * S, R, xb);
+    pcb_im2col_pairs(xb, R, Wp, C * K * K, K, S, Q, p0, p1, panel, ldb);
     pcb_gemm(wr, kp, O, panel, ldb, kp, y + (pc_idx)p0 * Q, (pc_idx)P * Q, npix, b, NULL, 0);
 }
 
 /* Weight gradient of output rows [p0, p1) of one image, added into part (Kd x ldo, transposed):
  * part[k][o] += sum_pix cols[k][pix] dy[o][pix]. cols: Kd x npp pairs (npp = ceil(npix/2)) along the
- * pixels, straight from im2col; dyt: npp x ldo pairs (ldo = up16(O)). */
+ * pixels, straight from im2col; dyt: npp x ldo pairs (ldo = up16(O)); xb as pcb_conv_fwd_block's. */
 static inline void pcb_conv_dw_block(const float *restrict x, int C, int H, int W, int K, int S, int pad,
                                      const float *restrict dy, int O, int P, int Q, int p0, int p1,
                                      float *restrict part, pc_idx ldo, uint32_t *restrict cols,
-                                     uint32_t *restrict dyt)
+                                     uint32_t *restrict dyt, uint16_t *restrict xb)
 {
-    int Kd = C * K * K;
+    int Kd = C * K * K, R = pcb_block_rows(p0, p1, K, S), Wp = W + 2 * pad;
     pc_idx npix = (pc_idx)(p1 - p0) * Q, npp = (npix + 1) / 2;
+    pcb_pad_rows(x, C, H, W, pad, p0 * S, R, xb);
     for (int k = 0; k < Kd; k++) {
         uint16_t *row = (uint16_t *)(cols + (pc_idx)k * npp);
-        pcb_im2col_row(x, H, W, K, S, pad, Q, p0, p1, k, row);
-        if (npix & 1) row[npix] = 0;
+        for (int p = p0; p < p1; p++, row += Q) {
+            const uint16_t *s = pcb_tap(xb, R, Wp, K, S, p0, p, k);
+            if (S == 1) {
+                memcpy(row, s, sizeof(uint16_t) * (size_t)Q);
+            } else {
+                for (int q = 0; q < Q; q++) row[q] = s[q * S];
+            }
+        }
+        if (npix & 1) *row = 0;
     }
     pcb_pack_along_t(dy + (pc_idx)p0 * Q, (pc_idx)P * Q, O, npix, dyt, ldo, 0, npp);
     pcb_gemm(cols, npp, Kd, dyt, ldo, npp, part, ldo, O, NULL, NULL, 1);
+}
+
+/* ------------------------------------------------------------ stride 1 without im2col
+ * At stride 1 every tap of a block of output rows [p0, p0 + nr) is a shifted view of the block's
+ * padded input rows laid end to end: with the flat pixel index j = (p - p0) * Wp + q, q < Wp
+ * (Wp = W + 2 pad; the K - 1 columns q >= Q are computed and dropped), tap (c, kh, kw) reads
+ * xb[c][j + kh * Wp + kw]. Pairs of taps are then pairs of such views, built once per block
+ * instead of once per output pixel and tap:
+ *   hz[c][j] = (xb[c][j], xb[c][j + 1])   taps (kh, kw), (kh, kw + 1), kw even < K - 1;
+ *   vt[c][j] = (xb[c][j], xb[c][j + Wp])  taps (kh, K - 1), (kh + 1, K - 1), kh even < K - 1 (K odd);
+ *   cp[c/2][j] = (xb[c][j], xb[c + 1][j]) tap (K - 1, K - 1) of channels c, c + 1 (K odd; the last
+ *                                         of an odd C with a literal zero).
+ * For K = 3 that is 4.5 pairs per channel, exactly the 9 taps, and 2.5 words per input element. */
+
+/* Pairs of taps per convolution at stride 1 (the reduction length of the GEMM). */
+static inline pc_idx pcb_s1_pairs(int C, int K)
+{
+    pc_idx per = (pc_idx)K * (K / 2) + (K & 1 ? (K - 1) / 2 : 0);
+    return (pc_idx)C * per + (K & 1 ? (C + 1) / 2 : 0);
+}
+
+/* Words per channel of a block's flat buffers for nr output rows: the nr + K - 1 input rows, a zero
+ * row and slack for the last vector's reads past the end of a view; even, so u32 views of the u16
+ * buffer stay aligned. */
+static inline pc_idx pcb_s1_len(int nr, int K, int Wp) { return ((pc_idx)(nr + K) * Wp + K + 64 + 1) & ~(pc_idx)1; }
+
+/* The pair schedule: boff[t] (where pair t's view starts in the block's images: hz at 0, vt at
+ * C*L, cp at 2*C*L words) and the filters' matching pairs ws[o][t], rounded. w: (O, C, K, K). */
+static inline void pcb_s1_schedule(const float *restrict w, int O, int C, int K, int Wp, pc_idx L,
+                                   pc_idx *restrict boff, uint32_t *restrict ws)
+{
+    pc_idx kp = pcb_s1_pairs(C, K), KK = (pc_idx)K * K;
+    for (int o = 0; o < O; o++) {
+        const float *wo = w + (pc_idx)o * C * KK;
+        uint32_t *d = ws + (pc_idx)o * kp;
+        pc_idx t = 0;
+        for (int c = 0; c < C; c++) {
+            const float *wc = wo + c * KK;
+            for (int kh = 0; kh < K; kh++)
+                for (int kw = 0; kw + 1 < K; kw += 2, t++) {
+                    boff[t] = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
+                    d[t] = pcb_bf16(wc[kh * K + kw]) | pcb_bf16(wc[kh * K + kw + 1]) << 16;
+                }
+            if (K & 1)
+                for (int kh = 0; kh + 1 < K; kh += 2, t++) {
+                    boff[t] = (pc_idx)(C + c) * L + (pc_idx)kh * Wp + K - 1;
+                    d[t] = pcb_bf16(wc[kh * K + K - 1]) | pcb_bf16(wc[(kh + 1) * K + K - 1]) << 16;
+                }
+        }
+        if (K & 1)
+            for (int c = 0; c < C; c += 2, t++) {
+                boff[t] = (pc_idx)(2 * C + c / 2) * L + (pc_idx)(K - 1) * Wp + K - 1;
+                uint32_t hi = c + 1 < C ? pcb_bf16(wo[(c + 1) * KK + KK - 1]) : 0;
+                d[t] = pcb_bf16(wo[c * KK + KK - 1]) | hi << 16;
+            }
+        (void)kp;
+    }
+}
+
+/* The block's flat input: xb[c][r * Wp + w'] = bf16(x[c][p0 + r - pad][w' - pad]) for r < nr + K - 1,
+ * zero elsewhere up to L. */
+static inline void pcb_s1_flat(const float *restrict x, int C, int H, int W, int pad, int p0, int nr, int K,
+                               uint16_t *restrict xb, pc_idx L)
+{
+    int Wp = W + 2 * pad, R = nr + K - 1;
+    for (int c = 0; c < C; c++) {
+        pcb_pad_rows(x + (pc_idx)c * H * W, 1, H, W, pad, p0, R, xb + (pc_idx)c * L);
+        memset(xb + (pc_idx)c * L + (pc_idx)R * Wp, 0, sizeof(uint16_t) * (size_t)(L - (pc_idx)R * Wp));
+    }
+}
+
+/* Forward at stride 1 for output rows [p0, p1) of one image (see above). ws, boff: pcb_s1_schedule;
+ * xb: C x L u16; img: (2C + ceil(C/2)) x L words; acc: O x up16(nr * Wp) floats. */
+static inline void pcb_s1_fwd_block(const float *restrict x, int C, int H, int W, int K, int pad,
+                                    const uint32_t *restrict ws, const pc_idx *restrict boff, int O,
+                                    const float *restrict b, float *restrict y, int P, int Q, int p0, int p1,
+                                    pc_idx L, uint16_t *restrict xb, uint32_t *restrict img, float *restrict acc)
+{
+    int Wp = W + 2 * pad, nr = p1 - p0;
+    pc_idx kp = pcb_s1_pairs(C, K), npf = (pc_idx)nr * Wp, lda = pcb_up16(npf);
+    pcb_s1_flat(x, C, H, W, pad, p0, nr, K, xb, L);
+    for (int c = 0; c < C; c++) {
+        const uint16_t *s = xb + (pc_idx)c * L;
+        uint32_t *hz = img + (pc_idx)c * L, *vt = img + (pc_idx)(C + c) * L;
+        if (K > 1) {
+            PC_SIMD
+            for (pc_idx j = 0; j < L - 1; j++) hz[j] = (uint32_t)s[j] | (uint32_t)s[j + 1] << 16;
+            hz[L - 1] = s[L - 1];
+        }
+        if (K > 1 && (K & 1)) {
+            PC_SIMD
+            for (pc_idx j = 0; j < L - Wp; j++) vt[j] = (uint32_t)s[j] | (uint32_t)s[j + Wp] << 16;
+            for (pc_idx j = L - Wp; j < L; j++) vt[j] = s[j];
+        }
+    }
+    if (K & 1) {
+        for (int c = 0; c < C; c += 2) {
+            const uint16_t *s0 = xb + (pc_idx)c * L;
+            uint32_t *d = img + (pc_idx)(2 * C + c / 2) * L;
+            if (c + 1 < C) {
+                const uint16_t *s1 = s0 + L;
+                PC_SIMD
+                for (pc_idx j = 0; j < L; j++) d[j] = (uint32_t)s0[j] | (uint32_t)s1[j] << 16;
+            } else {
+                PC_SIMD
+                for (pc_idx j = 0; j < L; j++) d[j] = s0[j];
+            }
+        }
+    }
+    pcb_gemm_x(ws, kp, NULL, O, img, boff, 0, kp, acc, lda, npf, NULL, NULL, 0);
+    for (int o = 0; o < O; o++) {
+        float bo = b ? b[o] : 0.0f;
+        for (int p = p0; p < p1; p++) {
+            const float *s = acc + (pc_idx)o * lda + (pc_idx)(p - p0) * Wp;
+            float *d = y + ((pc_idx)o * P + p) * Q;
+            if (b) {
+                PC_SIMD
+                for (int q = 0; q < Q; q++) d[q] = s[q] + bo;
+            } else {
+                memcpy(d, s, sizeof(float) * (size_t)Q);
+            }
+        }
+    }
+}
+
+/* Weight gradient at stride 1 of output rows [p0, p1) of one image, added into part (Kd x ldo,
+ * transposed): im2col's row k is the view of xb at tap k's offset, read as pairs of pixels (from
+ * a copy of xb shifted by one element where the offset is odd), so no im2col is built. The
+ * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: Kd pointers; dyt: npp x ldo words
+ * (npp = ceil(nr * Wp / 2)). */
+static inline void pcb_s1_dw_block(const float *restrict x, int C, int H, int W, int K, int pad,
+                                   const float *restrict dy, int O, int P, int Q, int p0, int p1, pc_idx L,
+                                   float *restrict part, pc_idx ldo, uint16_t *restrict xb,
+                                   const uint32_t **restrict arow, uint32_t *restrict dyt)
+{
+    int Wp = W + 2 * pad, nr = p1 - p0, Kd = C * K * K;
+    pc_idx npf = (pc_idx)nr * Wp, npp = (npf + 1) / 2, CL = (pc_idx)C * L;
+    uint16_t *xb1 = xb + CL;
+    pcb_s1_flat(x, C, H, W, pad, p0, nr, K, xb, L);
+    memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
+    xb1[CL - 1] = 0;
+    for (int k = 0; k < Kd; k++) {
+        int c = k / (K * K), kh = (k / K) % K, kw = k % K;
+        pc_idx off = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
+        arow[k] = (const uint32_t *)(off & 1 ? xb1 + off - 1 : xb + off);
+    }
+    /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end */
+    memset(dyt, 0, sizeof(uint32_t) * (size_t)(npp * ldo));
+    uint16_t *h = (uint16_t *)dyt;
+    for (int o = 0; o < O; o++) {
+        for (int p = p0; p < p1; p++) {
+            const float *s = dy + ((pc_idx)o * P + p) * Q;
+            pc_idx j0 = (pc_idx)(p - p0) * Wp;
+            for (int q = 0; q < Q; q++) {
+                pc_idx j = j0 + q;
+                h[((j >> 1) * ldo + o) * 2 + (j & 1)] = (uint16_t)pcb_bf16(s[q]);
+            }
+        }
+    }
+    pcb_gemm_x(NULL, 0, arow, Kd, dyt, NULL, ldo, npp, part, ldo, O, NULL, NULL, 1);
 }
 
 /* Input gradient of one image through im2col's transpose, for any stride and padding: per block of
