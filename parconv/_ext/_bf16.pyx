@@ -56,10 +56,11 @@ cdef extern from "pc_bf16.h":
     Py_ssize_t pcb_s1_len(int nr, int K, int Wp) noexcept nogil
     void pcb_s1_schedule(const float *w, int O, int C, int K, int Wp, Py_ssize_t L, Py_ssize_t *boff,
                          uint32_t *ws) noexcept nogil
-    void pcb_s1_fwd_block(const float *x, int C, int H, int W, int K, int pad, const uint32_t *ws,
+    int pcb_s1_rows(int m, int p0, int p1, int K) noexcept nogil
+    void pcb_s1_fwd_block(const float *x, int m, int C, int H, int W, int K, int pad, const uint32_t *ws,
                           const Py_ssize_t *boff, int O, const float *b, float *y, int P, int Q, int p0, int p1,
                           Py_ssize_t L, uint16_t *xb, uint32_t *img, float *acc) noexcept nogil
-    void pcb_s1_dw_block(const float *x, int C, int H, int W, int K, int pad, const float *dy, int O, int P,
+    void pcb_s1_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, const float *dy, int O, int P,
                          int Q, int p0, int p1, Py_ssize_t L, float *part, Py_ssize_t ldo, uint16_t *xb,
                          const uint32_t **arow, uint32_t *dyt) noexcept nogil
     void pcb_conv_dx_image(const uint32_t *wt, int C, int H, int W, int K, int S, int pad, const float *dy,
@@ -168,6 +169,18 @@ cdef int _rows_per_block(Py_ssize_t bytes_per_pixel, int P, int Q, int N, int nt
     while rb > 1 and <Py_ssize_t>N * ((P + rb - 1) // rb) < want:
         rb = (rb + 1) // 2
     return <int>rb
+
+
+cdef int _images_per_block(Py_ssize_t bytes_per_image, bint whole, int N, int nt) noexcept nogil:
+    """Images stacked into one block where a whole image's panel is small: as many as fit PANEL_BYTES,
+    leaving PC_BLOCKS_PER_THREAD blocks per thread."""
+    cdef Py_ssize_t m
+    if not whole or bytes_per_image <= 0:
+        return 1
+    m = PANEL_BYTES // bytes_per_image
+    if m > N // (<Py_ssize_t>nt * PC_BLOCKS_PER_THREAD):
+        m = N // (<Py_ssize_t>nt * PC_BLOCKS_PER_THREAD)
+    return <int>(m if m > 1 else 1)
 
 
 cdef void _pack(int kind, const float *src, Py_ssize_t lds, Py_ssize_t rows, Py_ssize_t cols,
@@ -300,14 +313,17 @@ cdef int _conv_fwd_s1(const float *x, int N, int C, int H, int W, const float *w
     """Stride 1 without im2col (pcb_s1_fwd_block): blocks of (image, output rows)."""
     cdef int Wp = W + 2 * pad
     # per output row of a block: the flat input (2 bytes), its pair views (2.5 words) and the sums
-    cdef int rb = _rows_per_block(<Py_ssize_t>C * 12 + O * 4, P, Wp, N, num_threads)
+    cdef Py_ssize_t per_pixel = <Py_ssize_t>C * 12 + O * 4
+    cdef int rb = _rows_per_block(per_pixel, P, Wp, N, num_threads)
+    cdef int m = _images_per_block(per_pixel * Wp * (P + K - 1), rb == P, N, num_threads)
     cdef int nbp = (P + rb - 1) // rb
-    cdef Py_ssize_t nblocks = <Py_ssize_t>N * nbp, blk
-    cdef Py_ssize_t L = pcb_s1_len(rb, K, Wp), kp = pcb_s1_pairs(C, K)
-    cdef Py_ssize_t nimg = (2 * C + (C + 1) // 2) * L, lda = pcb_up16(<Py_ssize_t>rb * Wp)
+    cdef Py_ssize_t nblocks = (N + m - 1) // m if m > 1 else <Py_ssize_t>N * nbp, blk
+    cdef int nrf = pcb_s1_rows(m, 0, rb, K)
+    cdef Py_ssize_t L = pcb_s1_len(nrf, K, Wp), kp = pcb_s1_pairs(C, K)
+    cdef Py_ssize_t nimg = (2 * C + (C + 1) // 2) * L, lda = pcb_up16(<Py_ssize_t>nrf * Wp)
     cdef int nt = pc_team(nblocks, num_threads)
     cdef int failed[1]
-    cdef int n, p0
+    cdef int n, p0, mm
     cdef void *raw
     cdef uint32_t *img
     cdef Py_ssize_t *boff = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * kp)
@@ -326,9 +342,15 @@ cdef int _conv_fwd_s1(const float *x, int N, int C, int H, int W, const float *w
             failed[0] = 1
         for blk in prange(nblocks, schedule="dynamic"):
             if raw != NULL:
-                n = <int>(blk // nbp)
-                p0 = <int>(blk % nbp) * rb
-                pcb_s1_fwd_block(x + <Py_ssize_t>n * C * H * W, C, H, W, K, pad, ws, boff, O, b,
+                if m > 1:  # whole images, stacked
+                    n = <int>blk * m
+                    p0 = 0
+                    mm = _imin(m, N - n)
+                else:
+                    n = <int>(blk // nbp)
+                    p0 = <int>(blk % nbp) * rb
+                    mm = 1
+                pcb_s1_fwd_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, ws, boff, O, b,
                                  y + <Py_ssize_t>n * O * P * Q, P, Q, p0, _imin(P, p0 + rb), L,
                                  <uint16_t *>pc_align64(<float *>pc_align64(img + nimg) + O * lda), img,
                                  <float *>pc_align64(img + nimg))
@@ -422,18 +444,22 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     cdef bint s1 = S == 1
     cdef int Wp = W + 2 * pad
     # per output pixel: im2col's row elements (or, at stride 1, two flat copies of the input) and dy's pairs
-    cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2, P, Wp, 1, 1) if s1 else
+    cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2 + O * 2, P, Wp, 1, 1) if s1 else
                    _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
-    cdef int nbp = (P + rb - 1) // rb, ib
-    cdef Py_ssize_t L = pcb_s1_len(rb, K, Wp)
-    cdef Py_ssize_t npp = ((<Py_ssize_t>rb * (Wp if s1 else Q)) + 1) // 2
+    # stride 1: whole small images stacked into one block (a longer reduction per partial sum)
+    cdef int m = _images_per_block((<Py_ssize_t>C * 4 + ldo * 2 + O * 2) * Wp * (P + K - 1), s1 and rb == P,
+                                   N, num_threads) if s1 else 1
+    cdef int nbp = (P + rb - 1) // rb, ib, mm
+    cdef int nrf = pcb_s1_rows(m, 0, rb, K)
+    cdef Py_ssize_t L = pcb_s1_len(nrf, K, Wp)
+    cdef Py_ssize_t npp = ((<Py_ssize_t>(nrf * Wp if s1 else rb * Q)) + 1) // 2
     cdef Py_ssize_t xbn = 2 * C * L if s1 else <Py_ssize_t>C * ((rb - 1) * S + K) * Wp
     # stride 1: the rows' pointers; else the im2col rows themselves
     cdef Py_ssize_t colsn = Kd * 2 if s1 else Kd * npp
     cdef float *part = <float *>malloc(sizeof(float) * ng * Kd * ldo)
     cdef int nt = pc_team(ng, num_threads)
     cdef int failed[1]
-    cdef int g, n, p1
+    cdef int g, n, n1, p1
     cdef Py_ssize_t k, o, gi
     cdef float s
     cdef void *raw
@@ -446,27 +472,31 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     failed[0] = 0
     raw, cols = NULL, NULL
     with parallel(num_threads=nt):
-        raw = malloc(sizeof(uint32_t) * (colsn + npp * ldo) + sizeof(uint16_t) * xbn + 192)
+        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + O)) + sizeof(uint16_t) * xbn + 192)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
         for g in prange(ng, schedule="dynamic"):
             if raw != NULL:
                 dyt = <uint32_t *>pc_align64(cols + colsn)
-                xb = <uint16_t *>pc_align64(dyt + npp * ldo)
+                xb = <uint16_t *>pc_align64(dyt + npp * (ldo + O))
                 mine = part + g * Kd * ldo
                 memset(mine, 0, sizeof(float) * Kd * ldo)
-                for n in range(<int>(<Py_ssize_t>N * g // ng), <int>(<Py_ssize_t>N * (g + 1) // ng)):
+                n = <int>(<Py_ssize_t>N * g // ng)
+                n1 = <int>(<Py_ssize_t>N * (g + 1) // ng)
+                while n < n1:
+                    mm = _imin(m, n1 - n)
                     for ib in range(nbp):
                         p1 = _imin(P, ib * rb + rb)
                         if s1:
-                            pcb_s1_dw_block(x + <Py_ssize_t>n * C * H * W, C, H, W, K, pad,
+                            pcb_s1_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad,
                                             dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,
                                             xb, <const uint32_t **>cols, dyt)
                         else:
                             pcb_conv_dw_block(x + <Py_ssize_t>n * C * H * W, C, H, W, K, S, pad,
                                               dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1,
                                               mine, ldo, cols, dyt, xb)
+                    n = n + mm
         free(raw)
     if not failed[0]:
         for k in prange(Kd, schedule="static", num_threads=pc_threads_for(ng * Kd * O, Kd, num_threads)):

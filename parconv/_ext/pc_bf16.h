@@ -444,28 +444,36 @@ static inline void pcb_s1_schedule(const float *restrict w, int O, int C, int K,
     }
 }
 
-/* The block's flat input: xb[c][r * Wp + w'] = bf16(x[c][p0 + r - pad][w' - pad]) for r < nr + K - 1,
- * zero elsewhere up to L. */
-static inline void pcb_s1_flat(const float *restrict x, int C, int H, int W, int pad, int p0, int nr, int K,
-                               uint16_t *restrict xb, pc_idx L)
+/* The block's flat input: m images' padded rows [p0, p1 + K - 1) (RR = p1 - p0 + K - 1 rows each) laid
+ * end to end per channel, xb[c][(i * RR + r) * Wp + w'] = bf16(x_i[c][p0 + r - pad][w' - pad]), zero
+ * elsewhere up to L. Stacking the images of a block (m > 1, whole images) turns small planes into
+ * one long GEMM: the K - 1 rows between two images are output rows computed and dropped. */
+static inline void pcb_s1_flat(const float *restrict x, int m, int C, int H, int W, int pad, int p0, int p1,
+                               int K, uint16_t *restrict xb, pc_idx L)
 {
-    int Wp = W + 2 * pad, R = nr + K - 1;
+    int Wp = W + 2 * pad, RR = p1 - p0 + K - 1;
+    pc_idx used = (pc_idx)m * RR * Wp;
     for (int c = 0; c < C; c++) {
-        pcb_pad_rows(x + (pc_idx)c * H * W, 1, H, W, pad, p0, R, xb + (pc_idx)c * L);
-        memset(xb + (pc_idx)c * L + (pc_idx)R * Wp, 0, sizeof(uint16_t) * (size_t)(L - (pc_idx)R * Wp));
+        for (int i = 0; i < m; i++)
+            pcb_pad_rows(x + ((pc_idx)i * C + c) * H * W, 1, H, W, pad, p0, RR,
+                         xb + (pc_idx)c * L + (pc_idx)i * RR * Wp);
+        memset(xb + (pc_idx)c * L + used, 0, sizeof(uint16_t) * (size_t)(L - used));
     }
 }
 
+/* Output rows of a block in the flat index: (m - 1) * RR + p1 - p0. */
+static inline int pcb_s1_rows(int m, int p0, int p1, int K) { return (m - 1) * (p1 - p0 + K - 1) + p1 - p0; }
+
 /* Forward at stride 1 for output rows [p0, p1) of one image (see above). ws, boff: pcb_s1_schedule;
  * xb: C x L u16; img: (2C + ceil(C/2)) x L words; acc: O x up16(nr * Wp) floats. */
-static inline void pcb_s1_fwd_block(const float *restrict x, int C, int H, int W, int K, int pad,
+static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
                                     const uint32_t *restrict ws, const pc_idx *restrict boff, int O,
                                     const float *restrict b, float *restrict y, int P, int Q, int p0, int p1,
                                     pc_idx L, uint16_t *restrict xb, uint32_t *restrict img, float *restrict acc)
 {
-    int Wp = W + 2 * pad, nr = p1 - p0;
-    pc_idx kp = pcb_s1_pairs(C, K), npf = (pc_idx)nr * Wp, lda = pcb_up16(npf);
-    pcb_s1_flat(x, C, H, W, pad, p0, nr, K, xb, L);
+    int Wp = W + 2 * pad, RR = p1 - p0 + K - 1;
+    pc_idx kp = pcb_s1_pairs(C, K), npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, lda = pcb_up16(npf);
+    pcb_s1_flat(x, m, C, H, W, pad, p0, p1, K, xb, L);
     for (int c = 0; c < C; c++) {
         const uint16_t *s = xb + (pc_idx)c * L;
         uint32_t *hz = img + (pc_idx)c * L, *vt = img + (pc_idx)(C + c) * L;
@@ -495,11 +503,11 @@ static inline void pcb_s1_fwd_block(const float *restrict x, int C, int H, int W
         }
     }
     pcb_gemm_x(ws, kp, NULL, O, img, boff, 0, kp, acc, lda, npf, NULL, NULL, 0);
-    for (int o = 0; o < O; o++) {
+    for (int i = 0; i < m; i++) for (int o = 0; o < O; o++) {
         float bo = b ? b[o] : 0.0f;
         for (int p = p0; p < p1; p++) {
-            const float *s = acc + (pc_idx)o * lda + (pc_idx)(p - p0) * Wp;
-            float *d = y + ((pc_idx)o * P + p) * Q;
+            const float *s = acc + (pc_idx)o * lda + ((pc_idx)i * RR + p - p0) * Wp;
+            float *d = y + (((pc_idx)i * O + o) * P + p) * Q;
             if (b) {
                 PC_SIMD
                 for (int q = 0; q < Q; q++) d[q] = s[q] + bo;
@@ -514,16 +522,16 @@ static inline void pcb_s1_fwd_block(const float *restrict x, int C, int H, int W
  * transposed): im2col's row k is the view of xb at tap k's offset, read as pairs of pixels (from
  * a copy of xb shifted by one element where the offset is odd), so no im2col is built. The
  * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: Kd pointers; dyt: npp x ldo words
- * (npp = ceil(nr * Wp / 2)). */
-static inline void pcb_s1_dw_block(const float *restrict x, int C, int H, int W, int K, int pad,
+ * (npp = ceil(nr * Wp / 2)) and then O x npp words of scratch. */
+static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
                                    const float *restrict dy, int O, int P, int Q, int p0, int p1, pc_idx L,
                                    float *restrict part, pc_idx ldo, uint16_t *restrict xb,
                                    const uint32_t **restrict arow, uint32_t *restrict dyt)
 {
-    int Wp = W + 2 * pad, nr = p1 - p0, Kd = C * K * K;
-    pc_idx npf = (pc_idx)nr * Wp, npp = (npf + 1) / 2, CL = (pc_idx)C * L;
+    int Wp = W + 2 * pad, Kd = C * K * K;
+    pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, CL = (pc_idx)C * L;
     uint16_t *xb1 = xb + CL;
-    pcb_s1_flat(x, C, H, W, pad, p0, nr, K, xb, L);
+    pcb_s1_flat(x, m, C, H, W, pad, p0, p1, K, xb, L);
     memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
     xb1[CL - 1] = 0;
     for (int k = 0; k < Kd; k++) {
@@ -531,18 +539,30 @@ static inline void pcb_s1_dw_block(const float *restrict x, int C, int H, int W,
         pc_idx off = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
         arow[k] = (const uint32_t *)(off & 1 ? xb1 + off - 1 : xb + off);
     }
-    /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end */
-    memset(dyt, 0, sizeof(uint32_t) * (size_t)(npp * ldo));
-    uint16_t *h = (uint16_t *)dyt;
+    /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end:
+     * each filter's rows rounded into flat rows first (vectorised), then one transposing pass of words */
+    uint16_t *h = (uint16_t *)(dyt + npp * ldo);
     for (int o = 0; o < O; o++) {
-        for (int p = p0; p < p1; p++) {
-            const float *s = dy + ((pc_idx)o * P + p) * Q;
-            pc_idx j0 = (pc_idx)(p - p0) * Wp;
-            for (int q = 0; q < Q; q++) {
-                pc_idx j = j0 + q;
-                h[((j >> 1) * ldo + o) * 2 + (j & 1)] = (uint16_t)pcb_bf16(s[q]);
+        uint16_t *d = h + (pc_idx)o * 2 * npp;
+        for (int i = 0; i < m; i++) {
+            for (int p = p0; p < p1; p++, d += Wp) {
+                const float *s = dy + (((pc_idx)i * O + o) * P + p) * Q;
+                PC_SIMD
+                for (int q = 0; q < Q; q++) d[q] = (uint16_t)pcb_bf16(s[q]);
+                for (int q = Q; q < Wp; q++) d[q] = 0;
+            }
+            if (i + 1 < m) {  /* the rows between two images */
+                memset(d, 0, sizeof(uint16_t) * (size_t)(K - 1) * Wp);
+                d += (pc_idx)(K - 1) * Wp;
             }
         }
+        if (npf & 1) *d = 0;
+    }
+    const uint32_t *h32 = (const uint32_t *)h;
+    for (pc_idx jp = 0; jp < npp; jp++) {
+        uint32_t *d = dyt + jp * ldo;
+        for (int o = 0; o < O; o++) d[o] = h32[(pc_idx)o * npp + jp];
+        for (pc_idx o = O; o < ldo; o++) d[o] = 0;
     }
     pcb_gemm_x(NULL, 0, arow, Kd, dyt, NULL, ldo, npp, part, ldo, O, NULL, NULL, 1);
 }
