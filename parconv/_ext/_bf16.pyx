@@ -60,6 +60,7 @@ cdef extern from "pc_bf16.h":
     void pcb_s1_fwd_block(const float *x, int m, int C, int H, int W, int K, int pad, const uint32_t *ws,
                           const Py_ssize_t *boff, int O, const float *b, float *y, int P, int Q, int p0, int p1,
                           Py_ssize_t L, uint16_t *xb, uint32_t *img, float *acc) noexcept nogil
+    void pcb_s1_dw_rows(int C, int K, int Wp, Py_ssize_t L, const uint16_t *xb, const uint32_t **arow) noexcept nogil
     void pcb_s1_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, const float *dy, int O, int P,
                          int Q, int p0, int p1, Py_ssize_t L, float *part, Py_ssize_t ldo, uint16_t *xb,
                          const uint32_t **arow, uint32_t *dyt) noexcept nogil
@@ -74,6 +75,9 @@ cdef enum:
     DOWN_T = 3
     # an im2col panel (or a block's dcols) of at most this many bytes: with the filters it stays in L2
     PANEL_BYTES = 196608
+    # the same for the stacked images of a weight gradient's block at stride 1: a longer reduction
+    # per pass over the partial sums (Kd x O floats)
+    DW_PANEL_BYTES = 524288
     # elements per block of round_to_bf16
     ROUND_CHUNK = 65536
     # linear: rows x columns of y (or dx, dw) per block handed to a thread
@@ -171,13 +175,14 @@ cdef int _rows_per_block(Py_ssize_t bytes_per_pixel, int P, int Q, int N, int nt
     return <int>rb
 
 
-cdef int _images_per_block(Py_ssize_t bytes_per_image, bint whole, int N, int nt) noexcept nogil:
-    """Images stacked into one block where a whole image's panel is small: as many as fit PANEL_BYTES,
+cdef int _images_per_block(Py_ssize_t bytes_per_image, bint whole, int N, int nt,
+                           Py_ssize_t budget=PANEL_BYTES) noexcept nogil:
+    """Images stacked into one block where a whole image's panel is small: as many as fit the budget,
     leaving PC_BLOCKS_PER_THREAD blocks per thread."""
     cdef Py_ssize_t m
     if not whole or bytes_per_image <= 0:
         return 1
-    m = PANEL_BYTES // bytes_per_image
+    m = budget // bytes_per_image
     if m > N // (<Py_ssize_t>nt * PC_BLOCKS_PER_THREAD):
         m = N // (<Py_ssize_t>nt * PC_BLOCKS_PER_THREAD)
     return <int>(m if m > 1 else 1)
@@ -448,7 +453,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                    _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
     # stride 1: whole small images stacked into one block (a longer reduction per partial sum)
     cdef int m = _images_per_block((<Py_ssize_t>C * 4 + ldo * 2 + O * 2) * Wp * (P + K - 1), s1 and rb == P,
-                                   N, num_threads) if s1 else 1
+                                   N, num_threads, DW_PANEL_BYTES) if s1 else 1
     cdef int nbp = (P + rb - 1) // rb, ib, mm
     cdef int nrf = pcb_s1_rows(m, 0, rb, K)
     cdef Py_ssize_t L = pcb_s1_len(nrf, K, Wp)
@@ -470,16 +475,19 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     if part == NULL:
         return 1
     failed[0] = 0
-    raw, cols = NULL, NULL
+    raw, cols, dyt, xb = NULL, NULL, NULL, NULL
     with parallel(num_threads=nt):
         raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + O)) + sizeof(uint16_t) * xbn + 192)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
+        else:
+            dyt = <uint32_t *>pc_align64(cols + colsn)
+            xb = <uint16_t *>pc_align64(dyt + npp * (ldo + O))
+            if s1:
+                pcb_s1_dw_rows(C, K, Wp, L, xb, <const uint32_t **>cols)
         for g in prange(ng, schedule="dynamic"):
             if raw != NULL:
-                dyt = <uint32_t *>pc_align64(cols + colsn)
-                xb = <uint16_t *>pc_align64(dyt + npp * (ldo + O))
                 mine = part + g * Kd * ldo
                 memset(mine, 0, sizeof(float) * Kd * ldo)
                 n = <int>(<Py_ssize_t>N * g // ng)

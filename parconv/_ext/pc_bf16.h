@@ -292,29 +292,38 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
     }
 }
 
-/* Cm (rows x cols) (= or +=) A B over kp pairs, in tiles: column blocks of PCB_NR outside, so one
- * block of B (kp x 32 pairs) stays in cache while every block of rows of A passes over it. Row r of
- * A is arow[r] where given (rows scattered over shifted views), else A + r * lda; B's rows as
- * pcb_tile's. */
-PCB_TARGET static void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+/* Cm (rows x cols) (= or +=) A B over kp pairs, in tiles. Row r of A is arow[r] where given (rows
+ * scattered over shifted views), else A + r * lda; B's rows as pcb_tile's. Column blocks of PCB_NR
+ * outside (one block of B, kp x 32 pairs, stays in cache while every block of A's rows passes),
+ * or with rows_outer, blocks of PCB_MR rows outside (8 rows of A stay in L1 while B passes: for a
+ * weight gradient, whose A, im2col's rows, is the larger operand). */
+PCB_TARGET static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
                                   const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
                                   float *Cm, pc_idx ldc, pc_idx cols,
-                                  const float *brow, const float *bcol, int accumulate)
+                                  const float *brow, const float *bcol, int accumulate, int rows_outer)
 {
     const uint32_t *rowp[PCB_MR];
-    for (pc_idx j = 0; j < cols; j += PCB_NR) {
+    pc_idx nj = (cols + PCB_NR - 1) / PCB_NR, nr_ = (rows + PCB_MR - 1) / PCB_MR;
+    for (pc_idx u = 0; u < nj * nr_; u++) {
+        pc_idx j = (rows_outer ? u % nj : u / nr_) * PCB_NR, r = (rows_outer ? u / nj : u % nr_) * PCB_MR;
         int nc = (int)(cols - j < PCB_NR ? cols - j : PCB_NR);
-        for (pc_idx r = 0; r < rows; r += PCB_MR) {
-            int nr = (int)(rows - r < PCB_MR ? rows - r : PCB_MR);
-            const uint32_t *const *ap = arow + r;
-            if (arow == NULL) {
-                for (int i = 0; i < nr; i++) rowp[i] = A + (r + i) * lda;
-                ap = rowp;
-            }
-            pcb_tile(ap, nr, B + j, boff, ldb, kp, Cm + r * ldc + j, ldc, nc,
-                     brow ? brow + r : NULL, bcol ? bcol + j : NULL, accumulate);
+        int nr = (int)(rows - r < PCB_MR ? rows - r : PCB_MR);
+        const uint32_t *const *ap = arow + r;
+        if (arow == NULL) {
+            for (int i = 0; i < nr; i++) rowp[i] = A + (r + i) * lda;
+            ap = rowp;
         }
+        pcb_tile(ap, nr, B + j, boff, ldb, kp, Cm + r * ldc + j, ldc, nc,
+                 brow ? brow + r : NULL, bcol ? bcol + j : NULL, accumulate);
     }
+}
+
+static inline void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                              const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                              float *Cm, pc_idx ldc, pc_idx cols,
+                              const float *brow, const float *bcol, int accumulate)
+{
+    pcb_gemm_o(A, lda, arow, rows, B, boff, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate, 0);
 }
 
 static inline void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const uint32_t *B, pc_idx ldb, pc_idx kp,
@@ -328,12 +337,19 @@ static inline void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const ui
 static int pcb_cpu_native(void) { return 0; }
 
 /* this level has no VDPBF16PS: _bf16.pyx raises before any caller gets here */
-static void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
                        const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, float *Cm, pc_idx ldc,
-                       pc_idx cols, const float *brow, const float *bcol, int accumulate)
+                       pc_idx cols, const float *brow, const float *bcol, int accumulate, int rows_outer)
 {
     (void)A; (void)lda; (void)arow; (void)rows; (void)B; (void)boff; (void)ldb; (void)kp;
-    (void)Cm; (void)ldc; (void)cols; (void)brow; (void)bcol; (void)accumulate;
+    (void)Cm; (void)ldc; (void)cols; (void)brow; (void)bcol; (void)accumulate; (void)rows_outer;
+}
+
+static inline void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                              const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, float *Cm, pc_idx ldc,
+                              pc_idx cols, const float *brow, const float *bcol, int accumulate)
+{
+    pcb_gemm_o(A, lda, arow, rows, B, boff, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate, 0);
 }
 
 static inline void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const uint32_t *B, pc_idx ldb, pc_idx kp,
@@ -518,10 +534,25 @@ static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H
     }
 }
 
+/* Where im2col's rows start for pcb_s1_dw_block (the same for every block of a thread's buffers):
+ * row k = (c, kh, kw) is the view of xb at c * L + kh * Wp + kw, read as pairs of pixels, from the
+ * copy of xb shifted by one element (at xb + C * L) where that offset is odd. */
+static inline void pcb_s1_dw_rows(int C, int K, int Wp, pc_idx L, const uint16_t *xb, const uint32_t **arow)
+{
+    const uint16_t *xb1 = xb + (pc_idx)C * L;
+    pc_idx k = 0;
+    for (int c = 0; c < C; c++)
+        for (int kh = 0; kh < K; kh++)
+            for (int kw = 0; kw < K; kw++, k++) {
+                pc_idx off = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
+                arow[k] = (const uint32_t *)(off & 1 ? xb1 + off - 1 : xb + off);
+            }
+}
+
 /* Weight gradient at stride 1 of output rows [p0, p1) of one image, added into part (Kd x ldo,
  * transposed): im2col's row k is the view of xb at tap k's offset, read as pairs of pixels (from
  * a copy of xb shifted by one element where the offset is odd), so no im2col is built. The
- * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: Kd pointers; dyt: npp x ldo words
+ * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: pcb_s1_dw_rows; dyt: npp x ldo words
  * (npp = ceil(nr * Wp / 2)) and then O x npp words of scratch. */
 static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
                                    const float *restrict dy, int O, int P, int Q, int p0, int p1, pc_idx L,
@@ -534,11 +565,6 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
     pcb_s1_flat(x, m, C, H, W, pad, p0, p1, K, xb, L);
     memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
     xb1[CL - 1] = 0;
-    for (int k = 0; k < Kd; k++) {
-        int c = k / (K * K), kh = (k / K) % K, kw = k % K;
-        pc_idx off = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
-        arow[k] = (const uint32_t *)(off & 1 ? xb1 + off - 1 : xb + off);
-    }
     /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end:
      * each filter's rows rounded into flat rows first (vectorised), then one transposing pass of words */
     uint16_t *h = (uint16_t *)(dyt + npp * ldo);
@@ -564,7 +590,7 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
         for (int o = 0; o < O; o++) d[o] = h32[(pc_idx)o * npp + jp];
         for (pc_idx o = O; o < ldo; o++) d[o] = 0;
     }
-    pcb_gemm_x(NULL, 0, arow, Kd, dyt, NULL, ldo, npp, part, ldo, O, NULL, NULL, 1);
+    pcb_gemm_o(NULL, 0, arow, Kd, dyt, NULL, ldo, npp, part, ldo, O, NULL, NULL, 1, 1);
 }
 
 /* Input gradient of one image through im2col's transpose, for any stride and padding: per block of
