@@ -309,6 +309,10 @@ def test_conv2d_backward_matches_the_model(case, want_dx, want_db):
 @needs_native
 @pytest.mark.parametrize("N, C, O, H, K, stride, pad", [
     (24, 16, 16, 8, 3, 1, 1),    # small planes: whole images stacked into one block
+    (5, 6, 10, 15, 3, 1, 1),     # output rows of 16: two per tile, straight into y
+    (11, 5, 9, 7, 3, 1, 1),      # output rows of 8: four per tile, an odd number of rows
+    (3, 3, 4, 31, 3, 1, 1),      # output rows of 32
+    (2, 4, 4, 18, 3, 1, 0),      # output rows of 16 without padding
     (9, 3, 16, 32, 3, 1, 1),     # a first layer: C = 3
     (10, 16, 32, 16, 3, 2, 1),   # resnet's downsampling conv
     (10, 16, 32, 16, 1, 2, 0),   # and its 1x1 shortcut

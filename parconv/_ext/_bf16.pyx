@@ -317,15 +317,15 @@ cdef int _conv_fwd_s1(const float *x, int N, int C, int H, int W, const float *w
                       const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
     """Stride 1 without im2col (pcb_s1_fwd_block): blocks of (image, output rows)."""
     cdef int Wp = W + 2 * pad
-    # per output row of a block: the flat input (2 bytes), its pair views (2.5 words) and the sums
-    cdef Py_ssize_t per_pixel = <Py_ssize_t>C * 12 + O * 4
+    # per output pixel of a block: the flat input (2 bytes), its pair views (1.5 words) and the sums
+    cdef Py_ssize_t per_pixel = <Py_ssize_t>C * 8 + O * 4
     cdef int rb = _rows_per_block(per_pixel, P, Wp, N, num_threads)
     cdef int m = _images_per_block(per_pixel * Wp * (P + K - 1), rb == P, N, num_threads)
     cdef int nbp = (P + rb - 1) // rb
     cdef Py_ssize_t nblocks = (N + m - 1) // m if m > 1 else <Py_ssize_t>N * nbp, blk
     cdef int nrf = pcb_s1_rows(m, 0, rb, K)
     cdef Py_ssize_t L = pcb_s1_len(nrf, K, Wp), kp = pcb_s1_pairs(C, K)
-    cdef Py_ssize_t nimg = (2 * C + (C + 1) // 2) * L, lda = pcb_up16(<Py_ssize_t>nrf * Wp)
+    cdef Py_ssize_t nimg = (C + (C + 1) // 2) * L, lda = pcb_up16(<Py_ssize_t>nrf * Wp)
     cdef int nt = pc_team(nblocks, num_threads)
     cdef int failed[1]
     cdef int n, p0, mm

@@ -224,14 +224,17 @@ static int pcb_cpu_native(void)
 
 /* One tile: Cm[r][j] (= or +=) sum_t dot(a[r][t], B_t[j]) for r < rows <= PCB_MR, j < cols <= PCB_NR,
  * over kp reduction pairs; B_t = B + boff[t] where the rows of B lie apart (shifted views of one
- * image), else B + t * ldb. Stores add brow[r] (per row) or bcol[j] (per column) when given; with
- * accumulate, the sum is added to Cm instead. Rows past `rows` re-read row 0 and are not stored. */
-#define PCB_TILE_LOOP(BROW)                                                                        \
+ * image), else B + t * ldb. The 32 columns are B_t[0..32) (rs = 0), or output rows of 16 or 8
+ * pixels lying rs words apart in B_t (rs > 0, cols per row `rq`): two rows of 16, or four of 8,
+ * whose outputs are contiguous in Cm. Stores add brow[r] (per row) or bcol[j] (per column) when
+ * given; with accumulate, the sum is added to Cm instead. Rows past `rows` re-read row 0 and are
+ * not stored. */
+#define PCB_TILE_LOOP(BROW, LOAD0, LOAD1)                                                          \
     if (cols > 16) {                                                                               \
         for (pc_idx t = 0; t < kp; t++) {                                                          \
             const uint32_t *bt = BROW;                                                             \
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)bt);                    \
-            const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(bt + 16));             \
+            const __m512bh b0 = (__m512bh)(LOAD0);                                                 \
+            const __m512bh b1 = (__m512bh)(LOAD1);                                                 \
             _Pragma("GCC unroll 8")                                                                \
             for (int r = 0; r < PCB_MR; r++) {                                                     \
                 const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r][t]);                     \
@@ -242,16 +245,21 @@ static int pcb_cpu_native(void)
     } else {                                                                                       \
         for (pc_idx t = 0; t < kp; t++) {                                                          \
             const uint32_t *bt = BROW;                                                             \
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)bt);                    \
+            const __m512bh b0 = (__m512bh)(LOAD0);                                                 \
             _Pragma("GCC unroll 8")                                                                \
             for (int r = 0; r < PCB_MR; r++)                                                       \
                 c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)_mm512_set1_epi32((int)a[r][t]), b0);    \
         }                                                                                          \
     }
 
+#define PCB_LD(p) _mm512_loadu_si512((const void *)(p))
+/* 8 words at p in the low half, 8 at p + rs in the high half (two output rows of 8) */
+#define PCB_LD2(p) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))), \
+                                      _mm256_loadu_si256((const __m256i *)((p) + rs)), 1)
+
 PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
                                 const uint32_t *restrict B, const pc_idx *restrict boff, pc_idx ldb, pc_idx kp,
-                                float *restrict Cm, pc_idx ldc, int cols,
+                                pc_idx rs, int rq, float *restrict Cm, pc_idx ldc, int cols,
                                 const float *restrict brow, const float *restrict bcol, int accumulate)
 {
     const uint32_t *a[PCB_MR];
@@ -262,10 +270,14 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
         c0[r] = _mm512_setzero_ps();
         c1[r] = _mm512_setzero_ps();
     }
-    if (boff != NULL) {
-        PCB_TILE_LOOP(B + boff[t])
+    if (boff == NULL) {
+        PCB_TILE_LOOP(B + t * ldb, PCB_LD(bt), PCB_LD(bt + 16))
+    } else if (rs == 0) {
+        PCB_TILE_LOOP(B + boff[t], PCB_LD(bt), PCB_LD(bt + 16))
+    } else if (rq == 16) {
+        PCB_TILE_LOOP(B + boff[t], PCB_LD(bt), PCB_LD(bt + rs))
     } else {
-        PCB_TILE_LOOP(B + t * ldb)
+        PCB_TILE_LOOP(B + boff[t], PCB_LD2(bt), PCB_LD2(bt + 2 * rs))
     }
     const __mmask16 m0 = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
     const __mmask16 m1 = cols >= 32 ? (__mmask16)0xffff : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1u) : 0;
@@ -292,6 +304,11 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
     }
 }
 
+PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                                  const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, pc_idx rs, int rq,
+                                  float *Cm, pc_idx ldc, pc_idx cols,
+                                  const float *brow, const float *bcol, int accumulate, int rows_outer);
+
 /* Cm (rows x cols) (= or +=) A B over kp pairs, in tiles. Row r of A is arow[r] where given (rows
  * scattered over shifted views), else A + r * lda; B's rows as pcb_tile's. Column blocks of PCB_NR
  * outside (one block of B, kp x 32 pairs, stays in cache while every block of A's rows passes),
@@ -299,6 +316,16 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
  * weight gradient, whose A, im2col's rows, is the larger operand). */
 PCB_TARGET static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
                                   const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                                  float *Cm, pc_idx ldc, pc_idx cols,
+                                  const float *brow, const float *bcol, int accumulate, int rows_outer)
+{
+    pcb_gemm_r(A, lda, arow, rows, B, boff, ldb, kp, 0, 0, Cm, ldc, cols, brow, bcol, accumulate, rows_outer);
+}
+
+/* pcb_gemm_o whose columns are output rows of rq (16 or 8) pixels lying rs words apart in B (see
+ * pcb_tile); rs = 0: plain columns. */
+PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                                  const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, pc_idx rs, int rq,
                                   float *Cm, pc_idx ldc, pc_idx cols,
                                   const float *brow, const float *bcol, int accumulate, int rows_outer)
 {
@@ -313,7 +340,7 @@ PCB_TARGET static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t 
             for (int i = 0; i < nr; i++) rowp[i] = A + (r + i) * lda;
             ap = rowp;
         }
-        pcb_tile(ap, nr, B + j, boff, ldb, kp, Cm + r * ldc + j, ldc, nc,
+        pcb_tile(ap, nr, B + (rs ? j / rq * rs : j), boff, ldb, kp, rs, rq, Cm + r * ldc + j, ldc, nc,
                  brow ? brow + r : NULL, bcol ? bcol + j : NULL, accumulate);
     }
 }
@@ -343,6 +370,15 @@ static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t *const *aro
 {
     (void)A; (void)lda; (void)arow; (void)rows; (void)B; (void)boff; (void)ldb; (void)kp;
     (void)Cm; (void)ldc; (void)cols; (void)brow; (void)bcol; (void)accumulate; (void)rows_outer;
+}
+
+static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                       const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, pc_idx rs, int rq,
+                       float *Cm, pc_idx ldc, pc_idx cols, const float *brow, const float *bcol, int accumulate,
+                       int rows_outer)
+{
+    (void)rs; (void)rq;
+    pcb_gemm_o(A, lda, arow, rows, B, boff, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate, rows_outer);
 }
 
 static inline void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
@@ -409,17 +445,15 @@ static inline void pcb_conv_dw_block(const float *restrict x, int C, int H, int 
  * (Wp = W + 2 pad; the K - 1 columns q >= Q are computed and dropped), tap (c, kh, kw) reads
  * xb[c][j + kh * Wp + kw]. Pairs of taps are then pairs of such views, built once per block
  * instead of once per output pixel and tap:
- *   hz[c][j] = (xb[c][j], xb[c][j + 1])   taps (kh, kw), (kh, kw + 1), kw even < K - 1;
- *   vt[c][j] = (xb[c][j], xb[c][j + Wp])  taps (kh, K - 1), (kh + 1, K - 1), kh even < K - 1 (K odd);
- *   cp[c/2][j] = (xb[c][j], xb[c + 1][j]) tap (K - 1, K - 1) of channels c, c + 1 (K odd; the last
- *                                         of an odd C with a literal zero).
- * For K = 3 that is 4.5 pairs per channel, exactly the 9 taps, and 2.5 words per input element. */
+ *   hz[c][j] = (xb[c][j], xb[c][j + 1])   taps (kh, kw), (kh, kw + 1) of channel c, kw even < K - 1;
+ *   cp[c/2][j] = (xb[c][j], xb[c + 1][j]) taps (kh, K - 1) of channels c and c + 1 (K odd; the last
+ *                                         channel of an odd C pairs with a literal zero).
+ * For K = 3 that is 4.5 pairs per channel, exactly the 9 taps, and 1.5 words per input element. */
 
 /* Pairs of taps per convolution at stride 1 (the reduction length of the GEMM). */
 static inline pc_idx pcb_s1_pairs(int C, int K)
 {
-    pc_idx per = (pc_idx)K * (K / 2) + (K & 1 ? (K - 1) / 2 : 0);
-    return (pc_idx)C * per + (K & 1 ? (C + 1) / 2 : 0);
+    return (pc_idx)C * K * (K / 2) + (K & 1 ? (pc_idx)((C + 1) / 2) * K : 0);
 }
 
 /* Words per channel of a block's flat buffers for nr output rows: the nr + K - 1 input rows, a zero
@@ -427,8 +461,9 @@ static inline pc_idx pcb_s1_pairs(int C, int K)
  * buffer stay aligned. */
 static inline pc_idx pcb_s1_len(int nr, int K, int Wp) { return ((pc_idx)(nr + K) * Wp + K + 64 + 1) & ~(pc_idx)1; }
 
-/* The pair schedule: boff[t] (where pair t's view starts in the block's images: hz at 0, vt at
- * C*L, cp at 2*C*L words) and the filters' matching pairs ws[o][t], rounded. w: (O, C, K, K). */
+/* The pair schedule: boff[t] (where pair t's view starts in the block's images: hz at 0, cp at C*L
+ * words) and the filters' matching pairs ws[o][t], rounded; by channel pairs, so the views a tile
+ * reads in a row lie close. w: (O, C, K, K). */
 static inline void pcb_s1_schedule(const float *restrict w, int O, int C, int K, int Wp, pc_idx L,
                                    pc_idx *restrict boff, uint32_t *restrict ws)
 {
@@ -437,25 +472,22 @@ static inline void pcb_s1_schedule(const float *restrict w, int O, int C, int K,
         const float *wo = w + (pc_idx)o * C * KK;
         uint32_t *d = ws + (pc_idx)o * kp;
         pc_idx t = 0;
-        for (int c = 0; c < C; c++) {
-            const float *wc = wo + c * KK;
-            for (int kh = 0; kh < K; kh++)
-                for (int kw = 0; kw + 1 < K; kw += 2, t++) {
-                    boff[t] = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
-                    d[t] = pcb_bf16(wc[kh * K + kw]) | pcb_bf16(wc[kh * K + kw + 1]) << 16;
-                }
+        for (int c0 = 0; c0 < C; c0 += 2) {
+            for (int c = c0; c < C && c < c0 + 2; c++) {
+                const float *wc = wo + c * KK;
+                for (int kh = 0; kh < K; kh++)
+                    for (int kw = 0; kw + 1 < K; kw += 2, t++) {
+                        boff[t] = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
+                        d[t] = pcb_bf16(wc[kh * K + kw]) | pcb_bf16(wc[kh * K + kw + 1]) << 16;
+                    }
+            }
             if (K & 1)
-                for (int kh = 0; kh + 1 < K; kh += 2, t++) {
-                    boff[t] = (pc_idx)(C + c) * L + (pc_idx)kh * Wp + K - 1;
-                    d[t] = pcb_bf16(wc[kh * K + K - 1]) | pcb_bf16(wc[(kh + 1) * K + K - 1]) << 16;
+                for (int kh = 0; kh < K; kh++, t++) {
+                    boff[t] = (pc_idx)(C + c0 / 2) * L + (pc_idx)kh * Wp + K - 1;
+                    uint32_t hi = c0 + 1 < C ? pcb_bf16(wo[(c0 + 1) * KK + kh * K + K - 1]) : 0;
+                    d[t] = pcb_bf16(wo[c0 * KK + kh * K + K - 1]) | hi << 16;
                 }
         }
-        if (K & 1)
-            for (int c = 0; c < C; c += 2, t++) {
-                boff[t] = (pc_idx)(2 * C + c / 2) * L + (pc_idx)(K - 1) * Wp + K - 1;
-                uint32_t hi = c + 1 < C ? pcb_bf16(wo[(c + 1) * KK + KK - 1]) : 0;
-                d[t] = pcb_bf16(wo[c * KK + KK - 1]) | hi << 16;
-            }
         (void)kp;
     }
 }
@@ -480,8 +512,10 @@ static inline void pcb_s1_flat(const float *restrict x, int m, int C, int H, int
 /* Output rows of a block in the flat index: (m - 1) * RR + p1 - p0. */
 static inline int pcb_s1_rows(int m, int p0, int p1, int K) { return (m - 1) * (p1 - p0 + K - 1) + p1 - p0; }
 
-/* Forward at stride 1 for output rows [p0, p1) of one image (see above). ws, boff: pcb_s1_schedule;
- * xb: C x L u16; img: (2C + ceil(C/2)) x L words; acc: O x up16(nr * Wp) floats. */
+/* Forward at stride 1 for output rows [p0, p1) of m images (see above). ws, boff: pcb_s1_schedule;
+ * xb: C x L u16; img: (C + ceil(C/2)) x L words; acc: O x up16(rows * Wp) floats. Rows whose Q is a
+ * whole number of vectors are multiplied straight into y (no dropped columns computed); others,
+ * all rows of the block in one GEMM over the flat index, then copied out without the dropped ones. */
 static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
                                     const uint32_t *restrict ws, const pc_idx *restrict boff, int O,
                                     const float *restrict b, float *restrict y, int P, int Q, int p0, int p1,
@@ -490,24 +524,19 @@ static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H
     int Wp = W + 2 * pad, RR = p1 - p0 + K - 1;
     pc_idx kp = pcb_s1_pairs(C, K), npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, lda = pcb_up16(npf);
     pcb_s1_flat(x, m, C, H, W, pad, p0, p1, K, xb, L);
-    for (int c = 0; c < C; c++) {
-        const uint16_t *s = xb + (pc_idx)c * L;
-        uint32_t *hz = img + (pc_idx)c * L, *vt = img + (pc_idx)(C + c) * L;
-        if (K > 1) {
+    if (K > 1) {
+        for (int c = 0; c < C; c++) {
+            const uint16_t *s = xb + (pc_idx)c * L;
+            uint32_t *hz = img + (pc_idx)c * L;
             PC_SIMD
             for (pc_idx j = 0; j < L - 1; j++) hz[j] = (uint32_t)s[j] | (uint32_t)s[j + 1] << 16;
             hz[L - 1] = s[L - 1];
-        }
-        if (K > 1 && (K & 1)) {
-            PC_SIMD
-            for (pc_idx j = 0; j < L - Wp; j++) vt[j] = (uint32_t)s[j] | (uint32_t)s[j + Wp] << 16;
-            for (pc_idx j = L - Wp; j < L; j++) vt[j] = s[j];
         }
     }
     if (K & 1) {
         for (int c = 0; c < C; c += 2) {
             const uint16_t *s0 = xb + (pc_idx)c * L;
-            uint32_t *d = img + (pc_idx)(2 * C + c / 2) * L;
+            uint32_t *d = img + (pc_idx)(C + c / 2) * L;
             if (c + 1 < C) {
                 const uint16_t *s1 = s0 + L;
                 PC_SIMD
@@ -517,6 +546,20 @@ static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H
                 for (pc_idx j = 0; j < L; j++) d[j] = s0[j];
             }
         }
+    }
+    if (Q % 32 == 0) {  /* straight into y, one output row at a time */
+        for (int i = 0; i < m; i++)
+            for (int p = p0; p < p1; p++)
+                pcb_gemm_x(ws, kp, NULL, O, img + ((pc_idx)i * RR + p - p0) * Wp, boff, 0, kp,
+                           y + ((pc_idx)i * O * P + p) * Q, (pc_idx)P * Q, Q, b, NULL, 0);
+        return;
+    }
+    if (Q == 16 || Q == 8) {  /* straight into y, two rows of 16 or four of 8 per tile */
+        for (int i = 0; i < m; i++)
+            pcb_gemm_r(ws, kp, NULL, O, img + (pc_idx)i * RR * Wp, boff, 0, kp, Wp, Q,
+                       y + (pc_idx)i * O * P * Q + (pc_idx)p0 * Q, (pc_idx)P * Q, (pc_idx)(p1 - p0) * Q,
+                       b, NULL, 0, 0);
+        return;
     }
     pcb_gemm_x(ws, kp, NULL, O, img, boff, 0, kp, acc, lda, npf, NULL, NULL, 0);
     for (int i = 0; i < m; i++) for (int o = 0; o < O; o++) {
