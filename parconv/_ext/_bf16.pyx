@@ -63,7 +63,7 @@ cdef extern from "pc_bf16.h":
     void pcb_s1_dw_rows(int C, int K, int Wp, Py_ssize_t L, const uint16_t *xb, const uint32_t **arow) noexcept nogil
     void pcb_s1_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, const float *dy, int O, int P,
                          int Q, int p0, int p1, Py_ssize_t L, float *part, Py_ssize_t ldo, uint16_t *xb,
-                         const uint32_t **arow, uint32_t *dyt) noexcept nogil
+                         const uint32_t **arow, uint32_t *dyt, Py_ssize_t *amap, int rows_outer) noexcept nogil
     void pcb_conv_dx_image(const uint32_t *wt, int C, int H, int W, int K, int S, int pad, const float *dy,
                            int O, int P, int Q, int rb, float *dx, uint32_t *panel, float *dcols) noexcept nogil
 
@@ -85,6 +85,18 @@ cdef enum:
     LIN_COLS = 256
 
 cdef bint _NATIVE = PCB_NATIVE != 0 and pcb_cpu_native() != 0
+cdef Py_ssize_t _dw_panel_bytes = DW_PANEL_BYTES
+cdef int _dw_rows_outer = 1
+
+
+def _set_dw_tuning(Py_ssize_t panel_bytes, bint rows_outer):
+    """Set the stride-1 weight gradient's block budget and tile order (tuning); returns the old pair."""
+    global _dw_panel_bytes, _dw_rows_outer
+    if panel_bytes < 1:
+        raise ValueError(f"panel_bytes must be >= 1, got {panel_bytes}")
+    old = (_dw_panel_bytes, bool(_dw_rows_outer))
+    _dw_panel_bytes, _dw_rows_outer = panel_bytes, rows_outer
+    return old
 
 
 def native():
@@ -453,7 +465,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                    _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
     # stride 1: whole small images stacked into one block (a longer reduction per partial sum)
     cdef int m = _images_per_block((<Py_ssize_t>C * 4 + ldo * 2 + O * 2) * Wp * (P + K - 1), s1 and rb == P,
-                                   N, num_threads, DW_PANEL_BYTES) if s1 else 1
+                                   N, num_threads, _dw_panel_bytes) if s1 else 1
     cdef int nbp = (P + rb - 1) // rb, ib, mm
     cdef int nrf = pcb_s1_rows(m, 0, rb, K)
     cdef Py_ssize_t L = pcb_s1_len(nrf, K, Wp)
@@ -477,7 +489,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     failed[0] = 0
     raw, cols, dyt, xb = NULL, NULL, NULL, NULL
     with parallel(num_threads=nt):
-        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + O)) + sizeof(uint16_t) * xbn + 192)
+        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + O + 2)) + sizeof(uint16_t) * xbn + 256)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
@@ -499,7 +511,8 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                         if s1:
                             pcb_s1_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad,
                                             dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,
-                                            xb, <const uint32_t **>cols, dyt)
+                                            xb, <const uint32_t **>cols, dyt,
+                                            <Py_ssize_t *>pc_align64(xb + xbn), _dw_rows_outer)
                         else:
                             pcb_conv_dw_block(x + <Py_ssize_t>n * C * H * W, C, H, W, K, S, pad,
                                               dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1,

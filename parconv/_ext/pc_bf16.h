@@ -228,16 +228,19 @@ static int pcb_cpu_native(void)
  * pixels lying rs words apart in B_t (rs > 0, cols per row `rq`): two rows of 16, or four of 8,
  * whose outputs are contiguous in Cm. Stores add brow[r] (per row) or bcol[j] (per column) when
  * given; with accumulate, the sum is added to Cm instead. Rows past `rows` re-read row 0 and are
- * not stored. */
-#define PCB_TILE_LOOP(BROW, LOAD0, LOAD1)                                                          \
+ * not stored. With amap, pair t of A's rows is their element amap[t] (a weight gradient's
+ * reduction over the valid pixels of views that also hold dropped ones). */
+#define PCB_TILE_LOOP(BROW, LOAD0, LOAD1) PCB_TILE_LOOP_A(t, BROW, LOAD0, LOAD1)
+#define PCB_TILE_LOOP_A(AI, BROW, LOAD0, LOAD1)                                                    \
     if (cols > 16) {                                                                               \
         for (pc_idx t = 0; t < kp; t++) {                                                          \
             const uint32_t *bt = BROW;                                                             \
+            const pc_idx ai = AI;                                                                  \
             const __m512bh b0 = (__m512bh)(LOAD0);                                                 \
             const __m512bh b1 = (__m512bh)(LOAD1);                                                 \
             _Pragma("GCC unroll 8")                                                                \
             for (int r = 0; r < PCB_MR; r++) {                                                     \
-                const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r][t]);                     \
+                const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r][ai]);                    \
                 c0[r] = _mm512_dpbf16_ps(c0[r], ar, b0);                                           \
                 c1[r] = _mm512_dpbf16_ps(c1[r], ar, b1);                                           \
             }                                                                                      \
@@ -245,10 +248,11 @@ static int pcb_cpu_native(void)
     } else {                                                                                       \
         for (pc_idx t = 0; t < kp; t++) {                                                          \
             const uint32_t *bt = BROW;                                                             \
+            const pc_idx ai = AI;                                                                  \
             const __m512bh b0 = (__m512bh)(LOAD0);                                                 \
             _Pragma("GCC unroll 8")                                                                \
             for (int r = 0; r < PCB_MR; r++)                                                       \
-                c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)_mm512_set1_epi32((int)a[r][t]), b0);    \
+                c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)_mm512_set1_epi32((int)a[r][ai]), b0);   \
         }                                                                                          \
     }
 
@@ -257,7 +261,7 @@ static int pcb_cpu_native(void)
 #define PCB_LD2(p) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))), \
                                       _mm256_loadu_si256((const __m256i *)((p) + rs)), 1)
 
-PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
+PCB_TARGET static void pcb_tile(const uint32_t *const *arow, const pc_idx *restrict amap, int rows,
                                 const uint32_t *restrict B, const pc_idx *restrict boff, pc_idx ldb, pc_idx kp,
                                 pc_idx rs, int rq, float *restrict Cm, pc_idx ldc, int cols,
                                 const float *restrict brow, const float *restrict bcol, int accumulate)
@@ -270,7 +274,16 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
         c0[r] = _mm512_setzero_ps();
         c1[r] = _mm512_setzero_ps();
     }
-    if (boff == NULL) {
+    if (accumulate) {
+        /* the sums this tile adds to (a weight gradient's partials, larger than L2) arrive while it multiplies */
+        for (int r = 0; r < rows; r++) {
+            _mm_prefetch((const char *)(Cm + (pc_idx)r * ldc), _MM_HINT_T0);
+            if (cols > 16) _mm_prefetch((const char *)(Cm + (pc_idx)r * ldc + 16), _MM_HINT_T0);
+        }
+    }
+    if (amap != NULL) {
+        PCB_TILE_LOOP_A(amap[t], B + t * ldb, PCB_LD(bt), PCB_LD(bt + 16))
+    } else if (boff == NULL) {
         PCB_TILE_LOOP(B + t * ldb, PCB_LD(bt), PCB_LD(bt + 16))
     } else if (rs == 0) {
         PCB_TILE_LOOP(B + boff[t], PCB_LD(bt), PCB_LD(bt + 16))
@@ -304,9 +317,9 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, int rows,
     }
 }
 
-PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
-                                  const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, pc_idx rs, int rq,
-                                  float *Cm, pc_idx ldc, pc_idx cols,
+PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, const pc_idx *amap,
+                                  pc_idx rows, const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                                  pc_idx rs, int rq, float *Cm, pc_idx ldc, pc_idx cols,
                                   const float *brow, const float *bcol, int accumulate, int rows_outer);
 
 /* Cm (rows x cols) (= or +=) A B over kp pairs, in tiles. Row r of A is arow[r] where given (rows
@@ -319,14 +332,14 @@ PCB_TARGET static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t 
                                   float *Cm, pc_idx ldc, pc_idx cols,
                                   const float *brow, const float *bcol, int accumulate, int rows_outer)
 {
-    pcb_gemm_r(A, lda, arow, rows, B, boff, ldb, kp, 0, 0, Cm, ldc, cols, brow, bcol, accumulate, rows_outer);
+    pcb_gemm_r(A, lda, arow, NULL, rows, B, boff, ldb, kp, 0, 0, Cm, ldc, cols, brow, bcol, accumulate, rows_outer);
 }
 
 /* pcb_gemm_o whose columns are output rows of rq (16 or 8) pixels lying rs words apart in B (see
- * pcb_tile); rs = 0: plain columns. */
-PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
-                                  const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, pc_idx rs, int rq,
-                                  float *Cm, pc_idx ldc, pc_idx cols,
+ * pcb_tile; rs = 0: plain columns), and whose A elements may be picked through amap. */
+PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, const pc_idx *amap,
+                                  pc_idx rows, const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                                  pc_idx rs, int rq, float *Cm, pc_idx ldc, pc_idx cols,
                                   const float *brow, const float *bcol, int accumulate, int rows_outer)
 {
     const uint32_t *rowp[PCB_MR];
@@ -340,7 +353,7 @@ PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t 
             for (int i = 0; i < nr; i++) rowp[i] = A + (r + i) * lda;
             ap = rowp;
         }
-        pcb_tile(ap, nr, B + (rs ? j / rq * rs : j), boff, ldb, kp, rs, rq, Cm + r * ldc + j, ldc, nc,
+        pcb_tile(ap, amap, nr, B + (rs ? j / rq * rs : j), boff, ldb, kp, rs, rq, Cm + r * ldc + j, ldc, nc,
                  brow ? brow + r : NULL, bcol ? bcol + j : NULL, accumulate);
     }
 }
@@ -372,12 +385,12 @@ static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t *const *aro
     (void)Cm; (void)ldc; (void)cols; (void)brow; (void)bcol; (void)accumulate; (void)rows_outer;
 }
 
-static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
-                       const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, pc_idx rs, int rq,
+static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, const pc_idx *amap,
+                       pc_idx rows, const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, pc_idx rs, int rq,
                        float *Cm, pc_idx ldc, pc_idx cols, const float *brow, const float *bcol, int accumulate,
                        int rows_outer)
 {
-    (void)rs; (void)rq;
+    (void)rs; (void)rq; (void)amap;
     pcb_gemm_o(A, lda, arow, rows, B, boff, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate, rows_outer);
 }
 
@@ -556,7 +569,7 @@ static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H
     }
     if (Q == 16 || Q == 8) {  /* straight into y, two rows of 16 or four of 8 per tile */
         for (int i = 0; i < m; i++)
-            pcb_gemm_r(ws, kp, NULL, O, img + (pc_idx)i * RR * Wp, boff, 0, kp, Wp, Q,
+            pcb_gemm_r(ws, kp, NULL, NULL, O, img + (pc_idx)i * RR * Wp, boff, 0, kp, Wp, Q,
                        y + (pc_idx)i * O * P * Q + (pc_idx)p0 * Q, (pc_idx)P * Q, (pc_idx)(p1 - p0) * Q,
                        b, NULL, 0, 0);
         return;
@@ -596,13 +609,14 @@ static inline void pcb_s1_dw_rows(int C, int K, int Wp, pc_idx L, const uint16_t
  * transposed): im2col's row k is the view of xb at tap k's offset, read as pairs of pixels (from
  * a copy of xb shifted by one element where the offset is odd), so no im2col is built. The
  * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: pcb_s1_dw_rows; dyt: npp x ldo words
- * (npp = ceil(nr * Wp / 2)) and then O x npp words of scratch. */
+ * (npp = ceil(nr * Wp / 2)) and then O x npp words of scratch; amap: npp indices. */
 static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
                                    const float *restrict dy, int O, int P, int Q, int p0, int p1, pc_idx L,
                                    float *restrict part, pc_idx ldo, uint16_t *restrict xb,
-                                   const uint32_t **restrict arow, uint32_t *restrict dyt)
+                                   const uint32_t **restrict arow, uint32_t *restrict dyt, pc_idx *restrict amap,
+                                   int rows_outer)
 {
-    int Wp = W + 2 * pad, Kd = C * K * K;
+    int Wp = W + 2 * pad, Kd = C * K * K, RR = p1 - p0 + K - 1;
     pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, CL = (pc_idx)C * L;
     uint16_t *xb1 = xb + CL;
     pcb_s1_flat(x, m, C, H, W, pad, p0, p1, K, xb, L);
@@ -627,13 +641,24 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
         }
         if (npf & 1) *d = 0;
     }
-    const uint32_t *h32 = (const uint32_t *)h;
+    /* the reduction runs over the pairs that hold a valid pixel only (amap), not the dropped columns
+     * and the rows between stacked images */
+    int nr = p1 - p0, nrow = (int)(npf / Wp);
+    pc_idx nv = 0;
     for (pc_idx jp = 0; jp < npp; jp++) {
-        uint32_t *d = dyt + jp * ldo;
+        pc_idx j = 2 * jp;
+        int r0 = (int)(j / Wp), q0 = (int)(j % Wp), r1 = (int)((j + 1) / Wp), q1 = (int)((j + 1) % Wp);
+        int v0 = r0 < nrow && r0 % RR < nr && q0 < Q, v1 = r1 < nrow && r1 % RR < nr && q1 < Q;
+        if (v0 || v1) amap[nv++] = jp;
+    }
+    const uint32_t *h32 = (const uint32_t *)h;
+    for (pc_idx t = 0; t < nv; t++) {
+        uint32_t *d = dyt + t * ldo;
+        pc_idx jp = amap[t];
         for (int o = 0; o < O; o++) d[o] = h32[(pc_idx)o * npp + jp];
         for (pc_idx o = O; o < ldo; o++) d[o] = 0;
     }
-    pcb_gemm_o(NULL, 0, arow, Kd, dyt, NULL, ldo, npp, part, ldo, O, NULL, NULL, 1, 1);
+    pcb_gemm_r(NULL, 0, arow, amap, Kd, dyt, NULL, ldo, nv, 0, 0, part, ldo, O, NULL, NULL, 1, rows_outer);
 }
 
 /* Input gradient of one image through im2col's transpose, for any stride and padding: per block of
