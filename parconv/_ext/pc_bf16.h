@@ -514,12 +514,12 @@ static inline void pcb_s1_flat(const float *restrict x, int m, int C, int H, int
 {
     int Wp = W + 2 * pad, RR = p1 - p0 + K - 1;
     pc_idx used = (pc_idx)m * RR * Wp;
-    for (int c = 0; c < C; c++) {
-        for (int i = 0; i < m; i++)
+    for (int i = 0; i < m; i++)  /* x in memory order */
+        for (int c = 0; c < C; c++)
             pcb_pad_rows(x + ((pc_idx)i * C + c) * H * W, 1, H, W, pad, p0, RR,
                          xb + (pc_idx)c * L + (pc_idx)i * RR * Wp);
+    for (int c = 0; c < C; c++)
         memset(xb + (pc_idx)c * L + used, 0, sizeof(uint16_t) * (size_t)(L - used));
-    }
 }
 
 /* Output rows of a block in the flat index: (m - 1) * RR + p1 - p0. */
@@ -625,21 +625,20 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
     /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end:
      * each filter's rows rounded into flat rows first (vectorised), then one transposing pass of words */
     uint16_t *h = (uint16_t *)(dyt + npp * ldo);
-    for (int o = 0; o < O; o++) {
-        uint16_t *d = h + (pc_idx)o * 2 * npp;
-        for (int i = 0; i < m; i++) {
-            for (int p = p0; p < p1; p++, d += Wp) {
-                const float *s = dy + (((pc_idx)i * O + o) * P + p) * Q;
+    for (int i = 0; i < m; i++) {  /* dy in memory order, so the hardware prefetcher follows */
+        for (int o = 0; o < O; o++) {
+            uint16_t *d = h + (pc_idx)o * 2 * npp + (pc_idx)i * RR * Wp;
+            const float *s = dy + (((pc_idx)i * O + o) * P + p0) * Q;
+            for (int p = p0; p < p1; p++, d += Wp, s += Q) {
                 PC_SIMD
                 for (int q = 0; q < Q; q++) d[q] = (uint16_t)pcb_bf16(s[q]);
                 for (int q = Q; q < Wp; q++) d[q] = 0;
             }
-            if (i + 1 < m) {  /* the rows between two images */
-                memset(d, 0, sizeof(uint16_t) * (size_t)(K - 1) * Wp);
-                d += (pc_idx)(K - 1) * Wp;
-            }
+            /* the rows between two images, and the odd pixel at the end */
+            pc_idx end = i + 1 < m ? (pc_idx)(i + 1) * RR * Wp : 2 * npp;
+            pc_idx at = (pc_idx)i * RR * Wp + (pc_idx)(p1 - p0) * Wp;
+            if (end > at) memset(h + (pc_idx)o * 2 * npp + at, 0, sizeof(uint16_t) * (size_t)(end - at));
         }
-        if (npf & 1) *d = 0;
     }
     /* the reduction runs over the pairs that hold a valid pixel only (amap), not the dropped columns
      * and the rows between stacked images */
