@@ -144,6 +144,32 @@ static inline void pcb_pack(int kind, const float *src, pc_idx lds, pc_idx rows,
     }
 }
 
+/* dst[r][q] = bf16(src[r * w + q]) for r < nrows, q < w, dst rows ldd apart: contiguous rows rounded as
+ * one vector loop (rows shorter than a vector would leave it mostly idle), through a small buffer. */
+static inline void pcb_round_rows(const float *restrict src, int nrows, int w, uint16_t *restrict dst, pc_idx ldd)
+{
+    enum { BUF = 2048 };
+    uint16_t buf[BUF];
+    if (w >= 64 || w > BUF) {
+        for (int r = 0; r < nrows; r++) {
+            const float *s = src + (pc_idx)r * w;
+            uint16_t *d = dst + (pc_idx)r * ldd;
+            PC_SIMD
+            for (int q = 0; q < w; q++) d[q] = (uint16_t)pcb_bf16(s[q]);
+        }
+        return;
+    }
+    int per = BUF / w;
+    for (int r0 = 0; r0 < nrows; r0 += per) {
+        int n = nrows - r0 < per ? nrows - r0 : per;
+        const float *s = src + (pc_idx)r0 * w;
+        pc_idx cnt = (pc_idx)n * w;
+        PC_SIMD
+        for (pc_idx i = 0; i < cnt; i++) buf[i] = (uint16_t)pcb_bf16(s[i]);
+        for (int r = 0; r < n; r++) memcpy(dst + (pc_idx)(r0 + r) * ldd, buf + (pc_idx)r * w, sizeof(uint16_t) * (size_t)w);
+    }
+}
+
 /* Input rows [hp0, hp0 + R) of one image (C, H, W), in padded coordinates (row hp is x's row
  * hp - pad), rounded to bf16 and zero-padded: xb[c][r][Wp], Wp = W + 2 pad. Every im2col row of a
  * block of output rows is then a plain (strided) copy out of this small buffer, and each input
@@ -152,20 +178,17 @@ static inline void pcb_pad_rows(const float *restrict x, int C, int H, int W, in
                                 uint16_t *restrict xb)
 {
     int Wp = W + 2 * pad;
+    int r0 = pad - hp0 > 0 ? pad - hp0 : 0;                 /* rows [r0, r1) hold x's rows */
+    int r1 = H + pad - hp0 < R ? H + pad - hp0 : R;
+    if (r1 < r0) r1 = r0;
     for (int c = 0; c < C; c++) {
-        for (int r = 0; r < R; r++) {
-            uint16_t *d = xb + ((pc_idx)c * R + r) * Wp;
-            int h = hp0 + r - pad;
-            if (h < 0 || h >= H) {
-                memset(d, 0, sizeof(uint16_t) * (size_t)Wp);
-                continue;
-            }
-            const float *s = x + ((pc_idx)c * H + h) * W;
-            for (int q = 0; q < pad; q++) d[q] = d[pad + W + q] = 0;
-            d += pad;
-            PC_SIMD
-            for (int q = 0; q < W; q++) d[q] = (uint16_t)pcb_bf16(s[q]);
-        }
+        uint16_t *dc = xb + (pc_idx)c * R * Wp;
+        memset(dc, 0, sizeof(uint16_t) * (size_t)r0 * Wp);
+        memset(dc + (pc_idx)r1 * Wp, 0, sizeof(uint16_t) * (size_t)(R - r1) * Wp);
+        for (int r = r0; r < r1; r++)
+            for (int q = 0; q < pad; q++) dc[(pc_idx)r * Wp + q] = dc[(pc_idx)r * Wp + pad + W + q] = 0;
+        if (r1 > r0)
+            pcb_round_rows(x + ((pc_idx)c * H + hp0 + r0 - pad) * W, r1 - r0, W, dc + (pc_idx)r0 * Wp + pad, Wp);
     }
 }
 
@@ -629,11 +652,9 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
         for (int o = 0; o < O; o++) {
             uint16_t *d = h + (pc_idx)o * 2 * npp + (pc_idx)i * RR * Wp;
             const float *s = dy + (((pc_idx)i * O + o) * P + p0) * Q;
-            for (int p = p0; p < p1; p++, d += Wp, s += Q) {
-                PC_SIMD
-                for (int q = 0; q < Q; q++) d[q] = (uint16_t)pcb_bf16(s[q]);
+            pcb_round_rows(s, p1 - p0, Q, d, Wp);
+            for (int p = p0; p < p1; p++, d += Wp)
                 for (int q = Q; q < Wp; q++) d[q] = 0;
-            }
             /* the rows between two images, and the odd pixel at the end */
             pc_idx end = i + 1 < m ? (pc_idx)(i + 1) * RR * Wp : 2 * npp;
             pc_idx at = (pc_idx)i * RR * Wp + (pc_idx)(p1 - p0) * Wp;
