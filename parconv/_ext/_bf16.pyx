@@ -57,11 +57,11 @@ cdef extern from "pc_bf16.h":
     void pcb_s1_schedule(const float *w, int O, int C, int K, int Wp, Py_ssize_t L, Py_ssize_t *boff,
                          uint32_t *ws) noexcept nogil
     int pcb_s1_rows(int m, int p0, int p1, int K) noexcept nogil
-    void pcb_s1_fwd_block(const float *x, int m, int C, int H, int W, int K, int pad, const uint32_t *ws,
+    void pcb_s1_fwd_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const uint32_t *ws,
                           const Py_ssize_t *boff, int O, const float *b, float *y, int P, int Q, int p0, int p1,
                           Py_ssize_t L, uint16_t *xb, uint32_t *img, float *acc) noexcept nogil
     void pcb_s1_dw_rows(int C, int K, int Wp, Py_ssize_t L, const uint16_t *xb, const uint32_t **arow) noexcept nogil
-    void pcb_s1_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, const float *dy, int O, int P,
+    void pcb_s1_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy, int O, int P,
                          int Q, int p0, int p1, Py_ssize_t L, float *part, Py_ssize_t ldo, uint16_t *xb,
                          const uint32_t **arow, uint32_t *dyt, Py_ssize_t *amap, int rows_outer) noexcept nogil
     void pcb_conv_dx_image(const uint32_t *wt, int C, int H, int W, int K, int S, int pad, const float *dy,
@@ -288,8 +288,8 @@ def round_to_bf16(x, out, int num_threads):
 cdef int _conv_fwd(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int S, int pad,
                    const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
     """y = conv(x, w) + b over blocks of (image, output rows); w: (O, C, K, K) fp32, packed here."""
-    if S == 1:
-        return _conv_fwd_s1(x, N, C, H, W, w, O, K, pad, b, y, P, Q, num_threads)
+    if S == 1 or (K == 1 and pad == 0):
+        return _conv_fwd_s1(x, N, C, H, W, w, O, K, S, pad, b, y, P, Q, num_threads)
     cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, kp = (Kd + 1) // 2
     cdef int rb = _rows_per_block(kp * 4, P, Q, N, num_threads)
     cdef int nbp = (P + rb - 1) // rb
@@ -325,10 +325,11 @@ cdef int _conv_fwd(const float *x, int N, int C, int H, int W, const float *w, i
     return failed[0]
 
 
-cdef int _conv_fwd_s1(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int pad,
+cdef int _conv_fwd_s1(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int S, int pad,
                       const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
-    """Stride 1 without im2col (pcb_s1_fwd_block): blocks of (image, output rows)."""
-    cdef int Wp = W + 2 * pad
+    """Stride 1 (or a 1x1 kernel without padding) without im2col (pcb_s1_fwd_block): blocks of
+    (image, output rows)."""
+    cdef int Wp = Q + K - 1
     # per output pixel of a block: the flat input (2 bytes), its pair views (1.5 words) and the sums
     cdef Py_ssize_t per_pixel = <Py_ssize_t>C * 8 + O * 4
     cdef int rb = _rows_per_block(per_pixel, P, Wp, N, num_threads)
@@ -367,7 +368,7 @@ cdef int _conv_fwd_s1(const float *x, int N, int C, int H, int W, const float *w
                     n = <int>(blk // nbp)
                     p0 = <int>(blk % nbp) * rb
                     mm = 1
-                pcb_s1_fwd_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, ws, boff, O, b,
+                pcb_s1_fwd_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, S, ws, boff, O, b,
                                  y + <Py_ssize_t>n * O * P * Q, P, Q, p0, _imin(P, p0 + rb), L,
                                  <uint16_t *>pc_align64(<float *>pc_align64(img + nimg) + O * lda), img,
                                  <float *>pc_align64(img + nimg))
@@ -458,8 +459,8 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     im2col's rows as views of the input (pcb_s1_dw_block), other strides build them."""
     cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, ldo = pcb_up16(O)
     cdef int ng = 1 if num_threads <= 1 else _imin(N, num_threads * PC_BLOCKS_PER_THREAD)
-    cdef bint s1 = S == 1
-    cdef int Wp = W + 2 * pad
+    cdef bint s1 = S == 1 or (K == 1 and pad == 0)
+    cdef int Wp = Q + K - 1 if s1 else W + 2 * pad
     # per output pixel: im2col's row elements (or, at stride 1, two flat copies of the input) and dy's pairs
     cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2 + O * 2, P, Wp, 1, 1) if s1 else
                    _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
@@ -509,7 +510,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                     for ib in range(nbp):
                         p1 = _imin(P, ib * rb + rb)
                         if s1:
-                            pcb_s1_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad,
+                            pcb_s1_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, S,
                                             dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,
                                             xb, <const uint32_t **>cols, dyt,
                                             <Py_ssize_t *>pc_align64(xb + xbn), _dw_rows_outer)

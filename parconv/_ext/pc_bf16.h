@@ -476,6 +476,8 @@ static inline void pcb_conv_dw_block(const float *restrict x, int C, int H, int 
 }
 
 /* ------------------------------------------------------------ stride 1 without im2col
+ * (A 1x1 kernel without padding at stride S > 1 is the stride-1 convolution of the subsampled image,
+ * so it takes this path too, with Wp = Q.)
  * At stride 1 every tap of a block of output rows [p0, p0 + nr) is a shifted view of the block's
  * padded input rows laid end to end: with the flat pixel index j = (p - p0) * Wp + q, q < Wp
  * (Wp = W + 2 pad; the K - 1 columns q >= Q are computed and dropped), tap (c, kh, kw) reads
@@ -532,15 +534,25 @@ static inline void pcb_s1_schedule(const float *restrict w, int O, int C, int K,
  * end to end per channel, xb[c][(i * RR + r) * Wp + w'] = bf16(x_i[c][p0 + r - pad][w' - pad]), zero
  * elsewhere up to L. Stacking the images of a block (m > 1, whole images) turns small planes into
  * one long GEMM: the K - 1 rows between two images are output rows computed and dropped. */
-static inline void pcb_s1_flat(const float *restrict x, int m, int C, int H, int W, int pad, int p0, int p1,
-                               int K, uint16_t *restrict xb, pc_idx L)
+static inline void pcb_s1_flat(const float *restrict x, int m, int C, int H, int W, int pad, int S, int p0, int p1,
+                               int K, int Q, uint16_t *restrict xb, pc_idx L)
 {
-    int Wp = W + 2 * pad, RR = p1 - p0 + K - 1;
+    int Wp = Q + K - 1, RR = p1 - p0 + K - 1;
     pc_idx used = (pc_idx)m * RR * Wp;
     for (int i = 0; i < m; i++)  /* x in memory order */
-        for (int c = 0; c < C; c++)
-            pcb_pad_rows(x + ((pc_idx)i * C + c) * H * W, 1, H, W, pad, p0, RR,
-                         xb + (pc_idx)c * L + (pc_idx)i * RR * Wp);
+        for (int c = 0; c < C; c++) {
+            const float *xc = x + ((pc_idx)i * C + c) * H * W;
+            uint16_t *d = xb + (pc_idx)c * L + (pc_idx)i * RR * Wp;
+            if (S == 1) {
+                pcb_pad_rows(xc, 1, H, W, pad, p0, RR, d);
+                continue;
+            }
+            /* a 1x1 kernel without padding at stride S: the convolution of the subsampled image */
+            for (int r = 0; r < RR; r++) {
+                const float *s = xc + (pc_idx)(p0 + r) * S * W;
+                for (int q = 0; q < Q; q++) d[(pc_idx)r * Wp + q] = (uint16_t)pcb_bf16(s[(pc_idx)q * S]);
+            }
+        }
     for (int c = 0; c < C; c++)
         memset(xb + (pc_idx)c * L + used, 0, sizeof(uint16_t) * (size_t)(L - used));
 }
@@ -552,14 +564,14 @@ static inline int pcb_s1_rows(int m, int p0, int p1, int K) { return (m - 1) * (
  * xb: C x L u16; img: (C + ceil(C/2)) x L words; acc: O x up16(rows * Wp) floats. Rows whose Q is a
  * whole number of vectors are multiplied straight into y (no dropped columns computed); others,
  * all rows of the block in one GEMM over the flat index, then copied out without the dropped ones. */
-static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
+static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H, int W, int K, int pad, int S,
                                     const uint32_t *restrict ws, const pc_idx *restrict boff, int O,
                                     const float *restrict b, float *restrict y, int P, int Q, int p0, int p1,
                                     pc_idx L, uint16_t *restrict xb, uint32_t *restrict img, float *restrict acc)
 {
-    int Wp = W + 2 * pad, RR = p1 - p0 + K - 1;
+    int Wp = Q + K - 1, RR = p1 - p0 + K - 1;
     pc_idx kp = pcb_s1_pairs(C, K), npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, lda = pcb_up16(npf);
-    pcb_s1_flat(x, m, C, H, W, pad, p0, p1, K, xb, L);
+    pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
     if (K > 1) {
         for (int c = 0; c < C; c++) {
             const uint16_t *s = xb + (pc_idx)c * L;
@@ -633,16 +645,16 @@ static inline void pcb_s1_dw_rows(int C, int K, int Wp, pc_idx L, const uint16_t
  * a copy of xb shifted by one element where the offset is odd), so no im2col is built. The
  * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: pcb_s1_dw_rows; dyt: npp x ldo words
  * (npp = ceil(nr * Wp / 2)) and then O x npp words of scratch; amap: npp indices. */
-static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
+static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad, int S,
                                    const float *restrict dy, int O, int P, int Q, int p0, int p1, pc_idx L,
                                    float *restrict part, pc_idx ldo, uint16_t *restrict xb,
                                    const uint32_t **restrict arow, uint32_t *restrict dyt, pc_idx *restrict amap,
                                    int rows_outer)
 {
-    int Wp = W + 2 * pad, Kd = C * K * K, RR = p1 - p0 + K - 1;
+    int Wp = Q + K - 1, Kd = C * K * K, RR = p1 - p0 + K - 1;
     pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, CL = (pc_idx)C * L;
     uint16_t *xb1 = xb + CL;
-    pcb_s1_flat(x, m, C, H, W, pad, p0, p1, K, xb, L);
+    pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
     memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
     xb1[CL - 1] = 0;
     /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end:
