@@ -490,13 +490,13 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     failed[0] = 0
     raw, cols, dyt, xb = NULL, NULL, NULL, NULL
     with parallel(num_threads=nt):
-        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + O + 2)) + sizeof(uint16_t) * xbn + 256)
+        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2)) + sizeof(uint16_t) * xbn + 256)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
         else:
             dyt = <uint32_t *>pc_align64(cols + colsn)
-            xb = <uint16_t *>pc_align64(dyt + npp * (ldo + O))
+            xb = <uint16_t *>pc_align64(dyt + npp * (ldo + 16 + O))
             if s1:
                 pcb_s1_dw_rows(C, K, Wp, L, xb, <const uint32_t **>cols)
         for g in prange(ng, schedule="dynamic"):

@@ -643,7 +643,7 @@ static inline void pcb_s1_dw_rows(int C, int K, int Wp, pc_idx L, const uint16_t
 /* Weight gradient at stride 1 of output rows [p0, p1) of one image, added into part (Kd x ldo,
  * transposed): im2col's row k is the view of xb at tap k's offset, read as pairs of pixels (from
  * a copy of xb shifted by one element where the offset is odd), so no im2col is built. The
- * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: pcb_s1_dw_rows; dyt: npp x ldo words
+ * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: pcb_s1_dw_rows; dyt: npp x up32(ldo) words
  * (npp = ceil(nr * Wp / 2)) and then O x npp words of scratch; amap: npp indices. */
 static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad, int S,
                                    const float *restrict dy, int O, int P, int Q, int p0, int p1, pc_idx L,
@@ -659,7 +659,7 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
     xb1[CL - 1] = 0;
     /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end:
      * each filter's rows rounded into flat rows first (vectorised), then one transposing pass of words */
-    uint16_t *h = (uint16_t *)(dyt + npp * ldo);
+    uint16_t *h = (uint16_t *)(dyt + npp * ((ldo + PCB_NR - 1) / PCB_NR * PCB_NR));
     for (int i = 0; i < m; i++) {  /* dy in memory order, so the hardware prefetcher follows */
         for (int o = 0; o < O; o++) {
             uint16_t *d = h + (pc_idx)o * 2 * npp + (pc_idx)i * RR * Wp;
@@ -683,14 +683,20 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
         int v0 = r0 < nrow && r0 % RR < nr && q0 < Q, v1 = r1 < nrow && r1 % RR < nr && q1 < Q;
         if (v0 || v1) amap[nv++] = jp;
     }
+    /* dyt in blocks of 32 filters, [O / 32][nv][cw]: each block's pairs one contiguous stream */
     const uint32_t *h32 = (const uint32_t *)h;
-    for (pc_idx t = 0; t < nv; t++) {
-        uint32_t *d = dyt + t * ldo;
-        pc_idx jp = amap[t];
-        for (int o = 0; o < O; o++) d[o] = h32[(pc_idx)o * npp + jp];
-        for (pc_idx o = O; o < ldo; o++) d[o] = 0;
+    int cw = ldo < PCB_NR ? (int)ldo : PCB_NR;
+    for (int o0 = 0; o0 < O; o0 += PCB_NR) {
+        int n = O - o0 < cw ? O - o0 : cw;
+        uint32_t *d = dyt + (pc_idx)o0 * nv;
+        for (pc_idx t = 0; t < nv; t++, d += cw) {
+            pc_idx jp = amap[t];
+            for (int o = 0; o < n; o++) d[o] = h32[(pc_idx)(o0 + o) * npp + jp];
+            for (int o = n; o < cw; o++) d[o] = 0;
+        }
     }
-    pcb_gemm_r(NULL, 0, arow, amap, Kd, dyt, NULL, ldo, nv, 0, 0, part, ldo, O, NULL, NULL, 1, rows_outer);
+    pcb_gemm_r(NULL, 0, arow, amap, Kd, dyt, NULL, cw, nv, nv * PCB_NR, PCB_NR, part, ldo, O, NULL, NULL, 1,
+               rows_outer);
 }
 
 /* Input gradient of one image through im2col's transpose, for any stride and padding: per block of
