@@ -231,13 +231,14 @@ static inline void pcb_im2col_pairs(const uint16_t *restrict xb, int R, int Wp, 
 
 /* ------------------------------------------------------------ native GEMM */
 
+#define PCB_MR 8   /* rows per tile: 16 accumulators + 2 B vectors + 1 broadcast of 32 zmm */
+#define PCB_NR 32  /* columns per tile: two zmm */
+
 #if defined(__AVX512F__) && defined(__GNUC__)
 #define PCB_NATIVE 1
 #include <immintrin.h>
 
 #define PCB_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
-#define PCB_MR 8   /* rows per tile: 16 accumulators + 2 B vectors + 1 broadcast of 32 zmm */
-#define PCB_NR 32  /* columns per tile: two zmm */
 
 static int pcb_cpu_native(void)
 {
