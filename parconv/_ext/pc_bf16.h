@@ -298,13 +298,6 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, const pc_idx *restr
         c0[r] = _mm512_setzero_ps();
         c1[r] = _mm512_setzero_ps();
     }
-    if (accumulate) {
-        /* the sums this tile adds to (a weight gradient's partials, larger than L2) arrive while it multiplies */
-        for (int r = 0; r < rows; r++) {
-            _mm_prefetch((const char *)(Cm + (pc_idx)r * ldc), _MM_HINT_T0);
-            if (cols > 16) _mm_prefetch((const char *)(Cm + (pc_idx)r * ldc + 16), _MM_HINT_T0);
-        }
-    }
     if (amap != NULL) {
         PCB_TILE_LOOP_A(amap[t], B + t * ldb, PCB_LD(bt), PCB_LD(bt + 16))
     } else if (boff == NULL) {
