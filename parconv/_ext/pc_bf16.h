@@ -1,4 +1,716 @@
-/* bfloat16 kernels (see _bf16.pyx). */
+/* bfloat16 kernels for _bf16.pyx: bf16 inputs, fp32 accumulation.
+ *
+ * Shape legend: N batch, C in-channels, O out-channels, H, W input, P, Q
+ * output, K kernel, F in-features, G out-features; Kd = C*K*K, the reduction
+ * of a convolution, indexed k = c*K*K + kh*K + kw (the order of w's memory).
+ *
+ * Every product is a GEMM  Cm[rows][cols] (= or +=) A[rows][red] B[red][cols]
+ * on VDPBF16PS, which multiplies PAIRS of bf16 along the reduction and adds
+ * both products into one fp32 lane. So both operands are stored as uint32
+ * pairs (low half: element 2t, high half: element 2t+1; an odd length ends
+ * in a zero half):
+ *   A  row-major [rows][lda] pairs; one pair per row is broadcast,
+ *   B  row-major [red/2][ldb] pairs, ldb a multiple of 16: one zmm = 16
+ *      output columns of one reduction pair,
+ * so the output columns lie along the vector lanes and every store is a
+ * contiguous row of Cm (pixels of an NCHW plane, features of a row). Each
+ * product picks the orientation whose operands need no transpose of the
+ * large side (see _bf16.pyx).
+ *
+ * Rounding to bf16 (round to nearest, ties to even; NaN stays NaN, made
+ * quiet as the hardware conversion does) is done here in portable C, once
+ * per element packed, so the native kernels and the emulation round alike.
+ * VDPBF16PS treats bf16 subnormal inputs as zero and flushes subnormal
+ * results (it ignores MXCSR); products that small are below fp32's
+ * resolution of any sum they take part in unless every term is subnormal.
+ */
 #ifndef PC_BF16_H
 #define PC_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "pc_common.h"
+
+/* ------------------------------------------------------------ rounding */
+
+static inline uint32_t pcb_f2u(float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u;
+}
+
+/* The bf16 nearest to v (ties to even) as its 16 bits; NaN keeps its sign and top payload and gets
+ * the quiet bit, so a signalling NaN whose payload lies only in the dropped bits stays a NaN. */
+static inline uint32_t pcb_bf16(float v)
+{
+    uint32_t u = pcb_f2u(v);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t q = (u | 0x00400000u) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? q : r;
+}
+
+/* out[i] = v rounded to bf16, as float32 with the low 16 bits zero; out may be x. */
+static inline void pcb_round(const float *x, float *out, pc_idx n)
+{
+    PC_SIMD
+    for (pc_idx i = 0; i < n; i++) {
+        uint32_t b = pcb_bf16(x[i]) << 16;
+        float f;
+        memcpy(&f, &b, sizeof f);
+        out[i] = f;
+    }
+}
+
+static inline pc_idx pcb_up16(pc_idx n) { return (n + 15) & ~(pc_idx)15; }
+
+/* ------------------------------------------------------------ packing
+ * Four layouts of a row-major float matrix src (rows x cols, row stride lds), each rounding
+ * every element; destination rows [d0, d1) only, so a team can split one packing. */
+
+/* Pairs along each row: dst[r][t] = (src[r][2t], src[r][2t+1]), t < ceil(cols/2); ldd pairs. */
+static inline void pcb_pack_along(const float *restrict src, pc_idx lds, pc_idx cols,
+                                  uint32_t *restrict dst, pc_idx ldd, pc_idx d0, pc_idx d1)
+{
+    pc_idx half = cols / 2;
+    for (pc_idx r = d0; r < d1; r++) {
+        const float *s = src + r * lds;
+        uint32_t *d = dst + r * ldd;
+        PC_SIMD
+        for (pc_idx t = 0; t < half; t++) d[t] = pcb_bf16(s[2 * t]) | pcb_bf16(s[2 * t + 1]) << 16;
+        if (cols & 1) d[half] = pcb_bf16(s[cols - 1]);
+    }
+}
+
+/* Pairs down the columns: dst[t][c] = (src[2t][c], src[2t+1][c]), zero columns up to ldd. */
+static inline void pcb_pack_down(const float *restrict src, pc_idx lds, pc_idx rows, pc_idx cols,
+                                 uint32_t *restrict dst, pc_idx ldd, pc_idx d0, pc_idx d1)
+{
+    for (pc_idx t = d0; t < d1; t++) {
+        const float *s0 = src + 2 * t * lds;
+        uint32_t *d = dst + t * ldd;
+        if (2 * t + 1 < rows) {
+            const float *s1 = s0 + lds;
+            PC_SIMD
+            for (pc_idx c = 0; c < cols; c++) d[c] = pcb_bf16(s0[c]) | pcb_bf16(s1[c]) << 16;
+        } else {
+            PC_SIMD
+            for (pc_idx c = 0; c < cols; c++) d[c] = pcb_bf16(s0[c]);
+        }
+        for (pc_idx c = cols; c < ldd; c++) d[c] = 0;
+    }
+}
+
+/* Pairs along the rows, transposed: dst[t][r] = (src[r][2t], src[r][2t+1]), zero up to ldd. */
+static inline void pcb_pack_along_t(const float *restrict src, pc_idx lds, pc_idx rows, pc_idx cols,
+                                    uint32_t *restrict dst, pc_idx ldd, pc_idx d0, pc_idx d1)
+{
+    for (pc_idx t = d0; t < d1; t++) {
+        uint32_t *d = dst + t * ldd;
+        if (2 * t + 1 < cols) {
+            for (pc_idx r = 0; r < rows; r++)
+                d[r] = pcb_bf16(src[r * lds + 2 * t]) | pcb_bf16(src[r * lds + 2 * t + 1]) << 16;
+        } else {
+            for (pc_idx r = 0; r < rows; r++) d[r] = pcb_bf16(src[r * lds + 2 * t]);
+        }
+        for (pc_idx r = rows; r < ldd; r++) d[r] = 0;
+    }
+}
+
+/* Pairs down the columns, transposed: dst[c][t] = (src[2t][c], src[2t+1][c]), t < ceil(rows/2). */
+static inline void pcb_pack_down_t(const float *restrict src, pc_idx lds, pc_idx rows,
+                                   uint32_t *restrict dst, pc_idx ldd, pc_idx d0, pc_idx d1)
+{
+    pc_idx half = rows / 2;
+    for (pc_idx c = d0; c < d1; c++) {
+        uint32_t *d = dst + c * ldd;
+        for (pc_idx t = 0; t < half; t++)
+            d[t] = pcb_bf16(src[2 * t * lds + c]) | pcb_bf16(src[(2 * t + 1) * lds + c]) << 16;
+        if (rows & 1) d[half] = pcb_bf16(src[(rows - 1) * lds + c]);
+    }
+}
+
+/* One packing of rows [d0, d1) of the destination, by layout: 0 along, 1 down, 2 along_t,
+ * 3 down_t (a team splits one packing by destination rows). */
+static inline void pcb_pack(int kind, const float *src, pc_idx lds, pc_idx rows, pc_idx cols,
+                            uint32_t *dst, pc_idx ldd, pc_idx d0, pc_idx d1)
+{
+    switch (kind) {
+    case 0: pcb_pack_along(src, lds, cols, dst, ldd, d0, d1); break;
+    case 1: pcb_pack_down(src, lds, rows, cols, dst, ldd, d0, d1); break;
+    case 2: pcb_pack_along_t(src, lds, rows, cols, dst, ldd, d0, d1); break;
+    default: pcb_pack_down_t(src, lds, rows, dst, ldd, d0, d1); break;
+    }
+}
+
+/* dst[r][q] = bf16(src[r * w + q]) for r < nrows, q < w, dst rows ldd apart: contiguous rows rounded as
+ * one vector loop (rows shorter than a vector would leave it mostly idle), through a small buffer. */
+static inline void pcb_round_rows(const float *restrict src, int nrows, int w, uint16_t *restrict dst, pc_idx ldd)
+{
+    enum { BUF = 2048 };
+    uint16_t buf[BUF];
+    if (w >= 64 || w > BUF) {
+        for (int r = 0; r < nrows; r++) {
+            const float *s = src + (pc_idx)r * w;
+            uint16_t *d = dst + (pc_idx)r * ldd;
+            PC_SIMD
+            for (int q = 0; q < w; q++) d[q] = (uint16_t)pcb_bf16(s[q]);
+        }
+        return;
+    }
+    int per = BUF / w;
+    for (int r0 = 0; r0 < nrows; r0 += per) {
+        int n = nrows - r0 < per ? nrows - r0 : per;
+        const float *s = src + (pc_idx)r0 * w;
+        pc_idx cnt = (pc_idx)n * w;
+        PC_SIMD
+        for (pc_idx i = 0; i < cnt; i++) buf[i] = (uint16_t)pcb_bf16(s[i]);
+        for (int r = 0; r < n; r++) memcpy(dst + (pc_idx)(r0 + r) * ldd, buf + (pc_idx)r * w, sizeof(uint16_t) * (size_t)w);
+    }
+}
+
+/* Input rows [hp0, hp0 + R) of one image (C, H, W), in padded coordinates (row hp is x's row
+ * hp - pad), rounded to bf16 and zero-padded: xb[c][r][Wp], Wp = W + 2 pad. Every im2col row of a
+ * block of output rows is then a plain (strided) copy out of this small buffer, and each input
+ * element is rounded once per block instead of once per tap. */
+static inline void pcb_pad_rows(const float *restrict x, int C, int H, int W, int pad, int hp0, int R,
+                                uint16_t *restrict xb)
+{
+    int Wp = W + 2 * pad;
+    int r0 = pad - hp0 > 0 ? pad - hp0 : 0;                 /* rows [r0, r1) hold x's rows */
+    int r1 = H + pad - hp0 < R ? H + pad - hp0 : R;
+    if (r1 < r0) r1 = r0;
+    for (int c = 0; c < C; c++) {
+        uint16_t *dc = xb + (pc_idx)c * R * Wp;
+        memset(dc, 0, sizeof(uint16_t) * (size_t)r0 * Wp);
+        memset(dc + (pc_idx)r1 * Wp, 0, sizeof(uint16_t) * (size_t)(R - r1) * Wp);
+        for (int r = r0; r < r1; r++)
+            for (int q = 0; q < pad; q++) dc[(pc_idx)r * Wp + q] = dc[(pc_idx)r * Wp + pad + W + q] = 0;
+        if (r1 > r0)
+            pcb_round_rows(x + ((pc_idx)c * H + hp0 + r0 - pad) * W, r1 - r0, W, dc + (pc_idx)r0 * Wp + pad, Wp);
+    }
+}
+
+/* The rows of pcb_pad_rows a block of output rows [p0, p1) reads. */
+static inline int pcb_block_rows(int p0, int p1, int K, int S) { return (p1 - 1 - p0) * S + K; }
+
+/* Where im2col row k = (c, kh, kw) of output row p starts in xb (the block's first row is p0). */
+static inline const uint16_t *pcb_tap(const uint16_t *xb, int R, int Wp, int K, int S, int p0, int p, int k)
+{
+    int c = k / (K * K), kh = (k / K) % K, kw = k % K;
+    return xb + ((pc_idx)c * R + (p - p0) * S + kh) * Wp + kw;
+}
+
+/* The B panel of a convolution's forward for output rows [p0, p1): pairs of im2col rows
+ * interleaved, panel[t][j] = (row 2t, row 2t+1)[j], j < npix, zero up to ldb; xb from pcb_pad_rows. */
+static inline void pcb_im2col_pairs(const uint16_t *restrict xb, int R, int Wp, int Kd, int K, int S,
+                                    int Q, int p0, int p1, uint32_t *restrict panel, pc_idx ldb)
+{
+    pc_idx npix = (pc_idx)(p1 - p0) * Q;
+    for (int t = 0; 2 * t < Kd; t++) {
+        uint32_t *d = panel + (pc_idx)t * ldb;
+        for (int p = p0; p < p1; p++, d += Q) {
+            const uint16_t *s0 = pcb_tap(xb, R, Wp, K, S, p0, p, 2 * t);
+            if (2 * t + 1 < Kd) {
+                const uint16_t *s1 = pcb_tap(xb, R, Wp, K, S, p0, p, 2 * t + 1);
+                if (S == 1) {
+                    PC_SIMD
+                    for (int q = 0; q < Q; q++) d[q] = (uint32_t)s0[q] | (uint32_t)s1[q] << 16;
+                } else {
+                    for (int q = 0; q < Q; q++) d[q] = (uint32_t)s0[q * S] | (uint32_t)s1[q * S] << 16;
+                }
+            } else {
+                for (int q = 0; q < Q; q++) d[q] = s0[q * S];
+            }
+        }
+        d = panel + (pc_idx)t * ldb;
+        for (pc_idx j = npix; j < ldb; j++) d[j] = 0;
+    }
+}
+
+/* ------------------------------------------------------------ native GEMM */
+
+#define PCB_MR 8   /* rows per tile: 16 accumulators + 2 B vectors + 1 broadcast of 32 zmm */
+#define PCB_NR 32  /* columns per tile: two zmm */
+
+#if defined(__AVX512F__) && defined(__GNUC__)
+#define PCB_NATIVE 1
+#include <immintrin.h>
+
+#define PCB_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+
+static int pcb_cpu_native(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+}
+
+/* One tile: Cm[r][j] (= or +=) sum_t dot(a[r][t], B_t[j]) for r < rows <= PCB_MR, j < cols <= PCB_NR,
+ * over kp reduction pairs; B_t = B + boff[t] where the rows of B lie apart (shifted views of one
+ * image), else B + t * ldb. The 32 columns are B_t[0..32) (rs = 0), or output rows of 16 or 8
+ * pixels lying rs words apart in B_t (rs > 0, cols per row `rq`): two rows of 16, or four of 8,
+ * whose outputs are contiguous in Cm. Stores add brow[r] (per row) or bcol[j] (per column) when
+ * given; with accumulate, the sum is added to Cm instead. Rows past `rows` re-read row 0 and are
+ * not stored. With amap, pair t of A's rows is their element amap[t] (a weight gradient's
+ * reduction over the valid pixels of views that also hold dropped ones). */
+#define PCB_TILE_LOOP(BROW, LOAD0, LOAD1) PCB_TILE_LOOP_A(t, BROW, LOAD0, LOAD1)
+#define PCB_TILE_LOOP_A(AI, BROW, LOAD0, LOAD1)                                                    \
+    if (cols > 16) {                                                                               \
+        for (pc_idx t = 0; t < kp; t++) {                                                          \
+            const uint32_t *bt = BROW;                                                             \
+            const pc_idx ai = AI;                                                                  \
+            const __m512bh b0 = (__m512bh)(LOAD0);                                                 \
+            const __m512bh b1 = (__m512bh)(LOAD1);                                                 \
+            _Pragma("GCC unroll 8")                                                                \
+            for (int r = 0; r < PCB_MR; r++) {                                                     \
+                const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r][ai]);                    \
+                c0[r] = _mm512_dpbf16_ps(c0[r], ar, b0);                                           \
+                c1[r] = _mm512_dpbf16_ps(c1[r], ar, b1);                                           \
+            }                                                                                      \
+        }                                                                                          \
+    } else {                                                                                       \
+        for (pc_idx t = 0; t < kp; t++) {                                                          \
+            const uint32_t *bt = BROW;                                                             \
+            const pc_idx ai = AI;                                                                  \
+            const __m512bh b0 = (__m512bh)(LOAD0);                                                 \
+            _Pragma("GCC unroll 8")                                                                \
+            for (int r = 0; r < PCB_MR; r++)                                                       \
+                c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)_mm512_set1_epi32((int)a[r][ai]), b0);   \
+        }                                                                                          \
+    }
+
+#define PCB_LD(p) _mm512_loadu_si512((const void *)(p))
+/* 8 words at p in the low half, 8 at p + rs in the high half (two output rows of 8) */
+#define PCB_LD2(p) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))), \
+                                      _mm256_loadu_si256((const __m256i *)((p) + rs)), 1)
+
+PCB_TARGET static void pcb_tile(const uint32_t *const *arow, const pc_idx *restrict amap, int rows,
+                                const uint32_t *restrict B, const pc_idx *restrict boff, pc_idx ldb, pc_idx kp,
+                                pc_idx rs, int rq, float *restrict Cm, pc_idx ldc, int cols,
+                                const float *restrict brow, const float *restrict bcol, int accumulate)
+{
+    const uint32_t *a[PCB_MR];
+    __m512 c0[PCB_MR], c1[PCB_MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < PCB_MR; r++) {
+        a[r] = arow[r < rows ? r : 0];
+        c0[r] = _mm512_setzero_ps();
+        c1[r] = _mm512_setzero_ps();
+    }
+    if (amap != NULL) {
+        PCB_TILE_LOOP_A(amap[t], B + t * ldb, PCB_LD(bt), PCB_LD(bt + 16))
+    } else if (boff == NULL) {
+        PCB_TILE_LOOP(B + t * ldb, PCB_LD(bt), PCB_LD(bt + 16))
+    } else if (rs == 0) {
+        PCB_TILE_LOOP(B + boff[t], PCB_LD(bt), PCB_LD(bt + 16))
+    } else if (rq == 16) {
+        PCB_TILE_LOOP(B + boff[t], PCB_LD(bt), PCB_LD(bt + rs))
+    } else {
+        PCB_TILE_LOOP(B + boff[t], PCB_LD2(bt), PCB_LD2(bt + 2 * rs))
+    }
+    const __mmask16 m0 = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
+    const __mmask16 m1 = cols >= 32 ? (__mmask16)0xffff : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1u) : 0;
+    __m512 bc0 = _mm512_setzero_ps(), bc1 = _mm512_setzero_ps();
+    if (bcol != NULL) {
+        bc0 = _mm512_maskz_loadu_ps(m0, bcol);
+        bc1 = _mm512_maskz_loadu_ps(m1, bcol + 16);
+    }
+    for (int r = 0; r < rows; r++) {
+        float *cr = Cm + (pc_idx)r * ldc;
+        __m512 v0 = c0[r], v1 = c1[r];
+        if (accumulate) {
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cr), v0);
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cr + 16), v1);
+        } else if (brow != NULL) {
+            v0 = _mm512_add_ps(v0, _mm512_set1_ps(brow[r]));
+            v1 = _mm512_add_ps(v1, _mm512_set1_ps(brow[r]));
+        } else if (bcol != NULL) {
+            v0 = _mm512_add_ps(v0, bc0);
+            v1 = _mm512_add_ps(v1, bc1);
+        }
+        _mm512_mask_storeu_ps(cr, m0, v0);
+        if (m1) _mm512_mask_storeu_ps(cr + 16, m1, v1);
+    }
+}
+
+PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, const pc_idx *amap,
+                                  pc_idx rows, const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                                  pc_idx rs, int rq, float *Cm, pc_idx ldc, pc_idx cols,
+                                  const float *brow, const float *bcol, int accumulate, int rows_outer);
+
+/* Cm (rows x cols) (= or +=) A B over kp pairs, in tiles. Row r of A is arow[r] where given (rows
+ * scattered over shifted views), else A + r * lda; B's rows as pcb_tile's. Column blocks of PCB_NR
+ * outside (one block of B, kp x 32 pairs, stays in cache while every block of A's rows passes),
+ * or with rows_outer, blocks of PCB_MR rows outside (8 rows of A stay in L1 while B passes: for a
+ * weight gradient, whose A, im2col's rows, is the larger operand). */
+PCB_TARGET static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                                  const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                                  float *Cm, pc_idx ldc, pc_idx cols,
+                                  const float *brow, const float *bcol, int accumulate, int rows_outer)
+{
+    pcb_gemm_r(A, lda, arow, NULL, rows, B, boff, ldb, kp, 0, 0, Cm, ldc, cols, brow, bcol, accumulate, rows_outer);
+}
+
+/* pcb_gemm_o whose columns are output rows of rq (16 or 8) pixels lying rs words apart in B (see
+ * pcb_tile; rs = 0: plain columns), and whose A elements may be picked through amap. */
+PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, const pc_idx *amap,
+                                  pc_idx rows, const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                                  pc_idx rs, int rq, float *Cm, pc_idx ldc, pc_idx cols,
+                                  const float *brow, const float *bcol, int accumulate, int rows_outer)
+{
+    const uint32_t *rowp[PCB_MR];
+    pc_idx nj = (cols + PCB_NR - 1) / PCB_NR, nr_ = (rows + PCB_MR - 1) / PCB_MR;
+    for (pc_idx u = 0; u < nj * nr_; u++) {
+        pc_idx j = (rows_outer ? u % nj : u / nr_) * PCB_NR, r = (rows_outer ? u / nj : u % nr_) * PCB_MR;
+        int nc = (int)(cols - j < PCB_NR ? cols - j : PCB_NR);
+        int nr = (int)(rows - r < PCB_MR ? rows - r : PCB_MR);
+        const uint32_t *const *ap = arow + r;
+        if (arow == NULL) {
+            for (int i = 0; i < nr; i++) rowp[i] = A + (r + i) * lda;
+            ap = rowp;
+        }
+        pcb_tile(ap, amap, nr, B + (rs ? j / rq * rs : j), boff, ldb, kp, rs, rq, Cm + r * ldc + j, ldc, nc,
+                 brow ? brow + r : NULL, bcol ? bcol + j : NULL, accumulate);
+    }
+}
+
+static inline void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                              const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
+                              float *Cm, pc_idx ldc, pc_idx cols,
+                              const float *brow, const float *bcol, int accumulate)
+{
+    pcb_gemm_o(A, lda, arow, rows, B, boff, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate, 0);
+}
+
+static inline void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const uint32_t *B, pc_idx ldb, pc_idx kp,
+                            float *Cm, pc_idx ldc, pc_idx cols, const float *brow, const float *bcol, int accumulate)
+{
+    pcb_gemm_x(A, lda, NULL, rows, B, NULL, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate);
+}
+
+#else
+#define PCB_NATIVE 0
+static int pcb_cpu_native(void) { return 0; }
+
+/* this level has no VDPBF16PS: _bf16.pyx raises before any caller gets here */
+static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                       const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, float *Cm, pc_idx ldc,
+                       pc_idx cols, const float *brow, const float *bcol, int accumulate, int rows_outer)
+{
+    (void)A; (void)lda; (void)arow; (void)rows; (void)B; (void)boff; (void)ldb; (void)kp;
+    (void)Cm; (void)ldc; (void)cols; (void)brow; (void)bcol; (void)accumulate; (void)rows_outer;
+}
+
+static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, const pc_idx *amap,
+                       pc_idx rows, const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, pc_idx rs, int rq,
+                       float *Cm, pc_idx ldc, pc_idx cols, const float *brow, const float *bcol, int accumulate,
+                       int rows_outer)
+{
+    (void)rs; (void)rq; (void)amap;
+    pcb_gemm_o(A, lda, arow, rows, B, boff, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate, rows_outer);
+}
+
+static inline void pcb_gemm_x(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
+                              const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp, float *Cm, pc_idx ldc,
+                              pc_idx cols, const float *brow, const float *bcol, int accumulate)
+{
+    pcb_gemm_o(A, lda, arow, rows, B, boff, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate, 0);
+}
+
+static inline void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const uint32_t *B, pc_idx ldb, pc_idx kp,
+                            float *Cm, pc_idx ldc, pc_idx cols, const float *brow, const float *bcol, int accumulate)
+{
+    pcb_gemm_x(A, lda, NULL, rows, B, NULL, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate);
+}
 #endif
+
+/* ------------------------------------------------------------ convolution blocks */
+
+/* Forward for output rows [p0, p1) of one image: y[o][p][q] = b[o] + sum_k wr[o][k] cols[k][p, q].
+ * wr: the rounded filters as pairs [O][kp] (kp = ceil(Kd/2)); panel: kp x ldb pairs, ldb =
+ * up16(npix); xb: C x pcb_block_rows x (W + 2 pad) u16. y: the image's (O, P, Q) output. */
+static inline void pcb_conv_fwd_block(const float *restrict x, int C, int H, int W, const uint32_t *restrict wr,
+                                      int O, int K, int S, int pad, const float *restrict b,
+                                      float *restrict y, int P, int Q, int p0, int p1,
+                                      uint32_t *restrict panel, uint16_t *restrict xb)
+{
+    pc_idx npix = (pc_idx)(p1 - p0) * Q, ldb = pcb_up16(npix), kp = ((pc_idx)C * K * K + 1) / 2;
+    int R = pcb_block_rows(p0, p1, K, S), Wp = W + 2 * pad;
+    pcb_pad_rows(x, C, H, W, pad, p0 * S, R, xb);
+    pcb_im2col_pairs(xb, R, Wp, C * K * K, K, S, Q, p0, p1, panel, ldb);
+    pcb_gemm(wr, kp, O, panel, ldb, kp, y + (pc_idx)p0 * Q, (pc_idx)P * Q, npix, b, NULL, 0);
+}
+
+/* Weight gradient of output rows [p0, p1) of one image, added into part (Kd x ldo, transposed):
+ * part[k][o] += sum_pix cols[k][pix] dy[o][pix]. cols: Kd x npp pairs (npp = ceil(npix/2)) along the
+ * pixels, straight from im2col; dyt: npp x ldo pairs (ldo = up16(O)); xb as pcb_conv_fwd_block's. */
+static inline void pcb_conv_dw_block(const float *restrict x, int C, int H, int W, int K, int S, int pad,
+                                     const float *restrict dy, int O, int P, int Q, int p0, int p1,
+                                     float *restrict part, pc_idx ldo, uint32_t *restrict cols,
+                                     uint32_t *restrict dyt, uint16_t *restrict xb)
+{
+    int Kd = C * K * K, R = pcb_block_rows(p0, p1, K, S), Wp = W + 2 * pad;
+    pc_idx npix = (pc_idx)(p1 - p0) * Q, npp = (npix + 1) / 2;
+    pcb_pad_rows(x, C, H, W, pad, p0 * S, R, xb);
+    for (int k = 0; k < Kd; k++) {
+        uint16_t *row = (uint16_t *)(cols + (pc_idx)k * npp);
+        for (int p = p0; p < p1; p++, row += Q) {
+            const uint16_t *s = pcb_tap(xb, R, Wp, K, S, p0, p, k);
+            if (S == 1) {
+                memcpy(row, s, sizeof(uint16_t) * (size_t)Q);
+            } else {
+                for (int q = 0; q < Q; q++) row[q] = s[q * S];
+            }
+        }
+        if (npix & 1) *row = 0;
+    }
+    pcb_pack_along_t(dy + (pc_idx)p0 * Q, (pc_idx)P * Q, O, npix, dyt, ldo, 0, npp);
+    pcb_gemm(cols, npp, Kd, dyt, ldo, npp, part, ldo, O, NULL, NULL, 1);
+}
+
+/* ------------------------------------------------------------ stride 1 without im2col
+ * (A 1x1 kernel without padding at stride S > 1 is the stride-1 convolution of the subsampled image,
+ * so it takes this path too, with Wp = Q.)
+ * At stride 1 every tap of a block of output rows [p0, p0 + nr) is a shifted view of the block's
+ * padded input rows laid end to end: with the flat pixel index j = (p - p0) * Wp + q, q < Wp
+ * (Wp = W + 2 pad; the K - 1 columns q >= Q are computed and dropped), tap (c, kh, kw) reads
+ * xb[c][j + kh * Wp + kw]. Pairs of taps are then pairs of such views, built once per block
+ * instead of once per output pixel and tap:
+ *   hz[c][j] = (xb[c][j], xb[c][j + 1])   taps (kh, kw), (kh, kw + 1) of channel c, kw even < K - 1;
+ *   cp[c/2][j] = (xb[c][j], xb[c + 1][j]) taps (kh, K - 1) of channels c and c + 1 (K odd; the last
+ *                                         channel of an odd C pairs with a literal zero).
+ * For K = 3 that is 4.5 pairs per channel, exactly the 9 taps, and 1.5 words per input element. */
+
+/* Pairs of taps per convolution at stride 1 (the reduction length of the GEMM). */
+static inline pc_idx pcb_s1_pairs(int C, int K)
+{
+    return (pc_idx)C * K * (K / 2) + (K & 1 ? (pc_idx)((C + 1) / 2) * K : 0);
+}
+
+/* Words per channel of a block's flat buffers for nr output rows: the nr + K - 1 input rows, a zero
+ * row and slack for the last vector's reads past the end of a view; even, so u32 views of the u16
+ * buffer stay aligned. */
+static inline pc_idx pcb_s1_len(int nr, int K, int Wp) { return ((pc_idx)(nr + K) * Wp + K + 64 + 1) & ~(pc_idx)1; }
+
+/* The pair schedule: boff[t] (where pair t's view starts in the block's images: hz at 0, cp at C*L
+ * words) and the filters' matching pairs ws[o][t], rounded; by channel pairs, so the views a tile
+ * reads in a row lie close. w: (O, C, K, K). */
+static inline void pcb_s1_schedule(const float *restrict w, int O, int C, int K, int Wp, pc_idx L,
+                                   pc_idx *restrict boff, uint32_t *restrict ws)
+{
+    pc_idx kp = pcb_s1_pairs(C, K), KK = (pc_idx)K * K;
+    for (int o = 0; o < O; o++) {
+        const float *wo = w + (pc_idx)o * C * KK;
+        uint32_t *d = ws + (pc_idx)o * kp;
+        pc_idx t = 0;
+        for (int c0 = 0; c0 < C; c0 += 2) {
+            for (int c = c0; c < C && c < c0 + 2; c++) {
+                const float *wc = wo + c * KK;
+                for (int kh = 0; kh < K; kh++)
+                    for (int kw = 0; kw + 1 < K; kw += 2, t++) {
+                        boff[t] = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
+                        d[t] = pcb_bf16(wc[kh * K + kw]) | pcb_bf16(wc[kh * K + kw + 1]) << 16;
+                    }
+            }
+            if (K & 1)
+                for (int kh = 0; kh < K; kh++, t++) {
+                    boff[t] = (pc_idx)(C + c0 / 2) * L + (pc_idx)kh * Wp + K - 1;
+                    uint32_t hi = c0 + 1 < C ? pcb_bf16(wo[(c0 + 1) * KK + kh * K + K - 1]) : 0;
+                    d[t] = pcb_bf16(wo[c0 * KK + kh * K + K - 1]) | hi << 16;
+                }
+        }
+        (void)kp;
+    }
+}
+
+/* The block's flat input: m images' padded rows [p0, p1 + K - 1) (RR = p1 - p0 + K - 1 rows each) laid
+ * end to end per channel, xb[c][(i * RR + r) * Wp + w'] = bf16(x_i[c][p0 + r - pad][w' - pad]), zero
+ * elsewhere up to L. Stacking the images of a block (m > 1, whole images) turns small planes into
+ * one long GEMM: the K - 1 rows between two images are output rows computed and dropped. */
+static inline void pcb_s1_flat(const float *restrict x, int m, int C, int H, int W, int pad, int S, int p0, int p1,
+                               int K, int Q, uint16_t *restrict xb, pc_idx L)
+{
+    int Wp = Q + K - 1, RR = p1 - p0 + K - 1;
+    pc_idx used = (pc_idx)m * RR * Wp;
+    for (int i = 0; i < m; i++)  /* x in memory order */
+        for (int c = 0; c < C; c++) {
+            const float *xc = x + ((pc_idx)i * C + c) * H * W;
+            uint16_t *d = xb + (pc_idx)c * L + (pc_idx)i * RR * Wp;
+            if (S == 1) {
+                pcb_pad_rows(xc, 1, H, W, pad, p0, RR, d);
+                continue;
+            }
+            /* a 1x1 kernel without padding at stride S: the convolution of the subsampled image */
+            for (int r = 0; r < RR; r++) {
+                const float *s = xc + (pc_idx)(p0 + r) * S * W;
+                for (int q = 0; q < Q; q++) d[(pc_idx)r * Wp + q] = (uint16_t)pcb_bf16(s[(pc_idx)q * S]);
+            }
+        }
+    for (int c = 0; c < C; c++)
+        memset(xb + (pc_idx)c * L + used, 0, sizeof(uint16_t) * (size_t)(L - used));
+}
+
+/* Output rows of a block in the flat index: (m - 1) * RR + p1 - p0. */
+static inline int pcb_s1_rows(int m, int p0, int p1, int K) { return (m - 1) * (p1 - p0 + K - 1) + p1 - p0; }
+
+/* Forward at stride 1 for output rows [p0, p1) of m images (see above). ws, boff: pcb_s1_schedule;
+ * xb: C x L u16; img: (C + ceil(C/2)) x L words; acc: O x up16(rows * Wp) floats. Rows whose Q is a
+ * whole number of vectors are multiplied straight into y (no dropped columns computed); others,
+ * all rows of the block in one GEMM over the flat index, then copied out without the dropped ones. */
+static inline void pcb_s1_fwd_block(const float *restrict x, int m, int C, int H, int W, int K, int pad, int S,
+                                    const uint32_t *restrict ws, const pc_idx *restrict boff, int O,
+                                    const float *restrict b, float *restrict y, int P, int Q, int p0, int p1,
+                                    pc_idx L, uint16_t *restrict xb, uint32_t *restrict img, float *restrict acc)
+{
+    int Wp = Q + K - 1, RR = p1 - p0 + K - 1;
+    pc_idx kp = pcb_s1_pairs(C, K), npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, lda = pcb_up16(npf);
+    pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
+    if (K > 1) {
+        for (int c = 0; c < C; c++) {
+            const uint16_t *s = xb + (pc_idx)c * L;
+            uint32_t *hz = img + (pc_idx)c * L;
+            PC_SIMD
+            for (pc_idx j = 0; j < L - 1; j++) hz[j] = (uint32_t)s[j] | (uint32_t)s[j + 1] << 16;
+            hz[L - 1] = s[L - 1];
+        }
+    }
+    if (K & 1) {
+        for (int c = 0; c < C; c += 2) {
+            const uint16_t *s0 = xb + (pc_idx)c * L;
+            uint32_t *d = img + (pc_idx)(C + c / 2) * L;
+            if (c + 1 < C) {
+                const uint16_t *s1 = s0 + L;
+                PC_SIMD
+                for (pc_idx j = 0; j < L; j++) d[j] = (uint32_t)s0[j] | (uint32_t)s1[j] << 16;
+            } else {
+                PC_SIMD
+                for (pc_idx j = 0; j < L; j++) d[j] = s0[j];
+            }
+        }
+    }
+    if (Q % 32 == 0) {  /* straight into y, one output row at a time */
+        for (int i = 0; i < m; i++)
+            for (int p = p0; p < p1; p++)
+                pcb_gemm_x(ws, kp, NULL, O, img + ((pc_idx)i * RR + p - p0) * Wp, boff, 0, kp,
+                           y + ((pc_idx)i * O * P + p) * Q, (pc_idx)P * Q, Q, b, NULL, 0);
+        return;
+    }
+    if (Q == 16 || Q == 8) {  /* straight into y, two rows of 16 or four of 8 per tile */
+        for (int i = 0; i < m; i++)
+            pcb_gemm_r(ws, kp, NULL, NULL, O, img + (pc_idx)i * RR * Wp, boff, 0, kp, Wp, Q,
+                       y + (pc_idx)i * O * P * Q + (pc_idx)p0 * Q, (pc_idx)P * Q, (pc_idx)(p1 - p0) * Q,
+                       b, NULL, 0, 0);
+        return;
+    }
+    pcb_gemm_x(ws, kp, NULL, O, img, boff, 0, kp, acc, lda, npf, NULL, NULL, 0);
+    for (int i = 0; i < m; i++) for (int o = 0; o < O; o++) {
+        float bo = b ? b[o] : 0.0f;
+        for (int p = p0; p < p1; p++) {
+            const float *s = acc + (pc_idx)o * lda + ((pc_idx)i * RR + p - p0) * Wp;
+            float *d = y + (((pc_idx)i * O + o) * P + p) * Q;
+            if (b) {
+                PC_SIMD
+                for (int q = 0; q < Q; q++) d[q] = s[q] + bo;
+            } else {
+                memcpy(d, s, sizeof(float) * (size_t)Q);
+            }
+        }
+    }
+}
+
+/* Where im2col's rows start for pcb_s1_dw_block (the same for every block of a thread's buffers):
+ * row k = (c, kh, kw) is the view of xb at c * L + kh * Wp + kw, read as pairs of pixels, from the
+ * copy of xb shifted by one element (at xb + C * L) where that offset is odd. */
+static inline void pcb_s1_dw_rows(int C, int K, int Wp, pc_idx L, const uint16_t *xb, const uint32_t **arow)
+{
+    const uint16_t *xb1 = xb + (pc_idx)C * L;
+    pc_idx k = 0;
+    for (int c = 0; c < C; c++)
+        for (int kh = 0; kh < K; kh++)
+            for (int kw = 0; kw < K; kw++, k++) {
+                pc_idx off = (pc_idx)c * L + (pc_idx)kh * Wp + kw;
+                arow[k] = (const uint32_t *)(off & 1 ? xb1 + off - 1 : xb + off);
+            }
+}
+
+/* Weight gradient at stride 1 of output rows [p0, p1) of one image, added into part (Kd x ldo,
+ * transposed): im2col's row k is the view of xb at tap k's offset, read as pairs of pixels (from
+ * a copy of xb shifted by one element where the offset is odd), so no im2col is built. The
+ * dropped columns q >= Q carry dy = 0. xb: 2 x C x L u16; arow: pcb_s1_dw_rows; dyt: npp x up32(ldo) words
+ * (npp = ceil(nr * Wp / 2)) and then O x npp words of scratch; amap: npp indices. */
+static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad, int S,
+                                   const float *restrict dy, int O, int P, int Q, int p0, int p1, pc_idx L,
+                                   float *restrict part, pc_idx ldo, uint16_t *restrict xb,
+                                   const uint32_t **restrict arow, uint32_t *restrict dyt, pc_idx *restrict amap,
+                                   int rows_outer)
+{
+    int Wp = Q + K - 1, Kd = C * K * K, RR = p1 - p0 + K - 1;
+    pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, CL = (pc_idx)C * L;
+    uint16_t *xb1 = xb + CL;
+    pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
+    memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
+    xb1[CL - 1] = 0;
+    /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end:
+     * each filter's rows rounded into flat rows first (vectorised), then one transposing pass of words */
+    uint16_t *h = (uint16_t *)(dyt + npp * ((ldo + PCB_NR - 1) / PCB_NR * PCB_NR));
+    for (int i = 0; i < m; i++) {  /* dy in memory order, so the hardware prefetcher follows */
+        for (int o = 0; o < O; o++) {
+            uint16_t *d = h + (pc_idx)o * 2 * npp + (pc_idx)i * RR * Wp;
+            const float *s = dy + (((pc_idx)i * O + o) * P + p0) * Q;
+            pcb_round_rows(s, p1 - p0, Q, d, Wp);
+            for (int p = p0; p < p1; p++, d += Wp)
+                for (int q = Q; q < Wp; q++) d[q] = 0;
+            /* the rows between two images, and the odd pixel at the end */
+            pc_idx end = i + 1 < m ? (pc_idx)(i + 1) * RR * Wp : 2 * npp;
+            pc_idx at = (pc_idx)i * RR * Wp + (pc_idx)(p1 - p0) * Wp;
+            if (end > at) memset(h + (pc_idx)o * 2 * npp + at, 0, sizeof(uint16_t) * (size_t)(end - at));
+        }
+    }
+    /* the reduction runs over the pairs that hold a valid pixel only (amap), not the dropped columns
+     * and the rows between stacked images */
+    int nr = p1 - p0, nrow = (int)(npf / Wp);
+    pc_idx nv = 0;
+    for (pc_idx jp = 0; jp < npp; jp++) {
+        pc_idx j = 2 * jp;
+        int r0 = (int)(j / Wp), q0 = (int)(j % Wp), r1 = (int)((j + 1) / Wp), q1 = (int)((j + 1) % Wp);
+        int v0 = r0 < nrow && r0 % RR < nr && q0 < Q, v1 = r1 < nrow && r1 % RR < nr && q1 < Q;
+        if (v0 || v1) amap[nv++] = jp;
+    }
+    /* dyt in blocks of 32 filters, [O / 32][nv][cw]: each block's pairs one contiguous stream */
+    const uint32_t *h32 = (const uint32_t *)h;
+    int cw = ldo < PCB_NR ? (int)ldo : PCB_NR;
+    for (int o0 = 0; o0 < O; o0 += PCB_NR) {
+        int n = O - o0 < cw ? O - o0 : cw;
+        uint32_t *d = dyt + (pc_idx)o0 * nv;
+        for (pc_idx t = 0; t < nv; t++, d += cw) {
+            pc_idx jp = amap[t];
+            for (int o = 0; o < n; o++) d[o] = h32[(pc_idx)(o0 + o) * npp + jp];
+            for (int o = n; o < cw; o++) d[o] = 0;
+        }
+    }
+    pcb_gemm_r(NULL, 0, arow, amap, Kd, dyt, NULL, cw, nv, nv * PCB_NR, PCB_NR, part, ldo, O, NULL, NULL, 1,
+               rows_outer);
+}
+
+/* Input gradient of one image through im2col's transpose, for any stride and padding: per block of
+ * output rows, dcols[k][pix] = sum_o w[o][k] dy[o][pix], scattered into dx (zeroed here).
+ * wt: pairs down w's columns, transposed (Kd x op, op = ceil(O/2)); panel: op x up16(npix) pairs;
+ * dcols: Kd x npix floats. */
+static inline void pcb_conv_dx_image(const uint32_t *restrict wt, int C, int H, int W, int K, int S, int pad,
+                                     const float *restrict dy, int O, int P, int Q, int rb, float *restrict dx,
+                                     uint32_t *restrict panel, float *restrict dcols)
+{
+    int Kd = C * K * K;
+    pc_idx op = (O + 1) / 2;
+    memset(dx, 0, sizeof(float) * (size_t)C * H * W);
+    for (int p0 = 0; p0 < P; p0 += rb) {
+        int p1 = p0 + rb < P ? p0 + rb : P;
+        pc_idx npix = (pc_idx)(p1 - p0) * Q, ldb = pcb_up16(npix);
+        pcb_pack_down(dy + (pc_idx)p0 * Q, (pc_idx)P * Q, O, npix, panel, ldb, 0, op);
+        pcb_gemm(wt, op, Kd, panel, ldb, op, dcols, npix, npix, NULL, NULL, 0);
+        pc_col2im(dcols, H, W, K, S, pad, Q, 0, C, p0, p1, dx);
+    }
+}
+
+#endif /* PC_BF16_H */
