@@ -23,6 +23,7 @@ Build knobs (environment):
 import concurrent.futures
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -48,7 +49,24 @@ ONCE_NAMES = ["_threads", "_cpu"]
 EXT_NAMES = ONCE_NAMES + HOT_NAMES
 
 HEADERS = ["pc_common.h", "pc_conv.h", "pc_winograd.h", "pc_winograd4.h", "pc_fused.h", "pc_dense.h",
-           "pc_optim.h", "pc_pool.h", "pc_conv_general.h", "pc_pool.pxd", "pc_helpers.pxd", "pc_bf16.h", "pc_int8.h"]
+           "pc_optim.h", "pc_pool.h", "pc_conv_general.h", "pc_pool.pxd", "pc_helpers.pxd", "pc_conv.pxd", "pc_bf16.h",
+           "pc_int8.h"]
+
+_INCLUDE = re.compile(r'^include\s+["\']([^"\']+)["\']', re.M)
+
+
+def _included(pyx):
+    """The files a .pyx pulls in with Cython's ``include`` (its .pxi files, recursively), as paths."""
+    found, todo = [], [pyx]
+    while todo:
+        with open(todo.pop(), encoding="utf-8") as f:
+            text = f.read()
+        for name in _INCLUDE.findall(text):
+            path = os.path.join(os.path.dirname(pyx), name)
+            if path not in found:
+                found.append(path)
+                todo.append(path)
+    return found
 
 # level -> (flags, fallback flags for compilers without the x86-64-vN names); highest first
 X86_LEVELS = {
@@ -291,7 +309,8 @@ class BuildExt(build_ext):
             ext._pc_level, ext._pc_c = "baseline", f"parconv/_ext/{n}.pyx"
             exts.append(ext)
         # the largest modules first: the long compiles start at once
-        size = {n: os.path.getsize(f"parconv/_ext/{n}.pyx") for n in EXT_NAMES}
+        size = {n: sum(os.path.getsize(f) for f in [f"parconv/_ext/{n}.pyx"] + _included(f"parconv/_ext/{n}.pyx"))
+                for n in EXT_NAMES}
         size[SHARED_UTILITY.rsplit(".", 1)[1]] = size["_conv"] - 1  # big C, but no kernels
         exts.sort(key=lambda e: -size[e.name.rsplit(".", 1)[1]])
         self._pc_config = dict(
@@ -317,8 +336,8 @@ class BuildExt(build_ext):
     def _cythonize(self, jobs):
         """Each .pyx to C once (every level compiles the same C), plus the shared utility module.
 
-        A module is regenerated only when its .pyx or one of our .pxd files is newer than its C,
-        or the C came from another Cython version. Cython's own check also counts its bundled
+        A module is regenerated only when its .pyx, a .pxi it includes or one of our .pxd files is
+        newer than its C, or the C came from another Cython version. Cython's own check also counts its bundled
         .pxd files, which a fresh isolated build environment (every ``pip install .``) writes
         anew, so it would redo every module and, through the new C, every compile.
         """
@@ -341,7 +360,8 @@ class BuildExt(build_ext):
             c_time = os.path.getmtime(c_file)
             return all(os.path.getmtime(s) <= c_time for s in sources)
 
-        stale = [n for n in names if not current(f"parconv/_ext/{n}.c", [f"parconv/_ext/{n}.pyx"] + ours)]
+        stale = [n for n in names if not current(f"parconv/_ext/{n}.c", [f"parconv/_ext/{n}.pyx"] + ours
+                                                 + _included(f"parconv/_ext/{n}.pyx"))]
         utility_c = SHARED_UTILITY.replace(".", "/") + ".c"
         if stale or not current(utility_c, []):
             modules = [Extension(f"parconv._ext.{n}", [f"parconv/_ext/{n}.pyx"]) for n in stale]

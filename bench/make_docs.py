@@ -417,6 +417,9 @@ def _sections(text: str) -> list[tuple[str, list[str]]]:
 #: regeneration keeps them
 KEPT_SECTIONS = ("## Conv precision", "## int8 inference")
 
+#: and those of measurements taken by hand, two builds side by side (the ISA dispatch's speed and build time)
+KEPT_SECTIONS += ("## Kernel ISA dispatch: speed and build time",)
+
 
 def _top_sections(text: str) -> list[tuple[str, list[str]]]:
     """``[(heading, lines), ...]`` of a page split before every ``## `` heading only."""

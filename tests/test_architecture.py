@@ -51,7 +51,7 @@ def test_layers_call_no_backend_op():
     assert "from .backends" not in source.replace("from . import backends as _backends", "")
 
 
-@pytest.mark.parametrize("ext", [".py", ".pyx", ".h", ".cl", ".pxd"])
+@pytest.mark.parametrize("ext", [".py", ".pyx", ".pxi", ".h", ".cl", ".pxd"])
 def test_no_measured_figures_in_code_comments(ext):
     """Timings and machine names belong in commit messages and docs/performance-internals.md."""
     pattern = re.compile(r"(#|//|/\*|^\s*\*).*(\b\d+(\.\d+)? ?(ms|us|µs)\b|Zen ?\d|Xeon|EPYC)")

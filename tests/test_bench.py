@@ -484,6 +484,17 @@ def test_precision_section_survives_a_full_regeneration_and_its_subsections_each
     assert make_docs.keep_sections(kept, kept) == kept
 
 
+def test_the_isa_dispatch_measurements_survive_a_full_regeneration():
+    """The speed and build-time comparisons of the ISA dispatch are taken by hand (two builds side by
+    side), so make_docs.write_docs keeps them like the precision section."""
+    make_docs = _bench_module("make_docs")
+    heading = "## Kernel ISA dispatch: speed and build time"
+    text = f"# Benchmarks\n\n## Results\n\nold\n\n{heading}\n\n| build | CPU s |\n\n## Amdahl analysis\n\nA\n"
+    kept = make_docs.keep_sections(text, "# Benchmarks\n\n## Results\n\nnew\n\n## Amdahl analysis\n\nB\n")
+    assert heading in kept and "| build | CPU s |" in kept and "\nold\n" not in kept
+    assert make_docs.keep_sections(kept, kept) == kept
+
+
 def test_precision_error_is_the_worst_tensor_scaled_by_its_largest_value():
     precision = _bench_module("precision")
     ref = {"a": np.array([1.0, -4.0]), "b": np.array([0.5, 0.0]), "z": np.zeros(2)}

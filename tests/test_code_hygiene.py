@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -19,7 +20,7 @@ def _read(paths) -> dict:
     return {p: p.read_text(encoding="utf-8") for p in paths}
 
 
-SOURCES = _read([p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".pyx", ".pxd", ".h")])
+SOURCES = _read([p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".pyx", ".pxi", ".pxd", ".h")])
 #: where a helper may be used: the package, and the tests, benchmarks and docs tooling that drive it
 CORPUS = {**SOURCES, **_read(list((ROOT / "tests").rglob("*.py")) + list((ROOT / "bench").rglob("*.py"))
                               + list((ROOT / "docs" / "_ext").glob("*.py")))}
@@ -41,7 +42,7 @@ def _private_module_functions():
             found += [(path, node.name) for node in ast.parse(text).body
                       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_")
                       and not node.name.startswith("__")]
-        elif path.suffix == ".pyx":
+        elif path.suffix in (".pyx", ".pxi"):
             found += [(path, m.group(1)) for m in
                       re.finditer(r"^c?p?def\s+(?:[\w\[\]*]+\s+)*?(_\w+)\s*\(", text, re.M)]
     return found
@@ -64,6 +65,76 @@ def test_every_c_helper_is_used():
             if uses[m.group(1)] < 2:
                 dead.append(f"{path.name}: {m.group(1)}")
     assert not dead, f"C helpers defined but never used (remove them): {dead}"
+
+
+def _setup_function(name):
+    """A top-level function of setup.py, without running setup() (which the module does on import)."""
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    names = {"_INCLUDE"} | {name}
+    body = [node for node in tree.body
+            if (isinstance(node, ast.FunctionDef) and node.name in names)
+            or (isinstance(node, ast.Assign) and any(getattr(t, "id", None) in names for t in node.targets))]
+    space = {"os": os, "re": re}
+    exec(compile(ast.Module(body=body, type_ignores=[]), "setup.py", "exec"), space)
+    return space[name]
+
+
+def test_the_build_rebuilds_a_module_when_a_file_it_includes_changes():
+    """setup.py regenerates a module's C when a .pxi it includes is newer (its freshness check reads
+    the ``include`` lines), and every .pxi belongs to some module, so none escapes the check."""
+    included = _setup_function("_included")
+    ext = PACKAGE / "_ext"
+    by_module = {pyx.stem: included(os.path.join("parconv", "_ext", pyx.name)) for pyx in ext.glob("*.pyx")}
+    conv = sorted(os.path.basename(f) for f in by_module["_conv"])
+    assert conv == sorted(["_conv_direct.pxi", "_conv_winograd.pxi", "_conv_winograd4.pxi", "_conv_blas.pxi",
+                           "_conv_fused.pxi"])
+    every = {os.path.basename(f) for files in by_module.values() for f in files}
+    assert {p.name for p in ext.glob("*.pxi")} <= every, "a .pxi no module includes"
+    setup_text = (ROOT / "setup.py").read_text(encoding="utf-8")
+    assert '"pc_conv.pxd"' in setup_text  # a changed declaration recompiles every level
+    assert '"*.pxi"' in (ROOT / "pyproject.toml").read_text(encoding="utf-8")  # the sdist carries them
+
+
+def _module_text(pyx: Path) -> str:
+    """A kernel module's source with the .pxi files it includes."""
+    text = pyx.read_text(encoding="utf-8")
+    for name in re.findall(r'^include\s+"([^"]+)"', text, re.M):
+        text += (pyx.parent / name).read_text(encoding="utf-8")
+    return text
+
+
+def test_kernel_module_docstrings_name_every_op_they_hold():
+    """Each kernel module's docstring names the ops it implements (a forward/backward/update kernel
+    ``<op>_forward`` is named as ``<op>``, underscores or spaces; a plain convolution may be called
+    one), so it cannot go stale as ops move in."""
+    convolutions = {"conv2d", "depthwise"}
+    stale = []
+    for pyx in sorted((PACKAGE / "_ext").glob("*.pyx")):
+        text = _module_text(pyx)
+        doc = re.search(r'^"""(.*?)"""', text, re.S | re.M)
+        words = re.sub(r"[-_\s]+", " ", (doc.group(1) if doc else "").lower())
+        for name in re.findall(r"^def ([a-z]\w*?)_(?:forward|backward|update)\w*\s*\(", text, re.M):
+            if name.replace("_", " ") not in words and not (name in convolutions and "convolution" in words):
+                stale.append(f"{pyx.name}: {name}")
+    assert not stale, f"ops missing from their module's docstring: {sorted(set(stale))}"
+
+
+def test_conv_holds_one_algorithm_family_per_file():
+    """_conv.pyx keeps the entry points that choose an algorithm; each family's kernels are in its .pxi."""
+    ext = PACKAGE / "_ext"
+    conv = (ext / "_conv.pyx").read_text(encoding="utf-8")
+    defined = {f.name: set(re.findall(r"^c?p?def\s+(?:[\w\[\]*]+\s+)*?(\w+)\s*\(", f.read_text(encoding="utf-8"), re.M))
+               for f in ext.glob("_conv_*.pxi")}
+    assert {"_conv_shifted", "_conv_tiled", "_dw_shifted", "_dw_dot"} <= defined["_conv_direct.pxi"]
+    assert {"_conv_winograd", "_dw_winograd", "winograd_applies"} <= defined["_conv_winograd.pxi"]
+    assert {"winograd4_applies", "winograd4_dw_applies"} <= defined["_conv_winograd4.pxi"]
+    assert {"_backward_blas"} <= defined["_conv_blas.pxi"]
+    assert {"conv2d_relu_maxpool2d_forward", "conv2d_relu_maxpool2d_backward"} <= defined["_conv_fused.pxi"]
+    own = set(re.findall(r"^c?p?def\s+(?:[\w\[\]*]+\s+)*?(\w+)\s*\(", conv, re.M))
+    assert {"conv2d_forward", "conv2d_backward", "fold_batch_norm"} <= own
+    assert not own & set().union(*defined.values())
+    assert 'cdef extern from' not in conv and not any('cdef extern from' in (ext / n).read_text(encoding="utf-8")
+                                                      for n in defined), "C declarations belong in pc_conv.pxd"
 
 
 def test_the_opencl_one_dimensional_launcher_is_named_for_what_it_does():

@@ -1,6 +1,10 @@
 # Shape legend: activations are elementwise, so every array is taken flat:
 # n = N * (everything else) elements, x, y, dy, dx all (n,).
-"""relu and sigmoid kernels, forward and backward (backward from the forward output y).
+"""Elementwise activation kernels, forward and backward: relu, sigmoid, leaky_relu, tanh, elu,
+and softmax (along the middle axis of an (O, D, I) view: any dim); plus ``add`` (the residual sum).
+
+Backward passes take the forward output y where the derivative is a function of it
+(relu, sigmoid, tanh, elu, softmax) and the input x where it is not (leaky_relu).
 
 The loops themselves are the vectorised C helpers in pc_common.h; here the
 flat range is cut into a few contiguous chunks per thread, handed out as

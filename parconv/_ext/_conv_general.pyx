@@ -1,7 +1,8 @@
 # Shape legend: N batch, C in-channels, O out-channels, G groups (Cg = C / G, Og = O / G),
 # H, W input, P, Q output, KH x KW kernel, SH, SW strides, DH, DW dilation, PT, PL the
 # top/left padding; KK = KH * KW, CgKK = Cg * KK the GEMM depth of one group.
-"""General conv2d kernels: groups, dilation, rectangular kernels, (h, w) strides, asymmetric padding.
+"""General conv2d kernels (conv2d_general, depthwise): groups, dilation, rectangular kernels, (h, w)
+strides, asymmetric padding. Square kernels with one stride and symmetric padding run in ``_conv``.
 
 Two paths (``pc_conv_general.h``):
 

@@ -1,6 +1,8 @@
 # Shape legend: N batch, F in-features, G out-features.
 # y = x @ w.T + b with x (N, F), w (G, F), b (G,), y (N, G).
-"""linear (fully connected) kernels: sgemm on blocks, one block per thread.
+"""linear (fully connected) kernels: sgemm on blocks, one block per thread; a layer with at most
+NARROW_MAX_G outputs (a classifier head) on the narrow kernels of ``pc_dense.h`` instead, which
+stream x once.
 
 Each product is one column-major sgemm (a row-major (r, c) array is a
 column-major (c, r) one) whose *output* is split into contiguous blocks of

@@ -1,7 +1,9 @@
 # Shape legend: N batch (rows), G classes / out-features (columns).
 # softmax cross-entropy: logits (N, G) float32, labels (N,) int32, probs (N, G).
 # BCE: p, t taken flat, n = p.size elements.
-"""Loss kernels: softmax cross-entropy, binary cross-entropy, argmax helpers.
+"""Loss kernels, forward and backward: softmax cross-entropy (with and without label smoothing:
+softmax_cross_entropy_smoothed), binary cross-entropy (bce) and mean squared error (mse); and
+the row argmax helpers of accuracy (argmax_rows, count_correct).
 
 Losses are summed in double, one partial sum per chunk, and the partials are
 added in chunk order, so a thread count always gives the same bits.

@@ -1,7 +1,7 @@
 # Shape legend: batch norm views x as (N, C, L): N batch, C channels, L the product of the
 # trailing dims (H * W, or L, or 1 for (N, C) input); a "plane" is the L values of one
 # (n, c), and M = N * L values make a channel's statistics. Dropout takes x flat, n elements.
-"""Batch normalisation (forward in training and eval mode, backward) and dropout kernels.
+"""Batch normalisation (batch_norm forward in training and eval mode, backward) and dropout kernels.
 
 The per-channel sums of batch norm run over contiguous chunks of planes, a few per
 thread, handed out as threads come free (a thread whose core another process takes

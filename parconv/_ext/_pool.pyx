@@ -1,7 +1,9 @@
 # Shape legend: N batch, C channels, H, W input, P, Q output, K window (K x K),
 # S stride; no padding, floor mode: P = (H - K) // S + 1, Q likewise.
 # A "plane" is one (n, c) pair: H*W inputs, P*Q outputs.
-"""maxpool2d kernels, parallel over (n, c) planes.
+"""Pooling kernels, forward and backward, parallel over (n, c) planes: maxpool2d (square windows,
+no padding; the general form with padding and rectangular windows as maxpool2d_general),
+avgpool2d and adaptive_avgpool2d. The plane loops are in ``pc_pool.h``.
 
 argmax holds the flat index ``h * W + w`` of each window's maximum inside its
 (H, W) plane, the first one on ties and the first NaN when there is one

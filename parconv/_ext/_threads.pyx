@@ -2,7 +2,8 @@
 # C in-channels, O out-channels, H, W input, P, Q output, K kernel,
 # F in-features, G out-features. This module has no array kernels: it reports
 # how the extension was built.
-"""Build information of the OpenMP kernels."""
+"""OpenMP build facts (openmp_enabled, omp_max_threads) and the BLAS thread-count hooks that limit
+the BLAS library to one thread around the kernels' sgemm calls (blas_hooks, blas_limit_enter/exit)."""
 
 cdef extern from "pc_common.h":
     int PARCONV_OPENMP

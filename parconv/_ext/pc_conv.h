@@ -1,4 +1,6 @@
-/* Register-blocked convolution micro-kernels (implicit GEMM) for _conv.pyx.
+/* Register-blocked convolution micro-kernels (implicit GEMM) of the direct convolution
+ * (_conv_direct.pxi), also the GEMMs of the Winograd forward (_conv_winograd.pxi); their vector
+ * type serves pc_dense.h and pc_fused.h.
  *
  * Shape legend: N batch, C in-channels, O out-channels, H, W input, P, Q output,
  * K kernel, S stride. kdim = C*K*K is the GEMM depth, one k = (c, kh, kw).

@@ -1,4 +1,5 @@
-/* Linear layers with few outputs (G <= PCD_NARROW_G) for _dense.pyx.
+/* Linear layers with few outputs (G <= PCD_NARROW_G) for _dense.pyx, and the linear head of the
+ * fused conv-ReLU-maxpool layer (_conv_direct.pxi forward, _conv_fused.pxi backward).
  *
  * Shape legend: N batch, F in-features, G out-features; x (N, F), w (G, F),
  * dy (N, G), all row-major.

@@ -1,4 +1,4 @@
-/* Backward of the fused relu(maxpool(conv2d(x))) for _conv.pyx, stride-1 convolution.
+/* Backward of the fused relu(maxpool(conv2d(x))) for _conv_fused.pxi, stride-1 convolution.
  *
  * Shape legend: N batch, C in-channels, O filters, H, W input, Hp, Wp the
  * zero-padded input, P, Q the convolution output, PQp the pooled positions of

@@ -1,4 +1,4 @@
-/* Winograd F(2x2, 3x3) transforms for the stride-1 3x3 convolution (_conv.pyx).
+/* Winograd F(2x2, 3x3) transforms for the stride-1 3x3 convolution (_conv_winograd.pxi).
  *
  * Shape legend: C in-channels, O out-channels, H, W input, P, Q output, pad the
  * zero padding. The output is cut into 2x2 tiles, tH = ceil(P/2) rows of

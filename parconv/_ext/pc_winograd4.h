@@ -1,4 +1,5 @@
-/* Winograd F(4x4, 3x3) transforms for the stride-1 3x3 convolution (_conv.pyx).
+/* Winograd F(4x4, 3x3) transforms for the stride-1 3x3 convolution (run by the drivers of
+ * _conv_winograd.pxi where _conv_winograd4.pxi says so), and the small dU GEMM of its weight gradient.
  *
  * Shape legend as pc_winograd.h. The output is cut into 4x4 tiles, tH = ceil(P/4)
  * rows of tW = ceil(Q/4) tiles; tile (ty, tx) reads the 6x6 input patch whose
