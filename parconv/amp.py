@@ -250,13 +250,13 @@ def bf16_support() -> dict:
         return info
     info["mode"] = "emulated"
     if module is None:
-        why = "no compiled kernels are loaded (inputs rounded to bf16 in NumPy, float32 compute)"
+        why = "no compiled kernels are loaded"
     elif not cpu:
-        why = "this CPU has no AVX512_BF16 (inputs rounded to bf16, float32 direct kernels compute)"
+        why = "this CPU has no AVX512_BF16"
     elif level != "avx512":
         why = (f"the {level} kernel level runs (the bf16 instructions are in the avx512 level only"
                f"{'; PARCONV_ISA=' + str(state.get('requested')) if state.get('requested') else ''})")
     else:
-        why = "this build's avx512 kernels have no AVX512_BF16 path (inputs rounded to bf16, float32 compute)"
+        why = "this build's avx512 kernels have no AVX512_BF16 path"
     info["why"] = why
     return info
