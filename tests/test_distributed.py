@@ -419,7 +419,9 @@ def test_data_parallel_evaluate_and_adam():
     (4, 6, 1, 2, 1, 0, False),   # one sample (gathered straight into place), no bias
     (1, 7, 4, 5, 2, 2, True),
 ])
-def test_filter_parallel_conv2d_matches_conv2d(backend, assemble, C, O, N, K, stride, padding, bias):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_filter_parallel_conv2d_matches_conv2d(backend, assemble, C, O, N, K, stride, padding, bias, precision):
+    """Also under autocast: the forward in bf16, and the backward (after the block) in bf16 as the layer's."""
     rng = np.random.default_rng(C * 100 + O)
     x = rng.standard_normal((N, C, 9, 9)).astype(np.float32)
     ref = pc.Conv2d(C, O, K, stride, padding, bias=bias, backend=backend, rng=1)
@@ -428,8 +430,9 @@ def test_filter_parallel_conv2d_matches_conv2d(backend, assemble, C, O, N, K, st
     counts = conv.filter_counts
     assert sum(counts) == O and max(counts) - min(counts) <= 1
     conv.load_state_dict({name: p.numpy() for name, p in ref.named_parameters()})
-    y_ref = ref(x)
-    y = conv(x)
+    with pc.autocast(enabled=precision == "bf16"):
+        y_ref = ref(x)
+        y = conv(x)
     dy = rng.standard_normal(pc.to_numpy(y_ref).shape).astype(np.float32)
     dx_ref = ref.backward(dy)
     dx = conv.backward(dy)
