@@ -414,7 +414,7 @@ def _sections(text: str) -> list[tuple[str, list[str]]]:
 
 
 #: sections another script writes (bench/precision.py): a full regeneration keeps them
-KEPT_SECTIONS = ("## Conv precision",)
+KEPT_SECTIONS = ("## Conv precision", "## Mixed precision (bf16)")
 
 
 def _top_sections(text: str) -> list[tuple[str, list[str]]]:

@@ -740,8 +740,11 @@ NETS_TRAIN_FULL_TOL_SMALL = {"loss": 1e-3, "weights": 1e-3, "grads": 1.5e-1}
 #: behind a BatchNorm the first layers' gradient terms cancel (see NETS_TRAIN_FULL_TOL_SMALL: float32's own
 #: rounding moves them by 8e-2 of the largest), so bf16's rounding leaves their sums at its noise level,
 #: in PyTorch's autocast as in parconv (both differ from float32 there by 0.6-1.3 of the largest gradient).
-#: Inference under parconv's bf16 meets NETS_INFER_TOL against the NumPy model of its own rounding.
 NETS_BF16_INFER_TOL = 5e-2
+#: parconv's bf16 inference against the NumPy model of its own rounding: a sum in another order can land
+#: an activation on the other side of a bf16 rounding boundary, one 2^-9 step that the layers after it
+#: carry (resnet20 on the native kernels: 1.6e-4); float32 in place of bf16 misses it by 1e-2
+NETS_BF16_MODEL_INFER_TOL = 1e-3
 NETS_BF16_TRAIN_TOL = {"loss": 3e-2, "weights": 5e-2, "grads": 1e3}  # grads: compared, never failed
 
 
@@ -958,7 +961,7 @@ class Nets(Workload):
         extra = {"tol": NETS_INFER_TOL} if mode == "infer" else \
             {"full_tol": NETS_TRAIN_FULL_TOL if n >= NETS_TRAIN_BATCH or net == "mlp" else NETS_TRAIN_FULL_TOL_SMALL}
         extra["bf16_tol"] = NETS_BF16_INFER_TOL if mode == "infer" else NETS_BF16_TRAIN_TOL
-        extra["bf16_model_tol"] = NETS_INFER_TOL if mode == "infer" else NETS_BF16_TRAIN_TOL
+        extra["bf16_model_tol"] = NETS_BF16_MODEL_INFER_TOL if mode == "infer" else NETS_BF16_TRAIN_TOL
         return Case(self, f"{net} {'training step' if mode == 'train' else 'inference'} batch={n}", p, chk,
                     flops, n, "samples" if net == "mlp" else "images",
                     note=f"{net} input {'x'.join(map(str, shape))}", extra=extra)

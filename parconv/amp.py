@@ -131,8 +131,10 @@ class autocast(_GradModeContext):
             raise TypeError(f"autocast: dtype must be a string such as 'bf16', got {type(dtype).__name__} "
                             f"{dtype!r}")
         if dtype.strip().lower() not in _BF16_NAMES:
-            hint = (" (float16 has no fast CPU path; use 'bf16')" if dtype.strip().lower() in ("fp16", "float16", "half")
-                    else "")
+            hint = {"fp16": " (float16 has no fast CPU path; use 'bf16')",
+                    "cpu": " (parconv's autocast takes the dtype, not torch.autocast's device_type: "
+                           "pc.autocast('bf16'))"}.get(dtype.strip().lower().replace("float16", "fp16")
+                                                       .replace("half", "fp16"), "")
             raise ValueError(f"autocast: dtype must be 'bf16' (or 'bfloat16'), got {dtype!r}{hint}; "
                              "autocast(enabled=False) runs a block in float32")
         self.dtype = "bf16"

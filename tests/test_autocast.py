@@ -120,6 +120,8 @@ def test_autocast_as_a_decorator_and_on_generators():
 @pytest.mark.parametrize("kwargs, err, match", [
     ({"dtype": "fp16"}, ValueError, "float16 has no fast CPU path"),
     ({"dtype": "int8"}, ValueError, "dtype must be 'bf16'"),
+    ({"dtype": "cpu"}, ValueError, "takes the dtype, not torch.autocast's device_type"),
+    ({"dtype": "float16"}, ValueError, "float16 has no fast CPU path"),
     ({"dtype": 16}, TypeError, "dtype must be a string"),
     ({"enabled": "yes"}, TypeError, "enabled must be a bool"),
 ])
