@@ -12,6 +12,7 @@ Examples
     python bench/run.py --passes 3 --repeat 9            # 3 passes over the suite, 3 repetitions each
     python bench/run.py --wait-cores 5                   # a VM: time n threads only when they get n cores
     python bench/run.py --workloads nets --threads 1,2 --docs   # the zoo vs PyTorch; updates its docs section
+    python bench/run.py --workloads nets --precision fp32,bf16  # + parconv and PyTorch bf16 autocast, interleaved
     mpiexec -n 4 python bench/run.py --workloads data-parallel,conv-large-mpi
 
 For every case the suite checks each implementation against the NumPy oracle
@@ -299,7 +300,11 @@ def resolve_precisions(args, progress_print) -> tuple[list, list]:
 
 def _with_precisions(impls, precisions) -> list:
     """``impls`` in each precision: fp32 as they are, bf16 as ``<name>-bf16`` (CPU implementations, not the
-    NumPy oracle, which is bf16's small-size reference instead)."""
+    NumPy oracle, which is bf16's small-size reference instead).
+
+    A new precision is a name in ``workloads.PRECISIONS``, a ``precision_scope`` (or runner) that computes
+    in it, and the workloads whose ``precisions`` list it; its impls are named ``<name>-<precision>``.
+    """
     out = [i for i in impls] if "fp32" in precisions else [i for i in impls if i.name == "numpy"]
     for precision in precisions:
         if precision == "fp32":
