@@ -56,8 +56,8 @@ def show_config(mode: str = "stdout"):
         ``"stdout"`` prints a short report; ``"dicts"`` returns it as a dict with
         ``"kernels"`` (the ISA level chosen, why, the levels the CPU runs and the
         levels built; ``"bf16"``: whether :class:`parconv.autocast` runs native
-        AVX512_BF16 kernels or emulates them, and why) and ``"build"`` (compiler, flags per level, levels not built
-        and why).
+        AVX512_BF16 kernels or emulates them, and why) and ``"build"``
+        (compiler, flags per level, levels not built and why).
 
     Examples
     --------

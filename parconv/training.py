@@ -501,6 +501,9 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
 class _FitRun:
     """One call of :func:`fit`: the loop and the state it carries between epochs."""
 
+    #: "fp32" or "bf16": what the loop runs under (fit sets it; every rank must agree)
+    precision = "fp32"
+
     def __init__(self, model, x, y, loader, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose,
                  callbacks, scheduler, dp, checkpoint, checkpoint_every, resume):
         from .callbacks import CallbackList
@@ -535,7 +538,7 @@ class _FitRun:
                 "parameters": [list(p.shape) for p in self.model.parameters()]}
         # ranks that run different numbers of steps, or read a checkpoint alone, wait in a collective forever
         args["resume"] = self.resume is not None
-        args["precision"] = getattr(self, "precision", "fp32")
+        args["precision"] = self.precision
         if self.loader is not None:
             try:
                 args["batches per epoch"] = len(self.loader)
