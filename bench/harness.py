@@ -37,6 +37,8 @@ from machine import matmul_seconds
 
 #: normalised max error (max |got - ref| / max |ref|) an answer may have
 DEFAULT_TOL = 1e-3
+#: a bf16 answer against a float32 one (bf16 keeps 8 significant bits: 4e-3 of each value)
+BF16_TOL = 3e-2
 
 
 @dataclass(frozen=True, order=True)

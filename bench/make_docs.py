@@ -413,9 +413,9 @@ def _sections(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-#: sections another script writes (bench/precision.py, the int8 rows of bench/quantized.py): a full
-#: regeneration keeps them
-KEPT_SECTIONS = ("## Conv precision", "## int8 inference")
+#: sections another script writes (bench/precision.py, the int8 rows of bench/quantized.py, the bf16
+#: rows): a full regeneration keeps them
+KEPT_SECTIONS = ("## Conv precision", "## int8 inference", "## Mixed precision (bf16)")
 
 #: and those of measurements taken by hand, two builds side by side (the ISA dispatch's speed and build time)
 KEPT_SECTIONS += ("## Kernel ISA dispatch: speed and build time",)

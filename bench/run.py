@@ -12,6 +12,7 @@ Examples
     python bench/run.py --passes 3 --repeat 9            # 3 passes over the suite, 3 repetitions each
     python bench/run.py --wait-cores 5                   # a VM: time n threads only when they get n cores
     python bench/run.py --workloads nets --threads 1,2 --docs   # the zoo vs PyTorch; updates its docs section
+    python bench/run.py --workloads nets --precision fp32,bf16  # + parconv and PyTorch bf16 autocast, interleaved
     mpiexec -n 4 python bench/run.py --workloads data-parallel,conv-large-mpi
 
 For every case the suite checks each implementation against the NumPy oracle
@@ -107,6 +108,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=_name_list, default=None,
                    help="parconv backends to time (default: every available one; unavailable ones are skipped)")
     p.add_argument("--workloads", type=_name_list, default=None, help="comma-separated workload names, or 'all'")
+    p.add_argument("--precision", type=_name_list, default=["fp32"], metavar="fp32,bf16,int8",
+                   help="precisions to time, comma-separated (default fp32): bf16 adds each parconv backend under "
+                        "pc.autocast('bf16') and PyTorch under torch.autocast('cpu', dtype=torch.bfloat16), "
+                        "timed interleaved with fp32 on the workloads that take it (nets) and checked against "
+                        "a bf16 tolerance; int8 (with the nets workload) adds parconv int8 inference after "
+                        "pc.quantization.quantize and PyTorch's int8 next to fp32 (bench/quantized.py)")
     p.add_argument("--compare", default="auto", choices=("auto", "torch", "none"),
                    help="time PyTorch CPU alongside (auto: when it is installed), and PyTorch CUDA "
                         "(float32, TF32 off) where a CUDA GPU is visible")
@@ -149,8 +156,6 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true",
                    help="with the nets workload: skip the peak-memory comparison of a resnet20 training step "
                         "(bench/peak_memory.py)")
-    p.add_argument("--precision", type=_name_list, default=["fp32"], metavar="fp32,int8",
-                   help="with the nets workload: int8 adds parconv int8 inference (and PyTorch's int8) next to fp32")
     p.add_argument("--target-backend", default="openmp", help="backend the targets are evaluated for")
     p.add_argument("--out", default=os.path.join(HERE, "out"), help="output directory (results.json, PNGs)")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
@@ -281,8 +286,56 @@ def format_targets(entries: list[dict]) -> str:
 
 
 # ============================================================================ running
+#: the precision whose rows bench/quantized.py times (inference of a quantized model, not a scope)
+INT8 = "int8"
+
+
+def resolve_precisions(args, progress_print) -> tuple[list, list]:
+    """The ``--precision`` entries this suite times (fp32 first) and the others, each with a reason."""
+    wanted, skipped = [], []
+    names = list(dict.fromkeys(p.lower() for p in getattr(args, "precision", ["fp32"])))
+    for name in names:
+        if name in W.PRECISIONS:
+            wanted.append(name)
+            continue
+        if name == INT8:
+            continue  # its own rows (run_int8_rows), next to the fp32 ones
+
+        reason = (f"no {name} rows in this suite (timed precisions: {', '.join(W.PRECISIONS)})")
+        skipped.append({"precision": name, "reason": reason})
+        progress_print(f"skipping --precision {name}: {reason}")
+    if not wanted and INT8 in names:
+        wanted = ["fp32"]  # int8 alone: its rows and the float32 suite they are compared with
+    return sorted(wanted, key=W.PRECISIONS.index), skipped
+
+
+def _with_precisions(impls, precisions) -> list:
+    """``impls`` in each precision: fp32 as they are, bf16 as ``<name>-bf16`` (CPU implementations, not the
+    NumPy oracle, which is bf16's small-size reference instead).
+
+    A new precision is a name in ``workloads.PRECISIONS``, a ``precision_scope`` (or runner) that computes
+    in it, and the workloads whose ``precisions`` list it; its impls are named ``<name>-<precision>``.
+    """
+    out = [i for i in impls] if "fp32" in precisions else [i for i in impls if i.name == "numpy"]
+    for precision in precisions:
+        if precision == "fp32":
+            continue
+        out += [W.Impl(f"{i.name}-{precision}", i.kind, i.backend, i.device, precision) for i in impls
+                if i.name != "numpy" and i.device == "cpu"]
+    return out
+
+
 def resolve_impls(args, progress_print) -> tuple[list, list]:
     """The implementations to time, and the ones skipped with a reason."""
+    precisions, skipped = resolve_precisions(args, progress_print)
+    if not precisions:
+        raise SystemExit(f"bench/run.py: --precision {','.join(args.precision)} names no precision this suite "
+                         f"times ({', '.join(W.PRECISIONS)})")
+    impls, skipped_impls = _resolve_impls(args, progress_print)
+    return _with_precisions(impls, precisions), skipped + skipped_impls
+
+
+def _resolve_impls(args, progress_print) -> tuple[list, list]:
     impls, skipped = [], []
     names = args.backends if args.backends is not None else pc.backends.registered()
     for name in names:
@@ -310,6 +363,8 @@ def resolve_impls(args, progress_print) -> tuple[list, list]:
 def configs_for(workload, impls, threads) -> list[Config]:
     out = []
     for impl in impls:
+        if impl.precision not in workload.precisions:
+            continue  # e.g. bf16 on a workload without bf16 runners
         if impl.name == "numpy" and not workload.numpy_timed:
             continue  # the small-size oracle only
         if (impl.kind == "parconv" and not impl.backend.host_arrays) or impl.device != "cpu":
@@ -335,6 +390,15 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
     numpy_impl = W.Impl("numpy", "parconv", pc.backends.get("numpy"))
     tol = case.extra.get("tol") or harness.DEFAULT_TOL
     full_tol = case.extra.get("full_tol") or tol
+    bf16_tol = case.extra.get("bf16_tol") or harness.BF16_TOL
+
+    def small_tol(c):
+        # parconv's bf16 against the NumPy model of the same rounding (the workload says how closely);
+        # PyTorch's autocast also rounds each layer's output to bf16, so it gets the bf16 tolerance
+        impl = by_name[c.impl]
+        if impl.precision == "fp32":
+            return tol
+        return bf16_tol if impl.kind == "torch" else case.extra.get("bf16_model_tol") or tol
     res = {"name": case.name, "params": case.params, "check_params": case.check_params, "note": case.note,
            "flops": case.flops, "items": case.items, "item_unit": case.item_unit, "checks": [], "skipped": [],
            "results": [], "full_size_reference": None, "tolerance": tol, "full_size_tolerance": full_tol}
@@ -345,12 +409,15 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
     # 1. small size against the NumPy oracle
     progress.describe(f"{wl.name} {case.name}: checking")
     small_inp = case.inputs(case.check_params)
-    with thread_scope("parconv", 1):
-        oracle = case.runner(numpy_impl, case.check_params, small_inp)
-        oracle.prepare()
-        oracle.run()
-        oracle_ans = oracle.answer()
-    del oracle
+    oracle_ans = {}
+    for precision in dict.fromkeys(by_name[c.impl].precision for c in configs):
+        with thread_scope("parconv", 1):  # the NumPy oracle in each precision (bf16: the rounding model)
+            oracle = case.runner(W.Impl("numpy", "parconv", numpy_impl.backend, precision=precision),
+                                 case.check_params, small_inp)
+            oracle.prepare()
+            oracle.run()
+            oracle_ans[precision] = oracle.answer()
+        del oracle
     good = []
     for c in configs:
         try:
@@ -365,8 +432,10 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
             res["checks"].append({"config": c.label, "size": "small", "ok": False, "max_err": None,
                                   "message": f"raised {type(exc).__name__}: {exc}"})
             continue
-        cmp = compare_answers(ans, oracle_ans, tol)
-        res["checks"].append({"config": c.label, "size": "small", "reference": "numpy oracle", **cmp})
+        precision = by_name[c.impl].precision
+        cmp = compare_answers(ans, oracle_ans[precision], small_tol(c))
+        res["checks"].append({"config": c.label, "size": "small", "reference": "numpy oracle"
+                              + ("" if precision == "fp32" else f" ({precision})"), **cmp})
         if cmp["ok"]:
             good.append(c)
         else:
@@ -383,7 +452,8 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
             runners[c] = case.runner(by_name[c.impl], case.params, inp)
         except Exception as exc:  # noqa: BLE001
             skip(c, f"{type(exc).__name__} while building: {exc}")
-    order = sorted(runners, key=lambda c: (c.impl != "numpy", c.impl != "torch", c.threads, c.impl))
+    order = sorted(runners, key=lambda c: (by_name[c.impl].precision != "fp32", c.impl != "numpy",
+                                           c.impl != "torch", c.threads, c.impl))
     ref_ans, ref_label = None, None
     first_call = {}
     for c in order:
@@ -404,7 +474,8 @@ def run_case(case, impls, threads, args, progress, repeat: int) -> tuple[dict, d
             ref_ans, ref_label = ans, c.label
             res["full_size_reference"] = ref_label
             continue
-        cmp = compare_answers(ans, ref_ans, full_tol)
+        # a bf16 answer against the float32 reference: within the bf16 tolerance
+        cmp = compare_answers(ans, ref_ans, bf16_tol if by_name[c.impl].precision != "fp32" else full_tol)
         res["checks"].append({"config": c.label, "size": "full", "reference": ref_label, **cmp})
         if not cmp["ok"]:
             skip(c, f"full-size answer differs from {ref_label}: {cmp['message']}")
@@ -635,9 +706,13 @@ def main(argv=None) -> int:
             return 0
 
     impls, skipped = resolve_impls(args, print)
-    results["skipped_impls"] = skipped
+    results["skipped_impls"] = [s for s in skipped if "impl" in s]
+    results["skipped_precisions"] = [s for s in skipped if "precision" in s]
+    results["settings"]["precisions"] = sorted({i.precision for i in impls}, key=W.PRECISIONS.index)
+    results["settings"]["bf16"] = pc.amp.bf16_support()
     kinds = _kinds(impls)
-    results["machine"] = machine_info({i.name: i.backend for i in impls if i.kind == "parconv"}, "torch" in kinds)
+    fp32_backends = {i.name: i.backend for i in impls if i.kind == "parconv" and i.precision == "fp32"}
+    results["machine"] = machine_info(fp32_backends, "torch" in kinds)
     print(f"parconv benchmarks | {summary_line(results['machine'])}")
     if not args.quick and len(threads) > 1:
         results["machine"]["reference_scaling_start"] = reference_scaling(threads)
@@ -646,6 +721,9 @@ def main(argv=None) -> int:
     print(f"implementations: {', '.join(i.name for i in impls)} | threads {threads} | repeat {args.repeat} "
           f"(interleaved{in_passes}) | warm-up {args.warmup}" + (" | QUICK MODE: tiny shapes, timings mean nothing"
                                                                  if args.quick else ""))
+    if "bf16" in results["settings"]["precisions"]:
+        bf16 = results["settings"]["bf16"]
+        print(f"bf16: parconv runs {bf16['mode']} ({bf16['why']})")
     if "numpy" not in kinds and "linear" in local_names:
         impls.insert(0, W.Impl("numpy", "parconv", pc.backends.get("numpy")))  # NumPy matmul is linear's baseline
     opts = {"filters": args.filters, "batches": args.batches}
@@ -666,8 +744,8 @@ def main(argv=None) -> int:
         amdahl_cases += [c for c in cases if c.amdahl]
     # Amdahl: the parallel backends (NumPy is the serial reference; analysed only when it is all there is)
     # (host backends only: a device backend's calls return before its kernels finish)
-    parconv_impls = [i for i in impls if i.kind == "parconv" and i.backend.host_arrays and i.name != "numpy"] or \
-        [i for i in impls if i.kind == "parconv" and "numpy" in kinds]
+    parconv_impls = [i for i in impls if i.kind == "parconv" and i.backend.host_arrays and i.name != "numpy"
+                     and i.precision == "fp32"] or [i for i in impls if i.kind == "parconv" and "numpy" in kinds]
     if not args.no_amdahl:
         total += len(amdahl_cases) * len(parconv_impls) * len(threads) * (max(args.warmup, 1) + args.repeat)
     progress = Progress(total, not args.no_progress)

@@ -41,14 +41,32 @@ CNN_BATCHES = (100, 250, 500, 1000)
 LR = 0.1
 
 
+#: the precisions ``--precision`` times here; other names (int8) are skipped with a message
+PRECISIONS = ("fp32", "bf16")
+
+
 @dataclass
 class Impl:
-    """An implementation: a parconv backend (kind "parconv") or PyTorch (kind "torch") on ``device``."""
+    """An implementation: a parconv backend (kind "parconv") or PyTorch (kind "torch") on ``device``,
+    in ``precision``: "fp32", or "bf16" (parconv's ``pc.autocast("bf16")``, PyTorch's
+    ``torch.autocast("cpu", dtype=torch.bfloat16)``)."""
 
     name: str
     kind: str
     backend: object = None
     device: str = "cpu"
+    precision: str = "fp32"
+
+
+def precision_scope(kind: str, precision: str):
+    """The context a runner of ``kind`` computes in: float32, or bf16 autocast."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if kind == "torch":
+        import torch
+
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return pc.autocast("bf16")
 
 
 @dataclass
@@ -144,7 +162,8 @@ class _TorchRunner(_Runner):
 
 
 def _host(t):
-    return t.detach().cpu().numpy()
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == t.new_zeros(0, dtype=t.dtype).bfloat16().dtype else t).numpy()
 
 
 class TorchConv(_TorchRunner):
@@ -495,6 +514,8 @@ class Workload:
     #: whether the NumPy backend is timed at all (else it is only the small-size oracle)
     numpy_timed = True
     per_layer = False
+    #: the precisions its runners take (``PRECISIONS``); impls in others are not timed here
+    precisions: tuple = ("fp32",)
 
     def cases(self, quick: bool, opts: dict) -> list[Case]:
         raise NotImplementedError
@@ -712,6 +733,19 @@ NETS_TRAIN_FULL_TOL = {"loss": 1e-3, "weights": 1e-3, "grads": 5e-2}
 #: terms nearly cancel behind the BatchNorm) is 8e-2 of the largest gradient away from PyTorch's,
 #: which agrees with a float64 PyTorch step to 4e-6; docs/benchmarks.md gives the figures
 NETS_TRAIN_FULL_TOL_SMALL = {"loss": 1e-3, "weights": 1e-3, "grads": 1.5e-1}
+#: a bf16 answer against a float32 one (the full-size check) and PyTorch's bf16 autocast against the NumPy
+#: model of parconv's bf16 (the small-size check; PyTorch also rounds each layer's output to bf16):
+#: bf16 keeps 8 bits, 4e-3 of a value, and a network sums many such errors. A training step is checked by
+#: its loss and the weights after it (which carry lr times the gradients' error), not by the gradients:
+#: behind a BatchNorm the first layers' gradient terms cancel (see NETS_TRAIN_FULL_TOL_SMALL: float32's own
+#: rounding moves them by 8e-2 of the largest), so bf16's rounding leaves their sums at its noise level,
+#: in PyTorch's autocast as in parconv (both differ from float32 there by 0.6-1.3 of the largest gradient).
+NETS_BF16_INFER_TOL = 5e-2
+#: parconv's bf16 inference against the NumPy model of its own rounding: a sum in another order can land
+#: an activation on the other side of a bf16 rounding boundary, one 2^-9 step that the layers after it
+#: carry (resnet20 on the native kernels: 1.6e-4); float32 in place of bf16 misses it by 1e-2
+NETS_BF16_MODEL_INFER_TOL = 1e-3
+NETS_BF16_TRAIN_TOL = {"loss": 3e-2, "weights": 5e-2, "grads": 1e3}  # grads: compared, never failed
 
 
 def build_net(net: str, backend, seed: int = 5, size: int | None = None):
@@ -758,8 +792,9 @@ class ParconvNet(_Runner):
     so on its own it would compare the update only.
     """
 
-    def __init__(self, be, inp):
+    def __init__(self, be, inp, precision="fp32"):
         self.be, self.mode = be, inp["mode"]
+        self.precision = precision
         self.restartable = self.mode == "train"
         self.model, _ = build_net(inp["net"], be, size=inp["size"])
         self.model.load_state_dict(inp["state"])
@@ -795,6 +830,10 @@ class ParconvNet(_Runner):
         self.opt.load_state_dict(self.init_opt)
 
     def run(self):
+        with precision_scope("parconv", self.precision):
+            self._run()
+
+    def _run(self):
         if self.mode == "infer":
             self.out = self.model.forward(self.x)
             return
@@ -824,10 +863,11 @@ class ParconvNet(_Runner):
 class TorchNet(_TorchRunner):
     """PyTorch twin of :class:`ParconvNet`: the same layers and weights (``twins.twin``), loss and SGD."""
 
-    def __init__(self, inp, device="cpu"):
+    def __init__(self, inp, device="cpu", precision="fp32"):
         self._setup(device)
         torch = self.torch
         self.mode = inp["mode"]
+        self.precision = precision
         self.restartable = self.mode == "train"
         template, _ = build_net(inp["net"], "numpy", size=inp["size"])
         template.train(self.mode == "train")
@@ -861,11 +901,12 @@ class TorchNet(_TorchRunner):
 
     def run(self):
         if self.mode == "infer":
-            with self.torch.inference_mode():
+            with self.torch.inference_mode(), precision_scope("torch", self.precision):
                 self.out = self.model(self.x)
             return
         self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(self.x), self.y)
+        with precision_scope("torch", self.precision):  # the forward and loss, as PyTorch's AMP recipe
+            loss = self.loss_fn(self.model(self.x), self.y)
         loss.backward()
         self.opt.step()
         self.loss = loss.item()
@@ -898,6 +939,7 @@ class Nets(Workload):
     title = ("nets: the zoo networks' training step (SGD with momentum) at batch 32 and 128 and inference at "
              "batch 1 and 64, and an MLP 784-512-512-10 training step, against PyTorch twins with the same weights")
     numpy_timed = False
+    precisions = PRECISIONS
 
     def cases(self, quick, opts):
         train_ns, infer_ns, mlp_ns, size = ((4,), (1, 2), (1, 4), 16) if quick else \
@@ -918,6 +960,8 @@ class Nets(Workload):
         chk = dict(p, N=min(n, 2))
         extra = {"tol": NETS_INFER_TOL} if mode == "infer" else \
             {"full_tol": NETS_TRAIN_FULL_TOL if n >= NETS_TRAIN_BATCH or net == "mlp" else NETS_TRAIN_FULL_TOL_SMALL}
+        extra["bf16_tol"] = NETS_BF16_INFER_TOL if mode == "infer" else NETS_BF16_TRAIN_TOL
+        extra["bf16_model_tol"] = NETS_BF16_MODEL_INFER_TOL if mode == "infer" else NETS_BF16_TRAIN_TOL
         return Case(self, f"{net} {'training step' if mode == 'train' else 'inference'} batch={n}", p, chk,
                     flops, n, "samples" if net == "mlp" else "images",
                     note=f"{net} input {'x'.join(map(str, shape))}", extra=extra)
@@ -937,8 +981,8 @@ class Nets(Workload):
 
     def runner(self, impl, p, inp):
         if impl.kind == "torch":
-            return TorchNet(inp, impl.device)
-        return ParconvNet(impl.backend, inp)
+            return TorchNet(inp, impl.device, impl.precision)
+        return ParconvNet(impl.backend, inp, impl.precision)
 
 
 # ------------------------------------------------------------------------- contended
@@ -979,6 +1023,7 @@ class Contended(Nets):
     """
 
     name = "contended"
+    precisions = ("fp32",)
     title = ("contended: cnn-mnist batch 100 and resnet20 batch 32 training steps with 0, 1 and 2 busy "
              "processes (pure-Python loops) beside them; parconv at 1 and 2 threads and its default "
              "(the core count) against PyTorch under the same load")

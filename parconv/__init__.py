@@ -19,6 +19,8 @@ from . import callbacks, data  # noqa: E402
 from ._config import conv_precision, get_conv_precision, set_conv_precision  # noqa: E402
 from ._config import get_num_threads, num_threads, set_backend, set_num_threads  # noqa: E402
 from ._grad import enable_grad, is_grad_enabled, no_grad, set_grad_enabled  # noqa: E402
+from . import amp  # noqa: E402
+from .amp import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
 from .backends import available as available_backends  # noqa: E402
 from .layers import *  # noqa: E402,F403  (every layer, by layers.__all__)
 from .layers import Layer, Parameter, manual_seed  # noqa: E402
@@ -73,6 +75,10 @@ __all__ = [
     "enable_grad",
     "set_grad_enabled",
     "is_grad_enabled",
+    "autocast",
+    "is_autocast_enabled",
+    "get_autocast_dtype",
+    "amp",
     "set_conv_precision",
     "get_conv_precision",
     "conv_precision",

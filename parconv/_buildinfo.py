@@ -27,6 +27,12 @@ def build_info() -> dict:
             levels={lv: ext.DESCRIPTION[lv] for lv in ext.LEVELS},
         )
     try:
+        from parconv.amp import bf16_support
+
+        info["kernels"]["bf16"] = bf16_support()
+    except Exception as exc:  # noqa: BLE001 - the report must print whatever the kernels' state
+        info["kernels"]["bf16"] = {"mode": "emulated", "why": f"bf16 support unknown: {exc}"}
+    try:
         from parconv._ext import _build_config
 
         info["build"] = dict(_build_config.BUILD)
@@ -59,8 +65,9 @@ def show_config(mode: str = "stdout"):
     mode : {"stdout", "dicts"}
         ``"stdout"`` prints a short report; ``"dicts"`` returns it as a dict with
         ``"kernels"`` (the ISA level chosen, why, the levels the CPU runs and the
-        levels built) and ``"build"`` (compiler, flags per level, levels not built
-        and why).
+        levels built; ``"bf16"``: whether :class:`parconv.autocast` runs native
+        AVX512_BF16 kernels or emulates them, and why) and ``"build"``
+        (compiler, flags per level, levels not built and why).
 
     Examples
     --------
@@ -93,6 +100,10 @@ def format_config(info: dict) -> str:
         lines.append(f"  cpu runs: {', '.join(k['cpu_runs'])} | built: {', '.join(k['built']) or 'none'}")
         feats = [f for f in k["cpu_features"] if not f.startswith("x86-64")]
         lines.append(f"  cpu features: {', '.join(feats) or 'none reported (not x86)'}")
+    if k.get("bf16"):
+        mode = k["bf16"].get("mode", "emulated")
+        what = "native AVX512_BF16 kernels" if mode == "native" else "emulated (rounded to bf16, float32 compute)"
+        lines.append(f"  bf16 (autocast): {what} | {k['bf16'].get('why', '')}")
     if k.get("int8"):
         lines.append(f"  int8 inference: {k['int8']}")
     if b.get("levels"):

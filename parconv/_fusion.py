@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from . import functional as F
 from ._grad import NOT_SAVED, SavedForBackward, enable_grad, no_grad_error
+from .amp import autocast, current_precision
 from ._validation import shape_of, to_backend_array
 from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Residual, SyncBatchNorm
 
@@ -102,19 +103,21 @@ class ConvReluMaxPool(_Fused):
         conv = self.conv
         self._check_input(x)
         b = conv.bias.data if conv.bias is not None else None
+        precision = current_precision()  # bf16: the ops compose around the bf16 convolution (functional)
         y, argmax = F.conv2d_relu_maxpool2d(x, conv.weight.data, b, conv._fargs["stride"], conv._fargs["padding"],
                                             self.pool._fargs["kernel_size"], self.pool._fargs["stride"],
-                                            backend=self.backend)
-        self._cache = (x, y, argmax)
+                                            precision=precision, backend=self.backend)
+        self._cache = (x, y, argmax, precision)
         return y
 
     def backward(self, dy, need_dx: bool = True):
         conv = self.conv
-        x, y, argmax = self._cached()
+        x, y, argmax, precision = self._cached()
         dy = self._dy(dy, shape_of(y))
         dx, dw, db = F.conv2d_relu_maxpool2d_backward(x, conv.weight.data, y, argmax, dy, conv._fargs["stride"],
                                                       conv._fargs["padding"], need_dx=need_dx,
-                                                      need_db=conv.bias is not None, backend=self.backend)
+                                                      need_db=conv.bias is not None, precision=precision,
+                                                      backend=self.backend)
         conv.weight.grad = dw
         if conv.bias is not None:
             conv.bias.grad = db
@@ -133,20 +136,21 @@ class ConvReluMaxPoolHead(_Fused):
         self._check_input(x)
         b = conv.bias.data if conv.bias is not None else None
         bl = head.bias.data if head.bias is not None else None
+        precision = current_precision()
         y, argmax, logits = F.conv2d_relu_maxpool2d_linear(
             x, conv.weight.data, b, head.weight.data, bl, conv._fargs["stride"], conv._fargs["padding"],
-            self.pool._fargs["kernel_size"], self.pool._fargs["stride"], backend=self.backend)
-        self._cache = (x, y, argmax)
+            self.pool._fargs["kernel_size"], self.pool._fargs["stride"], precision=precision, backend=self.backend)
+        self._cache = (x, y, argmax, precision)
         return logits
 
     def backward(self, dy, need_dx: bool = True):
         conv, head = self.conv, self.head
-        x, y, argmax = self._cached()
+        x, y, argmax, precision = self._cached()
         dy = self._dy(dy, (shape_of(y)[0], head.out_features))
         dx, dw, db, dwl, dbl = F.conv2d_relu_maxpool2d_linear_backward(
             x, conv.weight.data, y, argmax, head.weight.data, dy, conv._fargs["stride"], conv._fargs["padding"],
             need_dx=need_dx, need_db=conv.bias is not None, need_head_db=head.bias is not None,
-            backend=self.backend)
+            precision=precision, backend=self.backend)
         head.weight.grad = dwl
         if head.bias is not None:
             head.bias.grad = dbl
@@ -193,17 +197,26 @@ class ConvBatchNormEval(_Fused):
     def forward(self, x):
         conv, bn = self.conv, self.bn
         self._check_input(x)
-        # the layers' own arrays, shapes fixed by their constructors: straight to the backend
-        y = self.backend.conv2d_batch_norm_eval_forward(
-            x, conv.weight.data, conv.bias.data if conv.bias is not None else None,
-            bn.weight.data if bn.weight is not None else None, bn.bias.data if bn.bias is not None else None,
-            bn.running_mean, bn.running_var, bn.eps, conv._fargs["stride"], conv._fargs["padding"], self.relu)
-        self._cache = x
+        precision = current_precision()
+        args = (x, conv.weight.data, conv.bias.data if conv.bias is not None else None,
+                bn.weight.data if bn.weight is not None else None, bn.bias.data if bn.bias is not None else None,
+                bn.running_mean, bn.running_var)
+        if precision == "bf16":
+            # no backend folds batch norm into a bf16 convolution: the bf16 conv, then the float32 batch norm
+            y = F.conv2d_batch_norm_eval(*args, conv._fargs["stride"], conv._fargs["padding"], eps=bn.eps,
+                                         relu=self.relu, precision="bf16", backend=self.backend)
+        else:
+            # the layers' own arrays, shapes fixed by their constructors: straight to the backend
+            y = self.backend.conv2d_batch_norm_eval_forward(*args, bn.eps, conv._fargs["stride"],
+                                                            conv._fargs["padding"], self.relu)
+        self._cache = (x, precision)
         return y
 
     def backward(self, dy, need_dx: bool = True):
-        h = self._cached()
-        with enable_grad():  # the layers' forward must keep what their backward reads, even inside no_grad
+        h, precision = self._cached()
+        # the layers' forward must keep what their backward reads, even inside no_grad, and run in the
+        # precision of the fused forward, wherever this backward is called
+        with enable_grad(), autocast(enabled=precision == "bf16"):
             for layer in self.layers:
                 h = layer.forward(h)
         dy = self._dy(dy, shape_of(h))

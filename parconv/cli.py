@@ -388,6 +388,7 @@ def _train(args, comm) -> int:
         + (" (global)" if comm is not None else "") + f" | {len(xtr)} train"
         + (f" / {len(validation[0])} validation" if validation is not None else "") + f" / {len(xte)} test images"
         + (" | augmented" if args.augment else "")
+        + (f" | bf16 autocast ({pc.amp.bf16_support()['mode']})" if args.precision == "bf16" else "")
         + (f" | {_plural(synced, 'SyncBatchNorm layer')}" if getattr(args, "sync_bn", False) else ""))
     if args.resume:
         say(f"resuming from {args.resume}")
@@ -397,9 +398,10 @@ def _train(args, comm) -> int:
                         seed=args.seed, verbose=not args.quiet, distributed=dp if dp is not None else False,
                         checkpoint=checkpoint, checkpoint_every=args.checkpoint_every if checkpoint else None,
                         resume=args.resume, validation_data=validation, scheduler=scheduler,
-                        callbacks=callbacks)
+                        callbacks=callbacks, precision=args.precision)
     train_time = time.perf_counter() - t0
-    result = dp.evaluate(xte, yte) if dp is not None else model.evaluate(xte, yte)
+    with pc.autocast(enabled=args.precision == "bf16"):  # tested in the precision it trained in
+        result = dp.evaluate(xte, yte) if dp is not None else model.evaluate(xte, yte)
     total = time.perf_counter() - t0
     final_loss = f"{history['loss'][-1]:.4f}" if history.epochs else "n/a"
     say(f"test accuracy: {100 * result['accuracy']:.2f}% on {len(xte)} held-out images "
@@ -520,6 +522,10 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
                      help="numpy, openmp, opencl or a plugin's name (default: $PARCONV_BACKEND, else openmp)")
     run.add_argument("--threads", type=_positive_int, default=None,
                      help="OpenMP threads (default: every core; with --distributed, cores / ranks per rank)")
+    run.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                     help="bf16: convolution and linear layers in bfloat16 with float32 accumulation and master "
+                          "weights (pc.autocast); native on CPUs with AVX512_BF16, emulated elsewhere "
+                          "(parconv info says which)")
     run.add_argument("--distributed", action="store_true",
                      help="data-parallel over MPI ranks: run under mpiexec -n N")
     run.add_argument("--sync-bn", action="store_true",

@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from . import _config
+from .amp import current_precision
 from .layers import Conv2d, Layer, Parameter
 from .training import register_reducer_factory
 from ._validation import check_float, check_int, shape_of, state_array
@@ -1065,13 +1066,15 @@ class FilterParallelConv2d(Layer):
             N, O, P, Q = self.output_shape(shape_of(x))
             be = self.backend
             plane = P * Q
+            precision = current_precision()
             t0 = time.perf_counter()
             self._check_same_shape(shape_of(x))
             self.timings["comm"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             if self._local_filters:
                 b = self.bias.data if self.bias is not None else None
-                y_local = _host_copy(be, be.conv2d_forward(x, self.weight.data, b, self.stride, self.padding))
+                conv = be.conv2d_forward_bf16 if precision == "bf16" else be.conv2d_forward
+                y_local = _host_copy(be, conv(x, self.weight.data, b, self.stride, self.padding))
             else:
                 y_local = np.empty((N, 0, P, Q), dtype=np.float32)
             t1 = time.perf_counter()
@@ -1093,7 +1096,7 @@ class FilterParallelConv2d(Layer):
                 self._exchange_blocks(y_local, y, N, plane)
             self.timings["compute"] += t1 - t0
             self.timings["comm"] += time.perf_counter() - t1
-            self._cache = x
+            self._cache = (x, precision)  # the backward runs in the forward's precision
             return be.asarray(y)
 
     def _check_same_shape(self, shape) -> None:
@@ -1144,14 +1147,15 @@ class FilterParallelConv2d(Layer):
         ``need_dx`` (which must then be the same on every rank).
         """
         with self._guard("backward"):
-            x = self._cached()
+            x, precision = self._cached()
             be = self.backend
             dy = self._check_dy(dy, self.output_shape(shape_of(x)))
             t0 = time.perf_counter()
             if self._local_filters:
                 dy_local = be.asarray(np.ascontiguousarray(_host_copy(be, dy)[:, self._slice]))
-                dx, dw, db = be.conv2d_backward(x, self.weight.data, dy_local, self.stride, self.padding,
-                                                bool(need_dx), self.bias is not None)
+                conv_backward = be.conv2d_backward_bf16 if precision == "bf16" else be.conv2d_backward
+                dx, dw, db = conv_backward(x, self.weight.data, dy_local, self.stride, self.padding,
+                                           bool(need_dx), self.bias is not None)
                 self.weight.grad = dw
                 if self.bias is not None:
                     self.bias.grad = db

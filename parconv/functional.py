@@ -28,6 +28,7 @@ import weakref
 import numpy as np
 
 from . import backends as _backends
+from .amp import resolve_precision as _resolve_precision
 from ._shapes import conv_pads, out_size, pair
 from ._validation import (
     Where,
@@ -190,7 +191,8 @@ def _bias(b, n_out: int, be, where: str):
 
 
 # ----------------------------------------------------------------------- conv2d
-def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 1, *, backend=None):
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 1, *, precision=None,
+           backend=None):
     """2-D cross-correlation (PyTorch's ``conv2d``).
 
     Parameters
@@ -206,6 +208,10 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 
     groups : int
         Splits channels and filters into ``groups`` independent convolutions
         (``groups == C`` is depthwise).
+    precision : {"fp32", "bf16"}, optional
+        ``"bf16"``: x and weight rounded to bfloat16, float32 accumulation and bias
+        (see :class:`parconv.autocast`). None (the default) follows the autocast
+        mode of this thread.
     backend : str or Backend, optional
 
     Returns
@@ -218,17 +224,24 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 
     _, stride, pads, dilation, groups = _conv_args(shape_of(x), shape_of(w), stride, padding, dilation, groups,
                                                    "conv2d")
     b = _bias(bias, w.shape[0], be, "conv2d")
+    bf16 = _resolve_precision(precision, "conv2d") == "bf16"
     if _conv_is_square(w.shape, stride, pads, dilation, groups):
+        if bf16:
+            return be.conv2d_forward_bf16(x, w, b, stride[0], pads[0])
         return be.conv2d_forward(x, w, b, stride[0], pads[0])
+    if bf16:
+        return be.conv2d_general_forward_bf16(x, w, b, stride, pads, dilation, groups)
     return be.conv2d_general_forward(x, w, b, stride, pads, dilation, groups)
 
 
 def conv2d_backward(x, weight, dy, stride=1, padding=0, dilation=1, groups: int = 1, *, need_dx: bool = True,
-                    need_db: bool = True, backend=None):
+                    need_db: bool = True, precision=None, backend=None):
     """Gradients of :func:`conv2d`; returns ``(dx, dw, db)`` (overwritten, not accumulated).
 
     ``dx`` (N, C, H, W) is None unless ``need_dx``; ``dw`` (O, C/groups, kH, kW);
-    ``db`` (O,) is None unless ``need_db``. Arguments as :func:`conv2d`.
+    ``db`` (O,) is None unless ``need_db``. Arguments as :func:`conv2d`; pass the
+    ``precision`` the forward ran in (``"bf16"``: dx from bf16 dy and weight, dw from
+    bf16 x and dy, db the float32 sum of dy; None follows the autocast mode).
     """
     be = _backends.get(backend)
     where = "conv2d_backward"
@@ -238,8 +251,14 @@ def conv2d_backward(x, weight, dy, stride=1, padding=0, dilation=1, groups: int 
     out, stride, pads, dilation, groups = _conv_args(shape_of(x), shape_of(w), stride, padding, dilation, groups,
                                                      where)
     check_grad_shape(shape_of(dy), out, where)
+    bf16 = _resolve_precision(precision, where) == "bf16"
     if _conv_is_square(w.shape, stride, pads, dilation, groups):
+        if bf16:
+            return be.conv2d_backward_bf16(x, w, dy, stride[0], pads[0], bool(need_dx), bool(need_db))
         return be.conv2d_backward(x, w, dy, stride[0], pads[0], bool(need_dx), bool(need_db))
+    if bf16:
+        return be.conv2d_general_backward_bf16(x, w, dy, stride, pads, dilation, groups, bool(need_dx),
+                                               bool(need_db))
     return be.conv2d_general_backward(x, w, dy, stride, pads, dilation, groups, bool(need_dx), bool(need_db))
 
 
@@ -396,11 +415,12 @@ def _check_fused_ints(w_shape, stride, padding, pool_kernel, pool_stride, where)
 
 
 def conv2d_relu_maxpool2d(x, weight, bias=None, stride: int = 1, padding: int = 0, pool_kernel: int = 2,
-                          pool_stride: int | None = None, *, backend=None):
+                          pool_stride: int | None = None, *, precision=None, backend=None):
     """``maxpool2d(relu(conv2d(x)))`` in one pass; returns ``(y, argmax)``.
 
     Backends with a fused kernel never write the full (N, O, P, Q) convolution
-    output; the maths equals the three unfused ops.
+    output; the maths equals the three unfused ops. With ``precision="bf16"`` (or
+    under :class:`parconv.autocast`) the bf16 convolution runs and the three ops compose.
     """
     be = _backends.get(backend)
     x = to_backend_array(x, be, "x", "conv2d_relu_maxpool2d")
@@ -410,14 +430,35 @@ def conv2d_relu_maxpool2d(x, weight, bias=None, stride: int = 1, padding: int = 
     maxpool2d_output_shape(conv_shape, pool_kernel, pool_stride, "conv2d_relu_maxpool2d")
     b = _bias(bias, w.shape[0], be, "conv2d_relu_maxpool2d")
     pool_stride = pool_kernel if pool_stride is None else pool_stride
-    y, argmax = be.conv2d_relu_maxpool2d_forward(x, w, b, int(stride), int(padding), int(pool_kernel),
-                                                 int(pool_stride))
+    if _resolve_precision(precision, "conv2d_relu_maxpool2d") == "bf16":
+        y, argmax = _conv_relu_pool_bf16(be, x, w, b, int(stride), int(padding), int(pool_kernel), int(pool_stride))
+    else:
+        y, argmax = be.conv2d_relu_maxpool2d_forward(x, w, b, int(stride), int(padding), int(pool_kernel),
+                                                     int(pool_stride))
     return y, _produced(argmax)
 
 
+def _conv_relu_pool_bf16(be, x, w, b, stride, padding, pool_kernel, pool_stride):
+    """The fused op composed around the bf16 convolution (no backend fuses bf16): ``(y, argmax)``."""
+    z = be.conv2d_forward_bf16(x, w, b, stride, padding)
+    y, argmax = be.maxpool2d_forward(z, pool_kernel, pool_stride)
+    return be.relu_forward(y), argmax
+
+
+def _conv_relu_pool_backward_bf16(be, x, w, y, argmax, dy, stride, padding, need_dx, need_db):
+    N, O = x.shape[0], w.shape[0]
+    K = w.shape[2]
+    P, Q = out_size(x.shape[2], K, stride, padding), out_size(x.shape[3], K, stride, padding)
+    dz = be.maxpool2d_backward(be.relu_backward(y, dy), argmax, (N, O, P, Q))
+    return be.conv2d_backward_bf16(x, w, dz, stride, padding, need_dx, need_db)
+
+
 def conv2d_relu_maxpool2d_backward(x, weight, y, argmax, dy, stride: int = 1, padding: int = 0, *,
-                                   need_dx: bool = True, need_db: bool = True, backend=None):
-    """Gradients of :func:`conv2d_relu_maxpool2d`; returns ``(dx, dw, db)`` (overwritten)."""
+                                   need_dx: bool = True, need_db: bool = True, precision=None, backend=None):
+    """Gradients of :func:`conv2d_relu_maxpool2d`; returns ``(dx, dw, db)`` (overwritten).
+
+    ``precision``: the one the forward ran in (None follows the autocast mode).
+    """
     be = _backends.get(backend)
     where = "conv2d_relu_maxpool2d_backward"
     x = to_backend_array(x, be, "x", where)
@@ -432,18 +473,27 @@ def conv2d_relu_maxpool2d_backward(x, weight, y, argmax, dy, stride: int = 1, pa
                          "convolution")
     check_grad_shape(shape_of(dy), shape_of(y), where)
     _check_argmax(argmax, shape_of(y), P * Q, be, where, "conv2d_relu_maxpool2d")
+    if _resolve_precision(precision, where) == "bf16":
+        return _conv_relu_pool_backward_bf16(be, x, w, y, argmax, dy, int(stride), int(padding), bool(need_dx),
+                                             bool(need_db))
     return be.conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, int(stride), int(padding),
                                              bool(need_dx), bool(need_db))
 
 
 # ----------------------------------------------------------------------- linear
-def linear(x, weight, bias=None, *, backend=None):
-    """``y = x @ weight.T + bias``: x (N, F), weight (G, F), bias (G,) -> y (N, G)."""
+def linear(x, weight, bias=None, *, precision=None, backend=None):
+    """``y = x @ weight.T + bias``: x (N, F), weight (G, F), bias (G,) -> y (N, G).
+
+    ``precision="bf16"``: x and weight rounded to bfloat16, float32 accumulation and
+    bias; None (the default) follows the autocast mode (:class:`parconv.autocast`).
+    """
     be = _backends.get(backend)
     x = to_backend_array(x, be, "x", "linear")
     w = to_backend_array(weight, be, "weight", "linear")
     _check_linear(shape_of(x), shape_of(w), "linear")
     b = _bias(bias, w.shape[0], be, "linear")
+    if _resolve_precision(precision, "linear") == "bf16":
+        return be.linear_forward_bf16(x, w, b)
     return be.linear_forward(x, w, b)
 
 
@@ -457,14 +507,20 @@ def _check_linear(x_shape, w_shape, where):
                          f"(x shape {x_shape}, weight shape {w_shape})")
 
 
-def linear_backward(x, weight, dy, *, need_dx: bool = True, need_db: bool = True, backend=None):
-    """Gradients of :func:`linear`; returns ``(dx, dw, db)`` (overwritten)."""
+def linear_backward(x, weight, dy, *, need_dx: bool = True, need_db: bool = True, precision=None, backend=None):
+    """Gradients of :func:`linear`; returns ``(dx, dw, db)`` (overwritten).
+
+    ``precision``: the one the forward ran in (``"bf16"``: dx from bf16 dy and weight,
+    dw from bf16 x and dy, db the float32 sum of dy; None follows the autocast mode).
+    """
     be = _backends.get(backend)
     x = to_backend_array(x, be, "x", "linear_backward")
     w = to_backend_array(weight, be, "weight", "linear_backward")
     dy = to_backend_array(dy, be, "dy", "linear_backward")
     _check_linear(shape_of(x), shape_of(w), "linear_backward")
     check_grad_shape(shape_of(dy), (x.shape[0], w.shape[0]), "linear_backward")
+    if _resolve_precision(precision, "linear_backward") == "bf16":
+        return be.linear_backward_bf16(x, w, dy, bool(need_dx), bool(need_db))
     return be.linear_backward(x, w, dy, bool(need_dx), bool(need_db))
 
 
@@ -475,11 +531,14 @@ def fuses_linear_head(in_features: int, out_features: int, *, backend=None) -> b
 
 
 def conv2d_relu_maxpool2d_linear(x, weight, bias, head_weight, head_bias=None, stride: int = 1, padding: int = 0,
-                                 pool_kernel: int = 2, pool_stride: int | None = None, *, backend=None):
+                                 pool_kernel: int = 2, pool_stride: int | None = None, *, precision=None,
+                                 backend=None):
     """``linear(flatten(maxpool2d(relu(conv2d(x)))))`` in one pass; returns ``(y, argmax, logits)``.
 
     ``y`` and ``argmax`` are the pooled activations and their indices (as
     :func:`conv2d_relu_maxpool2d` returns them); ``logits`` (N, G) the head's output.
+    With ``precision="bf16"`` (or under :class:`parconv.autocast`) the bf16
+    convolution and linear run and the ops compose.
     """
     be = _backends.get(backend)
     where = "conv2d_relu_maxpool2d_linear"
@@ -492,6 +551,10 @@ def conv2d_relu_maxpool2d_linear(x, weight, bias, head_weight, head_bias=None, s
     b = _bias(bias, w.shape[0], be, where)
     bl = _bias(head_bias, wl.shape[0], be, where)
     pool_stride = pool_kernel if pool_stride is None else pool_stride
+    if _resolve_precision(precision, where) == "bf16":
+        y, argmax = _conv_relu_pool_bf16(be, x, w, b, int(stride), int(padding), int(pool_kernel), int(pool_stride))
+        logits = be.linear_forward_bf16(be.reshape(y, (y.shape[0], wl.shape[1])), wl, bl)
+        return y, _produced(argmax), logits
     y, argmax, logits = be.conv2d_relu_maxpool2d_linear_forward(x, w, b, int(stride), int(padding),
                                                                 int(pool_kernel), int(pool_stride), wl, bl)
     return y, _produced(argmax), logits
@@ -499,10 +562,11 @@ def conv2d_relu_maxpool2d_linear(x, weight, bias, head_weight, head_bias=None, s
 
 def conv2d_relu_maxpool2d_linear_backward(x, weight, y, argmax, head_weight, dlogits, stride: int = 1,
                                           padding: int = 0, *, need_dx: bool = True, need_db: bool = True,
-                                          need_head_db: bool = True, backend=None):
+                                          need_head_db: bool = True, precision=None, backend=None):
     """Gradients of :func:`conv2d_relu_maxpool2d_linear` from the head's output gradient.
 
     Returns ``(dx, dw, db, head_dw, head_db)`` (overwritten, not accumulated).
+    ``precision``: the one the forward ran in (None follows the autocast mode).
     """
     be = _backends.get(backend)
     where = "conv2d_relu_maxpool2d_linear_backward"
@@ -518,6 +582,12 @@ def conv2d_relu_maxpool2d_linear_backward(x, weight, y, argmax, head_weight, dlo
     _check_linear((ys[0], ys[1] * ys[2] * ys[3]), shape_of(wl), where)
     check_grad_shape(shape_of(dlogits), (ys[0], wl.shape[0]), where)
     _check_argmax(argmax, ys, P * Q, be, where, "conv2d_relu_maxpool2d_linear")
+    if _resolve_precision(precision, where) == "bf16":
+        yf = be.reshape(y, (ys[0], wl.shape[1]))
+        dyf, dwl, dbl = be.linear_backward_bf16(yf, wl, dlogits, True, bool(need_head_db))
+        dx, dw, db = _conv_relu_pool_backward_bf16(be, x, w, y, argmax, be.reshape(dyf, ys), int(stride),
+                                                   int(padding), bool(need_dx), bool(need_db))
+        return dx, dw, db, dwl, dbl
     return be.conv2d_relu_maxpool2d_linear_backward(x, w, y, argmax, wl, dlogits, int(stride), int(padding),
                                                     bool(need_dx), bool(need_db), bool(need_head_db))
 
@@ -786,7 +856,7 @@ def batch_norm(x, weight, bias, running_mean, running_var, *, training, momentum
 
 
 def conv2d_batch_norm_eval(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, stride: int = 1,
-                           padding: int = 0, *, eps: float = 1e-5, relu: bool = False, backend=None):
+                           padding: int = 0, *, eps: float = 1e-5, relu: bool = False, precision=None, backend=None):
     """``batch_norm(conv2d(x, weight, bias), training=False)``, then ReLU when ``relu``, in one op.
 
     Eval-mode batch norm is a per-channel affine map, so it folds into the
@@ -809,6 +879,9 @@ def conv2d_batch_norm_eval(x, weight, bias, bn_weight, bn_bias, running_mean, ru
     stride, padding : int
     eps : float > 0
     relu : bool
+    precision : {"fp32", "bf16"}, optional
+        ``"bf16"`` runs the bf16 convolution and then the (float32) batch norm; None
+        follows the autocast mode (:class:`parconv.autocast`).
     """
     where = "conv2d_batch_norm_eval"
     be = _backends.get(backend)
@@ -828,6 +901,9 @@ def conv2d_batch_norm_eval(x, weight, bias, bn_weight, bn_bias, running_mean, ru
     g, beta, rm, rv = (_bn_channel_param(a, O, name, be, where, per)
                        for name, a in (("bn_weight", bn_weight), ("bn_bias", bn_bias),
                                        ("running_mean", running_mean), ("running_var", running_var)))
+    if _resolve_precision(precision, where) == "bf16":
+        z = be.conv2d_forward_bf16(x, w, b, int(stride), int(padding))
+        return be.batch_norm_forward_eval(z, g, beta, rm, rv, eps, relu)[0]
     return be.conv2d_batch_norm_eval_forward(x, w, b, g, beta, rm, rv, eps, int(stride), int(padding), relu)
 
 

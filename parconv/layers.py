@@ -25,6 +25,7 @@ import numpy as np
 from . import backends as _backends
 from . import functional as F
 from ._grad import NOT_SAVED, SavedForBackward, no_grad_error
+from .amp import current_precision
 from ._shapes import check_geometry
 from ._validation import Where, check_float, check_int, shape_of, state_array, to_backend_array
 
@@ -511,16 +512,17 @@ class Conv2d(Layer):
     def forward(self, x):
         x = self._input(x)
         b = self.bias.data if self.bias is not None else None
-        y = F.conv2d(x, self.weight.data, b, **self._fargs, backend=self.backend)
-        self._cache = x
+        precision = current_precision()
+        y = F.conv2d(x, self.weight.data, b, **self._fargs, precision=precision, backend=self.backend)
+        self._cache = (x, precision)  # the backward runs in the forward's precision, inside autocast or not
         return y
 
     def backward(self, dy, need_dx: bool = True):
         """Fills ``weight.grad`` and ``bias.grad`` (overwritten) and returns dx (None unless ``need_dx``)."""
-        x = self._cached()
+        x, precision = self._cached()
         dy = self._check_dy(dy, self.output_shape(shape_of(x)))
         dx, dw, db = F.conv2d_backward(x, self.weight.data, dy, **self._fargs, need_dx=need_dx,
-                                       need_db=self.bias is not None, backend=self.backend)
+                                       need_db=self.bias is not None, precision=precision, backend=self.backend)
         self.weight.grad = dw
         if self.bias is not None:
             self.bias.grad = db
@@ -564,20 +566,22 @@ class Linear(Layer):
     def forward(self, x):
         x = self._input(x)
         b = self.bias.data if self.bias is not None else None
+        precision = current_precision()
         try:  # functional checks the shapes; on a bad one, the layer's own message says more
-            y = F.linear(x, self.weight.data, b, backend=self.backend)
+            y = F.linear(x, self.weight.data, b, precision=precision, backend=self.backend)
         except ValueError:
             self._check_x(shape_of(x))
             raise
-        self._cache = x
+        self._cache = (x, precision)  # the backward runs in the forward's precision, inside autocast or not
         return y
 
     def backward(self, dy, need_dx: bool = True):
         """Fills ``weight.grad``/``bias.grad`` (overwritten); returns dx (None unless ``need_dx``)."""
-        x = self._cached()
+        x, precision = self._cached()
         try:
             dx, dw, db = F.linear_backward(x, self.weight.data, dy, need_dx=need_dx,
-                                           need_db=self.bias is not None, backend=self.backend)
+                                           need_db=self.bias is not None, precision=precision,
+                                           backend=self.backend)
         except (TypeError, ValueError):
             self._check_dy(dy, (x.shape[0], self.out_features))
             raise

@@ -733,6 +733,104 @@ def _rand_optim(rng):
     return (int(rng.integers(1, 5000)), str(rng.choice(_OPTIM_VARIANTS)))
 
 
+# ------------------------------------------------------------------- bfloat16
+# The NumPy model of the bf16 ops: every input of a product rounded to bf16 (nearest, ties to even),
+# products and sums exact (float64 here), the bias added unrounded, db the sum of the unrounded dy.
+def _bf16(a):
+    from .amp import round_to_bf16_numpy
+
+    return None if a is None else _f64(round_to_bf16_numpy(a))
+
+
+#: values whose rounding is easy to get wrong: ties both ways, the largest finite floats, inf, NaN
+_BF16_EDGES = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20, 3.4e38, -3.4e38,
+                        np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40, 2**-126], dtype=np.float32)
+
+
+def _check_round_bf16(ck, rng, tag):
+    from .amp import round_to_bf16_numpy
+
+    x = np.concatenate([_BF16_EDGES, _f32(rng, 257, scale=10.0)])
+    x[-1] = np.float32(np.uint32(0x7F800001).view(np.float32))  # a signalling NaN with its payload low
+    try:
+        got = ck.host(ck.be.round_to_bf16(ck.be.asarray(x))).astype(np.float32)
+    except Exception as exc:  # noqa: BLE001
+        ck.fail("bf16.round", tag, exc)
+        return
+    want = round_to_bf16_numpy(x)
+    same = np.where(np.isnan(want), np.isnan(got), got.view(np.uint32) == want.view(np.uint32))
+    ck.equal("bf16.round", bool(same.all()), True, tag)
+
+
+def _check_conv2d_bf16(ck, ref, rng, case):
+    n, c, o, h, w, k, s, p, bias = case
+    be = ck.be
+    x, wt, b = _conv_inputs(rng, n, c, o, h, w, k, bias)
+    tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p}{'' if bias else ' nobias'}"
+    _check_round_bf16(ck, rng, tag)
+    y_ref = ref.conv2d_forward(_bf16(x), _bf16(wt), _f64(b), s, p)
+    dy = _f32(rng, *y_ref.shape, scale=1 / math.sqrt(max(1, y_ref.size // max(1, o))))
+    dx_ref, dw_ref, _ = ref.conv2d_backward(_bf16(x), _bf16(wt), _bf16(dy), s, p, True, False)
+
+    def run_be():
+        X, Wd = be.asarray(x), be.asarray(wt)
+        y = be.conv2d_forward_bf16(X, Wd, be.asarray(b) if bias else None, s, p)
+        dx, dw, db = be.conv2d_backward_bf16(X, Wd, be.asarray(dy), s, p, True, bias)
+        _, dw2, _ = be.conv2d_backward_bf16(X, Wd, be.asarray(dy), s, p, False, False)
+        return {"y": y, "dx": dx, "dw": dw, "db": db, "dw_only": dw2}
+
+    _run_pair(ck, "conv2d_bf16", run_be, lambda: {"y": y_ref, "dx": dx_ref, "dw": dw_ref, "dw_only": dw_ref,
+                                                 "db": _f64(dy).sum(axis=(0, 2, 3)) if bias else None}, tag)
+
+
+def _check_conv2d_general_bf16(ck, ref, rng, case):
+    n, c, o, h, w, (kh, kw), stride, pads, dil, groups, bias = case
+    be = ck.be
+    x = _f32(rng, n, c, h, w)
+    wt = _f32(rng, o, c // groups, kh, kw, scale=1 / math.sqrt(c // groups * kh * kw))
+    b = _f32(rng, o) if bias else None
+    y_ref = ref.conv2d_general_forward(_bf16(x), _bf16(wt), _f64(b), stride, pads, dil, groups)
+    dy = _f32(rng, *y_ref.shape)
+    tag = f"x{(n, c, h, w)} w{wt.shape} s{stride} pads{pads} d{dil} g{groups}"
+
+    def run_be():
+        B = be.asarray(b) if bias else None
+        y = be.conv2d_general_forward_bf16(be.asarray(x), be.asarray(wt), B, stride, pads, dil, groups)
+        dx, dw, db = be.conv2d_general_backward_bf16(be.asarray(x), be.asarray(wt), be.asarray(dy), stride, pads,
+                                                     dil, groups, True, bias)
+        return {"y": y, "dx": dx, "dw": dw, "db": db}
+
+    def run_ref():
+        dx, dw, _ = ref.conv2d_general_backward(_bf16(x), _bf16(wt), _bf16(dy), stride, pads, dil, groups, True,
+                                                False)
+        return {"y": y_ref, "dx": dx, "dw": dw, "db": _f64(dy).sum(axis=(0, 2, 3)) if bias else None}
+
+    _run_pair(ck, "conv2d_general_bf16", run_be, run_ref, tag)
+
+
+def _check_linear_bf16(ck, ref, rng, case):
+    n, f, g, bias = case
+    be = ck.be
+    x = _f32(rng, n, f)
+    wt = _f32(rng, g, f, scale=1 / math.sqrt(f))
+    b = _f32(rng, g) if bias else None
+    dy = _f32(rng, n, g)
+    tag = f"x{(n, f)} w{(g, f)}{'' if bias else ' nobias'}"
+
+    def run_be():
+        X, Wd = be.asarray(x), be.asarray(wt)
+        y = be.linear_forward_bf16(X, Wd, be.asarray(b) if bias else None)
+        dx, dw, db = be.linear_backward_bf16(X, Wd, be.asarray(dy), True, bias)
+        return {"y": y, "dx": dx, "dw": dw, "db": db}
+
+    def run_ref():
+        dx, dw, _ = ref.linear_backward(_bf16(x), _bf16(wt), _bf16(dy), True, False)
+        return {"y": ref.linear_forward(_bf16(x), _bf16(wt), _f64(b)), "dx": dx, "dw": dw,
+                "db": _f64(dy).sum(axis=0) if bias else None}
+
+    _run_pair(ck, "linear_bf16", run_be, run_ref, tag)
+
+
 # ---------------------------------------------------------------------- the table
 OPS: tuple = (
     OpSpec("arrays", "array plumbing: asarray, reshape, copy, copy_into, zeros",
@@ -743,6 +841,12 @@ OPS: tuple = (
     OpSpec("conv2d_general", "grouped/depthwise, dilated, rectangular, asymmetrically padded convolution",
            ("conv2d_general_forward", "conv2d_general_backward"), ("Conv2d",), _check_conv2d_general,
            tuple(_FIXED_CONV_GENERAL), _random_conv_general),
+    OpSpec("conv2d_bf16", "the convolution with bf16 inputs and float32 accumulation (autocast); bf16 rounding",
+           ("conv2d_forward_bf16", "conv2d_backward_bf16", "round_to_bf16"), ("Conv2d under autocast",),
+           _check_conv2d_bf16, tuple(_FIXED_CONV), _random_conv),
+    OpSpec("conv2d_general_bf16", "grouped/depthwise/dilated convolution with bf16 inputs (autocast)",
+           ("conv2d_general_forward_bf16", "conv2d_general_backward_bf16"), ("Conv2d under autocast",),
+           _check_conv2d_general_bf16, tuple(_FIXED_CONV_GENERAL), _random_conv_general),
     OpSpec("maxpool2d", "max pooling, square window, no padding: forward, argmax, dx",
            ("maxpool2d_forward", "maxpool2d_backward"), ("MaxPool2d",), _check_maxpool2d, tuple(_FIXED_POOL),
            _random_pool),
@@ -760,6 +864,9 @@ OPS: tuple = (
            ("Conv2d+ReLU+MaxPool2d+Flatten+Linear",), _check_fused_head, tuple(_FIXED_HEAD)),
     OpSpec("linear", "fully connected layer: forward, dx, dw, db", ("linear_forward", "linear_backward"),
            ("Linear",), _check_linear, tuple(_FIXED_LINEAR), _rand_linear),
+    OpSpec("linear_bf16", "fully connected layer with bf16 inputs and float32 accumulation (autocast)",
+           ("linear_forward_bf16", "linear_backward_bf16"), ("Linear under autocast",), _check_linear_bf16,
+           tuple(_FIXED_LINEAR), _rand_linear),
     OpSpec("batch_norm", "batch normalisation in training and eval mode (running statistics, fused residual "
            "add and ReLU)",
            ("batch_norm_forward_train", "batch_norm_forward_eval", "batch_norm_backward"),

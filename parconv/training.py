@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 
 from ._grad import is_grad_enabled, no_grad
+from .amp import autocast, check_precision, current_precision
 from ._validation import check_int, to_host_labels
 from .losses import Loss, SoftmaxCrossEntropy
 
@@ -352,7 +353,7 @@ def _check_optimizer_params(model, optimizer, where: str) -> None:
 def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None, loss: Loss | None = None,
         validation_data=None, shuffle: bool = True, seed: int | None = None, verbose: bool = True,
         callbacks=None, scheduler=None, distributed=False, checkpoint=None, checkpoint_every: int | None = None,
-        resume=None) -> History:
+        resume=None, precision: str | None = None) -> History:
     """Train ``model`` with mini-batch gradient descent, in training mode.
 
     Parameters
@@ -408,6 +409,12 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
         Continue from a training checkpoint: the run then finishes with
         the same weights as one that was never stopped. The data,
         ``batch_size`` and ``shuffle`` must be those of the original run.
+    precision : {"fp32", "bf16"}, optional
+        ``"bf16"`` trains (and validates) under :class:`parconv.autocast`:
+        convolution and linear layers in bf16 with float32 accumulation, the
+        weights, optimizer state, BatchNorm statistics and loss in float32.
+        ``"fp32"`` runs float32 even inside an autocast block; None (the default)
+        follows the autocast mode of the calling thread.
 
     Returns
     -------
@@ -430,6 +437,8 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
         raise RuntimeError(f"{where}: called under parconv.no_grad(), where forward passes keep nothing for "
                            "backward; call fit outside the no_grad block")
     epochs = check_int(epochs, "epochs", where, 1)
+    if precision is not None:
+        precision = check_precision(precision, "precision", where)
     loader = x if _is_loader(x) else None
     if loader is None:
         batch_size = check_int(batch_size, "batch_size", where, 1)
@@ -478,7 +487,8 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
     verify_for_fit(model, x, loader, batch_size if loader is None else loader.batch_size, loss, xv, dp)
     run = _FitRun(model, x, y, loader, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose,
                   callbacks, scheduler, dp, checkpoint, checkpoint_every, resume)
-    with _eval_mode(model, training=True):
+    run.precision = precision if precision is not None else current_precision()
+    with _eval_mode(model, training=True), autocast(enabled=run.precision == "bf16"):
         if dp is None:
             return run()
         # any failure on one rank must end every rank (the others would wait in a collective);
@@ -490,6 +500,9 @@ def fit(model, x, y=None, epochs: int = 1, batch_size: int = 32, optimizer=None,
 
 class _FitRun:
     """One call of :func:`fit`: the loop and the state it carries between epochs."""
+
+    #: "fp32" or "bf16": what the loop runs under (fit sets it; every rank must agree)
+    precision = "fp32"
 
     def __init__(self, model, x, y, loader, xv, yv, epochs, batch_size, optimizer, loss, shuffle, seed, verbose,
                  callbacks, scheduler, dp, checkpoint, checkpoint_every, resume):
@@ -525,6 +538,7 @@ class _FitRun:
                 "parameters": [list(p.shape) for p in self.model.parameters()]}
         # ranks that run different numbers of steps, or read a checkpoint alone, wait in a collective forever
         args["resume"] = self.resume is not None
+        args["precision"] = self.precision
         if self.loader is not None:
             try:
                 args["batches per epoch"] = len(self.loader)

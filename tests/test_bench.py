@@ -668,3 +668,47 @@ def test_unknown_precision_is_refused(tmp_path):
                            "--workloads", "nets", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "unknown --precision" in proc.stderr
+
+
+# ------------------------------------------------------------------------------ --precision
+def _run_bench_in_process(tmp_path, *argv):
+    run = _bench_module("run")
+    rc = run.main(["--quick", "--threads", "1", "--no-progress", "--no-plots", "--no-memory", "--no-amdahl",
+                   "--out", str(tmp_path), *argv])
+    return rc, json.loads((tmp_path / "results.json").read_text())
+
+
+def test_precision_bf16_times_both_precisions_interleaved_and_checks_them(tmp_path, capsys):
+    rc, results = _run_bench_in_process(tmp_path, "--workloads", "nets", "--backends", "openmp",
+                                        "--precision", "fp32,bf16", "--cases",
+                                        "cnn-mnist inference batch=2,resnet20 training step")
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert results["settings"]["precisions"] == ["fp32", "bf16"]
+    assert results["settings"]["bf16"]["mode"] in ("native", "emulated")
+    cases = results["workloads"]["nets"]["cases"]
+    assert len(cases) == 2
+    for case in cases:
+        labels = {c["config"] for c in case["checks"]}
+        want = {"openmp@1", "openmp-bf16@1"} | ({"torch@1", "torch-bf16@1"} if HAVE_TORCH else set())
+        assert want <= labels, labels
+        assert all(c["ok"] for c in case["checks"])
+        # parconv's bf16 is checked against the NumPy model of its rounding, then against the float32 answer
+        refs = {(c["config"], c["size"]): c.get("reference") for c in case["checks"]}
+        assert refs[("openmp-bf16@1", "small")] == "numpy oracle (bf16)"
+        assert {r["config"] for r in case["results"]} >= {"openmp@1", "openmp-bf16@1"}
+
+
+def test_precision_bf16_check_fails_when_the_bf16_path_runs_fp32(tmp_path, capsys, monkeypatch):
+    """A bf16 implementation that silently computes in float32 is caught, not timed."""
+    from parconv.backends.openmp import OpenMPBackend
+
+    monkeypatch.setattr(OpenMPBackend, "conv2d_forward_bf16", OpenMPBackend.conv2d_forward)
+    monkeypatch.setattr(OpenMPBackend, "linear_forward_bf16", OpenMPBackend.linear_forward)
+    rc, results = _run_bench_in_process(tmp_path, "--workloads", "nets", "--backends", "openmp", "--compare",
+                                        "none", "--precision", "bf16", "--cases", "cnn-mnist inference batch=2")
+    capsys.readouterr()
+    assert rc == 1
+    (case,) = results["workloads"]["nets"]["cases"]
+    bad = [c for c in case["checks"] if not c["ok"]]
+    assert bad and bad[0]["config"] == "openmp-bf16@1"

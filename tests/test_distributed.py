@@ -339,6 +339,33 @@ def test_data_parallel_matches_single_process(backend, bucket_cap_mb, progress):
 
 @needs_mpi_run
 @pytest.mark.mpi
+def test_fit_distributed_in_bf16_follows_the_serial_bf16_fit_and_ranks_must_agree_on_it():
+    x, y = data(48, seed=1)
+    ref = make_cnn("numpy", seed=5)
+    h_ref = ref.fit(x, y, epochs=2, batch_size=12, seed=11, verbose=False, precision="bf16",
+                    optimizer=pc.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9))
+    model = make_cnn("numpy", seed=5 + RANK)
+    seen = []
+    h = model.fit(x, y, epochs=2, batch_size=12, seed=11 + RANK, verbose=False, precision="bf16",
+                  optimizer=pc.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), distributed=True,
+                  callbacks=[lambda epoch, logs: seen.append(pc.is_autocast_enabled())])
+
+    def check():
+        assert seen == [True, True]
+        # the shards' gradient sums are added in another order, then rounded to bf16 again next step
+        for name, want in ref.state_dict().items():
+            np.testing.assert_allclose(model.state_dict()[name], want, rtol=1e-3, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=1e-3)
+
+    on_all_ranks(check)
+    assert_same_on_all_ranks(model.state_dict())
+    with pytest.raises(Exception, match="precision"):
+        model.fit(x, y, epochs=1, batch_size=12, verbose=False, distributed=True,
+                  precision="bf16" if RANK == 0 else "fp32")
+
+
+@needs_mpi_run
+@pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n, batch_size", [(48, 12), (41, 10), (23, 7)])
 def test_fit_distributed_matches_serial_fit(backend, n, batch_size):
@@ -419,7 +446,9 @@ def test_data_parallel_evaluate_and_adam():
     (4, 6, 1, 2, 1, 0, False),   # one sample (gathered straight into place), no bias
     (1, 7, 4, 5, 2, 2, True),
 ])
-def test_filter_parallel_conv2d_matches_conv2d(backend, assemble, C, O, N, K, stride, padding, bias):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_filter_parallel_conv2d_matches_conv2d(backend, assemble, C, O, N, K, stride, padding, bias, precision):
+    """Also under autocast: the forward in bf16, and the backward (after the block) in bf16 as the layer's."""
     rng = np.random.default_rng(C * 100 + O)
     x = rng.standard_normal((N, C, 9, 9)).astype(np.float32)
     ref = pc.Conv2d(C, O, K, stride, padding, bias=bias, backend=backend, rng=1)
@@ -428,8 +457,9 @@ def test_filter_parallel_conv2d_matches_conv2d(backend, assemble, C, O, N, K, st
     counts = conv.filter_counts
     assert sum(counts) == O and max(counts) - min(counts) <= 1
     conv.load_state_dict({name: p.numpy() for name, p in ref.named_parameters()})
-    y_ref = ref(x)
-    y = conv(x)
+    with pc.autocast(enabled=precision == "bf16"):
+        y_ref = ref(x)
+        y = conv(x)
     dy = rng.standard_normal(pc.to_numpy(y_ref).shape).astype(np.float32)
     dx_ref = ref.backward(dy)
     dx = conv.backward(dy)

@@ -20,6 +20,7 @@ MODULES = [
     "parconv",
     "parconv._config",
     "parconv._grad",
+    "parconv.amp",
     "parconv._buildinfo",
     "parconv.functional",
     "parconv.layers",

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 #: modules whose every public name must appear in the API reference
 PUBLIC_MODULES = (
     "parconv",
+    "parconv.amp",
     "parconv.functional",
     "parconv.optim",
     "parconv.optim.lr_scheduler",

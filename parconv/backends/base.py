@@ -317,6 +317,61 @@ class Backend:
                                                          padding, need_dx, need_db)
         return dx, dw, db, dwl, dbl
 
+    # -------------------------------------------------------------- bfloat16
+    # Convolution and linear with bf16 inputs and float32 accumulation (``parconv.autocast``).
+    # Every input of a product is rounded to bf16 (nearest, ties to even; NaN stays NaN), products
+    # and sums are float32, the bias is added in float32 and db is the float32 sum of the
+    # *unrounded* dy. The defaults emulate that on any backend (round, then the float32 op);
+    # a backend with bf16 kernels overrides them. Arguments and results as the float32 ops.
+    def round_to_bf16(self, a):
+        """A new float32 array of this backend: ``a`` rounded to bf16 (the low 16 bits zero).
+
+        The default rounds on the host (:func:`parconv.amp.round_to_bf16`).
+        """
+        from ..amp import round_to_bf16
+
+        return self.asarray(round_to_bf16(self.to_numpy(a)))
+
+    def _sum_for_bias(self, dy, axes: tuple):
+        """``db``: the float32 sum of dy over ``axes`` (every axis but the channel one), on the host."""
+        host = np.asarray(self.to_numpy(dy), dtype=np.float32)
+        return self.asarray(host.sum(axis=axes, dtype=np.float32))
+
+    def conv2d_forward_bf16(self, x, w, b, stride: int, padding: int):
+        """:meth:`conv2d_forward` with x and w rounded to bf16, float32 accumulation."""
+        return self.conv2d_forward(self.round_to_bf16(x), self.round_to_bf16(w), b, stride, padding)
+
+    def conv2d_backward_bf16(self, x, w, dy, stride: int, padding: int, need_dx: bool = True,
+                             need_db: bool = True):
+        """:meth:`conv2d_backward` in bf16: dx from bf16(dy), bf16(w); dw from bf16(x), bf16(dy);
+        db the float32 sum of the unrounded dy. Overwritten."""
+        dx, dw, _ = self.conv2d_backward(self.round_to_bf16(x), self.round_to_bf16(w), self.round_to_bf16(dy),
+                                         stride, padding, need_dx, False)
+        return dx, dw, (self._sum_for_bias(dy, (0, 2, 3)) if need_db else None)
+
+    def conv2d_general_forward_bf16(self, x, w, b, stride: tuple, pads: tuple, dilation: tuple, groups: int):
+        """:meth:`conv2d_general_forward` with x and w rounded to bf16, float32 accumulation."""
+        return self.conv2d_general_forward(self.round_to_bf16(x), self.round_to_bf16(w), b, stride, pads,
+                                           dilation, groups)
+
+    def conv2d_general_backward_bf16(self, x, w, dy, stride: tuple, pads: tuple, dilation: tuple, groups: int,
+                                     need_dx: bool = True, need_db: bool = True):
+        """:meth:`conv2d_general_backward` in bf16 (rounding as :meth:`conv2d_backward_bf16`)."""
+        dx, dw, _ = self.conv2d_general_backward(self.round_to_bf16(x), self.round_to_bf16(w),
+                                                 self.round_to_bf16(dy), stride, pads, dilation, groups,
+                                                 need_dx, False)
+        return dx, dw, (self._sum_for_bias(dy, (0, 2, 3)) if need_db else None)
+
+    def linear_forward_bf16(self, x, w, b):
+        """:meth:`linear_forward` with x and w rounded to bf16, float32 accumulation."""
+        return self.linear_forward(self.round_to_bf16(x), self.round_to_bf16(w), b)
+
+    def linear_backward_bf16(self, x, w, dy, need_dx: bool = True, need_db: bool = True):
+        """:meth:`linear_backward` in bf16 (rounding as :meth:`conv2d_backward_bf16`)."""
+        dx, dw, _ = self.linear_backward(self.round_to_bf16(x), self.round_to_bf16(w), self.round_to_bf16(dy),
+                                         need_dx, False)
+        return dx, dw, (self._sum_for_bias(dy, (0,)) if need_db else None)
+
     # ------------------------------------------------------------ batch norm
     # x is (N, C), (N, C, L) or (N, C, H, W); the statistics run over every dim but 1
     # (M = N * L or N * H * W values per channel). weight/bias (C,) or None (no affine);

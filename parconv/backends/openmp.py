@@ -33,8 +33,9 @@ import numpy as np
 from .. import _ext as _ext_dispatch
 from .._config import get_conv_precision, get_num_threads
 from .._grad import is_grad_enabled
-from .._ext import _activations, _conv, _conv_general, _dense, _losses, _norm, _optim, _pool, _threads
+from .._ext import _activations, _bf16, _conv, _conv_general, _dense, _losses, _norm, _optim, _pool, _threads
 from .._shapes import out_size as _out_size
+from ..amp import round_to_bf16_numpy as _round_to_bf16_numpy
 from .base import Backend
 from .numpy_ref import HostArrays, dropout_scale, dropout_threshold, smoothed_targets
 
@@ -949,3 +950,71 @@ class OpenMPBackend(HostArrays, Backend):
         dx = self._empty(tuple(x_shape))
         _pool.adaptive_avgpool2d_backward(dy, dx, get_num_threads())
         return dx
+
+    # ------------------------------------------------------------ bfloat16
+    # Native AVX512_BF16 kernels (``parconv._ext._bf16``) where ``_bf16.native()`` says this level
+    # and CPU run them; elsewhere the emulation: inputs rounded to bf16, then the float32 *direct*
+    # kernels (Winograd's transforms would lose more bits than bf16 keeps).
+    def round_to_bf16(self, a):
+        """``a`` rounded to bf16 (RNE, NaN stays NaN) as a new float32 array (``_bf16.round_to_bf16``)."""
+        a = _f32(a)
+        kernel = getattr(_bf16, "round_to_bf16", None)
+        if kernel is None or a.size == 0:
+            return _round_to_bf16_numpy(a)
+        out = self._empty(a.shape)
+        kernel(a.reshape(-1), out.reshape(-1), get_num_threads())
+        return out
+
+    def _sum_for_bias(self, dy, axes):
+        return np.asarray(_f32(dy).sum(axis=axes, dtype=np.float32), dtype=np.float32)
+
+    def conv2d_forward_bf16(self, x, w, b, stride, padding):
+        x, w = _f32(x), _f32(w)
+        b = None if b is None else _f32(b)
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
+        if min(N, C, O, P, Q) <= 0:
+            return self._reference().conv2d_forward_bf16(x, w, b, stride, padding)
+        y = self._empty((N, O, P, Q))
+        if _bf16.native():
+            _bf16.conv2d_forward(x, w, b, y, stride, padding, get_num_threads())
+        else:
+            _conv.conv2d_forward(self.round_to_bf16(x), self.round_to_bf16(w), b, y, stride, padding,
+                                 get_num_threads(), CONV_FORWARD_TILE_BYTES, winograd=False, winograd4=False)
+        return y
+
+    def conv2d_backward_bf16(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
+        x, w, dy = _f32(x), _f32(w), _f32(dy)
+        if min(x.shape + w.shape + dy.shape) <= 0:
+            return self._reference().conv2d_backward_bf16(x, w, dy, stride, padding, need_dx, need_db)
+        dx = self._empty(x.shape) if need_dx else None
+        dw = self._empty(w.shape)
+        if _bf16.native():
+            db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
+            _bf16.conv2d_backward(x, w, dy, dx, dw, db, stride, padding, get_num_threads())
+            return dx, dw, db
+        K = w.shape[2]
+        uses_blas = stride != 1 or (need_dx and padding > K - 1)
+        with _blas_one_thread if uses_blas else contextlib.nullcontext():
+            _conv.conv2d_backward(self.round_to_bf16(x), self.round_to_bf16(w), self.round_to_bf16(dy), dx, dw,
+                                  None, stride, padding, get_num_threads(), CONV_BACKWARD_TILE_BYTES)
+        return dx, dw, (self._sum_for_bias(dy, (0, 2, 3)) if need_db else None)
+
+    def linear_forward_bf16(self, x, w, b):
+        if not _bf16.native():
+            return super().linear_forward_bf16(x, w, b)
+        x, w = _f32(x), _f32(w)
+        y = self._empty((x.shape[0], w.shape[0]))
+        _bf16.linear_forward(x, w, None if b is None else _f32(b), y, get_num_threads())
+        return y
+
+    def linear_backward_bf16(self, x, w, dy, need_dx=True, need_db=True):
+        if not _bf16.native():
+            return super().linear_backward_bf16(x, w, dy, need_dx, need_db)
+        x, w, dy = _f32(x), _f32(w), _f32(dy)
+        dx = self._empty(x.shape) if need_dx else None
+        dw = self._empty(w.shape)
+        db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
+        _bf16.linear_backward(x, w, dy, dx, dw, db, get_num_threads())
+        return dx, dw, db
