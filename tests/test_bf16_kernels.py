@@ -261,14 +261,13 @@ conv_shapes = st.tuples(
     st.integers(1, 11), st.integers(1, 11),  # H, W
     st.sampled_from([1, 2, 3, 5]),          # K
     st.sampled_from([1, 2]),                # stride
-    st.integers(0, 4),                      # padding (clipped to K - 1 below)
+    st.integers(0, 4),                      # padding, up to K + 3: blocks wholly inside the padding
     st.booleans(),                          # bias
     st.integers(0, 2**32 - 1),
 )
 
 
 def _fit(H, W, K, pad):
-    pad = min(pad, K - 1)
     return max(H, K - 2 * pad), max(W, K - 2 * pad), pad
 
 
@@ -319,6 +318,7 @@ def test_conv2d_backward_matches_the_model(case, want_dx, want_db):
     (3, 33, 17, 7, 5, 1, 4),     # padding K - 1
     (2, 4, 6, 9, 3, 1, 5),       # padding >= K (dx through col2im)
     (2, 3, 4, 11, 2, 3, 1),      # even K, stride 3
+    (4, 4, 9, 4, 1, 2, 2),       # padding > K at stride 2: output rows wholly inside the padding
 ])
 def test_conv2d_layer_shapes_match_and_repeat_bit_for_bit(N, C, O, H, K, stride, pad):
     x, w, b, dy = _conv_case(np.random.default_rng(N * 131 + C), N, C, O, H, H + 1, K, stride, pad)
@@ -463,3 +463,22 @@ def test_empty_batch_gives_zero_gradients():
     dw, db = np.full_like(w, np.nan), np.full(2, np.nan, np.float32)
     _bf16.conv2d_backward(x, w, np.zeros((0, 2, 3, 3), np.float32), np.empty_like(x), dw, db, 1, 0, 2)
     assert not dw.any() and not db.any()
+
+
+@needs_native
+@pytest.mark.parametrize("panel_bytes, rows_outer", [(1, True), (1 << 14, False), (1 << 22, False)])
+def test_conv2d_dw_tuning_changes_the_blocking_not_the_answer(panel_bytes, rows_outer):
+    """The stride-1 weight gradient's block budget (images stacked per block) and tile order
+    (``_bf16._set_dw_tuning``) walk other code paths; each must still match the model."""
+    x, w, _, dy = _conv_case(np.random.default_rng(7), 12, 16, 16, 8, 8, 3, 1, 1)
+    _, _, rdw, adw, _ = conv_backward_model(x, w, dy, 1, 1)
+    old = _bf16._set_dw_tuning(panel_bytes, rows_outer)
+    try:
+        for threads in (1, 2):
+            dw = np.full(w.shape, np.nan, np.float32)
+            _bf16.conv2d_backward(x, w, dy, None, dw, None, 1, 1, threads)
+            assert_close(dw, rdw, adw, f"dw, {threads} thread(s), budget {panel_bytes}, rows outer {rows_outer}")
+    finally:
+        _bf16._set_dw_tuning(*old)
+    with pytest.raises(ValueError, match="panel_bytes"):
+        _bf16._set_dw_tuning(0, True)

@@ -180,6 +180,7 @@ static inline void pcb_pad_rows(const float *restrict x, int C, int H, int W, in
     int Wp = W + 2 * pad;
     int r0 = pad - hp0 > 0 ? pad - hp0 : 0;                 /* rows [r0, r1) hold x's rows */
     int r1 = H + pad - hp0 < R ? H + pad - hp0 : R;
+    if (r0 > R) r0 = R;                                    /* a block wholly inside padding >= K */
     if (r1 < r0) r1 = r0;
     for (int c = 0; c < C; c++) {
         uint16_t *dc = xb + (pc_idx)c * R * Wp;
