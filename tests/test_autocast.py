@@ -27,7 +27,8 @@ from conftest import host
 from test_conv_general import conv_general_case
 
 ORACLE = pc.backends.get("numpy")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the folder holding the imported parconv (a source tree or site-packages): children run it with "-P"
+PARCONV_HOME = os.path.dirname(os.path.dirname(os.path.abspath(pc.__file__)))
 
 
 def r16(a):
@@ -469,7 +470,7 @@ def test_openmp_bf16_at_every_isa_level(level):
     """The openmp bf16 path (rounding kernel, emulation or native) at the lower kernel levels, in a child."""
     if level not in pc._ext.supported_levels() or level not in pc._ext.built_levels():
         pytest.skip(f"this CPU or build has no {level} level")
-    env = dict(os.environ, PARCONV_ISA=level, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PARCONV_ISA=level, PYTHONPATH=PARCONV_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-P", "-c", _ISA_SCRIPT.replace("{level}", level)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
