@@ -145,6 +145,31 @@ cdef object _threads(object num_threads, str fn):
     return int(num_threads)
 
 
+cdef object _requant_args(object yq, str fn, tuple shape, object yq_scale, object yq_zero_point):
+    """Check the uint8 output of a kernel that requantizes its float32 result for the next layer."""
+    yq = _out(yq, fn, "yq", np.uint8, shape, "uint8 " + str(shape) + ": the next layer's input")
+    if isinstance(yq_scale, (bool, np.bool_)) or not isinstance(yq_scale, (float, int, np.floating, np.integer)):
+        raise TypeError(f"{fn}: yq_scale must be a float, got {type(yq_scale).__name__}")
+    cdef float s = <float>yq_scale
+    if not (np.isfinite(s) and s > 0.0):
+        raise ValueError(f"{fn}: yq_scale must be a finite float32 > 0, got {yq_scale!r}")
+    if isinstance(yq_zero_point, (bool, np.bool_)) or not isinstance(yq_zero_point, (int, np.integer)):
+        raise TypeError(f"{fn}: yq_zero_point must be an int in 0..255, got {type(yq_zero_point).__name__}")
+    if not 0 <= yq_zero_point <= 255:
+        raise ValueError(f"{fn}: yq_zero_point must be in 0..255 (uint8 activations), got {yq_zero_point}")
+    return yq
+
+
+cdef void _quantize_team(const float *x, Py_ssize_t n, float s, int z, uint8_t *out, int nt) noexcept nogil:
+    """pci8_quantize over n values in blocks, on as many threads as pay."""
+    cdef Py_ssize_t block = 1 << 16
+    cdef Py_ssize_t nb = (n + block - 1) // block, b, lo, hi
+    for b in prange(nb, schedule="dynamic", num_threads=pc_team(nb, pc_threads_for(n, nb, nt))):
+        lo = b * block
+        hi = lo + block if lo + block < n else n
+        pci8_quantize(x + lo, hi - lo, s, z, out + lo)
+
+
 cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sums, int z, Py_ssize_t kdim):
     """(scale, zb32, zb64, wide): zb = bias_q - z * row_sums; wide where a sum may leave int32."""
     scale = _shaped(scale, fn, "scale", np.float32, (O,), "float32 (O,): s_x * s_w[o]")
@@ -253,15 +278,8 @@ def quantize(x,            # IN  float32 (n,)
         return
     cdef const float[::1] xv = x
     cdef uint8_t[::1] ov = out
-    cdef const float *xp = &xv[0]
-    cdef uint8_t *op = &ov[0]
-    cdef Py_ssize_t block = 1 << 16
-    cdef Py_ssize_t nb = (n + block - 1) // block, b, lo, hi
     with nogil:
-        for b in prange(nb, schedule="dynamic", num_threads=pc_team(nb, pc_threads_for(n, nb, nt))):
-            lo = b * block
-            hi = lo + block if lo + block < n else n
-            pci8_quantize(xp + lo, hi - lo, s, z, op + lo)
+        _quantize_team(&xv[0], n, s, z, &ov[0], nt)
 
 
 # ---------------------------------------------------------------------- packing
@@ -325,12 +343,17 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                    O, K, stride, padding,
                    scale,         # IN  float32 (O,)
                    bias_q,        # IN  int32 (O,) or None
-                   y,             # OUT float32 (N, O, P, Q), overwritten
+                   y,             # OUT float32 (N, O, P, Q), overwritten; or None with yq
                    relu,
-                   num_threads):
+                   num_threads,
+                   yq=None,       # OUT uint8 (N, O, P, Q) or None: y quantized for the next layer
+                   yq_scale=1.0, yq_zero_point=0):
     """Quantized 2-D convolution (groups 1, square K, dilation 1); see the module docstring.
 
-    P = (H + 2 padding - K) // stride + 1, likewise Q; y is overwritten.
+    P = (H + 2 padding - K) // stride + 1, likewise Q; y is overwritten. With ``yq``, the
+    float32 result is also quantized into it as :func:`quantize` would (``yq_scale``,
+    ``yq_zero_point``: the next layer's input parameters) while it is still in cache; ``y`` may
+    then be None (the float32 result is not kept).
     """
     fn = "conv2d_forward"
     xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
@@ -346,7 +369,10 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef Py_ssize_t kdim = <Py_ssize_t>C * K_ * K_
     packed = _packed(packed, row_sums, fn, O_, kdim, f"C*K*K = {C}*{K_}*{K_}")
     cdef int P = (H + 2 * pad - K_) // S + 1, Q = (W + 2 * pad - K_) // S + 1
-    y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
+    if y is not None or yq is None:
+        y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
+    if yq is not None:
+        yq = _requant_args(yq, fn, (N, O_, P, Q), yq_scale, yq_zero_point)
     scale, zb32, zb64, wide = _epilogue(fn, O_, scale, bias_q, row_sums, z, kdim)
     if N == 0:
         return
@@ -387,16 +413,32 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef const float[::1] sv = scale
     cdef int32_t[::1] z32 = zb32
     cdef int64_t[::1] z64 = zb64
-    cdef float[:, :, :, ::1] yv = y
+    if y is None and per_img > 1:
+        y = np.empty((N, O_, P, Q), dtype=np.float32)  # whole-batch runs: quantized after the last run
+    cdef float[:, :, :, ::1] yv
+    cdef float *yp = NULL
+    if y is not None:
+        yv = y
+        yp = &yv[0, 0, 0, 0]
+    cdef uint8_t[:, :, :, ::1] yqv
+    cdef uint8_t *yqp = NULL
+    cdef float qs = 1.0
+    cdef int qz = 0
+    if yq is not None:
+        yqv = yq
+        yqp = &yqv[0, 0, 0, 0]
+        qs = <float>yq_scale
+        qz = <int>yq_zero_point
     cdef const uint8_t *xp = &xv[0, 0, 0, 0]
     cdef uint8_t *gp = &gv[0]
     cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>O_ * kdim + 63) // 64 * 64
     cdef const int8_t *w8 = <const int8_t *>&pv[p8]
     cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
-    cdef float *yp = &yv[0, 0, 0, 0]
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     cdef Py_ssize_t i, n, jobs
+    cdef float *ybuf = NULL
+    cdef float *dst = NULL
 
     cdef Py_ssize_t run = (tiles + per_img - 1) // per_img * PCI8_TILE
     jobs = <Py_ssize_t>N * per_img
@@ -412,19 +454,25 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
         with nogil, parallel(num_threads=team):
             acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
             own = <uint8_t *>malloc(img * 4 + slack)
+            # without y, one image's float32 result lives in this thread's buffer until it is quantized
+            ybuf = <float *>malloc(sizeof(float) * O_ * PQ + 64) if yp == NULL else NULL
             if own != NULL:
                 memset(own + img * 4, z, slack)
             for n in prange(N, schedule="dynamic"):
-                if acc == NULL or own == NULL:
+                if acc == NULL or own == NULL or (yp == NULL and ybuf == NULL):
                     failed[0] = 1
                     continue
                 for cg in range(CG):
                     pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, cg, <uint8_t>z,
                                     own + cg * plane * 4)
+                dst = yp + n * O_ * PQ if yp != NULL else ybuf
                 pci8_conv_tiles(path_, own, &offv[0], kg, w8, w16, O_, P, Q, Wg, 0, run, &z32[0], &z64[0], wide_,
-                                &sv[0], relu_, yp + n * O_ * PQ, acc)
+                                &sv[0], relu_, dst, acc)
+                if yqp != NULL:
+                    pci8_quantize(dst, O_ * PQ, qs, qz, yqp + n * O_ * PQ)
             free(acc)
             free(own)
+            free(ybuf)
     else:
         # few images split into runs: their grids first (one thread below ~1 MB of grid: waking the
         # team costs more), then the runs
@@ -447,6 +495,9 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                 pci8_conv_tiles(path_, gp + n * img * 4, &offv[0], kg, w8, w16, O_, P, Q, Wg, r * run,
                                 (r + 1) * run, &z32[0], &z64[0], wide_, &sv[0], relu_, yp + n * O_ * PQ, acc)
             free(acc)
+        if yqp != NULL and not failed[0]:
+            with nogil:
+                _quantize_team(yp, <Py_ssize_t>N * O_ * PQ, qs, qz, yqp, nt)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
 
@@ -459,12 +510,16 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
                       sh, sw, ph, pw,
                       scale,         # IN  float32 (C,)
                       bias_q,        # IN  int32 (C,) or None
-                      y,             # OUT float32 (N, C, P, Q), overwritten
+                      y,             # OUT float32 (N, C, P, Q), overwritten; or None with yq
                       relu,
-                      num_threads):
+                      num_threads,
+                      yq=None,       # OUT uint8 (N, C, P, Q) or None: y quantized for the next layer
+                      yq_scale=1.0, yq_zero_point=0):
     """Quantized depthwise convolution (groups == C == O); see the module docstring.
 
-    P = (H + 2 ph - KH) // sh + 1, Q = (W + 2 pw - KW) // sw + 1; y is overwritten.
+    P = (H + 2 ph - KH) // sh + 1, Q = (W + 2 pw - KW) // sw + 1; y is overwritten. ``yq``,
+    ``yq_scale``, ``yq_zero_point`` as in :func:`conv2d_forward` (each plane quantized as it
+    is finished).
     """
     fn = "depthwise_forward"
     xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
@@ -489,7 +544,10 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         if wp[k] == -128:
             raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
     cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
-    y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
+    if y is not None or yq is None:
+        y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
+    if yq is not None:
+        yq = _requant_args(yq, fn, (N, C, P, Q), yq_scale, yq_zero_point)
     scale, zb32, zb64, wide = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
     if N == 0:
         return
@@ -497,27 +555,46 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef const float[::1] sv = scale
     cdef int32_t[::1] z32 = zb32
     cdef int64_t[::1] z64 = zb64
-    cdef float[:, :, :, ::1] yv = y
+    cdef float[:, :, :, ::1] yv
+    cdef float *yp = NULL
+    if y is not None:
+        yv = y
+        yp = &yv[0, 0, 0, 0]
+    cdef uint8_t[:, :, :, ::1] yqv
+    cdef uint8_t *yqp = NULL
+    cdef float qs = 1.0
+    cdef int qz = 0
+    if yq is not None:
+        yqv = yq
+        yqp = &yqv[0, 0, 0, 0]
+        qs = <float>yq_scale
+        qz = <int>yq_zero_point
     cdef const uint8_t *xp = &xv[0, 0, 0, 0]
-    cdef float *yp = &yv[0, 0, 0, 0]
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t scratch_n = pci8_dw_scratch(H, W, KH, KW, SH, SW, PH, PW, P)
     cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, i, c
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KK, planes, nt))
     cdef int16_t *scratch = NULL
+    cdef float *ybuf = NULL
+    cdef float *dst = NULL
     cdef int failed[1]
     failed[0] = 0
     with nogil, parallel(num_threads=team):
         scratch = <int16_t *>malloc(sizeof(int16_t) * scratch_n + 64)
+        ybuf = <float *>malloc(sizeof(float) * PQ + 64) if yp == NULL else NULL
         for i in prange(planes, schedule="dynamic"):
-            if scratch == NULL:
+            if scratch == NULL or (yp == NULL and ybuf == NULL):
                 failed[0] = 1
                 continue
             c = i % C
+            dst = yp + i * PQ if yp != NULL else ybuf
             pci8_dw_plane(xp + i * HW, H, W, z, wp + c * KK, KH, KW, SH, SW, PH, PW, P, Q, z32[c], z64[c], wide_,
-                          sv[c], relu_, scratch, yp + i * PQ)
+                          sv[c], relu_, scratch, dst)
+            if yqp != NULL:
+                pci8_quantize(dst, PQ, qs, qz, yqp + i * PQ)
         free(scratch)
+        free(ybuf)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
 
@@ -530,21 +607,34 @@ def linear_forward(xq,            # IN  uint8 (N, F)
                    row_sums,      # IN  int32 (G,)
                    scale,         # IN  float32 (G,)
                    bias_q,        # IN  int32 (G,) or None
-                   y,             # OUT float32 (N, G), overwritten
+                   y,             # OUT float32 (N, G), overwritten; or None with yq
                    relu,
-                   num_threads):
-    """Quantized linear layer ``y = dequant(xq @ wq.T + bias_q)``; see the module docstring."""
+                   num_threads,
+                   yq=None,       # OUT uint8 (N, G) or None: y quantized for the next layer
+                   yq_scale=1.0, yq_zero_point=0):
+    """Quantized linear layer ``y = dequant(xq @ wq.T + bias_q)``; see the module docstring.
+
+    ``yq``, ``yq_scale``, ``yq_zero_point`` as in :func:`conv2d_forward`.
+    """
     fn = "linear_forward"
     xq = _array(xq, fn, "xq", np.uint8, 2, "uint8 (N, F)")
     cdef int z = _zero_point(x_zero_point, fn)
     cdef int nt = _threads(num_threads, fn)
-    y = _array(y, fn, "y", np.float32, 2, "float32 (N, G)")
+    if y is None and yq is None:
+        raise TypeError(f"{fn}: y must be a float32 (N, G) array (or None with a yq output), got None")
+    out_ = _array(y if y is not None else yq, fn, "y" if y is not None else "yq",
+                  np.float32 if y is not None else np.uint8, 2, "(N, G)")
     cdef Py_ssize_t N = xq.shape[0], F = xq.shape[1]
-    cdef int G = y.shape[1]
+    cdef int G = out_.shape[1]
     if F < 1:
         raise ValueError(f"{fn}: xq must have at least one feature, got shape {xq.shape}")
     packed = _packed(packed, row_sums, fn, G, F, f"F (xq.shape[1])")
-    y = _out(y, fn, "y", np.float32, (N, G), "float32 (N, G)")
+    if y is not None:
+        y = _out(y, fn, "y", np.float32, (N, G), "float32 (N, G)")
+    if yq is not None:
+        yq = _requant_args(yq, fn, (N, G), yq_scale, yq_zero_point)
+        if y is None:
+            y = np.empty((N, G), dtype=np.float32)  # quantized after the last block
     scale, zb32, zb64, wide = _epilogue(fn, G, scale, bias_q, row_sums, z, F)
     if N == 0:
         return
@@ -594,3 +684,12 @@ def linear_forward(xq,            # IN  uint8 (N, F)
         free(acc)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
+    cdef uint8_t[:, ::1] yqv
+    cdef float qs
+    cdef int qz
+    if yq is not None:
+        yqv = yq
+        qs = <float>yq_scale
+        qz = <int>yq_zero_point
+        with nogil:
+            _quantize_team(yp, N * G, qs, qz, &yqv[0, 0], nt)
