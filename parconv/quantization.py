@@ -300,7 +300,7 @@ class _Quantized(Layer):
         self.input_scale = np.ones(1, np.float32)
         self.input_zero_point = np.zeros(1, np.uint8)
         self.training = False
-        self._prepared = self._quantize_fn = self._native_args = None
+        self._prepared = self._quantize_fn = self._native_args = self._shape_memo = None
 
     def set_quantized(self, weight, weight_scale, bias, input_scale, input_zero_point) -> "_Quantized":
         """Set the quantized state: int8 ``weight``, float32 ``weight_scale`` (O,), int32 ``bias`` (O,) or None,
@@ -507,7 +507,7 @@ class QuantizedConv2d(_Quantized):
         wchunks = None if chunks is None else [self.backend.asarray(np.ascontiguousarray(wf[:, a:b]))
                                                for a, b in chunks]
         bias_f = None if chunks is None else self._bias_in_float(chunks, self.weight.reshape(self.out_channels, -1))
-        self._requant = self.scale
+        self._requant, self._zx = self.scale, int(self.input_zero_point[0])
         self._prepared = (native, chunks, wchunks, bias_f)
         return self._prepared
 
@@ -521,16 +521,21 @@ class QuantizedConv2d(_Quantized):
             self._native_args = args = (
                 (packed, row_sums, self.out_channels, self.kernel_size[0], self.stride[0], top) if kind == "conv"
                 else (packed, self.stride[0], self.stride[1], top, left))
-        y, yq = (np.empty(out_shape, np.float32), None) if next_q is None else (None, np.empty(out_shape, np.uint8))
-        extra = {} if next_q is None else {"yq": yq, "yq_scale": float(next_q.input_scale[0]),
-                                          "yq_zero_point": int(next_q.input_zero_point[0])}
-        fn(xq, int(self.input_zero_point[0]), *args, self._requant, self.bias, y, self.relu, get_num_threads(),
-           **extra)
-        return y if next_q is None else yq
+        if next_q is None:
+            y = np.empty(out_shape, np.float32)
+            fn(xq, self._zx, *args, self._requant, self.bias, y, self.relu, get_num_threads())
+            return y
+        yq = np.empty(out_shape, np.uint8)
+        fn(xq, self._zx, *args, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
+           float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
+        return yq
 
     def forward(self, x):
         x = self._host_input(x)
-        out_shape = self.output_shape(shape_of(x))
+        shape, memo = shape_of(x), self._shape_memo
+        if memo is None or memo[0] != shape:  # the geometry is fixed: checked once per input shape
+            self._shape_memo = memo = (shape, self.output_shape(shape))
+        out_shape = memo[1]
         native, chunks, wchunks, bias_f = self._prepare()
         zx = int(self.input_zero_point[0])
         if bias_f is not None and native is None:
@@ -598,19 +603,21 @@ class QuantizedLinear(_Quantized):
             chunks = self._chunks(self.weight, 1)
             wf = self.weight.astype(np.float32)
             wchunks = [self.backend.asarray(np.ascontiguousarray(wf[:, a:b])) for a, b in chunks]
-            self._requant = self.scale
+            self._requant, self._zx = self.scale, int(self.input_zero_point[0])
             self._prepared = (native, chunks, wchunks, self._bias_in_float(chunks, self.weight))
         return self._prepared
 
     def _native_forward(self, xq, out_shape, next_q=None):
         """As :meth:`QuantizedConv2d._native_forward`; ``xq`` is (N, in_features) uint8."""
         fn, packed, row_sums = self._prepared[0]
-        y, yq = (np.empty(out_shape, np.float32), None) if next_q is None else (None, np.empty(out_shape, np.uint8))
-        extra = {} if next_q is None else {"yq": yq, "yq_scale": float(next_q.input_scale[0]),
-                                          "yq_zero_point": int(next_q.input_zero_point[0])}
-        fn(xq, int(self.input_zero_point[0]), packed, row_sums, self._requant, self.bias, y, self.relu,
-           get_num_threads(), **extra)
-        return y if next_q is None else yq
+        if next_q is None:
+            y = np.empty(out_shape, np.float32)
+            fn(xq, self._zx, packed, row_sums, self._requant, self.bias, y, self.relu, get_num_threads())
+            return y
+        yq = np.empty(out_shape, np.uint8)
+        fn(xq, self._zx, packed, row_sums, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
+           float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
+        return yq
 
     def forward(self, x):
         x = self._host_input(x)
@@ -650,19 +657,23 @@ class _Int8Chain(_Fused):
             self.links.append((layers[a], nxt, flat))
 
     def forward(self, x):
-        self._check_input(x)
         first = self.links[0][0]
         x = first._host_input(x)
+        shape = x.shape
+        if shape != self._checked:
+            self._check_input(x)  # the layers' own checks, once per input shape
+            self._shapes = []
+            for layer, _, flat in self.links:  # each kernel's output shape for this input shape
+                shape = tuple(layer.output_shape(shape))
+                self._shapes.append(shape)
+                if flat:
+                    shape = (shape[0], math.prod(shape[1:]))
         xq = first.quantize_input(x)
-        for layer, nxt, flat in self.links:
-            n = xq.shape[0]
-            shape = (n, layer.out_features) if isinstance(layer, QuantizedLinear) else \
-                tuple(layer.output_shape(xq.shape))
-            out = layer._native_forward(xq, shape, nxt)
+        for (layer, nxt, flat), shape in zip(self.links, self._shapes):
+            xq = layer._native_forward(xq, shape, nxt)
             if flat:
-                out = out.reshape(n, -1)
-            xq = out
-        return first._output(None, out)
+                xq = xq.reshape(shape[0], -1)
+        return first._output(None, xq)
 
     def backward(self, dy, need_dx: bool = True):
         return self.links[0][0].backward(dy, need_dx)

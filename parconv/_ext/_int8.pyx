@@ -21,6 +21,7 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
+from libc.math cimport isfinite
 from .pc_helpers cimport pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD
 
 cdef extern from "pc_int8.h":
@@ -151,7 +152,7 @@ cdef object _requant_args(object yq, str fn, tuple shape, object yq_scale, objec
     if isinstance(yq_scale, (bool, np.bool_)) or not isinstance(yq_scale, (float, int, np.floating, np.integer)):
         raise TypeError(f"{fn}: yq_scale must be a float, got {type(yq_scale).__name__}")
     cdef float s = <float>yq_scale
-    if not (np.isfinite(s) and s > 0.0):
+    if not (isfinite(s) and s > 0.0):
         raise ValueError(f"{fn}: yq_scale must be a finite float32 > 0, got {yq_scale!r}")
     if isinstance(yq_zero_point, (bool, np.bool_)) or not isinstance(yq_zero_point, (int, np.integer)):
         raise TypeError(f"{fn}: yq_zero_point must be an int in 0..255, got {type(yq_zero_point).__name__}")
@@ -208,7 +209,7 @@ cdef object _packed(object packed, object row_sums, str fn, int O, Py_ssize_t kd
     packed = _array(packed, fn, "packed", np.uint8, 1, "the buffer pack_weights returned")
     if packed.shape[0] < HEADER:
         raise ValueError(f"{fn}: packed is not a pack_weights buffer ({packed.shape[0]} bytes)")
-    hdr = packed[:HEADER].view(np.int32)
+    cdef const int32_t[::1] hdr = packed[:HEADER].view(np.int32)
     if hdr[H_MAGIC] != MAGIC:
         raise ValueError(f"{fn}: packed is not a pack_weights buffer (bad header); pass the first value "
                          f"pack_weights(wq) returned")
@@ -270,7 +271,7 @@ def quantize(x,            # IN  float32 (n,)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (float, int, np.floating, np.integer)):
         raise TypeError(f"{fn}: scale must be a float, got {type(scale).__name__}")
     cdef float s = <float>scale
-    if not (np.isfinite(s) and s > 0.0):
+    if not (isfinite(s) and s > 0.0):
         raise ValueError(f"{fn}: scale must be a finite float32 > 0, got {scale!r}")
     cdef int z = _zero_point(zero_point, fn)
     cdef Py_ssize_t n = x.shape[0]
@@ -377,7 +378,8 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     if N == 0:
         return
     cdef int kg = _layout(packed, K_)
-    cdef int O64 = packed[:HEADER].view(np.int32)[H_O64], kg_cap = packed[:HEADER].view(np.int32)[H_KG_CAP]
+    cdef const int32_t[::1] hdr = packed[:HEADER].view(np.int32)
+    cdef int O64 = hdr[H_O64], kg_cap = hdr[H_KG_CAP]
 
     # the grid (pc_int8.h): padded, stride phases (only those a tap reads), channels in fours
     cdef int nph = S if S < K_ else K_
@@ -639,7 +641,8 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     if N == 0:
         return
     cdef int kg = _layout(packed, 1)
-    cdef int O64 = packed[:HEADER].view(np.int32)[H_O64], kg_cap = packed[:HEADER].view(np.int32)[H_KG_CAP]
+    cdef const int32_t[::1] hdr = packed[:HEADER].view(np.int32)
+    cdef int O64 = hdr[H_O64], kg_cap = hdr[H_KG_CAP]
     cdef Py_ssize_t ldx = F
     if F % 4:
         # whole 4-byte groups: the features padded with the zero point (their weights are zero)
