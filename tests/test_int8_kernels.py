@@ -222,6 +222,23 @@ def test_depthwise_forward_is_exact(case):
         np.testing.assert_array_equal(y, ref, err_msg=f"{nt} threads, {case}")
 
 
+@pytest.mark.parametrize("H,W,sh,sw,K", [(5, 70, 1, 1, 3), (4, 67, 2, 2, 3), (3, 33, 1, 2, 5), (6, 64, 2, 1, 3),
+                                         (2, 31, 1, 2, 1)])
+def test_depthwise_wide_rows_every_vector_tail(H, W, sh, sw, K):
+    # rows longer than one vector (32 pixels at stride 1, 16 at stride 2) and their masked tails
+    rng = np.random.default_rng(W)
+    xq = rng.integers(0, 256, (2, 3, H, W), dtype=np.uint8)
+    wq = rng.integers(-127, 128, (3, 1, K, K), dtype=np.int8)
+    scale, bias = _epilogue_args(rng, 3, "small")
+    ref = depthwise_model(xq, 77, wq, sh, sw, K // 2, K // 2, bias, scale, True)
+    for nt in (1, 2):
+        y, yq = np.full(ref.shape, np.nan, np.float32), np.empty(ref.shape, np.uint8)
+        _int8.depthwise_forward(xq, 77, wq, sh, sw, K // 2, K // 2, scale, bias, y, True, nt, yq=yq, yq_scale=0.37,
+                                yq_zero_point=9)
+        np.testing.assert_array_equal(y, ref)
+        np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(0.37), 9))
+
+
 @st.composite
 def linear_cases(draw):
     return dict(N=draw(st.sampled_from([1, 2, 3, 4, 5, 9, 17])), F=draw(st.sampled_from([1, 3, 4, 7, 64, 130, 784])),
@@ -595,6 +612,28 @@ def _child_code():
                         _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
                                                 scale[:C], bias[:C], yd, True, nt)
                         fails += [] if np.array_equal(yd, dw) else [("depthwise", N, C, K, S, nt)]
+                    # outputs quantized for a next layer (y kept or not)
+                    for keep in (True, False):
+                        yq = np.empty(ref.shape, np.uint8)
+                        y = np.empty_like(ref) if keep else None
+                        _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt, yq=yq,
+                                             yq_scale=0.013, yq_zero_point=z // 2)
+                        ok = np.array_equal(yq, quantize_model(ref, np.float32(0.013), z // 2))
+                        fails += [] if ok and (y is None or np.array_equal(y, ref)) else [("conv yq", N, C, O, nt)]
+                        yq = np.empty(lin.shape, np.uint8)
+                        _int8.linear_forward(xq.reshape(N, -1), z, pl, rl, scale, bias, None, False, nt, yq=yq,
+                                             yq_scale=0.7, yq_zero_point=3)
+                        fails += [] if np.array_equal(yq, quantize_model(lin, np.float32(0.7), 3)) else \
+                            [("linear yq", N, C, O, nt)]
+                        if O >= C:
+                            yq = np.empty(dw.shape, np.uint8)
+                            yd = np.empty_like(dw) if keep else None
+                            _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
+                                                    scale[:C], bias[:C], yd, True, nt, yq=yq, yq_scale=0.013,
+                                                    yq_zero_point=z // 2)
+                            ok = np.array_equal(yq, quantize_model(dw, np.float32(0.013), z // 2))
+                            fails += [] if ok and (yd is None or np.array_equal(yd, dw)) else \
+                                [("depthwise yq", N, C, K, S, nt)]
         x = np.concatenate([(np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(0.05),
                             np.array([np.nan, np.inf, -np.inf, 1e30], np.float32),
                             rng.standard_normal(5000).astype(np.float32) * 9])

@@ -43,7 +43,11 @@ cdef extern from "pc_int8.h":
     Py_ssize_t pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P) noexcept nogil
     void pci8_dw_plane(const uint8_t *x, int H, int W, int z, const int8_t *w, int KH, int KW, int SH, int SW,
                        int PH, int PW, int P, int Q, int32_t zb32, int64_t zb64, int wide, float scale, int relu,
-                       void *scratch, float *y) noexcept nogil
+                       void *scratch, float *y, int keep_y, uint8_t *yq, float qs, int qz, const Py_ssize_t *off,
+                       const int32_t *wp, int npairs) noexcept nogil
+    int pci8_dw_pairs(const int8_t *w, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
+                      Py_ssize_t *off, int32_t *wp) noexcept nogil
+    int PCI8_DW_MAXPAIRS
 
 _PATH_NAMES = {PCI8_VNNI: "avx512_vnni", PCI8_AVX2: "avx2", PCI8_PORTABLE: "portable"}
 cdef int _best = pci8_best_path()
@@ -577,6 +581,17 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, i, c
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KK, planes, nt))
+    # planes in runs of ~PC_BLOCKS_PER_THREAD per thread's share: one shared-counter step per plane costs as
+    # much as a small plane's work
+    cdef Py_ssize_t chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
+    # each channel's tap pairs once per call (their offsets are the same for every channel)
+    offs = np.empty(PCI8_DW_MAXPAIRS, dtype=np.intp)
+    wps = np.empty(<Py_ssize_t>C * PCI8_DW_MAXPAIRS, dtype=np.int32)
+    cdef Py_ssize_t[::1] offv = offs
+    cdef int32_t[::1] wpv = wps
+    cdef int npairs = -1
+    for c in range(C):
+        npairs = pci8_dw_pairs(wp + c * KK, H, W, KH, KW, SH, SW, PH, PW, &offv[0], &wpv[c * PCI8_DW_MAXPAIRS])
     cdef int16_t *scratch = NULL
     cdef float *ybuf = NULL
     cdef float *dst = NULL
@@ -585,16 +600,15 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     with nogil, parallel(num_threads=team):
         scratch = <int16_t *>malloc(sizeof(int16_t) * scratch_n + 64)
         ybuf = <float *>malloc(sizeof(float) * PQ + 64) if yp == NULL else NULL
-        for i in prange(planes, schedule="dynamic"):
+        for i in prange(planes, schedule="dynamic", chunksize=chunk):
             if scratch == NULL or (yp == NULL and ybuf == NULL):
                 failed[0] = 1
                 continue
             c = i % C
             dst = yp + i * PQ if yp != NULL else ybuf
             pci8_dw_plane(xp + i * HW, H, W, z, wp + c * KK, KH, KW, SH, SW, PH, PW, P, Q, z32[c], z64[c], wide_,
-                          sv[c], relu_, scratch, dst)
-            if yqp != NULL:
-                pci8_quantize(dst, PQ, qs, qz, yqp + i * PQ)
+                          sv[c], relu_, scratch, dst, 1 if yp != NULL else 0, yqp + i * PQ if yqp != NULL else NULL,
+                          qs, qz, &offv[0], &wpv[c * PCI8_DW_MAXPAIRS], npairs)
         free(scratch)
         free(ybuf)
     if failed[0]:
