@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -511,9 +512,10 @@ class QuantizedConv2d(_Quantized):
         self._prepared = (native, chunks, wchunks, bias_f)
         return self._prepared
 
-    def _native_forward(self, xq, out_shape, next_q=None):
+    def _native_forward(self, xq, out_shape, next_q=None, out=None):
         """The native kernel on uint8 ``xq``: a float32 output of ``out_shape``, or with ``next_q`` (a quantized
-        layer this output feeds) that layer's uint8 input, quantized by the kernel as it stores (same bits)."""
+        layer this output feeds) that layer's uint8 input, quantized by the kernel as it stores (same bits), into
+        ``out`` (uint8 of ``out_shape``) when given."""
         kind, fn, packed, row_sums = self._prepared[0]
         args = self._native_args
         if args is None:
@@ -525,7 +527,7 @@ class QuantizedConv2d(_Quantized):
             y = np.empty(out_shape, np.float32)
             fn(xq, self._zx, *args, self._requant, self.bias, y, self.relu, get_num_threads())
             return y
-        yq = np.empty(out_shape, np.uint8)
+        yq = np.empty(out_shape, np.uint8) if out is None else out
         fn(xq, self._zx, *args, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
            float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
         return yq
@@ -607,14 +609,14 @@ class QuantizedLinear(_Quantized):
             self._prepared = (native, chunks, wchunks, self._bias_in_float(chunks, self.weight))
         return self._prepared
 
-    def _native_forward(self, xq, out_shape, next_q=None):
+    def _native_forward(self, xq, out_shape, next_q=None, out=None):
         """As :meth:`QuantizedConv2d._native_forward`; ``xq`` is (N, in_features) uint8."""
         fn, packed, row_sums = self._prepared[0]
         if next_q is None:
             y = np.empty(out_shape, np.float32)
             fn(xq, self._zx, packed, row_sums, self._requant, self.bias, y, self.relu, get_num_threads())
             return y
-        yq = np.empty(out_shape, np.uint8)
+        yq = np.empty(out_shape, np.uint8) if out is None else out
         fn(xq, self._zx, packed, row_sums, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
            float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
         return yq
@@ -648,6 +650,7 @@ class _Int8Chain(_Fused):
 
     def __init__(self, start, layers):
         super().__init__(start, layers)
+        self._local = threading.local()
         # (layer, the quantized layer it feeds or None, flatten its output first?) per quantized layer
         quantized = [k for k, layer in enumerate(layers) if isinstance(layer, _Quantized)]
         self.links = []
@@ -668,12 +671,24 @@ class _Int8Chain(_Fused):
                 self._shapes.append(shape)
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
+        # the uint8 activations between the links are the chain's own: kept per thread and reused while the
+        # shapes stay (fresh large arrays cost a page fault and a page clearing per 4 KiB on every call)
+        bufs = self._local.__dict__.setdefault("bufs", {})
         xq = first.quantize_input(x)
-        for (layer, nxt, flat), shape in zip(self.links, self._shapes):
-            xq = layer._native_forward(xq, shape, nxt)
+        for k, ((layer, nxt, flat), shape) in enumerate(zip(self.links, self._shapes)):
+            out = None
+            if nxt is not None:
+                out = bufs.get(k)
+                if out is None or out.shape != shape:
+                    out = bufs[k] = np.empty(shape, np.uint8)
+            xq = layer._native_forward(xq, shape, nxt, out)
             if flat:
                 xq = xq.reshape(shape[0], -1)
         return first._output(None, xq)
+
+    def release(self) -> None:
+        super().release()
+        self._local = threading.local()
 
     def backward(self, dy, need_dx: bool = True):
         return self.links[0][0].backward(dy, need_dx)
