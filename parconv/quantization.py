@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
 
 import numpy as np
 
@@ -189,6 +188,12 @@ def int8_path() -> str:
 def _native(name: str):
     mod = _int8_module()
     return getattr(mod, name, None) if mod is not None else None
+
+
+def _allocator(backend):
+    """``empty(shape, dtype)`` for the native kernels' outputs: the openmp backend's buffer pool, which recycles
+    large outputs between calls (a fresh mapping costs a page fault and a page clearing per 4 KiB every time)."""
+    return getattr(backend, "_empty", None) or np.empty
 
 
 def _pack(pack, wq2d):
@@ -373,7 +378,7 @@ class _Quantized(Layer):
         fn = self._quantize_fn
         if not fn:
             return quantize_per_tensor(x, self.input_scale[0], self.input_zero_point[0])
-        out = np.empty(x.shape, np.uint8)
+        out = _allocator(self.backend)(x.shape, np.uint8)
         fn(x.reshape(-1), float(self.input_scale[0]), int(self.input_zero_point[0]), out.reshape(-1),
            get_num_threads())
         return out
@@ -509,13 +514,13 @@ class QuantizedConv2d(_Quantized):
                                                for a, b in chunks]
         bias_f = None if chunks is None else self._bias_in_float(chunks, self.weight.reshape(self.out_channels, -1))
         self._requant, self._zx = self.scale, int(self.input_zero_point[0])
+        self._alloc = _allocator(self.backend)
         self._prepared = (native, chunks, wchunks, bias_f)
         return self._prepared
 
-    def _native_forward(self, xq, out_shape, next_q=None, out=None):
+    def _native_forward(self, xq, out_shape, next_q=None):
         """The native kernel on uint8 ``xq``: a float32 output of ``out_shape``, or with ``next_q`` (a quantized
-        layer this output feeds) that layer's uint8 input, quantized by the kernel as it stores (same bits), into
-        ``out`` (uint8 of ``out_shape``) when given."""
+        layer this output feeds) that layer's uint8 input, quantized by the kernel as it stores (same bits)."""
         kind, fn, packed, row_sums = self._prepared[0]
         args = self._native_args
         if args is None:
@@ -524,10 +529,10 @@ class QuantizedConv2d(_Quantized):
                 (packed, row_sums, self.out_channels, self.kernel_size[0], self.stride[0], top) if kind == "conv"
                 else (packed, self.stride[0], self.stride[1], top, left))
         if next_q is None:
-            y = np.empty(out_shape, np.float32)
+            y = self._alloc(out_shape, np.float32)
             fn(xq, self._zx, *args, self._requant, self.bias, y, self.relu, get_num_threads())
             return y
-        yq = np.empty(out_shape, np.uint8) if out is None else out
+        yq = self._alloc(out_shape, np.uint8)
         fn(xq, self._zx, *args, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
            float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
         return yq
@@ -606,17 +611,18 @@ class QuantizedLinear(_Quantized):
             wf = self.weight.astype(np.float32)
             wchunks = [self.backend.asarray(np.ascontiguousarray(wf[:, a:b])) for a, b in chunks]
             self._requant, self._zx = self.scale, int(self.input_zero_point[0])
+            self._alloc = _allocator(self.backend)
             self._prepared = (native, chunks, wchunks, self._bias_in_float(chunks, self.weight))
         return self._prepared
 
-    def _native_forward(self, xq, out_shape, next_q=None, out=None):
+    def _native_forward(self, xq, out_shape, next_q=None):
         """As :meth:`QuantizedConv2d._native_forward`; ``xq`` is (N, in_features) uint8."""
         fn, packed, row_sums = self._prepared[0]
         if next_q is None:
-            y = np.empty(out_shape, np.float32)
+            y = self._alloc(out_shape, np.float32)
             fn(xq, self._zx, packed, row_sums, self._requant, self.bias, y, self.relu, get_num_threads())
             return y
-        yq = np.empty(out_shape, np.uint8) if out is None else out
+        yq = self._alloc(out_shape, np.uint8)
         fn(xq, self._zx, packed, row_sums, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
            float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
         return yq
@@ -650,7 +656,6 @@ class _Int8Chain(_Fused):
 
     def __init__(self, start, layers):
         super().__init__(start, layers)
-        self._local = threading.local()
         # (layer, the quantized layer it feeds or None, flatten its output first?) per quantized layer
         quantized = [k for k, layer in enumerate(layers) if isinstance(layer, _Quantized)]
         self.links = []
@@ -671,24 +676,12 @@ class _Int8Chain(_Fused):
                 self._shapes.append(shape)
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
-        # the uint8 activations between the links are the chain's own: kept per thread and reused while the
-        # shapes stay (fresh large arrays cost a page fault and a page clearing per 4 KiB on every call)
-        bufs = self._local.__dict__.setdefault("bufs", {})
         xq = first.quantize_input(x)
-        for k, ((layer, nxt, flat), shape) in enumerate(zip(self.links, self._shapes)):
-            out = None
-            if nxt is not None:
-                out = bufs.get(k)
-                if out is None or out.shape != shape:
-                    out = bufs[k] = np.empty(shape, np.uint8)
-            xq = layer._native_forward(xq, shape, nxt, out)
+        for (layer, nxt, flat), shape in zip(self.links, self._shapes):
+            xq = layer._native_forward(xq, shape, nxt)
             if flat:
                 xq = xq.reshape(shape[0], -1)
         return first._output(None, xq)
-
-    def release(self) -> None:
-        super().release()
-        self._local = threading.local()
 
     def backward(self, dy, need_dx: bool = True):
         return self.links[0][0].backward(dy, need_dx)

@@ -309,6 +309,31 @@ def test_chained_int8_layers_are_bit_identical_to_the_numpy_model(batch):
         chain.backward(np.zeros((batch, 8, 5, 5), np.float32))
 
 
+@pytest.mark.skipif("openmp" not in BACKENDS, reason="the openmp backend's buffer pool")
+def test_recycled_outputs_never_overwrite_a_result_still_held():
+    # the int8 layers' outputs and the uint8 activations between chained layers come from the backend's buffer
+    # pool (512 KiB here: pooled); a result the caller still holds must survive the next call
+    rng = np.random.default_rng(8)
+    model = pc.Sequential(pc.Conv2d(3, 16, 3, padding=1, rng=0), pc.ReLU(), pc.Conv2d(16, 16, 3, padding=1, rng=1),
+                          backend="numpy").eval()
+    x1, x2 = rand(rng, 8, 3, 32, 32), rand(rng, 8, 3, 32, 32)
+    qmodel = Q.quantize(model, x1)
+    want1, want2 = qmodel.predict(x1), qmodel.predict(x2)
+    qmodel.to("openmp")
+    with pc.no_grad():
+        y1 = qmodel(x1)
+        y2 = qmodel(x2)
+        y3 = qmodel(x1)
+    np.testing.assert_array_equal(pc.to_numpy(y1), want1)
+    np.testing.assert_array_equal(pc.to_numpy(y2), want2)
+    np.testing.assert_array_equal(pc.to_numpy(y3), want1)
+    qmodel.fuse = False  # layer by layer
+    with pc.no_grad():
+        z1, z2 = qmodel(x1), qmodel(x2)
+    np.testing.assert_array_equal(pc.to_numpy(z1), want1)
+    np.testing.assert_array_equal(pc.to_numpy(z2), want2)
+
+
 # ----------------------------------------------------------------------------- BatchNorm folding
 def _trained_bn(bn, rng):
     c = bn.num_features
