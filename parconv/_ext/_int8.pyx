@@ -49,6 +49,15 @@ cdef extern from "pc_int8.h":
                       Py_ssize_t *off, int32_t *wp) noexcept nogil
     int PCI8_DW_MAXPAIRS
 
+# the data pointer of an ndarray whose dtype, rank and contiguity were checked (or that was made here): a
+# typed memoryview costs a buffer acquisition and an object per array on every call
+cdef extern from *:
+    """
+    #include <numpy/arrayobject.h>
+    static inline void *pci8_data(PyObject *a) { return PyArray_DATA((PyArrayObject *)a); }
+    """
+    void *pci8_data(object a)
+
 _PATH_NAMES = {PCI8_VNNI: "avx512_vnni", PCI8_AVX2: "avx2", PCI8_PORTABLE: "portable"}
 cdef int _best = pci8_best_path()
 cdef int _path = _best
@@ -182,20 +191,20 @@ cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sum
         bias_q = _shaped(bias_q, fn, "bias_q", np.int32, (O,), "int32 (O,) or None")
     zb = np.empty(O, dtype=np.int64)
     zb32 = np.empty(O, dtype=np.int32)
-    cdef int64_t[::1] z64 = zb
-    cdef int32_t[::1] z32 = zb32
-    cdef const int32_t[::1] bv
-    cdef const int32_t[::1] rv
+    cdef int64_t *z64 = <int64_t *>pci8_data(zb)
+    cdef int32_t *z32 = <int32_t *>pci8_data(zb32)
+    cdef const int32_t *bv
+    cdef const int32_t *rv
     cdef int o
     cdef int64_t v, most = 0
     for o in range(O):
         z64[o] = 0
     if bias_q is not None:
-        bv = bias_q
+        bv = <const int32_t *>pci8_data(bias_q)
         for o in range(O):
             z64[o] = bv[o]
     if row_sums is not None:
-        rv = row_sums
+        rv = <const int32_t *>pci8_data(row_sums)
         for o in range(O):
             z64[o] -= <int64_t>z * rv[o]
     for o in range(O):
@@ -213,7 +222,7 @@ cdef object _packed(object packed, object row_sums, str fn, int O, Py_ssize_t kd
     packed = _array(packed, fn, "packed", np.uint8, 1, "the buffer pack_weights returned")
     if packed.shape[0] < HEADER:
         raise ValueError(f"{fn}: packed is not a pack_weights buffer ({packed.shape[0]} bytes)")
-    cdef const int32_t[::1] hdr = packed[:HEADER].view(np.int32)
+    cdef const int32_t *hdr = <const int32_t *>pci8_data(packed)
     if hdr[H_MAGIC] != MAGIC:
         raise ValueError(f"{fn}: packed is not a pack_weights buffer (bad header); pass the first value "
                          f"pack_weights(wq) returned")
@@ -238,11 +247,11 @@ cdef Py_ssize_t _packed_size(Py_ssize_t O, Py_ssize_t kdim, Py_ssize_t O64, Py_s
 
 cdef int _layout(object packed, int K) except -1:
     """Lay the panels out for kernel size K if they are not already (under the GIL, once per K)."""
-    cdef int32_t[::1] hdr = packed[:HEADER].view(np.int32)
+    cdef uint8_t *buf = <uint8_t *>pci8_data(packed)
+    cdef int32_t *hdr = <int32_t *>buf
     if hdr[H_K] == K:
         return hdr[H_KG]
     cdef int O = hdr[H_O], kdim = hdr[H_KDIM], O64 = hdr[H_O64]
-    cdef uint8_t[::1] buf = packed
     cdef Py_ssize_t raw_bytes = (<Py_ssize_t>O * kdim + 63) // 64 * 64
     cdef Py_ssize_t p8 = HEADER + raw_bytes
     cdef int kg = pci8_groups(kdim, K)
@@ -281,10 +290,10 @@ def quantize(x,            # IN  float32 (n,)
     cdef Py_ssize_t n = x.shape[0]
     if n == 0:
         return
-    cdef const float[::1] xv = x
-    cdef uint8_t[::1] ov = out
+    cdef const float *xp = <const float *>pci8_data(x)
+    cdef uint8_t *op = <uint8_t *>pci8_data(out)
     with nogil:
-        _quantize_team(&xv[0], n, s, z, &ov[0], nt)
+        _quantize_team(xp, n, s, z, op, nt)
 
 
 # ---------------------------------------------------------------------- packing
@@ -382,7 +391,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     if N == 0:
         return
     cdef int kg = _layout(packed, K_)
-    cdef const int32_t[::1] hdr = packed[:HEADER].view(np.int32)
+    cdef const int32_t *hdr = <const int32_t *>pci8_data(packed)
     cdef int O64 = hdr[H_O64], kg_cap = hdr[H_KG_CAP]
 
     # the grid (pc_int8.h): padded, stride phases (only those a tap reads), channels in fours
@@ -405,7 +414,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     if per_img > 1:
         grid[<Py_ssize_t>N * img * 4:] = z
     off = np.empty(kg, dtype=np.intc)
-    cdef int[::1] offv = off
+    cdef int *offv = <int *>pci8_data(off)
     cdef int cg, kh, kw, g = 0
     for cg in range(CG):
         for kh in range(K_):
@@ -413,30 +422,22 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                 offv[g] = cg * plane + ((kh % S) * nph + kw % S) * Hg * Wg + (kh // S) * Wg + kw // S
                 g += 1
 
-    cdef const uint8_t[:, :, :, ::1] xv = xq
-    cdef uint8_t[::1] gv = grid
-    cdef uint8_t[::1] pv = packed
-    cdef const float[::1] sv = scale
-    cdef int32_t[::1] z32 = zb32
-    cdef int64_t[::1] z64 = zb64
+    cdef uint8_t *pv = <uint8_t *>pci8_data(packed)
+    cdef const float *sv = <const float *>pci8_data(scale)
+    cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
+    cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
     if y is None and per_img > 1:
         y = np.empty((N, O_, P, Q), dtype=np.float32)  # whole-batch runs: quantized after the last run
-    cdef float[:, :, :, ::1] yv
-    cdef float *yp = NULL
-    if y is not None:
-        yv = y
-        yp = &yv[0, 0, 0, 0]
-    cdef uint8_t[:, :, :, ::1] yqv
+    cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
     cdef uint8_t *yqp = NULL
     cdef float qs = 1.0
     cdef int qz = 0
     if yq is not None:
-        yqv = yq
-        yqp = &yqv[0, 0, 0, 0]
+        yqp = <uint8_t *>pci8_data(yq)
         qs = <float>yq_scale
         qz = <int>yq_zero_point
-    cdef const uint8_t *xp = &xv[0, 0, 0, 0]
-    cdef uint8_t *gp = &gv[0]
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
+    cdef uint8_t *gp = <uint8_t *>pci8_data(grid)
     cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>O_ * kdim + 63) // 64 * 64
     cdef const int8_t *w8 = <const int8_t *>&pv[p8]
     cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
@@ -472,8 +473,8 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                     pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, cg, <uint8_t>z,
                                     own + cg * plane * 4)
                 dst = yp + n * O_ * PQ if yp != NULL else ybuf
-                pci8_conv_tiles(path_, own, &offv[0], kg, w8, w16, O_, P, Q, Wg, 0, run, &z32[0], &z64[0], wide_,
-                                &sv[0], relu_, dst, acc)
+                pci8_conv_tiles(path_, own, offv, kg, w8, w16, O_, P, Q, Wg, 0, run, z32, z64, wide_, sv, relu_, dst,
+                                acc)
                 if yqp != NULL:
                     pci8_quantize(dst, O_ * PQ, qs, qz, yqp + n * O_ * PQ)
             free(acc)
@@ -498,8 +499,8 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                     continue
                 n = i // per_img
                 r = i - n * per_img
-                pci8_conv_tiles(path_, gp + n * img * 4, &offv[0], kg, w8, w16, O_, P, Q, Wg, r * run,
-                                (r + 1) * run, &z32[0], &z64[0], wide_, &sv[0], relu_, yp + n * O_ * PQ, acc)
+                pci8_conv_tiles(path_, gp + n * img * 4, offv, kg, w8, w16, O_, P, Q, Wg, r * run,
+                                (r + 1) * run, z32, z64, wide_, sv, relu_, yp + n * O_ * PQ, acc)
             free(acc)
         if yqp != NULL and not failed[0]:
             with nogil:
@@ -543,8 +544,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         raise ValueError(f"{fn}: xq must have at least one channel, got shape {xq.shape}")
     if H + 2 * PH < KH or W + 2 * PW < KW:
         raise ValueError(f"{fn}: kernel ({KH}, {KW}) is larger than the padded input ({H + 2 * PH}, {W + 2 * PW})")
-    cdef const int8_t[:, :, :, ::1] wv = wq
-    cdef const int8_t *wp = &wv[0, 0, 0, 0]
+    cdef const int8_t *wp = <const int8_t *>pci8_data(wq)
     cdef Py_ssize_t k
     for k in range(<Py_ssize_t>C * KH * KW):
         if wp[k] == -128:
@@ -557,25 +557,18 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     scale, zb32, zb64, wide = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
     if N == 0:
         return
-    cdef const uint8_t[:, :, :, ::1] xv = xq
-    cdef const float[::1] sv = scale
-    cdef int32_t[::1] z32 = zb32
-    cdef int64_t[::1] z64 = zb64
-    cdef float[:, :, :, ::1] yv
-    cdef float *yp = NULL
-    if y is not None:
-        yv = y
-        yp = &yv[0, 0, 0, 0]
-    cdef uint8_t[:, :, :, ::1] yqv
+    cdef const float *sv = <const float *>pci8_data(scale)
+    cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
+    cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
+    cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
     cdef uint8_t *yqp = NULL
     cdef float qs = 1.0
     cdef int qz = 0
     if yq is not None:
-        yqv = yq
-        yqp = &yqv[0, 0, 0, 0]
+        yqp = <uint8_t *>pci8_data(yq)
         qs = <float>yq_scale
         qz = <int>yq_zero_point
-    cdef const uint8_t *xp = &xv[0, 0, 0, 0]
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t scratch_n = pci8_dw_scratch(H, W, KH, KW, SH, SW, PH, PW, P)
     cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
@@ -587,11 +580,11 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     # each channel's tap pairs once per call (their offsets are the same for every channel)
     offs = np.empty(PCI8_DW_MAXPAIRS, dtype=np.intp)
     wps = np.empty(<Py_ssize_t>C * PCI8_DW_MAXPAIRS, dtype=np.int32)
-    cdef Py_ssize_t[::1] offv = offs
-    cdef int32_t[::1] wpv = wps
+    cdef Py_ssize_t *offv = <Py_ssize_t *>pci8_data(offs)
+    cdef int32_t *wpv = <int32_t *>pci8_data(wps)
     cdef int npairs = -1
     for c in range(C):
-        npairs = pci8_dw_pairs(wp + c * KK, H, W, KH, KW, SH, SW, PH, PW, &offv[0], &wpv[c * PCI8_DW_MAXPAIRS])
+        npairs = pci8_dw_pairs(wp + c * KK, H, W, KH, KW, SH, SW, PH, PW, offv, wpv + c * PCI8_DW_MAXPAIRS)
     cdef int16_t *scratch = NULL
     cdef float *ybuf = NULL
     cdef float *dst = NULL
@@ -608,7 +601,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
             dst = yp + i * PQ if yp != NULL else ybuf
             pci8_dw_plane(xp + i * HW, H, W, z, wp + c * KK, KH, KW, SH, SW, PH, PW, P, Q, z32[c], z64[c], wide_,
                           sv[c], relu_, scratch, dst, 1 if yp != NULL else 0, yqp + i * PQ if yqp != NULL else NULL,
-                          qs, qz, &offv[0], &wpv[c * PCI8_DW_MAXPAIRS], npairs)
+                          qs, qz, offv, wpv + c * PCI8_DW_MAXPAIRS, npairs)
         free(scratch)
         free(ybuf)
     if failed[0]:
@@ -655,7 +648,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     if N == 0:
         return
     cdef int kg = _layout(packed, 1)
-    cdef const int32_t[::1] hdr = packed[:HEADER].view(np.int32)
+    cdef const int32_t *hdr = <const int32_t *>pci8_data(packed)
     cdef int O64 = hdr[H_O64], kg_cap = hdr[H_KG_CAP]
     cdef Py_ssize_t ldx = F
     if F % 4:
@@ -664,17 +657,15 @@ def linear_forward(xq,            # IN  uint8 (N, F)
         xpad[:, :F] = xq
         xq = xpad
         ldx = kg * 4
-    cdef const uint8_t[:, ::1] xv = xq
-    cdef uint8_t[::1] pv = packed
-    cdef const float[::1] sv = scale
-    cdef int32_t[::1] z32 = zb32
-    cdef int64_t[::1] z64 = zb64
-    cdef float[:, ::1] yv = y
+    cdef uint8_t *pv = <uint8_t *>pci8_data(packed)
+    cdef const float *sv = <const float *>pci8_data(scale)
+    cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
+    cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
     cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>G * F + 63) // 64 * 64
     cdef const int8_t *w8 = <const int8_t *>&pv[p8]
     cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
-    cdef const uint8_t *xp = &xv[0, 0]
-    cdef float *yp = &yv[0, 0]
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
+    cdef float *yp = <float *>pci8_data(y)
     cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     # blocks of rows x blocks of 64 output channels: the rows split finer until every thread has
     # PC_BLOCKS_PER_THREAD blocks (a block of 4 rows is the least)
@@ -696,17 +687,17 @@ def linear_forward(xq,            # IN  uint8 (N, F)
             ri = i - ci * rblocks
             r1 = (ri + 1) * rb if (ri + 1) * rb < N else N
             pci8_linear_block(path_, xp, ldx, ri * rb, r1, kg, w8, w16, <int>(ci * PCI8_CB),
-                              <int>((ci + 1) * PCI8_CB if (ci + 1) * PCI8_CB < G else G), G, &z32[0], &z64[0],
-                              wide_, &sv[0], relu_, yp, acc)
+                              <int>((ci + 1) * PCI8_CB if (ci + 1) * PCI8_CB < G else G), G, z32, z64,
+                              wide_, sv, relu_, yp, acc)
         free(acc)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
-    cdef uint8_t[:, ::1] yqv
+    cdef uint8_t *yqp
     cdef float qs
     cdef int qz
     if yq is not None:
-        yqv = yq
+        yqp = <uint8_t *>pci8_data(yq)
         qs = <float>yq_scale
         qz = <int>yq_zero_point
         with nogil:
-            _quantize_team(yp, N * G, qs, qz, &yqv[0, 0], nt)
+            _quantize_team(yp, N * G, qs, qz, yqp, nt)
