@@ -35,7 +35,8 @@ cdef extern from "pc_int8.h":
     void pci8_conv_tiles(int path, const uint8_t *grid, const int *off, int Kg, const int8_t *w8,
                          const int16_t *w16, int O, int P, int Q, int Wg, Py_ssize_t s0, Py_ssize_t s1,
                          const int32_t *zb32, const int64_t *zb64, int wide, const float *scale, int relu,
-                         float *y, int32_t *acc) noexcept nogil
+                         float *y, int32_t *acc, uint8_t *yq, float qs, int qz) noexcept nogil
+    int pci8_conv_tiles_quantize(int path, int wide) noexcept nogil
     void pci8_linear_block(int path, const uint8_t *x, Py_ssize_t ldx, Py_ssize_t r0, Py_ssize_t r1, int Kg,
                            const int8_t *w8, const int16_t *w16, int c0, int c1, int G, const int32_t *zb32,
                            const int64_t *zb64, int wide, const float *scale, int relu, float *y,
@@ -426,7 +427,9 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef const float *sv = <const float *>pci8_data(scale)
     cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
     cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
-    if y is None and per_img > 1:
+    # the tiles quantize for the next layer as they store (VNNI), or float32 results are quantized after them
+    cdef int direct = yq is not None and pci8_conv_tiles_quantize(_path, 1 if wide else 0)
+    if y is None and per_img > 1 and not direct:
         y = np.empty((N, O_, P, Q), dtype=np.float32)  # whole-batch runs: quantized after the last run
     cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
     cdef uint8_t *yqp = NULL
@@ -462,11 +465,11 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
             acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
             own = <uint8_t *>malloc(img * 4 + slack)
             # without y, one image's float32 result lives in this thread's buffer until it is quantized
-            ybuf = <float *>malloc(sizeof(float) * O_ * PQ + 64) if yp == NULL else NULL
+            ybuf = <float *>malloc(sizeof(float) * O_ * PQ + 64) if yp == NULL and not direct else NULL
             if own != NULL:
                 memset(own + img * 4, z, slack)
             for n in prange(N, schedule="dynamic"):
-                if acc == NULL or own == NULL or (yp == NULL and ybuf == NULL):
+                if acc == NULL or own == NULL or (yp == NULL and ybuf == NULL and not direct):
                     failed[0] = 1
                     continue
                 for cg in range(CG):
@@ -474,8 +477,8 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                                     own + cg * plane * 4)
                 dst = yp + n * O_ * PQ if yp != NULL else ybuf
                 pci8_conv_tiles(path_, own, offv, kg, w8, w16, O_, P, Q, Wg, 0, run, z32, z64, wide_, sv, relu_, dst,
-                                acc)
-                if yqp != NULL:
+                                acc, yqp + n * O_ * PQ if direct else NULL, qs, qz)
+                if yqp != NULL and not direct:
                     pci8_quantize(dst, O_ * PQ, qs, qz, yqp + n * O_ * PQ)
             free(acc)
             free(own)
@@ -500,9 +503,10 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                 n = i // per_img
                 r = i - n * per_img
                 pci8_conv_tiles(path_, gp + n * img * 4, offv, kg, w8, w16, O_, P, Q, Wg, r * run,
-                                (r + 1) * run, z32, z64, wide_, sv, relu_, yp + n * O_ * PQ, acc)
+                                (r + 1) * run, z32, z64, wide_, sv, relu_, yp + n * O_ * PQ if yp != NULL else NULL,
+                                acc, yqp + n * O_ * PQ if direct else NULL, qs, qz)
             free(acc)
-        if yqp != NULL and not failed[0]:
+        if yqp != NULL and not direct and not failed[0]:
             with nogil:
                 _quantize_team(yp, <Py_ssize_t>N * O_ * PQ, qs, qz, yqp, nt)
     if failed[0]:

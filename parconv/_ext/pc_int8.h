@@ -455,21 +455,36 @@ typedef struct {
                 v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                      \
                 v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                      \
             }                                                                                     \
-            float *yj = y + (j) * PQ;                                                             \
-            for (int k = 0; k < runs->n; k++) {                                                   \
-                _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                       \
-                _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);                  \
+            if (y != NULL) {                                                                      \
+                float *yj = y + (j) * PQ;                                                         \
+                for (int k = 0; k < runs->n; k++) {                                               \
+                    _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                   \
+                    _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);              \
+                }                                                                                 \
+            }                                                                                     \
+            if (yq != NULL) { /* the next layer's input: pci8_quantize's arithmetic (pci8_q16) */ \
+                const __m128i b0 = _mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz));         \
+                const __m128i b1 = _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz));         \
+                uint8_t *qj = yq + (j) * PQ;                                                      \
+                for (int k = 0; k < runs->n; k++) {                                               \
+                    _mm_mask_storeu_epi8(qj + runs->base[k], runs->m0[k], b0);                    \
+                    _mm_mask_storeu_epi8(qj + runs->base[k] + 16, runs->m1[k], b1);               \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
     } while (0)
 
 /* pci8_px_vnni with the epilogue on the registers (sums that fit int32 only): oe of the 8
- * channels are real; y points at the first one's output plane (PQ floats per channel). */
+ * channels are real; y points at the first one's output plane (PQ floats per channel), or is
+ * NULL; yq (or NULL) likewise receives the values quantized with (qs, qz) for the next layer. */
 PCI8_VNNI_TARGET
 static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
                              int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,
-                             const pci8_runs *restrict runs, float *y, pc_idx PQ)
+                             const pci8_runs *restrict runs, float *y, pc_idx PQ, uint8_t *yq, float qs, int qz)
 {
+    const int qfast = qs > 1e-37f && qs < 1e37f;
+    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);
+    const __m512i vz = _mm512_set1_epi32(qz);
     __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
             a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00;
     for (int g = 0; g < Kg; g++) {
@@ -498,13 +513,26 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
 #endif
 
 /* Tiles of grid pixels [s0, s1) of one image (multiples of PCI8_TILE but s1 may pass s_end):
- * every output channel, then the epilogue into y (O, P, Q). acc: scratch [8][32]. */
+ * every output channel, then the epilogue into y (O, P, Q). acc: scratch [8][32].
+ * pci8_conv_tiles_quantize(path, wide) says when the tiles also store yq (O, P, Q), the values
+ * quantized with (qs, qz) for the next layer, themselves; y may then be NULL. */
+static inline int pci8_conv_tiles_quantize(int path, int wide)
+{
+#if defined(PCI8_VNNI_CODE)
+    return path == PCI8_VNNI && !wide;
+#else
+    (void)path; (void)wide;
+    return 0;
+#endif
+}
+
 static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const int *restrict off, int Kg,
                                    const int8_t *restrict w8, const int16_t *restrict w16, int O, int P, int Q,
                                    int Wg, pc_idx s0, pc_idx s1, const int32_t *restrict zb32,
                                    const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
-                                   float *restrict y, int32_t *restrict acc)
+                                   float *restrict y, int32_t *restrict acc, uint8_t *restrict yq, float qs, int qz)
 {
+    (void)yq; (void)qs; (void)qz;
     pc_idx s_end = (pc_idx)(P - 1) * Wg + Q, PQ = (pc_idx)P * Q;
     int seg_lane[PCI8_TILE], seg_len[PCI8_TILE];
     pc_idx seg_dst[PCI8_TILE];
@@ -539,7 +567,8 @@ static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const
             for (int o0 = 0; o0 < O; o0 += PCI8_OB)
                 pci8_px_vnni_epi(grid + s * 4, off, Kg, w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4,
                                  O - o0 < PCI8_OB ? O - o0 : PCI8_OB, zb32 + o0, scale + o0, relu, &runs,
-                                 y + (pc_idx)o0 * PQ, PQ);
+                                 y != NULL ? y + (pc_idx)o0 * PQ : NULL, PQ,
+                                 yq != NULL ? yq + (pc_idx)o0 * PQ : NULL, qs, qz);
             continue;
         }
 #endif
