@@ -17,6 +17,8 @@ Fusions:
 * ``Residual -> ReLU`` in both modes: the ReLU applied by the block, and
   where the block's body ends in a BatchNorm, the shortcut added and the
   ReLU applied by that BatchNorm as it writes (one pass instead of three);
+* quantized layers (:mod:`parconv.quantization`) that feed each other through
+  placeholders: each native int8 kernel stores the next one's uint8 input;
 * ``Conv2d -> BatchNorm2d (-> ReLU)`` in eval mode (square kernel, int
   stride/padding, one group): the running statistics folded into the
   convolution's per-filter scale and shift, applied with the ReLU as the
@@ -272,6 +274,14 @@ def plan(layers: list, backend, fuse: bool) -> list:
             steps.append(PlanStep(ConvBatchNormEval(i, *layers[i:stop]), i, stop, (i + 1, i)))
             i = stop
             continue
+        if fuse and getattr(layer, "_int8_chains", False):
+            from .quantization import chain_plan  # imported here: quantization builds on this module
+
+            chain = chain_plan(layers, i)
+            if chain is not None:
+                steps.append(PlanStep(chain[0], i, chain[1], tuple(range(i, chain[1]))))
+                i = chain[1]
+                continue
         nxt = layers[i + 1] if i + 1 < n else None
         if fuse and type(layer) is Residual and type(nxt) is ReLU:
             steps.append(PlanStep(ResidualReLU(i, layer, nxt), i, i + 2, (i,)))

@@ -47,7 +47,9 @@ from . import functional as F
 from ._config import conv_precision, get_num_threads
 from ._shapes import conv_pads
 from ._validation import Where, check_int, shape_of, to_backend_array
-from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Identity, Layer, Linear, ReLU, Residual, SyncBatchNorm
+from ._fusion import _Fused
+from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Flatten, Identity, Layer, Linear, ReLU, Residual
+from .layers import SyncBatchNorm
 from .layers import _check_bool, _pair, _scalar_or_pair, layer_from_spec
 
 __all__ = [
@@ -188,6 +190,12 @@ def _native(name: str):
     return getattr(mod, name, None) if mod is not None else None
 
 
+def _allocator(backend):
+    """``empty(shape, dtype)`` for the native kernels' outputs: the openmp backend's buffer pool, which recycles
+    large outputs between calls (a fresh mapping costs a page fault and a page clearing per 4 KiB every time)."""
+    return getattr(backend, "_empty", None) or np.empty
+
+
 def _pack(pack, wq2d):
     """``(packed, row_sums)`` from the native ``pack_weights``, or None where it is missing or refuses the
     layer (a reduction too long for its int32 sums): the float emulation then runs the layer."""
@@ -287,6 +295,7 @@ class _Quantized(Layer):
 
     buffer_names = ("weight", "bias", "weight_scale", "input_scale", "input_zero_point")
     _kind = ""
+    _int8_chains = True  # the fusion planner asks chain_plan about runs that start here
 
     def _init_buffers(self, w_shape, bias: bool, relu: bool):
         self.relu = _check_bool(relu, "relu", self._kind)
@@ -297,7 +306,7 @@ class _Quantized(Layer):
         self.input_scale = np.ones(1, np.float32)
         self.input_zero_point = np.zeros(1, np.uint8)
         self.training = False
-        self._prepared = self._quantize_fn = None
+        self._prepared = self._quantize_fn = self._native_args = self._shape_memo = None
 
     def set_quantized(self, weight, weight_scale, bias, input_scale, input_zero_point) -> "_Quantized":
         """Set the quantized state: int8 ``weight``, float32 ``weight_scale`` (O,), int32 ``bias`` (O,) or None,
@@ -342,7 +351,7 @@ class _Quantized(Layer):
     def _set_state(self, attr: str, value: np.ndarray) -> None:
         old = getattr(self, attr)
         setattr(self, attr, np.array(value, dtype=old.dtype, order="C", copy=True).reshape(old.shape))
-        self._prepared = self._quantize_fn = None
+        self._prepared = self._quantize_fn = self._native_args = None
 
     def _moved(self) -> None:
         # Layer.to moves float32 buffers to the backend; the quantization state stays on the host
@@ -350,7 +359,7 @@ class _Quantized(Layer):
 
         for n in ("weight_scale", "input_scale"):
             setattr(self, n, np.ascontiguousarray(to_numpy(getattr(self, n)), dtype=np.float32))
-        self._prepared = self._quantize_fn = None
+        self._prepared = self._quantize_fn = self._native_args = None
 
     def backward(self, dy, need_dx: bool = True):
         raise RuntimeError(f"{self!r}: int8 quantized layers run inference only (no backward); train the float "
@@ -369,7 +378,7 @@ class _Quantized(Layer):
         fn = self._quantize_fn
         if not fn:
             return quantize_per_tensor(x, self.input_scale[0], self.input_zero_point[0])
-        out = np.empty(x.shape, np.uint8)
+        out = _allocator(self.backend)(x.shape, np.uint8)
         fn(x.reshape(-1), float(self.input_scale[0]), int(self.input_zero_point[0]), out.reshape(-1),
            get_num_threads())
         return out
@@ -504,12 +513,36 @@ class QuantizedConv2d(_Quantized):
         wchunks = None if chunks is None else [self.backend.asarray(np.ascontiguousarray(wf[:, a:b]))
                                                for a, b in chunks]
         bias_f = None if chunks is None else self._bias_in_float(chunks, self.weight.reshape(self.out_channels, -1))
+        self._requant, self._zx = self.scale, int(self.input_zero_point[0])
+        self._alloc = _allocator(self.backend)
         self._prepared = (native, chunks, wchunks, bias_f)
         return self._prepared
 
+    def _native_forward(self, xq, out_shape, next_q=None):
+        """The native kernel on uint8 ``xq``: a float32 output of ``out_shape``, or with ``next_q`` (a quantized
+        layer this output feeds) that layer's uint8 input, quantized by the kernel as it stores (same bits)."""
+        kind, fn, packed, row_sums = self._prepared[0]
+        args = self._native_args
+        if args is None:
+            top, _, left, _ = self._pads()
+            self._native_args = args = (
+                (packed, row_sums, self.out_channels, self.kernel_size[0], self.stride[0], top) if kind == "conv"
+                else (packed, self.stride[0], self.stride[1], top, left))
+        if next_q is None:
+            y = self._alloc(out_shape, np.float32)
+            fn(xq, self._zx, *args, self._requant, self.bias, y, self.relu, get_num_threads())
+            return y
+        yq = self._alloc(out_shape, np.uint8)
+        fn(xq, self._zx, *args, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
+           float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
+        return yq
+
     def forward(self, x):
         x = self._host_input(x)
-        out_shape = self.output_shape(shape_of(x))
+        shape, memo = shape_of(x), self._shape_memo
+        if memo is None or memo[0] != shape:  # the geometry is fixed: checked once per input shape
+            self._shape_memo = memo = (shape, self.output_shape(shape))
+        out_shape = memo[1]
         native, chunks, wchunks, bias_f = self._prepare()
         zx = int(self.input_zero_point[0])
         if bias_f is not None and native is None:
@@ -519,16 +552,7 @@ class QuantizedConv2d(_Quantized):
             return self._scaled(y)
         xq = self.quantize_input(x)
         if native is not None:
-            kind, fn, packed, row_sums = native
-            y = np.empty(out_shape, np.float32)
-            top, _, left, _ = self._pads()
-            if kind == "conv":
-                fn(xq, zx, packed, row_sums, self.out_channels, self.kernel_size[0], self.stride[0], top,
-                   self.scale, self.bias, y, self.relu, get_num_threads())
-            else:
-                fn(xq, zx, packed, self.stride[0], self.stride[1], top, left, self.scale, self.bias, y, self.relu,
-                   get_num_threads())
-            return self._output(None, y)
+            return self._output(None, self._native_forward(xq, out_shape))
         if chunks is None:  # a grouped convolution whose per-group sums float32 cannot hold exactly
             acc = conv2d_int8_reference(xq, zx, self.weight, self.stride, self.padding, self.dilation, self.groups)
             return self._output(acc)
@@ -586,8 +610,22 @@ class QuantizedLinear(_Quantized):
             chunks = self._chunks(self.weight, 1)
             wf = self.weight.astype(np.float32)
             wchunks = [self.backend.asarray(np.ascontiguousarray(wf[:, a:b])) for a, b in chunks]
+            self._requant, self._zx = self.scale, int(self.input_zero_point[0])
+            self._alloc = _allocator(self.backend)
             self._prepared = (native, chunks, wchunks, self._bias_in_float(chunks, self.weight))
         return self._prepared
+
+    def _native_forward(self, xq, out_shape, next_q=None):
+        """As :meth:`QuantizedConv2d._native_forward`; ``xq`` is (N, in_features) uint8."""
+        fn, packed, row_sums = self._prepared[0]
+        if next_q is None:
+            y = self._alloc(out_shape, np.float32)
+            fn(xq, self._zx, packed, row_sums, self._requant, self.bias, y, self.relu, get_num_threads())
+            return y
+        yq = self._alloc(out_shape, np.uint8)
+        fn(xq, self._zx, packed, row_sums, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
+           float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
+        return yq
 
     def forward(self, x):
         x = self._host_input(x)
@@ -599,10 +637,7 @@ class QuantizedLinear(_Quantized):
             return self._scaled(y)
         xq = self.quantize_input(x)
         if native is not None:
-            fn, packed, row_sums = native
-            y = np.empty((x.shape[0], self.out_features), np.float32)
-            fn(xq, zx, packed, row_sums, self.scale, self.bias, y, self.relu, get_num_threads())
-            return self._output(None, y)
+            return self._output(None, self._native_forward(xq, (x.shape[0], self.out_features)))
         xi = xq.astype(np.float32) - np.float32(zx)
         acc = None
         for (a, b), wc in zip(chunks, wchunks):
@@ -611,6 +646,72 @@ class QuantizedLinear(_Quantized):
             y = np.asarray(self.backend.to_numpy(y)).astype(np.int64)
             acc = y if acc is None else acc + y
         return self._output(acc)
+
+
+class _Int8Chain(_Fused):
+    """A run of quantized layers each feeding the next (through Identity, eval-mode Dropout or Flatten) as one
+    step of a :class:`parconv.Sequential`'s plan: each native kernel stores its output already quantized with the
+    next layer's input scale and zero point (the same ``quantize_per_tensor`` of the same float32 values, so the
+    same bits as running the layers one by one), skipping a float32 write and a quantize pass per link."""
+
+    def __init__(self, start, layers):
+        super().__init__(start, layers)
+        self._memo = None  # (input shape, each link's output shape)
+        # (layer, the quantized layer it feeds or None, flatten its output first?) per quantized layer
+        quantized = [k for k, layer in enumerate(layers) if isinstance(layer, _Quantized)]
+        self.links = []
+        for a, b in zip(quantized, quantized[1:] + [None]):
+            nxt = layers[b] if b is not None else None
+            flat = any(type(layers[k]) is Flatten for k in range(a + 1, b if b is not None else len(layers)))
+            self.links.append((layers[a], nxt, flat))
+
+    def forward(self, x):
+        first = self.links[0][0]
+        x = first._host_input(x)
+        memo = self._memo
+        if memo is None or memo[0] != x.shape:
+            self._check_input(x)  # the layers' own checks, once per input shape
+            shapes, shape = [], x.shape
+            for layer, _, flat in self.links:  # each kernel's output shape for this input shape
+                shape = tuple(layer.output_shape(shape))
+                shapes.append(shape)
+                if flat:
+                    shape = (shape[0], math.prod(shape[1:]))
+            self._memo = memo = (x.shape, shapes)  # one assignment: another thread sees the old or the new
+        xq = first.quantize_input(x)
+        for (layer, nxt, flat), shape in zip(self.links, memo[1]):
+            xq = layer._native_forward(xq, shape, nxt)
+            if flat:
+                xq = xq.reshape(shape[0], -1)
+        return first._output(None, xq)
+
+    def backward(self, dy, need_dx: bool = True):
+        return self.links[0][0].backward(dy, need_dx)
+
+
+def _chains(layer) -> bool:
+    """Whether a quantized layer runs a native kernel that can take and emit uint8 (a chain member)."""
+    if not isinstance(layer, _Quantized) or layer.training or layer.backend.name != "openmp":
+        return False
+    return layer._prepare()[0] is not None
+
+
+def chain_plan(layers, i: int):
+    """``(step, stop)`` when ``layers[i]`` starts a run of two or more chainable quantized layers, else None."""
+    if not _chains(layers[i]):
+        return None
+    last, j, n = i, i + 1, len(layers)
+    while j < n:
+        layer = layers[j]
+        if type(layer) is Identity or type(layer) is Flatten or (type(layer) is Dropout and not layer.training):
+            j += 1
+        elif _chains(layer):
+            last, j = j, j + 1
+        else:
+            break
+    if last == i:
+        return None
+    return _Int8Chain(i, layers[i:last + 1]), last + 1
 
 
 class QuantDequant(Layer):

@@ -222,6 +222,23 @@ def test_depthwise_forward_is_exact(case):
         np.testing.assert_array_equal(y, ref, err_msg=f"{nt} threads, {case}")
 
 
+@pytest.mark.parametrize("H,W,sh,sw,K", [(5, 70, 1, 1, 3), (4, 67, 2, 2, 3), (3, 33, 1, 2, 5), (6, 64, 2, 1, 3),
+                                         (2, 31, 1, 2, 1)])
+def test_depthwise_wide_rows_every_vector_tail(H, W, sh, sw, K):
+    # rows longer than one vector (32 pixels at stride 1, 16 at stride 2) and their masked tails
+    rng = np.random.default_rng(W)
+    xq = rng.integers(0, 256, (2, 3, H, W), dtype=np.uint8)
+    wq = rng.integers(-127, 128, (3, 1, K, K), dtype=np.int8)
+    scale, bias = _epilogue_args(rng, 3, "small")
+    ref = depthwise_model(xq, 77, wq, sh, sw, K // 2, K // 2, bias, scale, True)
+    for nt in (1, 2):
+        y, yq = np.full(ref.shape, np.nan, np.float32), np.empty(ref.shape, np.uint8)
+        _int8.depthwise_forward(xq, 77, wq, sh, sw, K // 2, K // 2, scale, bias, y, True, nt, yq=yq, yq_scale=0.37,
+                                yq_zero_point=9)
+        np.testing.assert_array_equal(y, ref)
+        np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(0.37), 9))
+
+
 @st.composite
 def linear_cases(draw):
     return dict(N=draw(st.sampled_from([1, 2, 3, 4, 5, 9, 17])), F=draw(st.sampled_from([1, 3, 4, 7, 64, 130, 784])),
@@ -249,6 +266,124 @@ def test_linear_forward_is_exact_on_every_path_and_thread_count(case):
             finally:
                 _int8._use_path(old)
             np.testing.assert_array_equal(y, ref, err_msg=f"path {path}, {nt} threads, {case}")
+
+
+# ----------------------------------------------- outputs requantized for the next layer (yq)
+
+@st.composite
+def yq_cases(draw):
+    # N from 1 (runs of one image split over threads) to 20 (a whole image per job); with y kept or not
+    return dict(N=draw(st.sampled_from([1, 2, 3, 9, 20])), C=draw(st.sampled_from([1, 3, 8, 17])),
+                O=draw(st.sampled_from([1, 8, 17, 64])), HW=draw(st.integers(1, 12)), K=draw(st.sampled_from([1, 3])),
+                S=draw(st.sampled_from([1, 2])), z=draw(ZPS), zq=draw(ZPS), relu=draw(st.booleans()),
+                keep_y=draw(st.booleans()), sq=draw(st.sampled_from([1e-3, 0.02, 0.7, 3.0])),
+                bias=draw(st.sampled_from(["none", "small", "huge"])), seed=draw(st.integers(0, 2 ** 31)))
+
+
+def _yq_outputs(case, shape):
+    y = np.full(shape, np.nan, np.float32) if case["keep_y"] else None
+    return y, np.full(shape, 7, np.uint8)
+
+
+def _check_yq(y, yq, ref, case, msg):
+    np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(case["sq"]), case["zq"]), err_msg=msg)
+    if y is not None:
+        np.testing.assert_array_equal(y, ref, err_msg=msg)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=yq_cases())
+def test_conv2d_forward_requantizes_for_the_next_layer_exactly(case):
+    rng = np.random.default_rng(case["seed"])
+    N, C, O, HW, K, S = (case[k] for k in ("N", "C", "O", "HW", "K", "S"))
+    pad = K // 2
+    xq = _uint8(rng, (N, C, HW, HW), False)
+    wq = _int8w(rng, (O, C, K, K), False)
+    scale, bias = _epilogue_args(rng, O, case["bias"])
+    packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+    ref = conv_model(xq, case["z"], wq, bias, scale, S, pad, case["relu"])
+    for path in PATHS:
+        for nt in (1, 2):
+            y, yq = _yq_outputs(case, ref.shape)
+            old = _int8._use_path(path)
+            try:
+                _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, K, S, pad, scale, bias, y, case["relu"], nt,
+                                     yq=yq, yq_scale=case["sq"], yq_zero_point=case["zq"])
+            finally:
+                _int8._use_path(old)
+            _check_yq(y, yq, ref, case, f"path {path}, {nt} threads, {case}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=yq_cases())
+def test_depthwise_forward_requantizes_for_the_next_layer_exactly(case):
+    rng = np.random.default_rng(case["seed"])
+    N, C, HW, K, S = (case[k] for k in ("N", "C", "HW", "K", "S"))
+    xq = _uint8(rng, (N, C, HW, HW), False)
+    wq = _int8w(rng, (C, 1, K, K), False)
+    scale, bias = _epilogue_args(rng, C, case["bias"])
+    ref = depthwise_model(xq, case["z"], wq, S, S, K // 2, K // 2, bias, scale, case["relu"])
+    for nt in (1, 2):
+        y, yq = _yq_outputs(case, ref.shape)
+        _int8.depthwise_forward(xq, case["z"], wq, S, S, K // 2, K // 2, scale, bias, y, case["relu"], nt, yq=yq,
+                                yq_scale=case["sq"], yq_zero_point=case["zq"])
+        _check_yq(y, yq, ref, case, f"{nt} threads, {case}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=yq_cases())
+def test_linear_forward_requantizes_for_the_next_layer_exactly(case):
+    rng = np.random.default_rng(case["seed"])
+    N, F, G = case["N"], case["C"] * case["HW"], case["O"]
+    xq = _uint8(rng, (N, F), False)
+    wq = _int8w(rng, (G, F), False)
+    scale, bias = _epilogue_args(rng, G, case["bias"])
+    packed, row_sums = _int8.pack_weights(wq)
+    ref = linear_model(xq, case["z"], wq, bias, scale, case["relu"])
+    for path in PATHS:
+        for nt in (1, 2):
+            y, yq = _yq_outputs(case, ref.shape)
+            old = _int8._use_path(path)
+            try:
+                _int8.linear_forward(xq, case["z"], packed, row_sums, scale, bias, y, case["relu"], nt, yq=yq,
+                                     yq_scale=case["sq"], yq_zero_point=case["zq"])
+            finally:
+                _int8._use_path(old)
+            _check_yq(y, yq, ref, case, f"path {path}, {nt} threads, {case}")
+
+
+def test_requantized_outputs_validate():
+    args = _conv_args()
+    yq = np.empty((2, 6, 5, 5), np.uint8)
+    for change, error, match in [
+        (dict(y=None), TypeError, "y must be a numpy.ndarray"),
+        (dict(yq=np.empty((2, 6, 5, 5), np.float32)), TypeError, "yq must have dtype uint8"),
+        (dict(yq=np.empty((2, 6, 4, 5), np.uint8)), ValueError, r"yq must have shape \(2, 6, 5, 5\)"),
+        (dict(yq=yq, yq_scale=0.0), ValueError, "yq_scale must be a finite float32 > 0"),
+        (dict(yq=yq, yq_scale=float("nan")), ValueError, "yq_scale must be a finite float32 > 0"),
+        (dict(yq=yq, yq_scale="1"), TypeError, "yq_scale must be a float"),
+        (dict(yq=yq, yq_zero_point=256), ValueError, "yq_zero_point must be in 0..255"),
+        (dict(yq=yq, yq_zero_point=1.0), TypeError, "yq_zero_point must be an int"),
+    ]:
+        with pytest.raises(error, match=match):
+            _int8.conv2d_forward(**{**args, **change})
+    ro = np.empty((2, 6, 5, 5), np.uint8)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="yq is read-only"):
+        _int8.conv2d_forward(**{**args, "y": None, "yq": ro})
+    rng = np.random.default_rng(2)
+    packed, row_sums = _int8.pack_weights(rng.integers(-127, 128, (5, 12), dtype=np.int8))
+    xq = rng.integers(0, 256, (3, 12), dtype=np.uint8)
+    with pytest.raises(TypeError, match=r"y must be a float32 \(N, G\) array \(or None with a yq output\)"):
+        _int8.linear_forward(xq, 0, packed, row_sums, np.ones(5, np.float32), None, None, False, 1)
+    with pytest.raises(ValueError, match=r"yq must have shape \(3, 5\)"):
+        _int8.linear_forward(xq, 0, packed, row_sums, np.ones(5, np.float32), None, np.empty((3, 5), np.float32),
+                             False, 1, yq=np.empty((3, 4), np.uint8))
+    xd = rng.integers(0, 256, (1, 4, 6, 6), dtype=np.uint8)
+    wd = rng.integers(-127, 128, (4, 1, 3, 3), dtype=np.int8)
+    with pytest.raises(ValueError, match=r"yq must have shape \(1, 4, 6, 6\)"):
+        _int8.depthwise_forward(xd, 0, wd, 1, 1, 1, 1, np.ones(4, np.float32), None, None, False, 1,
+                                yq=np.empty((1, 4, 6, 5), np.uint8))
 
 
 def test_one_packed_buffer_serves_conv_and_linear_in_any_order():
@@ -477,6 +612,28 @@ def _child_code():
                         _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
                                                 scale[:C], bias[:C], yd, True, nt)
                         fails += [] if np.array_equal(yd, dw) else [("depthwise", N, C, K, S, nt)]
+                    # outputs quantized for a next layer (y kept or not)
+                    for keep in (True, False):
+                        yq = np.empty(ref.shape, np.uint8)
+                        y = np.empty_like(ref) if keep else None
+                        _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt, yq=yq,
+                                             yq_scale=0.013, yq_zero_point=z // 2)
+                        ok = np.array_equal(yq, quantize_model(ref, np.float32(0.013), z // 2))
+                        fails += [] if ok and (y is None or np.array_equal(y, ref)) else [("conv yq", N, C, O, nt)]
+                        yq = np.empty(lin.shape, np.uint8)
+                        _int8.linear_forward(xq.reshape(N, -1), z, pl, rl, scale, bias, None, False, nt, yq=yq,
+                                             yq_scale=0.7, yq_zero_point=3)
+                        fails += [] if np.array_equal(yq, quantize_model(lin, np.float32(0.7), 3)) else \
+                            [("linear yq", N, C, O, nt)]
+                        if O >= C:
+                            yq = np.empty(dw.shape, np.uint8)
+                            yd = np.empty_like(dw) if keep else None
+                            _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
+                                                    scale[:C], bias[:C], yd, True, nt, yq=yq, yq_scale=0.013,
+                                                    yq_zero_point=z // 2)
+                            ok = np.array_equal(yq, quantize_model(dw, np.float32(0.013), z // 2))
+                            fails += [] if ok and (yd is None or np.array_equal(yd, dw)) else \
+                                [("depthwise yq", N, C, K, S, nt)]
         x = np.concatenate([(np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(0.05),
                             np.array([np.nan, np.inf, -np.inf, 1e30], np.float32),
                             rng.standard_normal(5000).astype(np.float32) * 9])

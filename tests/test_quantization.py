@@ -216,23 +216,34 @@ class _FakeInt8:
         assert wq.dtype == np.int8 and wq.ndim == 2 and wq.flags.c_contiguous
         return wq[:, ::-1].copy(), wq.astype(np.int32).sum(axis=1).astype(np.int32)
 
-    def conv2d_forward(self, xq, zx, packed, row_sums, O, K, stride, padding, scale, bias_q, y, relu, num_threads):
-        self.calls.append("conv2d_forward")
+    def _store(self, name, acc, bias_q, scale, relu, y, yq, yq_scale, yq_zero_point):
+        out = Q.requantize(acc, bias_q, scale, relu)
+        assert y is not None or yq is not None
+        if y is not None:
+            y[...] = out
+        if yq is not None:  # the next layer's input, quantized as it stores
+            assert yq.dtype == np.uint8 and yq.shape == out.shape and isinstance(yq_scale, float)
+            yq[...] = Q.quantize_per_tensor(out, yq_scale, yq_zero_point)
+            name += "+yq"
+        self.calls.append(name)
+
+    def conv2d_forward(self, xq, zx, packed, row_sums, O, K, stride, padding, scale, bias_q, y, relu, num_threads,
+                       yq=None, yq_scale=1.0, yq_zero_point=0):
         c = xq.shape[1]
         wq = np.asarray(packed)[:, ::-1].reshape(O, c, K, K)
         assert np.array_equal(row_sums, wq.reshape(O, -1).sum(1))
         acc = Q.conv2d_int8_reference(xq, zx, wq, stride, padding)
-        y[...] = Q.requantize(acc, bias_q, scale, relu)
+        self._store("conv2d_forward", acc, bias_q, scale, relu, y, yq, yq_scale, yq_zero_point)
 
-    def depthwise_forward(self, xq, zx, wq, sh, sw, ph, pw, scale, bias_q, y, relu, num_threads):
-        self.calls.append("depthwise_forward")
+    def depthwise_forward(self, xq, zx, wq, sh, sw, ph, pw, scale, bias_q, y, relu, num_threads, yq=None,
+                          yq_scale=1.0, yq_zero_point=0):
         acc = Q.conv2d_int8_reference(xq, zx, wq, (sh, sw), (ph, pw), 1, xq.shape[1])
-        y[...] = Q.requantize(acc, bias_q, scale, relu)
+        self._store("depthwise_forward", acc, bias_q, scale, relu, y, yq, yq_scale, yq_zero_point)
 
-    def linear_forward(self, xq, zx, packed, row_sums, scale, bias_q, y, relu, num_threads):
-        self.calls.append("linear_forward")
+    def linear_forward(self, xq, zx, packed, row_sums, scale, bias_q, y, relu, num_threads, yq=None, yq_scale=1.0,
+                       yq_zero_point=0):
         acc = Q.linear_int8_reference(xq, zx, np.asarray(packed)[:, ::-1])
-        y[...] = Q.requantize(acc, bias_q, scale, relu)
+        self._store("linear_forward", acc, bias_q, scale, relu, y, yq, yq_scale, yq_zero_point)
 
 
 @pytest.mark.skipif("openmp" not in BACKENDS, reason="the native int8 kernels belong to the openmp backend")
@@ -249,7 +260,78 @@ def test_native_kernels_are_called_as_the_contract_says(monkeypatch):
     qmodel.to("openmp")  # drops what each layer prepared for the kernels it found
     monkeypatch.setattr(Q, "_int8_module", lambda: fake)
     np.testing.assert_array_equal(qmodel.predict(x), emulated)
-    assert {"quantize", "conv2d_forward", "depthwise_forward", "linear_forward"} <= set(fake.calls)
+    # mobilenet's layers feed each other: each kernel but the last stores the next one's uint8 input
+    assert {"quantize", "conv2d_forward+yq", "depthwise_forward+yq", "conv2d_forward"} <= set(fake.calls)
+    assert fake.calls.count("quantize") == 2  # the first layer's input and the head's (after the pooling)
+    fake.calls.clear()
+    for m in qmodel.modules():  # unfused: every layer quantizes its own input and stores float32
+        if hasattr(m, "fuse"):
+            m.fuse = False
+    np.testing.assert_array_equal(qmodel.predict(x), emulated)
+    assert not any(c.endswith("+yq") for c in fake.calls) and "linear_forward" in fake.calls
+
+
+def _chain_steps(model) -> int:
+    return sum(isinstance(s.step, Q._Int8Chain) for m in model.modules() if hasattr(m, "plan") for s in m.plan())
+
+
+@pytest.mark.skipif("openmp" not in BACKENDS or Q.int8_path() == "float32 emulation",
+                    reason="chains run the native int8 kernels of the openmp backend")
+@pytest.mark.parametrize("batch", [1, 3, 20])
+def test_chained_int8_layers_are_bit_identical_to_the_numpy_model(batch):
+    # conv -> depthwise -> 1x1 conv -> Dropout -> Flatten -> linear -> linear, and a residual block whose body is a
+    # chain: each native kernel stores the next layer's uint8 input instead of float32 (same bits)
+    rng = np.random.default_rng(5)
+    body = pc.Sequential(pc.Conv2d(8, 8, 3, padding=1, rng=3), pc.ReLU(), pc.Conv2d(8, 8, 3, padding=1, rng=4))
+    model = pc.Sequential(
+        pc.Conv2d(3, 8, 3, padding=1, rng=0), pc.BatchNorm2d(8), pc.ReLU(),
+        pc.Conv2d(8, 8, 3, stride=2, padding=1, groups=8, rng=1), pc.ReLU(),
+        pc.Conv2d(8, 8, 1, rng=2), pc.ReLU(), pc.Residual(body), pc.ReLU(),
+        pc.Conv2d(8, 6, 1, rng=5), pc.Dropout(0.5), pc.Flatten(), pc.Linear(6 * 5 * 5, 12, rng=6), pc.ReLU(),
+        pc.Linear(12, 4, rng=7), backend="numpy")
+    _trained_bn(model[1], rng)
+    model.eval()
+    x = rand(rng, batch, 3, 10, 10)
+    qmodel = Q.quantize(model, rand(rng, 16, 3, 10, 10))
+    want = qmodel.predict(x)
+    assert _chain_steps(qmodel) == 0  # the NumPy model runs layer by layer
+    qmodel.to("openmp")
+    np.testing.assert_array_equal(qmodel.predict(x), want)
+    assert _chain_steps(qmodel) == 3  # stem -> depthwise -> 1x1, the block's body, 1x1 -> linear -> linear
+    chain = qmodel.plan()[0].step
+    assert [type(m).__name__ for m in chain.layers if isinstance(m, Q._Quantized)] == ["QuantizedConv2d"] * 3
+    for m in qmodel.modules():
+        if hasattr(m, "fuse"):
+            m.fuse = False
+    np.testing.assert_array_equal(qmodel.predict(x), want)
+    assert _chain_steps(qmodel) == 0
+    with pytest.raises(RuntimeError, match="inference only"):
+        chain.backward(np.zeros((batch, 8, 5, 5), np.float32))
+
+
+@pytest.mark.skipif("openmp" not in BACKENDS, reason="the openmp backend's buffer pool")
+def test_recycled_outputs_never_overwrite_a_result_still_held():
+    # the int8 layers' outputs and the uint8 activations between chained layers come from the backend's buffer
+    # pool (512 KiB here: pooled); a result the caller still holds must survive the next call
+    rng = np.random.default_rng(8)
+    model = pc.Sequential(pc.Conv2d(3, 16, 3, padding=1, rng=0), pc.ReLU(), pc.Conv2d(16, 16, 3, padding=1, rng=1),
+                          backend="numpy").eval()
+    x1, x2 = rand(rng, 8, 3, 32, 32), rand(rng, 8, 3, 32, 32)
+    qmodel = Q.quantize(model, x1)
+    want1, want2 = qmodel.predict(x1), qmodel.predict(x2)
+    qmodel.to("openmp")
+    with pc.no_grad():
+        y1 = qmodel(x1)
+        y2 = qmodel(x2)
+        y3 = qmodel(x1)
+    np.testing.assert_array_equal(pc.to_numpy(y1), want1)
+    np.testing.assert_array_equal(pc.to_numpy(y2), want2)
+    np.testing.assert_array_equal(pc.to_numpy(y3), want1)
+    qmodel.fuse = False  # layer by layer
+    with pc.no_grad():
+        z1, z2 = qmodel(x1), qmodel(x2)
+    np.testing.assert_array_equal(pc.to_numpy(z1), want1)
+    np.testing.assert_array_equal(pc.to_numpy(z2), want2)
 
 
 # ----------------------------------------------------------------------------- BatchNorm folding

@@ -21,6 +21,7 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
+from libc.math cimport isfinite
 from .pc_helpers cimport pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD
 
 cdef extern from "pc_int8.h":
@@ -34,7 +35,8 @@ cdef extern from "pc_int8.h":
     void pci8_conv_tiles(int path, const uint8_t *grid, const int *off, int Kg, const int8_t *w8,
                          const int16_t *w16, int O, int P, int Q, int Wg, Py_ssize_t s0, Py_ssize_t s1,
                          const int32_t *zb32, const int64_t *zb64, int wide, const float *scale, int relu,
-                         float *y, int32_t *acc) noexcept nogil
+                         float *y, int32_t *acc, uint8_t *yq, float qs, int qz) noexcept nogil
+    int pci8_conv_tiles_quantize(int path, int wide) noexcept nogil
     void pci8_linear_block(int path, const uint8_t *x, Py_ssize_t ldx, Py_ssize_t r0, Py_ssize_t r1, int Kg,
                            const int8_t *w8, const int16_t *w16, int c0, int c1, int G, const int32_t *zb32,
                            const int64_t *zb64, int wide, const float *scale, int relu, float *y,
@@ -42,7 +44,20 @@ cdef extern from "pc_int8.h":
     Py_ssize_t pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P) noexcept nogil
     void pci8_dw_plane(const uint8_t *x, int H, int W, int z, const int8_t *w, int KH, int KW, int SH, int SW,
                        int PH, int PW, int P, int Q, int32_t zb32, int64_t zb64, int wide, float scale, int relu,
-                       void *scratch, float *y) noexcept nogil
+                       void *scratch, float *y, int keep_y, uint8_t *yq, float qs, int qz, const Py_ssize_t *off,
+                       const int32_t *wp, int npairs) noexcept nogil
+    int pci8_dw_pairs(const int8_t *w, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
+                      Py_ssize_t *off, int32_t *wp) noexcept nogil
+    int PCI8_DW_MAXPAIRS
+
+# the data pointer of an ndarray whose dtype, rank and contiguity were checked (or that was made here): a
+# typed memoryview costs a buffer acquisition and an object per array on every call
+cdef extern from *:
+    """
+    #include <numpy/arrayobject.h>
+    static inline void *pci8_data(PyObject *a) { return PyArray_DATA((PyArrayObject *)a); }
+    """
+    void *pci8_data(object a)
 
 _PATH_NAMES = {PCI8_VNNI: "avx512_vnni", PCI8_AVX2: "avx2", PCI8_PORTABLE: "portable"}
 cdef int _best = pci8_best_path()
@@ -145,6 +160,31 @@ cdef object _threads(object num_threads, str fn):
     return int(num_threads)
 
 
+cdef object _requant_args(object yq, str fn, tuple shape, object yq_scale, object yq_zero_point):
+    """Check the uint8 output of a kernel that requantizes its float32 result for the next layer."""
+    yq = _out(yq, fn, "yq", np.uint8, shape, "uint8 " + str(shape) + ": the next layer's input")
+    if isinstance(yq_scale, (bool, np.bool_)) or not isinstance(yq_scale, (float, int, np.floating, np.integer)):
+        raise TypeError(f"{fn}: yq_scale must be a float, got {type(yq_scale).__name__}")
+    cdef float s = <float>yq_scale
+    if not (isfinite(s) and s > 0.0):
+        raise ValueError(f"{fn}: yq_scale must be a finite float32 > 0, got {yq_scale!r}")
+    if isinstance(yq_zero_point, (bool, np.bool_)) or not isinstance(yq_zero_point, (int, np.integer)):
+        raise TypeError(f"{fn}: yq_zero_point must be an int in 0..255, got {type(yq_zero_point).__name__}")
+    if not 0 <= yq_zero_point <= 255:
+        raise ValueError(f"{fn}: yq_zero_point must be in 0..255 (uint8 activations), got {yq_zero_point}")
+    return yq
+
+
+cdef void _quantize_team(const float *x, Py_ssize_t n, float s, int z, uint8_t *out, int nt) noexcept nogil:
+    """pci8_quantize over n values in blocks, on as many threads as pay."""
+    cdef Py_ssize_t block = 1 << 16
+    cdef Py_ssize_t nb = (n + block - 1) // block, b, lo, hi
+    for b in prange(nb, schedule="dynamic", num_threads=pc_team(nb, pc_threads_for(n, nb, nt))):
+        lo = b * block
+        hi = lo + block if lo + block < n else n
+        pci8_quantize(x + lo, hi - lo, s, z, out + lo)
+
+
 cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sums, int z, Py_ssize_t kdim):
     """(scale, zb32, zb64, wide): zb = bias_q - z * row_sums; wide where a sum may leave int32."""
     scale = _shaped(scale, fn, "scale", np.float32, (O,), "float32 (O,): s_x * s_w[o]")
@@ -152,20 +192,20 @@ cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sum
         bias_q = _shaped(bias_q, fn, "bias_q", np.int32, (O,), "int32 (O,) or None")
     zb = np.empty(O, dtype=np.int64)
     zb32 = np.empty(O, dtype=np.int32)
-    cdef int64_t[::1] z64 = zb
-    cdef int32_t[::1] z32 = zb32
-    cdef const int32_t[::1] bv
-    cdef const int32_t[::1] rv
+    cdef int64_t *z64 = <int64_t *>pci8_data(zb)
+    cdef int32_t *z32 = <int32_t *>pci8_data(zb32)
+    cdef const int32_t *bv
+    cdef const int32_t *rv
     cdef int o
     cdef int64_t v, most = 0
     for o in range(O):
         z64[o] = 0
     if bias_q is not None:
-        bv = bias_q
+        bv = <const int32_t *>pci8_data(bias_q)
         for o in range(O):
             z64[o] = bv[o]
     if row_sums is not None:
-        rv = row_sums
+        rv = <const int32_t *>pci8_data(row_sums)
         for o in range(O):
             z64[o] -= <int64_t>z * rv[o]
     for o in range(O):
@@ -183,7 +223,7 @@ cdef object _packed(object packed, object row_sums, str fn, int O, Py_ssize_t kd
     packed = _array(packed, fn, "packed", np.uint8, 1, "the buffer pack_weights returned")
     if packed.shape[0] < HEADER:
         raise ValueError(f"{fn}: packed is not a pack_weights buffer ({packed.shape[0]} bytes)")
-    hdr = packed[:HEADER].view(np.int32)
+    cdef const int32_t *hdr = <const int32_t *>pci8_data(packed)
     if hdr[H_MAGIC] != MAGIC:
         raise ValueError(f"{fn}: packed is not a pack_weights buffer (bad header); pass the first value "
                          f"pack_weights(wq) returned")
@@ -208,11 +248,11 @@ cdef Py_ssize_t _packed_size(Py_ssize_t O, Py_ssize_t kdim, Py_ssize_t O64, Py_s
 
 cdef int _layout(object packed, int K) except -1:
     """Lay the panels out for kernel size K if they are not already (under the GIL, once per K)."""
-    cdef int32_t[::1] hdr = packed[:HEADER].view(np.int32)
+    cdef uint8_t *buf = <uint8_t *>pci8_data(packed)
+    cdef int32_t *hdr = <int32_t *>buf
     if hdr[H_K] == K:
         return hdr[H_KG]
     cdef int O = hdr[H_O], kdim = hdr[H_KDIM], O64 = hdr[H_O64]
-    cdef uint8_t[::1] buf = packed
     cdef Py_ssize_t raw_bytes = (<Py_ssize_t>O * kdim + 63) // 64 * 64
     cdef Py_ssize_t p8 = HEADER + raw_bytes
     cdef int kg = pci8_groups(kdim, K)
@@ -245,23 +285,16 @@ def quantize(x,            # IN  float32 (n,)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (float, int, np.floating, np.integer)):
         raise TypeError(f"{fn}: scale must be a float, got {type(scale).__name__}")
     cdef float s = <float>scale
-    if not (np.isfinite(s) and s > 0.0):
+    if not (isfinite(s) and s > 0.0):
         raise ValueError(f"{fn}: scale must be a finite float32 > 0, got {scale!r}")
     cdef int z = _zero_point(zero_point, fn)
     cdef Py_ssize_t n = x.shape[0]
     if n == 0:
         return
-    cdef const float[::1] xv = x
-    cdef uint8_t[::1] ov = out
-    cdef const float *xp = &xv[0]
-    cdef uint8_t *op = &ov[0]
-    cdef Py_ssize_t block = 1 << 16
-    cdef Py_ssize_t nb = (n + block - 1) // block, b, lo, hi
+    cdef const float *xp = <const float *>pci8_data(x)
+    cdef uint8_t *op = <uint8_t *>pci8_data(out)
     with nogil:
-        for b in prange(nb, schedule="dynamic", num_threads=pc_team(nb, pc_threads_for(n, nb, nt))):
-            lo = b * block
-            hi = lo + block if lo + block < n else n
-            pci8_quantize(xp + lo, hi - lo, s, z, op + lo)
+        _quantize_team(xp, n, s, z, op, nt)
 
 
 # ---------------------------------------------------------------------- packing
@@ -325,12 +358,17 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                    O, K, stride, padding,
                    scale,         # IN  float32 (O,)
                    bias_q,        # IN  int32 (O,) or None
-                   y,             # OUT float32 (N, O, P, Q), overwritten
+                   y,             # OUT float32 (N, O, P, Q), overwritten; or None with yq
                    relu,
-                   num_threads):
+                   num_threads,
+                   yq=None,       # OUT uint8 (N, O, P, Q) or None: y quantized for the next layer
+                   yq_scale=1.0, yq_zero_point=0):
     """Quantized 2-D convolution (groups 1, square K, dilation 1); see the module docstring.
 
-    P = (H + 2 padding - K) // stride + 1, likewise Q; y is overwritten.
+    P = (H + 2 padding - K) // stride + 1, likewise Q; y is overwritten. With ``yq``, the
+    float32 result is also quantized into it as :func:`quantize` would (``yq_scale``,
+    ``yq_zero_point``: the next layer's input parameters) while it is still in cache; ``y`` may
+    then be None (the float32 result is not kept).
     """
     fn = "conv2d_forward"
     xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
@@ -346,12 +384,16 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef Py_ssize_t kdim = <Py_ssize_t>C * K_ * K_
     packed = _packed(packed, row_sums, fn, O_, kdim, f"C*K*K = {C}*{K_}*{K_}")
     cdef int P = (H + 2 * pad - K_) // S + 1, Q = (W + 2 * pad - K_) // S + 1
-    y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
+    if y is not None or yq is None:
+        y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
+    if yq is not None:
+        yq = _requant_args(yq, fn, (N, O_, P, Q), yq_scale, yq_zero_point)
     scale, zb32, zb64, wide = _epilogue(fn, O_, scale, bias_q, row_sums, z, kdim)
     if N == 0:
         return
     cdef int kg = _layout(packed, K_)
-    cdef int O64 = packed[:HEADER].view(np.int32)[H_O64], kg_cap = packed[:HEADER].view(np.int32)[H_KG_CAP]
+    cdef const int32_t *hdr = <const int32_t *>pci8_data(packed)
+    cdef int O64 = hdr[H_O64], kg_cap = hdr[H_KG_CAP]
 
     # the grid (pc_int8.h): padded, stride phases (only those a tap reads), channels in fours
     cdef int nph = S if S < K_ else K_
@@ -373,7 +415,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     if per_img > 1:
         grid[<Py_ssize_t>N * img * 4:] = z
     off = np.empty(kg, dtype=np.intc)
-    cdef int[::1] offv = off
+    cdef int *offv = <int *>pci8_data(off)
     cdef int cg, kh, kw, g = 0
     for cg in range(CG):
         for kh in range(K_):
@@ -381,22 +423,32 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                 offv[g] = cg * plane + ((kh % S) * nph + kw % S) * Hg * Wg + (kh // S) * Wg + kw // S
                 g += 1
 
-    cdef const uint8_t[:, :, :, ::1] xv = xq
-    cdef uint8_t[::1] gv = grid
-    cdef uint8_t[::1] pv = packed
-    cdef const float[::1] sv = scale
-    cdef int32_t[::1] z32 = zb32
-    cdef int64_t[::1] z64 = zb64
-    cdef float[:, :, :, ::1] yv = y
-    cdef const uint8_t *xp = &xv[0, 0, 0, 0]
-    cdef uint8_t *gp = &gv[0]
+    cdef uint8_t *pv = <uint8_t *>pci8_data(packed)
+    cdef const float *sv = <const float *>pci8_data(scale)
+    cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
+    cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
+    # the tiles quantize for the next layer as they store (VNNI), or float32 results are quantized after them
+    cdef int direct = yq is not None and pci8_conv_tiles_quantize(_path, 1 if wide else 0)
+    if y is None and per_img > 1 and not direct:
+        y = np.empty((N, O_, P, Q), dtype=np.float32)  # whole-batch runs: quantized after the last run
+    cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
+    cdef uint8_t *yqp = NULL
+    cdef float qs = 1.0
+    cdef int qz = 0
+    if yq is not None:
+        yqp = <uint8_t *>pci8_data(yq)
+        qs = <float>yq_scale
+        qz = <int>yq_zero_point
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
+    cdef uint8_t *gp = <uint8_t *>pci8_data(grid)
     cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>O_ * kdim + 63) // 64 * 64
     cdef const int8_t *w8 = <const int8_t *>&pv[p8]
     cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
-    cdef float *yp = &yv[0, 0, 0, 0]
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     cdef Py_ssize_t i, n, jobs
+    cdef float *ybuf = NULL
+    cdef float *dst = NULL
 
     cdef Py_ssize_t run = (tiles + per_img - 1) // per_img * PCI8_TILE
     jobs = <Py_ssize_t>N * per_img
@@ -412,19 +464,25 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
         with nogil, parallel(num_threads=team):
             acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
             own = <uint8_t *>malloc(img * 4 + slack)
+            # without y, one image's float32 result lives in this thread's buffer until it is quantized
+            ybuf = <float *>malloc(sizeof(float) * O_ * PQ + 64) if yp == NULL and not direct else NULL
             if own != NULL:
                 memset(own + img * 4, z, slack)
             for n in prange(N, schedule="dynamic"):
-                if acc == NULL or own == NULL:
+                if acc == NULL or own == NULL or (yp == NULL and ybuf == NULL and not direct):
                     failed[0] = 1
                     continue
                 for cg in range(CG):
                     pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, cg, <uint8_t>z,
                                     own + cg * plane * 4)
-                pci8_conv_tiles(path_, own, &offv[0], kg, w8, w16, O_, P, Q, Wg, 0, run, &z32[0], &z64[0], wide_,
-                                &sv[0], relu_, yp + n * O_ * PQ, acc)
+                dst = yp + n * O_ * PQ if yp != NULL else ybuf
+                pci8_conv_tiles(path_, own, offv, kg, w8, w16, O_, P, Q, Wg, 0, run, z32, z64, wide_, sv, relu_, dst,
+                                acc, yqp + n * O_ * PQ if direct else NULL, qs, qz)
+                if yqp != NULL and not direct:
+                    pci8_quantize(dst, O_ * PQ, qs, qz, yqp + n * O_ * PQ)
             free(acc)
             free(own)
+            free(ybuf)
     else:
         # few images split into runs: their grids first (one thread below ~1 MB of grid: waking the
         # team costs more), then the runs
@@ -444,9 +502,13 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                     continue
                 n = i // per_img
                 r = i - n * per_img
-                pci8_conv_tiles(path_, gp + n * img * 4, &offv[0], kg, w8, w16, O_, P, Q, Wg, r * run,
-                                (r + 1) * run, &z32[0], &z64[0], wide_, &sv[0], relu_, yp + n * O_ * PQ, acc)
+                pci8_conv_tiles(path_, gp + n * img * 4, offv, kg, w8, w16, O_, P, Q, Wg, r * run,
+                                (r + 1) * run, z32, z64, wide_, sv, relu_, yp + n * O_ * PQ if yp != NULL else NULL,
+                                acc, yqp + n * O_ * PQ if direct else NULL, qs, qz)
             free(acc)
+        if yqp != NULL and not direct and not failed[0]:
+            with nogil:
+                _quantize_team(yp, <Py_ssize_t>N * O_ * PQ, qs, qz, yqp, nt)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
 
@@ -459,12 +521,16 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
                       sh, sw, ph, pw,
                       scale,         # IN  float32 (C,)
                       bias_q,        # IN  int32 (C,) or None
-                      y,             # OUT float32 (N, C, P, Q), overwritten
+                      y,             # OUT float32 (N, C, P, Q), overwritten; or None with yq
                       relu,
-                      num_threads):
+                      num_threads,
+                      yq=None,       # OUT uint8 (N, C, P, Q) or None: y quantized for the next layer
+                      yq_scale=1.0, yq_zero_point=0):
     """Quantized depthwise convolution (groups == C == O); see the module docstring.
 
-    P = (H + 2 ph - KH) // sh + 1, Q = (W + 2 pw - KW) // sw + 1; y is overwritten.
+    P = (H + 2 ph - KH) // sh + 1, Q = (W + 2 pw - KW) // sw + 1; y is overwritten. ``yq``,
+    ``yq_scale``, ``yq_zero_point`` as in :func:`conv2d_forward` (each plane quantized as it
+    is finished).
     """
     fn = "depthwise_forward"
     xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
@@ -482,42 +548,66 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         raise ValueError(f"{fn}: xq must have at least one channel, got shape {xq.shape}")
     if H + 2 * PH < KH or W + 2 * PW < KW:
         raise ValueError(f"{fn}: kernel ({KH}, {KW}) is larger than the padded input ({H + 2 * PH}, {W + 2 * PW})")
-    cdef const int8_t[:, :, :, ::1] wv = wq
-    cdef const int8_t *wp = &wv[0, 0, 0, 0]
+    cdef const int8_t *wp = <const int8_t *>pci8_data(wq)
     cdef Py_ssize_t k
     for k in range(<Py_ssize_t>C * KH * KW):
         if wp[k] == -128:
             raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
     cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
-    y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
+    if y is not None or yq is None:
+        y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
+    if yq is not None:
+        yq = _requant_args(yq, fn, (N, C, P, Q), yq_scale, yq_zero_point)
     scale, zb32, zb64, wide = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
     if N == 0:
         return
-    cdef const uint8_t[:, :, :, ::1] xv = xq
-    cdef const float[::1] sv = scale
-    cdef int32_t[::1] z32 = zb32
-    cdef int64_t[::1] z64 = zb64
-    cdef float[:, :, :, ::1] yv = y
-    cdef const uint8_t *xp = &xv[0, 0, 0, 0]
-    cdef float *yp = &yv[0, 0, 0, 0]
+    cdef const float *sv = <const float *>pci8_data(scale)
+    cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
+    cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
+    cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
+    cdef uint8_t *yqp = NULL
+    cdef float qs = 1.0
+    cdef int qz = 0
+    if yq is not None:
+        yqp = <uint8_t *>pci8_data(yq)
+        qs = <float>yq_scale
+        qz = <int>yq_zero_point
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t scratch_n = pci8_dw_scratch(H, W, KH, KW, SH, SW, PH, PW, P)
     cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, i, c
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KK, planes, nt))
+    # planes in runs of ~PC_BLOCKS_PER_THREAD per thread's share: one shared-counter step per plane costs as
+    # much as a small plane's work
+    cdef Py_ssize_t chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
+    # each channel's tap pairs once per call (their offsets are the same for every channel)
+    offs = np.empty(PCI8_DW_MAXPAIRS, dtype=np.intp)
+    wps = np.empty(<Py_ssize_t>C * PCI8_DW_MAXPAIRS, dtype=np.int32)
+    cdef Py_ssize_t *offv = <Py_ssize_t *>pci8_data(offs)
+    cdef int32_t *wpv = <int32_t *>pci8_data(wps)
+    cdef int npairs = -1
+    for c in range(C):
+        npairs = pci8_dw_pairs(wp + c * KK, H, W, KH, KW, SH, SW, PH, PW, offv, wpv + c * PCI8_DW_MAXPAIRS)
     cdef int16_t *scratch = NULL
+    cdef float *ybuf = NULL
+    cdef float *dst = NULL
     cdef int failed[1]
     failed[0] = 0
     with nogil, parallel(num_threads=team):
         scratch = <int16_t *>malloc(sizeof(int16_t) * scratch_n + 64)
-        for i in prange(planes, schedule="dynamic"):
-            if scratch == NULL:
+        ybuf = <float *>malloc(sizeof(float) * PQ + 64) if yp == NULL else NULL
+        for i in prange(planes, schedule="dynamic", chunksize=chunk):
+            if scratch == NULL or (yp == NULL and ybuf == NULL):
                 failed[0] = 1
                 continue
             c = i % C
+            dst = yp + i * PQ if yp != NULL else ybuf
             pci8_dw_plane(xp + i * HW, H, W, z, wp + c * KK, KH, KW, SH, SW, PH, PW, P, Q, z32[c], z64[c], wide_,
-                          sv[c], relu_, scratch, yp + i * PQ)
+                          sv[c], relu_, scratch, dst, 1 if yp != NULL else 0, yqp + i * PQ if yqp != NULL else NULL,
+                          qs, qz, offv, wpv + c * PCI8_DW_MAXPAIRS, npairs)
         free(scratch)
+        free(ybuf)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
 
@@ -530,26 +620,40 @@ def linear_forward(xq,            # IN  uint8 (N, F)
                    row_sums,      # IN  int32 (G,)
                    scale,         # IN  float32 (G,)
                    bias_q,        # IN  int32 (G,) or None
-                   y,             # OUT float32 (N, G), overwritten
+                   y,             # OUT float32 (N, G), overwritten; or None with yq
                    relu,
-                   num_threads):
-    """Quantized linear layer ``y = dequant(xq @ wq.T + bias_q)``; see the module docstring."""
+                   num_threads,
+                   yq=None,       # OUT uint8 (N, G) or None: y quantized for the next layer
+                   yq_scale=1.0, yq_zero_point=0):
+    """Quantized linear layer ``y = dequant(xq @ wq.T + bias_q)``; see the module docstring.
+
+    ``yq``, ``yq_scale``, ``yq_zero_point`` as in :func:`conv2d_forward`.
+    """
     fn = "linear_forward"
     xq = _array(xq, fn, "xq", np.uint8, 2, "uint8 (N, F)")
     cdef int z = _zero_point(x_zero_point, fn)
     cdef int nt = _threads(num_threads, fn)
-    y = _array(y, fn, "y", np.float32, 2, "float32 (N, G)")
+    if y is None and yq is None:
+        raise TypeError(f"{fn}: y must be a float32 (N, G) array (or None with a yq output), got None")
+    out_ = _array(y if y is not None else yq, fn, "y" if y is not None else "yq",
+                  np.float32 if y is not None else np.uint8, 2, "(N, G)")
     cdef Py_ssize_t N = xq.shape[0], F = xq.shape[1]
-    cdef int G = y.shape[1]
+    cdef int G = out_.shape[1]
     if F < 1:
         raise ValueError(f"{fn}: xq must have at least one feature, got shape {xq.shape}")
     packed = _packed(packed, row_sums, fn, G, F, f"F (xq.shape[1])")
-    y = _out(y, fn, "y", np.float32, (N, G), "float32 (N, G)")
+    if y is not None:
+        y = _out(y, fn, "y", np.float32, (N, G), "float32 (N, G)")
+    if yq is not None:
+        yq = _requant_args(yq, fn, (N, G), yq_scale, yq_zero_point)
+        if y is None:
+            y = np.empty((N, G), dtype=np.float32)  # quantized after the last block
     scale, zb32, zb64, wide = _epilogue(fn, G, scale, bias_q, row_sums, z, F)
     if N == 0:
         return
     cdef int kg = _layout(packed, 1)
-    cdef int O64 = packed[:HEADER].view(np.int32)[H_O64], kg_cap = packed[:HEADER].view(np.int32)[H_KG_CAP]
+    cdef const int32_t *hdr = <const int32_t *>pci8_data(packed)
+    cdef int O64 = hdr[H_O64], kg_cap = hdr[H_KG_CAP]
     cdef Py_ssize_t ldx = F
     if F % 4:
         # whole 4-byte groups: the features padded with the zero point (their weights are zero)
@@ -557,17 +661,15 @@ def linear_forward(xq,            # IN  uint8 (N, F)
         xpad[:, :F] = xq
         xq = xpad
         ldx = kg * 4
-    cdef const uint8_t[:, ::1] xv = xq
-    cdef uint8_t[::1] pv = packed
-    cdef const float[::1] sv = scale
-    cdef int32_t[::1] z32 = zb32
-    cdef int64_t[::1] z64 = zb64
-    cdef float[:, ::1] yv = y
+    cdef uint8_t *pv = <uint8_t *>pci8_data(packed)
+    cdef const float *sv = <const float *>pci8_data(scale)
+    cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
+    cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
     cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>G * F + 63) // 64 * 64
     cdef const int8_t *w8 = <const int8_t *>&pv[p8]
     cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
-    cdef const uint8_t *xp = &xv[0, 0]
-    cdef float *yp = &yv[0, 0]
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
+    cdef float *yp = <float *>pci8_data(y)
     cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     # blocks of rows x blocks of 64 output channels: the rows split finer until every thread has
     # PC_BLOCKS_PER_THREAD blocks (a block of 4 rows is the least)
@@ -589,8 +691,17 @@ def linear_forward(xq,            # IN  uint8 (N, F)
             ri = i - ci * rblocks
             r1 = (ri + 1) * rb if (ri + 1) * rb < N else N
             pci8_linear_block(path_, xp, ldx, ri * rb, r1, kg, w8, w16, <int>(ci * PCI8_CB),
-                              <int>((ci + 1) * PCI8_CB if (ci + 1) * PCI8_CB < G else G), G, &z32[0], &z64[0],
-                              wide_, &sv[0], relu_, yp, acc)
+                              <int>((ci + 1) * PCI8_CB if (ci + 1) * PCI8_CB < G else G), G, z32, z64,
+                              wide_, sv, relu_, yp, acc)
         free(acc)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
+    cdef uint8_t *yqp
+    cdef float qs
+    cdef int qz
+    if yq is not None:
+        yqp = <uint8_t *>pci8_data(yq)
+        qs = <float>yq_scale
+        qz = <int>yq_zero_point
+        with nogil:
+            _quantize_team(yp, N * G, qs, qz, yqp, nt)

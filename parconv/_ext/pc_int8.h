@@ -91,6 +91,29 @@ static inline uint8_t pci8_q1(float v, int zp)
 
 #define PCI8_QBLOCK 256
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 lanes of pci8_quantize's vector path (its one definition: the quantize pass and the
+ * epilogues that quantize for the next layer give the same bits): vcvtps2dq rounds half to even
+ * in the default MXCSR mode; x * (1 / scale) unless a lane lies near a tie, then x / scale. */
+static inline __m512i pci8_q16(__m512 xv, __m512 vr, __m512 vs, int fast, __m512i vz)
+{
+    const __m512 lo = _mm512_set1_ps(-1024.0f), hi = _mm512_set1_ps(1024.0f), tie = _mm512_set1_ps(0.499f);
+    __m512 v = fast ? _mm512_mul_ps(xv, vr) : _mm512_div_ps(xv, vs);
+    __m512 c = _mm512_min_ps(_mm512_max_ps(v, lo), hi); /* NaN -> -1024, replaced below */
+    __m512i k = _mm512_cvtps_epi32(c);
+    if (fast) {
+        __m512 d = _mm512_abs_ps(_mm512_sub_ps(c, _mm512_cvtepi32_ps(k)));
+        if (_mm512_cmp_ps_mask(d, tie, _CMP_GT_OQ)) {
+            v = _mm512_div_ps(xv, vs);
+            c = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+            k = _mm512_cvtps_epi32(c);
+        }
+    }
+    k = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(k, vz), _mm512_setzero_si512()), _mm512_set1_epi32(255));
+    return _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), vz);
+}
+#endif
+
 /* out = clamp(rint(x / scale) + zp, 0, 255), NaN -> zp, x / scale rounded in float32.
  * Division is several times slower than multiplication, so each block first uses x * (1 / scale):
  * within 3 * 2^-24 relative of x / scale (|x / scale| <= 1024 matters; beyond it saturates), it
@@ -106,25 +129,10 @@ static inline void pci8_quantize(const float *restrict x, pc_idx n, float scale,
      * for a vector that holds a near-tie */
     {
         const __m512 vr = _mm512_set1_ps(rcp), vs = _mm512_set1_ps(scale);
-        const __m512 lo = _mm512_set1_ps(-1024.0f), hi = _mm512_set1_ps(1024.0f), tie = _mm512_set1_ps(0.499f);
-        const __m512i vz = _mm512_set1_epi32(zp), top = _mm512_set1_epi32(255), zero = _mm512_setzero_si512();
-        for (; start + 16 <= n; start += 16) {
-            const __m512 xv = _mm512_loadu_ps(x + start);
-            __m512 v = fast ? _mm512_mul_ps(xv, vr) : _mm512_div_ps(xv, vs);
-            __m512 c = _mm512_min_ps(_mm512_max_ps(v, lo), hi); /* NaN -> -1024, replaced below */
-            __m512i k = _mm512_cvtps_epi32(c);
-            if (fast) {
-                __m512 d = _mm512_abs_ps(_mm512_sub_ps(c, _mm512_cvtepi32_ps(k)));
-                if (_mm512_cmp_ps_mask(d, tie, _CMP_GT_OQ)) {
-                    v = _mm512_div_ps(xv, vs);
-                    c = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-                    k = _mm512_cvtps_epi32(c);
-                }
-            }
-            k = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(k, vz), zero), top);
-            k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), vz);
-            _mm_storeu_si128((__m128i *)(out + start), _mm512_cvtepi32_epi8(k));
-        }
+        const __m512i vz = _mm512_set1_epi32(zp);
+        for (; start + 16 <= n; start += 16)
+            _mm_storeu_si128((__m128i *)(out + start),
+                             _mm512_cvtepi32_epi8(pci8_q16(_mm512_loadu_ps(x + start), vr, vs, fast, vz)));
     }
 #endif
     for (pc_idx i0 = start; i0 < n; i0 += PCI8_QBLOCK) {
@@ -447,21 +455,36 @@ typedef struct {
                 v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                      \
                 v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                      \
             }                                                                                     \
-            float *yj = y + (j) * PQ;                                                             \
-            for (int k = 0; k < runs->n; k++) {                                                   \
-                _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                       \
-                _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);                  \
+            if (y != NULL) {                                                                      \
+                float *yj = y + (j) * PQ;                                                         \
+                for (int k = 0; k < runs->n; k++) {                                               \
+                    _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                   \
+                    _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);              \
+                }                                                                                 \
+            }                                                                                     \
+            if (yq != NULL) { /* the next layer's input: pci8_quantize's arithmetic (pci8_q16) */ \
+                const __m128i b0 = _mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz));         \
+                const __m128i b1 = _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz));         \
+                uint8_t *qj = yq + (j) * PQ;                                                      \
+                for (int k = 0; k < runs->n; k++) {                                               \
+                    _mm_mask_storeu_epi8(qj + runs->base[k], runs->m0[k], b0);                    \
+                    _mm_mask_storeu_epi8(qj + runs->base[k] + 16, runs->m1[k], b1);               \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
     } while (0)
 
 /* pci8_px_vnni with the epilogue on the registers (sums that fit int32 only): oe of the 8
- * channels are real; y points at the first one's output plane (PQ floats per channel). */
+ * channels are real; y points at the first one's output plane (PQ floats per channel), or is
+ * NULL; yq (or NULL) likewise receives the values quantized with (qs, qz) for the next layer. */
 PCI8_VNNI_TARGET
 static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
                              int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,
-                             const pci8_runs *restrict runs, float *y, pc_idx PQ)
+                             const pci8_runs *restrict runs, float *y, pc_idx PQ, uint8_t *yq, float qs, int qz)
 {
+    const int qfast = qs > 1e-37f && qs < 1e37f;
+    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);
+    const __m512i vz = _mm512_set1_epi32(qz);
     __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
             a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00;
     for (int g = 0; g < Kg; g++) {
@@ -490,13 +513,26 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
 #endif
 
 /* Tiles of grid pixels [s0, s1) of one image (multiples of PCI8_TILE but s1 may pass s_end):
- * every output channel, then the epilogue into y (O, P, Q). acc: scratch [8][32]. */
+ * every output channel, then the epilogue into y (O, P, Q). acc: scratch [8][32].
+ * pci8_conv_tiles_quantize(path, wide) says when the tiles also store yq (O, P, Q), the values
+ * quantized with (qs, qz) for the next layer, themselves; y may then be NULL. */
+static inline int pci8_conv_tiles_quantize(int path, int wide)
+{
+#if defined(PCI8_VNNI_CODE)
+    return path == PCI8_VNNI && !wide;
+#else
+    (void)path; (void)wide;
+    return 0;
+#endif
+}
+
 static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const int *restrict off, int Kg,
                                    const int8_t *restrict w8, const int16_t *restrict w16, int O, int P, int Q,
                                    int Wg, pc_idx s0, pc_idx s1, const int32_t *restrict zb32,
                                    const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
-                                   float *restrict y, int32_t *restrict acc)
+                                   float *restrict y, int32_t *restrict acc, uint8_t *restrict yq, float qs, int qz)
 {
+    (void)yq; (void)qs; (void)qz;
     pc_idx s_end = (pc_idx)(P - 1) * Wg + Q, PQ = (pc_idx)P * Q;
     int seg_lane[PCI8_TILE], seg_len[PCI8_TILE];
     pc_idx seg_dst[PCI8_TILE];
@@ -531,7 +567,8 @@ static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const
             for (int o0 = 0; o0 < O; o0 += PCI8_OB)
                 pci8_px_vnni_epi(grid + s * 4, off, Kg, w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4,
                                  O - o0 < PCI8_OB ? O - o0 : PCI8_OB, zb32 + o0, scale + o0, relu, &runs,
-                                 y + (pc_idx)o0 * PQ, PQ);
+                                 y != NULL ? y + (pc_idx)o0 * PQ : NULL, PQ,
+                                 yq != NULL ? yq + (pc_idx)o0 * PQ : NULL, qs, qz);
             continue;
         }
 #endif
@@ -733,6 +770,38 @@ static inline pc_idx pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int S
     return grid + 2 * grid + 2 * ((pc_idx)P * Wg + 64) + 16;
 }
 
+/* The AVX-512 depthwise's tap pairs for one channel's filter w (KH, KW): off[k], the pair's offset in the
+ * plane's grid (the same for every channel), and wp[k], its two int16 weights; returns their count, or
+ * -1 where the plain loop runs (other levels, large kernels). Once per channel and call, not per plane. */
+static inline int pci8_dw_pairs(const int8_t *restrict w, int H, int W, int KH, int KW, int SH, int SW, int PH,
+                                int PW, pc_idx *restrict off, int32_t *restrict wp)
+{
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (KW <= 64 && KH * (KW / 2 + SW + 1) <= PCI8_DW_MAXPAIRS) {
+        int aw = SW < KW ? SW : KW;
+        pc_idx Hg = (H + 2 * PH + SH - 1) / SH, Wg = (W + 2 * PW + SW - 1) / SW, plane = Hg * Wg;
+        int np = 0;
+        for (int kh = 0; kh < KH; kh++) {
+            uint64_t used = 0;
+            for (int kw = 0; kw < KW; kw++) {
+                if (used >> kw & 1) continue;
+                int w2 = 0;
+                if (kw + SW < KW) {
+                    w2 = w[kh * KW + kw + SW];
+                    used |= (uint64_t)1 << (kw + SW);
+                }
+                off[np] = ((pc_idx)(kh % SH) * aw + kw % SW) * plane + (pc_idx)(kh / SH) * Wg + kw / SW;
+                wp[np] = (int32_t)((uint32_t)(uint16_t)(int16_t)w[kh * KW + kw] | (uint32_t)(uint16_t)(int16_t)w2 << 16);
+                np++;
+            }
+        }
+        return np;
+    }
+#endif
+    (void)w; (void)H; (void)W; (void)KH; (void)KW; (void)SH; (void)SW; (void)PH; (void)PW; (void)off; (void)wp;
+    return -1;
+}
+
 /* One plane: x (H, W) uint8 with zero point z, w (KH, KW) int8, y (P, Q) overwritten.
  * The plane goes into scratch as an int16 grid of x - z (zeros for padding) split into stride
  * phases as in the convolution, so every tap is one long contiguous multiply-add over the
@@ -740,7 +809,9 @@ static inline pc_idx pci8_dw_scratch(int H, int W, int KH, int KW, int SH, int S
  * columns q >= Q are dropped by the epilogue. */
 static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z, const int8_t *restrict w, int KH,
                                  int KW, int SH, int SW, int PH, int PW, int P, int Q, int32_t zb32, int64_t zb64,
-                                 int wide, float scale, int relu, void *restrict scratch, float *restrict y)
+                                 int wide, float scale, int relu, void *restrict scratch, float *restrict y,
+                                 int keep_y, uint8_t *restrict yq, float qs, int qz, const pc_idx *restrict off,
+                                 const int32_t *restrict wp, int np)
 {
     int ah = SH < KH ? SH : KH, aw = SW < KW ? SW : KW;
     int Hg = (H + 2 * PH + SH - 1) / SH, Wg = (W + 2 * PW + SW - 1) / SW;
@@ -764,35 +835,41 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
                 const uint8_t *src = x + (pc_idx)h * W + off;
                 int16_t *dst = grid + ((pc_idx)a * aw + b) * plane + (pc_idx)gh * Wg;
                 if (SW == 1) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+                    /* 32 pixels per masked load (rows of small planes are shorter than one vector) */
+                    for (int gw = lo; gw < hi; gw += 32) {
+                        const __mmask32 m = hi - gw >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (hi - gw)) - 1u);
+                        const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, src + gw));
+                        _mm512_mask_storeu_epi16(dst + gw, m, _mm512_sub_epi16(v, _mm512_set1_epi16((short)z)));
+                    }
+#else
                     PC_SIMD
                     for (int gw = lo; gw < hi; gw++) dst[gw] = (int16_t)(src[gw] - z);
-                } else {
+#endif
+                }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+                else if (SW == 2) {
+                    /* 16 pixels from 31 bytes: widen to int16, keep the even ones (vpmovdw of each dword) */
+                    for (int gw = lo; gw < hi; gw += 16) {
+                        const int cnt = hi - gw < 16 ? hi - gw : 16;
+                        const __mmask32 mb = (__mmask32)(0xFFFFFFFFu >> (33 - 2 * cnt));
+                        const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mb, src + (pc_idx)gw * 2));
+                        const __m256i e = _mm512_cvtepi32_epi16(v); /* the low int16 of each pair */
+                        _mm256_mask_storeu_epi16(dst + gw, (__mmask16)(0xFFFFu >> (16 - cnt)),
+                                                 _mm256_sub_epi16(e, _mm256_set1_epi16((short)z)));
+                    }
+                }
+#endif
+                else {
                     for (int gw = lo; gw < hi; gw++) dst[gw] = (int16_t)(src[(pc_idx)gw * SW] - z);
                 }
             }
         }
     }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (KW <= 64 && KH * (KW / 2 + SW + 1) <= PCI8_DW_MAXPAIRS) {
-        /* vpmaddwd on tap pairs: taps kw and kw + SW read neighbouring elements of one phase, so
-         * pairs[s] = (grid[s], grid[s + 1]) times (w[kw], w[kw + SW]) sums both in one instruction */
-        pc_idx off[PCI8_DW_MAXPAIRS];
-        int32_t wp[PCI8_DW_MAXPAIRS];
-        int np = 0;
-        for (int kh = 0; kh < KH; kh++) {
-            uint64_t used = 0;
-            for (int kw = 0; kw < KW; kw++) {
-                if (used >> kw & 1) continue;
-                int w2 = 0;
-                if (kw + SW < KW) {
-                    w2 = w[kh * KW + kw + SW];
-                    used |= (uint64_t)1 << (kw + SW);
-                }
-                off[np] = ((pc_idx)(kh % SH) * aw + kw % SW) * plane + (pc_idx)(kh / SH) * Wg + kw / SW;
-                wp[np] = (int32_t)((uint32_t)(uint16_t)(int16_t)w[kh * KW + kw] | (uint32_t)(uint16_t)(int16_t)w2 << 16);
-                np++;
-            }
-        }
+    if (np >= 0) {
+        /* vpmaddwd on tap pairs (pci8_dw_pairs): taps kw and kw + SW read neighbouring elements of one
+         * phase, so pairs[s] = (grid[s], grid[s + 1]) times (w[kw], w[kw + SW]) sums both in one instruction */
         for (pc_idx i = 0; i + 1 < gsize; i++)
             pairs[i] = (int32_t)((uint32_t)(uint16_t)grid[i] | (uint32_t)(uint16_t)grid[i + 1] << 16);
         pairs[gsize - 1] = 0;
@@ -824,8 +901,31 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
             }
         }
     }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (yq != NULL && !wide) {
+        /* the epilogue and the next layer's quantization in one pass over the registers (the float32
+         * values are pci8_epi_run's, quantized by pci8_q16 as the quantize pass would) */
+        const float rcp = 1.0f / qs;
+        const int fast = qs > 1e-37f && qs < 1e37f;
+        const __m512 vr = _mm512_set1_ps(rcp), vs = _mm512_set1_ps(qs), sc = _mm512_set1_ps(scale);
+        const __m512i vz = _mm512_set1_epi32(qz), zb = _mm512_set1_epi32(zb32);
+        for (int p = 0; p < P; p++) {
+            const int32_t *a = acc + (pc_idx)p * Wg;
+            for (int q0 = 0; q0 < Q; q0 += 16) {
+                const __mmask16 m = Q - q0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (Q - q0)) - 1u);
+                __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_maskz_loadu_epi32(m, a + q0), zb)),
+                                         sc);
+                if (relu) v = _mm512_max_ps(_mm512_setzero_ps(), v); /* as v < 0 ? 0 : v (NaN, -0 pass) */
+                if (keep_y) _mm512_mask_storeu_ps(y + (pc_idx)p * Q + q0, m, v);
+                _mm512_mask_cvtepi32_storeu_epi8(yq + (pc_idx)p * Q + q0, m, pci8_q16(v, vr, vs, fast, vz));
+            }
+        }
+        return;
+    }
+#endif
     for (int p = 0; p < P; p++)
         pci8_epi_run(acc + (pc_idx)p * Wg, Q, zb32, zb64, wide, scale, relu, y + (pc_idx)p * Q);
+    if (yq != NULL) pci8_quantize(y, (pc_idx)P * Q, qs, qz, yq);
 }
 
 #endif /* PARCONV_PC_INT8_H */
