@@ -482,3 +482,27 @@ def test_conv2d_dw_tuning_changes_the_blocking_not_the_answer(panel_bytes, rows_
         _bf16._set_dw_tuning(*old)
     with pytest.raises(ValueError, match="panel_bytes"):
         _bf16._set_dw_tuning(0, True)
+
+
+@needs_native
+@pytest.mark.parametrize("N, C, O, H, W, K, stride, pad", [
+    (6, 5, 37, 8, 8, 3, 1, 1),     # even output rows: dy's pixel pairs transposed straight into the panel
+    (6, 5, 37, 8, 9, 3, 1, 1),     # odd rows: pairs straddle rows, through the flat copy
+    (5, 4, 20, 10, 6, 5, 1, 2),    # even rows, K = 5
+    (7, 6, 33, 9, 12, 1, 2, 0),    # 1x1 at stride 2, even output rows
+    (7, 6, 33, 9, 9, 1, 2, 0),     # and odd ones
+    (3, 2, 8, 6, 8, 2, 1, 1),      # even K: even rows in an odd padded row
+])
+def test_conv2d_dw_pairings_of_dy_match_the_model(N, C, O, H, W, K, stride, pad):
+    """The stride-1 weight gradient pairs dy's pixels one of two ways (by the parity of the rows);
+    both, with several filter blocks and stacked images, match the model and repeat bit for bit."""
+    x, w, _, dy = _conv_case(np.random.default_rng(N * 7 + W), N, C, O, H, W, K, stride, pad)
+    _, _, rdw, adw, _ = conv_backward_model(x, w, dy, stride, pad)
+    for threads in (1, 2):
+        got = []
+        for _ in range(2):
+            dw = np.full(w.shape, np.nan, np.float32)
+            _bf16.conv2d_backward(x, w, dy, None, dw, None, stride, pad, threads)
+            got.append(dw)
+        np.testing.assert_array_equal(got[0], got[1])
+        assert_close(got[0], rdw, adw, f"dw, {threads} thread(s)")

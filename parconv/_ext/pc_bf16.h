@@ -650,8 +650,47 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
     pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, CL = (pc_idx)C * L;
     uint16_t *xb1 = xb + CL;
     pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
-    memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
-    xb1[CL - 1] = 0;
+    if (K > 1) {  /* a 1x1 kernel's views all start at even offsets (L is even) */
+        memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
+        xb1[CL - 1] = 0;
+    }
+    int cw = ldo < PCB_NR ? (int)ldo : PCB_NR;
+    if (Wp % 2 == 0 && Q % 2 == 0) {
+        /* Every row holds Q / 2 whole pairs of valid pixels and whole pairs of dropped ones, so the
+         * valid pairs are dy's own pixel pairs in memory order: rounded and transposed into dyt in one
+         * pass over dy (through an L1 tile), without the flat copy and its strided transposition. */
+        enum { CH = 32 };
+        uint32_t tile[PCB_NR][CH];
+        int nr = p1 - p0, hq = Q / 2;
+        pc_idx half = (pc_idx)nr * hq, nv = (pc_idx)m * half, t = 0;
+        for (int i = 0; i < m; i++)
+            for (int r = 0; r < nr; r++) {
+                pc_idx base = ((pc_idx)i * RR + r) * (Wp / 2);
+                for (int qq = 0; qq < hq; qq++) amap[t++] = base + qq;
+            }
+        for (int o0 = 0; o0 < O; o0 += PCB_NR) {
+            int n = O - o0 < cw ? O - o0 : cw;
+            uint32_t *blk = dyt + (pc_idx)o0 * nv;
+            for (int i = 0; i < m; i++)
+                for (pc_idx u0 = 0; u0 < half; u0 += CH) {
+                    int cnt = half - u0 < CH ? (int)(half - u0) : CH;
+                    for (int o = 0; o < n; o++) {
+                        const float *src = dy + (((pc_idx)i * O + o0 + o) * P + p0) * Q + 2 * u0;
+                        uint32_t *tr = tile[o];
+                        PC_SIMD
+                        for (int k = 0; k < cnt; k++) tr[k] = pcb_bf16(src[2 * k]) | pcb_bf16(src[2 * k + 1]) << 16;
+                    }
+                    uint32_t *d = blk + ((pc_idx)i * half + u0) * cw;
+                    for (int k = 0; k < cnt; k++, d += cw) {
+                        for (int o = 0; o < n; o++) d[o] = tile[o][k];
+                        for (int o = n; o < cw; o++) d[o] = 0;
+                    }
+                }
+        }
+        pcb_gemm_r(NULL, 0, arow, amap, Kd, dyt, NULL, cw, nv, nv * PCB_NR, PCB_NR, part, ldo, O, NULL, NULL, 1,
+                   rows_outer);
+        return;
+    }
     /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end:
      * each filter's rows rounded into flat rows first (vectorised), then one transposing pass of words */
     uint16_t *h = (uint16_t *)(dyt + npp * ((ldo + PCB_NR - 1) / PCB_NR * PCB_NR));
@@ -680,7 +719,6 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
     }
     /* dyt in blocks of 32 filters, [O / 32][nv][cw]: each block's pairs one contiguous stream */
     const uint32_t *h32 = (const uint32_t *)h;
-    int cw = ldo < PCB_NR ? (int)ldo : PCB_NR;
     for (int o0 = 0; o0 < O; o0 += PCB_NR) {
         int n = O - o0 < cw ? O - o0 : cw;
         uint32_t *d = dyt + (pc_idx)o0 * nv;
