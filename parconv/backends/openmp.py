@@ -967,7 +967,8 @@ class OpenMPBackend(HostArrays, Backend):
     # ------------------------------------------------------------ bfloat16
     # Native AVX512_BF16 kernels (``parconv._ext._bf16``) where ``_bf16.native()`` says this level
     # and CPU run them; elsewhere the emulation: inputs rounded to bf16, then the float32 *direct*
-    # kernels (Winograd's transforms would lose more bits than bf16 keeps).
+    # kernels (Winograd's transforms would lose more bits than bf16 keeps). Per layer, the native path
+    # still emulates where that is faster (_bf16_forward_native, _bf16_dw_native).
     def round_to_bf16(self, a):
         """``a`` rounded to bf16 (RNE, NaN stays NaN) as a new float32 array (``_bf16.round_to_bf16``)."""
         a = _f32(a)
