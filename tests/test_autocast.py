@@ -475,3 +475,42 @@ def test_openmp_bf16_at_every_isa_level(level):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("ok emulated")  # the bf16 instructions are in the avx512 level only
+
+
+# ---------------------------------------------------------------------------- openmp: native or float32 per layer
+@pytest.mark.skipif(not pc._ext._bf16.native(), reason="the native bf16 kernels do not run here")
+@pytest.mark.parametrize("c, o, h, k, s, p, native_fwd, native_dw", [
+    (3, 8, 10, 3, 1, 1, False, True),   # an RGB first layer: 27 reduction terms, forward in float32
+    (16, 8, 10, 3, 1, 1, True, True),
+    (4, 8, 11, 3, 2, 1, True, False),   # stride 2 (3x3): dw in float32, dx native
+    (40, 6, 9, 1, 2, 0, True, True),    # a 1x1 shortcut: all native
+])
+def test_openmp_picks_native_or_float32_per_layer(monkeypatch, c, o, h, k, s, p, native_fwd, native_dw):
+    """The openmp backend runs the native bf16 kernel or the float32 direct kernel on the rounded tensors
+    per layer (whichever was measured faster); either way the result is the bf16 model's."""
+    from parconv._ext import _bf16
+
+    be = pc.backends.get("openmp")
+    calls = []
+    real_fwd, real_bwd = _bf16.conv2d_forward, _bf16.conv2d_backward
+    monkeypatch.setattr(_bf16, "conv2d_forward", lambda *a: calls.append("fwd") or real_fwd(*a))
+    monkeypatch.setattr(_bf16, "conv2d_backward",
+                        lambda *a: calls.append("dw" if a[4] is not None else "dx") or real_bwd(*a))
+    rng = np.random.default_rng(c * 31 + s)
+    x = rng.standard_normal((3, c, h, h)).astype(np.float32)
+    w = (rng.standard_normal((o, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
+    kwargs = {"stride": s, "padding": p, "dilation": 1, "groups": 1}
+    with pc.autocast("bf16"):
+        y = F.conv2d(x, w, None, stride=s, padding=p, backend=be)
+        dy = rng.standard_normal(host(y).shape).astype(np.float32)
+        dx, dw, db = F.conv2d_backward(x, w, dy, stride=s, padding=p, backend=be)
+        dx2, dw2, _ = F.conv2d_backward(x, w, dy, stride=s, padding=p, backend=be)
+    assert ("fwd" in calls) == native_fwd
+    assert ("dw" in calls) == native_dw and ("dx" in calls) == (not native_dw)
+    np.testing.assert_array_equal(dw, dw2)  # bit for bit at a fixed thread count, on either path
+    np.testing.assert_array_equal(dx, dx2)
+    (my, mdx, mdw, mdb), mags = conv_model(x, w, None, dy, kwargs)
+    assert_model(y, my, mags[0], "y")
+    assert_model(dx, mdx, mags[1], "dx")
+    assert_model(dw, mdw, mags[2], "dw")
+    assert_model(db, mdb, mags[3], "db")

@@ -433,8 +433,8 @@ def test_conv_and_linear_validate_their_arguments():
         _bf16.conv2d_backward(x, w, dy[:, :3].copy(), dx, dw, db, 1, 1, 1)
     with pytest.raises(ValueError, match="dw must have shape"):
         _bf16.conv2d_backward(x, w, dy, dx, dw[:2].copy(), db, 1, 1, 1)
-    with pytest.raises(TypeError, match="dw must be a float32 numpy array, got None"):
-        _bf16.conv2d_backward(x, w, dy, dx, None, db, 1, 1, 1)
+    with pytest.raises(TypeError, match="dw must be a float32 numpy array, got list"):
+        _bf16.conv2d_backward(x, w, dy, dx, dw.tolist(), db, 1, 1, 1)
     with pytest.raises(ValueError, match="dx and dw overlap|output dx overlaps"):
         _bf16.conv2d_backward(x, w, dy, dx, dx.reshape(-1)[:w.size].reshape(w.shape), db, 1, 1, 1)
     ro = np.empty_like(w)
@@ -482,3 +482,41 @@ def test_conv2d_dw_tuning_changes_the_blocking_not_the_answer(panel_bytes, rows_
         _bf16._set_dw_tuning(*old)
     with pytest.raises(ValueError, match="panel_bytes"):
         _bf16._set_dw_tuning(0, True)
+
+
+@needs_native
+@pytest.mark.parametrize("N, C, O, H, W, K, stride, pad", [
+    (6, 5, 37, 8, 8, 3, 1, 1),     # even output rows: dy's pixel pairs transposed straight into the panel
+    (6, 5, 37, 8, 9, 3, 1, 1),     # odd rows: pairs straddle rows, through the flat copy
+    (5, 4, 20, 10, 6, 5, 1, 2),    # even rows, K = 5
+    (7, 6, 33, 9, 12, 1, 2, 0),    # 1x1 at stride 2, even output rows
+    (7, 6, 33, 9, 9, 1, 2, 0),     # and odd ones
+    (3, 2, 8, 6, 8, 2, 1, 1),      # even K: even rows in an odd padded row
+])
+def test_conv2d_dw_pairings_of_dy_match_the_model(N, C, O, H, W, K, stride, pad):
+    """The stride-1 weight gradient pairs dy's pixels one of two ways (by the parity of the rows);
+    both, with several filter blocks and stacked images, match the model and repeat bit for bit."""
+    x, w, _, dy = _conv_case(np.random.default_rng(N * 7 + W), N, C, O, H, W, K, stride, pad)
+    _, _, rdw, adw, _ = conv_backward_model(x, w, dy, stride, pad)
+    for threads in (1, 2):
+        got = []
+        for _ in range(2):
+            dw = np.full(w.shape, np.nan, np.float32)
+            _bf16.conv2d_backward(x, w, dy, None, dw, None, stride, pad, threads)
+            got.append(dw)
+        np.testing.assert_array_equal(got[0], got[1])
+        assert_close(got[0], rdw, adw, f"dw, {threads} thread(s)")
+
+
+@needs_native
+@pytest.mark.parametrize("stride, pad", [(1, 1), (2, 1)])
+def test_conv2d_backward_without_dw_gives_the_same_dx_and_db(stride, pad):
+    """dw=None skips the weight gradient (a caller computing it elsewhere); dx and db are unchanged."""
+    x, w, _, dy = _conv_case(np.random.default_rng(11), 3, 5, 7, 9, 9, 3, stride, pad)
+    dx, dw, db = np.empty_like(x), np.empty_like(w), np.empty(7, np.float32)
+    _bf16.conv2d_backward(x, w, dy, dx, dw, db, stride, pad, 2)
+    dx2, db2 = np.full_like(x, np.nan), np.full_like(db, np.nan)
+    _bf16.conv2d_backward(x, w, dy, dx2, None, db2, stride, pad, 2)
+    np.testing.assert_array_equal(dx2, dx)
+    np.testing.assert_array_equal(db2, db)
+    _bf16.conv2d_backward(x, w, dy, None, None, None, stride, pad, 2)  # nothing asked: nothing done

@@ -532,7 +532,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
 
 
 def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threads):
-    """Convolution backward in bf16 with fp32 accumulation; every gradient is overwritten.
+    """Convolution backward in bf16 with fp32 accumulation; every gradient given is overwritten.
 
     Parameters
     ----------
@@ -540,7 +540,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
     w : float32 (O, C, K, K)  # IN
     dy : float32 (N, O, P, Q)  # IN
     dx : float32 (N, C, H, W) or None  # OUT, from bf16(dy) and bf16(w)
-    dw : float32 (O, C, K, K)  # OUT, from bf16(x) and bf16(dy)
+    dw : float32 (O, C, K, K) or None  # OUT, from bf16(x) and bf16(dy)
     db : float32 (O,) or None  # OUT, the fp32 sum of the unrounded dy
     stride, padding, num_threads : int
 
@@ -552,7 +552,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
     _f32(fn, "w", w, 4, False)
     _f32(fn, "dy", dy, 4, False)
     _f32(fn, "dx", dx, 4, True, True)
-    _f32(fn, "dw", dw, 4, True)
+    _f32(fn, "dw", dw, 4, True, True)
     _f32(fn, "db", db, 1, True, True)
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], K = w.shape[2], P, Q
@@ -566,7 +566,8 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
     _expect(fn, "db", db, (O,))
     _disjoint(fn, {"dx": dx, "dw": dw, "db": db}, {"x": x, "w": w, "dy": dy})
     if N == 0 or C == 0:
-        dw[...] = 0
+        if dw is not None:
+            dw[...] = 0
         if db is not None:
             db[...] = 0
         if dx is not None:
@@ -576,7 +577,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
     cdef const float[:, :, :, ::1] wv = w
     cdef const float[:, :, :, ::1] dyv = dy
     cdef float[:, :, :, ::1] dxv
-    cdef float[:, :, :, ::1] dwv = dw
+    cdef float[:, :, :, ::1] dwv
     cdef float[::1] dbv
     cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K
     cdef bint by_conv = stride == 1 and padding <= K - 1
@@ -601,7 +602,8 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
                 failed = _conv_dx_gemm(&dyv[0, 0, 0, 0], N, O, P, Q, wp, C, H, W, K, stride, padding,
                                        &dxv[0, 0, 0, 0], num_threads)
         free(wp)
-    if not failed:
+    if not failed and dw is not None:
+        dwv = dw
         with nogil:
             failed = _conv_dw(&xv[0, 0, 0, 0], N, C, H, W, K, stride, padding, &dyv[0, 0, 0, 0], O, P, Q,
                               &dwv[0, 0, 0, 0], num_threads)

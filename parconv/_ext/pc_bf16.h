@@ -534,11 +534,19 @@ static inline void pcb_s1_flat(const float *restrict x, int m, int C, int H, int
 {
     int Wp = Q + K - 1, RR = p1 - p0 + K - 1;
     pc_idx used = (pc_idx)m * RR * Wp;
+    pc_idx ahead = 1024 / ((pc_idx)H * W) > 2 ? 1024 / ((pc_idx)H * W) : 2;  /* planes, >= 4 KiB ahead */
     for (int i = 0; i < m; i++)  /* x in memory order */
         for (int c = 0; c < C; c++) {
             const float *xc = x + ((pc_idx)i * C + c) * H * W;
             uint16_t *d = xb + (pc_idx)c * L + (pc_idx)i * RR * Wp;
             if (S == 1) {
+                /* the block's rows of the plane after next: a short plane is over before the hardware
+                 * prefetcher has found its stream */
+                if ((pc_idx)i * C + c + ahead < (pc_idx)m * C) {
+                    int h0 = p0 - pad > 0 ? p0 - pad : 0, h1 = p0 - pad + RR < H ? p0 - pad + RR : H;
+                    const float *nx = xc + ahead * (pc_idx)H * W;
+                    for (pc_idx e = (pc_idx)h0 * W; e < (pc_idx)h1 * W; e += 16) __builtin_prefetch(nx + e);
+                }
                 pcb_pad_rows(xc, 1, H, W, pad, p0, RR, d);
                 continue;
             }
@@ -650,8 +658,53 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
     pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, CL = (pc_idx)C * L;
     uint16_t *xb1 = xb + CL;
     pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
-    memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
-    xb1[CL - 1] = 0;
+    if (K > 1) {  /* a 1x1 kernel's views all start at even offsets (L is even) */
+        memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
+        xb1[CL - 1] = 0;
+    }
+    int cw = ldo < PCB_NR ? (int)ldo : PCB_NR;
+    if (Wp % 2 == 0 && Q % 2 == 0) {
+        /* Every row holds Q / 2 whole pairs of valid pixels and whole pairs of dropped ones, so the
+         * valid pairs are dy's own pixel pairs in memory order: rounded and transposed into dyt in one
+         * pass over dy (through an L1 tile), without the flat copy and its strided transposition. */
+        enum { CH = 32 };
+        uint16_t tile[PCB_NR][2 * CH];  /* rounded pixels; pixel pairs read as words (little-endian) */
+        int nr = p1 - p0, hq = Q / 2;
+        pc_idx half = (pc_idx)nr * hq, nv = (pc_idx)m * half, t = 0;
+        for (int i = 0; i < m; i++)
+            for (int r = 0; r < nr; r++) {
+                pc_idx base = ((pc_idx)i * RR + r) * (Wp / 2);
+                for (int qq = 0; qq < hq; qq++) amap[t++] = base + qq;
+            }
+        for (int o0 = 0; o0 < O; o0 += PCB_NR) {
+            int n = O - o0 < cw ? O - o0 : cw;
+            uint32_t *blk = dyt + (pc_idx)o0 * nv;
+            for (int i = 0; i < m; i++)
+                for (pc_idx u0 = 0; u0 < half; u0 += CH) {
+                    int cnt = half - u0 < CH ? (int)(half - u0) : CH;
+                    for (int o = 0; o < n; o++) {
+                        const float *src = dy + (((pc_idx)i * O + o0 + o) * P + p0) * Q + 2 * u0;
+                        uint16_t *tr = tile[o];
+                        /* this filter's next chunk (here or in the next image): one of up to 32
+                         * streams read in step */
+                        const float *nxt = u0 + CH < half ? src + 2 * CH
+                                           : i + 1 < m ? dy + (((pc_idx)(i + 1) * O + o0 + o) * P + p0) * Q : NULL;
+                        if (nxt != NULL)
+                            for (int l = 0; l < 2 * CH; l += 16) __builtin_prefetch(nxt + l);
+                        PC_SIMD
+                        for (int k = 0; k < 2 * cnt; k++) tr[k] = (uint16_t)pcb_bf16(src[k]);
+                    }
+                    uint32_t *d = blk + ((pc_idx)i * half + u0) * cw;
+                    for (int k = 0; k < cnt; k++, d += cw) {
+                        for (int o = 0; o < n; o++) d[o] = (uint32_t)tile[o][2 * k] | (uint32_t)tile[o][2 * k + 1] << 16;
+                        for (int o = n; o < cw; o++) d[o] = 0;
+                    }
+                }
+        }
+        pcb_gemm_r(NULL, 0, arow, amap, Kd, dyt, NULL, cw, nv, nv * PCB_NR, PCB_NR, part, ldo, O, NULL, NULL, 1,
+                   rows_outer);
+        return;
+    }
     /* dyt[jp][o] = (dy at flat pixel 2jp, at 2jp + 1), zero on the dropped columns and past the end:
      * each filter's rows rounded into flat rows first (vectorised), then one transposing pass of words */
     uint16_t *h = (uint16_t *)(dyt + npp * ((ldo + PCB_NR - 1) / PCB_NR * PCB_NR));
@@ -680,7 +733,6 @@ static inline void pcb_s1_dw_block(const float *restrict x, int m, int C, int H,
     }
     /* dyt in blocks of 32 filters, [O / 32][nv][cw]: each block's pairs one contiguous stream */
     const uint32_t *h32 = (const uint32_t *)h;
-    int cw = ldo < PCB_NR ? (int)ldo : PCB_NR;
     for (int o0 = 0; o0 < O; o0 += PCB_NR) {
         int n = O - o0 < cw ? O - o0 : cw;
         uint32_t *d = dyt + (pc_idx)o0 * nv;

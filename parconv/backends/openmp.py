@@ -182,6 +182,19 @@ def _blas_limit(macs: int):
     return _blas_one_thread if macs >= BLAS_LIMIT_MIN_MACS else contextlib.nullcontext()
 
 
+def _bf16_forward_native(C, K):
+    """Whether the native bf16 forward beats rounding and the float32 direct kernel on this layer."""
+    # a reduction of under 32 terms (a first layer on RGB): building the block's bf16 input views
+    # costs more than the products it feeds
+    return C * K * K >= 32
+
+
+def _bf16_dw_native(K, stride, padding):
+    """Whether the native bf16 weight gradient beats the float32 direct one on the rounded tensors."""
+    # strided layers (other than a 1x1 without padding) build im2col panels for their native dw
+    return stride == 1 or (K == 1 and padding == 0)
+
+
 def _flipped_transposed(w):
     """(O, C, K, K) filters as the (C, O, K, K) filters of the transposed convolution, each
     kernel rotated by 180 degrees: dx = conv2d(dy, _flipped_transposed(w), padding=K - 1 - padding)
@@ -954,7 +967,8 @@ class OpenMPBackend(HostArrays, Backend):
     # ------------------------------------------------------------ bfloat16
     # Native AVX512_BF16 kernels (``parconv._ext._bf16``) where ``_bf16.native()`` says this level
     # and CPU run them; elsewhere the emulation: inputs rounded to bf16, then the float32 *direct*
-    # kernels (Winograd's transforms would lose more bits than bf16 keeps).
+    # kernels (Winograd's transforms would lose more bits than bf16 keeps). Per layer, the native path
+    # still emulates where that is faster (_bf16_forward_native, _bf16_dw_native).
     def round_to_bf16(self, a):
         """``a`` rounded to bf16 (RNE, NaN stays NaN) as a new float32 array (``_bf16.round_to_bf16``)."""
         a = _f32(a)
@@ -977,7 +991,7 @@ class OpenMPBackend(HostArrays, Backend):
         if min(N, C, O, P, Q) <= 0:
             return self._reference().conv2d_forward_bf16(x, w, b, stride, padding)
         y = self._empty((N, O, P, Q))
-        if _bf16.native():
+        if _bf16.native() and _bf16_forward_native(C, K):
             _bf16.conv2d_forward(x, w, b, y, stride, padding, get_num_threads())
         else:
             _conv.conv2d_forward(self.round_to_bf16(x), self.round_to_bf16(w), b, y, stride, padding,
@@ -992,7 +1006,15 @@ class OpenMPBackend(HostArrays, Backend):
         dw = self._empty(w.shape)
         if _bf16.native():
             db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
-            _bf16.conv2d_backward(x, w, dy, dx, dw, db, stride, padding, get_num_threads())
+            if _bf16_dw_native(w.shape[2], stride, padding):
+                _bf16.conv2d_backward(x, w, dy, dx, dw, db, stride, padding, get_num_threads())
+                return dx, dw, db
+            if dx is not None or db is not None:
+                _bf16.conv2d_backward(x, w, dy, dx, None, db, stride, padding, get_num_threads())
+            # the float32 weight gradient of the rounded tensors: the same exact products, fp32 sums
+            with _blas_one_thread:
+                _conv.conv2d_backward(self.round_to_bf16(x), w, self.round_to_bf16(dy), None, dw, None, stride,
+                                      padding, get_num_threads(), CONV_BACKWARD_TILE_BYTES)
             return dx, dw, db
         K = w.shape[2]
         uses_blas = stride != 1 or (need_dx and padding > K - 1)
