@@ -119,7 +119,8 @@ class ConvReluMaxPool(_Fused):
         dx, dw, db = F.conv2d_relu_maxpool2d_backward(x, conv.weight.data, y, argmax, dy, conv._fargs["stride"],
                                                       conv._fargs["padding"], need_dx=need_dx,
                                                       need_db=conv.bias is not None, precision=precision,
-                                                      backend=self.backend)
+                                                      pool_kernel=self.pool._fargs["kernel_size"],
+                                                      pool_stride=self.pool._fargs["stride"], backend=self.backend)
         conv.weight.grad = dw
         if conv.bias is not None:
             conv.bias.grad = db
@@ -152,7 +153,8 @@ class ConvReluMaxPoolHead(_Fused):
         dx, dw, db, dwl, dbl = F.conv2d_relu_maxpool2d_linear_backward(
             x, conv.weight.data, y, argmax, head.weight.data, dy, conv._fargs["stride"], conv._fargs["padding"],
             need_dx=need_dx, need_db=conv.bias is not None, need_head_db=head.bias is not None,
-            precision=precision, backend=self.backend)
+            precision=precision, pool_kernel=self.pool._fargs["kernel_size"], pool_stride=self.pool._fargs["stride"],
+            backend=self.backend)
         head.weight.grad = dwl
         if head.bias is not None:
             head.bias.grad = dbl

@@ -431,33 +431,31 @@ def conv2d_relu_maxpool2d(x, weight, bias=None, stride: int = 1, padding: int = 
     b = _bias(bias, w.shape[0], be, "conv2d_relu_maxpool2d")
     pool_stride = pool_kernel if pool_stride is None else pool_stride
     if _resolve_precision(precision, "conv2d_relu_maxpool2d") == "bf16":
-        y, argmax = _conv_relu_pool_bf16(be, x, w, b, int(stride), int(padding), int(pool_kernel), int(pool_stride))
+        y, argmax = be.conv2d_relu_maxpool2d_forward_bf16(x, w, b, int(stride), int(padding), int(pool_kernel),
+                                                          int(pool_stride))
     else:
         y, argmax = be.conv2d_relu_maxpool2d_forward(x, w, b, int(stride), int(padding), int(pool_kernel),
                                                      int(pool_stride))
     return y, _produced(argmax)
 
 
-def _conv_relu_pool_bf16(be, x, w, b, stride, padding, pool_kernel, pool_stride):
-    """The fused op composed around the bf16 convolution (no backend fuses bf16): ``(y, argmax)``."""
-    z = be.conv2d_forward_bf16(x, w, b, stride, padding)
-    y, argmax = be.maxpool2d_forward(z, pool_kernel, pool_stride)
-    return be.relu_forward(y), argmax
-
-
-def _conv_relu_pool_backward_bf16(be, x, w, y, argmax, dy, stride, padding, need_dx, need_db):
-    N, O = x.shape[0], w.shape[0]
-    K = w.shape[2]
-    P, Q = out_size(x.shape[2], K, stride, padding), out_size(x.shape[3], K, stride, padding)
-    dz = be.maxpool2d_backward(be.relu_backward(y, dy), argmax, (N, O, P, Q))
-    return be.conv2d_backward_bf16(x, w, dz, stride, padding, need_dx, need_db)
+def _pool_overlaps(pool_kernel, pool_stride, where) -> bool:
+    """Whether the forward's pooling windows overlapped (unknown: assume they did)."""
+    if pool_kernel is None:
+        return True
+    kernel = check_int(pool_kernel, "pool_kernel", where, 1)
+    stride = kernel if pool_stride is None else check_int(pool_stride, "pool_stride", where, 1)
+    return stride < kernel
 
 
 def conv2d_relu_maxpool2d_backward(x, weight, y, argmax, dy, stride: int = 1, padding: int = 0, *,
-                                   need_dx: bool = True, need_db: bool = True, precision=None, backend=None):
+                                   need_dx: bool = True, need_db: bool = True, precision=None,
+                                   pool_kernel: int | None = None, pool_stride: int | None = None, backend=None):
     """Gradients of :func:`conv2d_relu_maxpool2d`; returns ``(dx, dw, db)`` (overwritten).
 
     ``precision``: the one the forward ran in (None follows the autocast mode).
+    ``pool_kernel``, ``pool_stride``: the forward's pooling, where known; in bf16,
+    windows that do not overlap let a backend run the gradient fused.
     """
     be = _backends.get(backend)
     where = "conv2d_relu_maxpool2d_backward"
@@ -474,8 +472,9 @@ def conv2d_relu_maxpool2d_backward(x, weight, y, argmax, dy, stride: int = 1, pa
     check_grad_shape(shape_of(dy), shape_of(y), where)
     _check_argmax(argmax, shape_of(y), P * Q, be, where, "conv2d_relu_maxpool2d")
     if _resolve_precision(precision, where) == "bf16":
-        return _conv_relu_pool_backward_bf16(be, x, w, y, argmax, dy, int(stride), int(padding), bool(need_dx),
-                                             bool(need_db))
+        return be.conv2d_relu_maxpool2d_backward_bf16(x, w, y, argmax, dy, int(stride), int(padding),
+                                                      bool(need_dx), bool(need_db),
+                                                      _pool_overlaps(pool_kernel, pool_stride, where))
     return be.conv2d_relu_maxpool2d_backward(x, w, y, argmax, dy, int(stride), int(padding),
                                              bool(need_dx), bool(need_db))
 
@@ -552,7 +551,8 @@ def conv2d_relu_maxpool2d_linear(x, weight, bias, head_weight, head_bias=None, s
     bl = _bias(head_bias, wl.shape[0], be, where)
     pool_stride = pool_kernel if pool_stride is None else pool_stride
     if _resolve_precision(precision, where) == "bf16":
-        y, argmax = _conv_relu_pool_bf16(be, x, w, b, int(stride), int(padding), int(pool_kernel), int(pool_stride))
+        y, argmax = be.conv2d_relu_maxpool2d_forward_bf16(x, w, b, int(stride), int(padding), int(pool_kernel),
+                                                          int(pool_stride))
         logits = be.linear_forward_bf16(be.reshape(y, (y.shape[0], wl.shape[1])), wl, bl)
         return y, _produced(argmax), logits
     y, argmax, logits = be.conv2d_relu_maxpool2d_linear_forward(x, w, b, int(stride), int(padding),
@@ -562,11 +562,12 @@ def conv2d_relu_maxpool2d_linear(x, weight, bias, head_weight, head_bias=None, s
 
 def conv2d_relu_maxpool2d_linear_backward(x, weight, y, argmax, head_weight, dlogits, stride: int = 1,
                                           padding: int = 0, *, need_dx: bool = True, need_db: bool = True,
-                                          need_head_db: bool = True, precision=None, backend=None):
+                                          need_head_db: bool = True, precision=None, pool_kernel: int | None = None,
+                                          pool_stride: int | None = None, backend=None):
     """Gradients of :func:`conv2d_relu_maxpool2d_linear` from the head's output gradient.
 
     Returns ``(dx, dw, db, head_dw, head_db)`` (overwritten, not accumulated).
-    ``precision``: the one the forward ran in (None follows the autocast mode).
+    ``precision``, ``pool_kernel``, ``pool_stride``: as :func:`conv2d_relu_maxpool2d_backward`.
     """
     be = _backends.get(backend)
     where = "conv2d_relu_maxpool2d_linear_backward"
@@ -585,8 +586,9 @@ def conv2d_relu_maxpool2d_linear_backward(x, weight, y, argmax, head_weight, dlo
     if _resolve_precision(precision, where) == "bf16":
         yf = be.reshape(y, (ys[0], wl.shape[1]))
         dyf, dwl, dbl = be.linear_backward_bf16(yf, wl, dlogits, True, bool(need_head_db))
-        dx, dw, db = _conv_relu_pool_backward_bf16(be, x, w, y, argmax, be.reshape(dyf, ys), int(stride),
-                                                   int(padding), bool(need_dx), bool(need_db))
+        dx, dw, db = be.conv2d_relu_maxpool2d_backward_bf16(x, w, y, argmax, be.reshape(dyf, ys), int(stride),
+                                                            int(padding), bool(need_dx), bool(need_db),
+                                                            _pool_overlaps(pool_kernel, pool_stride, where))
         return dx, dw, db, dwl, dbl
     return be.conv2d_relu_maxpool2d_linear_backward(x, w, y, argmax, wl, dlogits, int(stride), int(padding),
                                                     bool(need_dx), bool(need_db), bool(need_head_db))

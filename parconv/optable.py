@@ -783,6 +783,43 @@ def _check_conv2d_bf16(ck, ref, rng, case):
                                                  "db": _f64(dy).sum(axis=(0, 2, 3)) if bias else None}, tag)
 
 
+def _check_fused_bf16(ck, ref, rng, case):
+    """conv+ReLU+maxpool around the bf16 convolution, against the oracle's composition on rounded
+    inputs; the backward both with dx (composed) and without (a backend may fuse it)."""
+    n, c, o, h, w, k, s, p, bias, pk, ps = case
+    be = ck.be
+    x, wt, b = _conv_inputs(rng, n, c, o, h, w, k, bias)
+    tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p} pool{pk}/{ps}{'' if bias else ' nobias'}"
+    X, Wd = be.asarray(x), be.asarray(wt)
+    try:
+        y, am = be.conv2d_relu_maxpool2d_forward_bf16(X, Wd, be.asarray(b) if bias else None, s, p, pk, ps)
+    except Exception as exc:  # noqa: BLE001
+        ck.fail("conv_relu_pool_bf16.y", tag, exc)
+        return
+    z_ref = ref.conv2d_forward(_bf16(x), _bf16(wt), _f64(b), s, p)
+    y_ref = ref.relu_forward(ref.maxpool2d_forward(z_ref, pk, ps)[0])
+    ck.close("conv_relu_pool_bf16.y", y, y_ref, tag)
+    am_h = np.asarray(ck.host(am), dtype=np.int64)
+    dy = _f32(rng, *y_ref.shape)
+    # the oracle's composition routed through the backend's own argmax, dz rounded as the contract says
+    dz = ref.maxpool2d_backward(ref.relu_backward(y_ref, _f64(dy)), am_h, z_ref.shape)
+    dx_ref, dw_ref, _ = ref.conv2d_backward(_bf16(x), _bf16(wt), _bf16(dz), s, p, True, False)
+
+    def run_be():
+        got = {}
+        for need_dx in (True, False):
+            dx, dw, db = be.conv2d_relu_maxpool2d_backward_bf16(X, Wd, y, am, be.asarray(dy), s, p, need_dx, bias,
+                                                                ps < pk)
+            got.update({f"dw{'' if need_dx else '_only'}": dw, f"db{'' if need_dx else '_only'}": db})
+            if need_dx:
+                got["dx"] = dx
+        return got
+
+    db_ref = dz.sum(axis=(0, 2, 3)) if bias else None
+    _run_pair(ck, "conv_relu_pool_bf16", run_be, lambda: {"dx": dx_ref, "dw": dw_ref, "dw_only": dw_ref,
+                                                         "db": db_ref, "db_only": db_ref}, tag)
+
+
 def _check_conv2d_general_bf16(ck, ref, rng, case):
     n, c, o, h, w, (kh, kw), stride, pads, dil, groups, bias = case
     be = ck.be
@@ -844,6 +881,10 @@ OPS: tuple = (
     OpSpec("conv2d_bf16", "the convolution with bf16 inputs and float32 accumulation (autocast); bf16 rounding",
            ("conv2d_forward_bf16", "conv2d_backward_bf16", "round_to_bf16"), ("Conv2d under autocast",),
            _check_conv2d_bf16, tuple(_FIXED_CONV), _random_conv),
+    OpSpec("conv2d_relu_maxpool2d_bf16", "fused convolution + ReLU + max pooling around the bf16 convolution",
+           ("conv2d_relu_maxpool2d_forward_bf16", "conv2d_relu_maxpool2d_backward_bf16"),
+           ("Conv2d+ReLU+MaxPool2d under autocast",), _check_fused_bf16, tuple(_FIXED_FUSED),
+           lambda rng: _random_conv(rng, fused=True)),
     OpSpec("conv2d_general_bf16", "grouped/depthwise/dilated convolution with bf16 inputs (autocast)",
            ("conv2d_general_forward_bf16", "conv2d_general_backward_bf16"), ("Conv2d under autocast",),
            _check_conv2d_general_bf16, tuple(_FIXED_CONV_GENERAL), _random_conv_general),

@@ -514,3 +514,41 @@ def test_openmp_picks_native_or_float32_per_layer(monkeypatch, c, o, h, k, s, p,
     assert_model(dx, mdx, mags[1], "dx")
     assert_model(dw, mdw, mags[2], "dw")
     assert_model(db, mdb, mags[3], "db")
+
+
+def test_openmp_runs_the_fused_float32_kernels_on_rounded_inputs_under_autocast(monkeypatch):
+    """cnn-mnist's fused first layer keeps its fused kernels in bf16 (on rounded x, w and dy: the same
+    exact products and float32 sums as the bf16 model), and matches the composed bf16 ops."""
+    if "openmp" not in pc.available_backends():
+        pytest.skip("openmp not available")
+    from parconv.backends.openmp import OpenMPBackend
+
+    calls = {"forward": 0, "backward": 0}
+    fwd, bwd = OpenMPBackend._fused_forward_kernel, OpenMPBackend.conv2d_relu_maxpool2d_backward
+
+    def spy_fwd(self, *args, **kwargs):
+        out = fwd(self, *args, **kwargs)
+        calls["forward"] += out is not None
+        return out
+
+    def spy_bwd(self, *args, **kwargs):
+        calls["backward"] += 1
+        return bwd(self, *args, **kwargs)
+
+    monkeypatch.setattr(OpenMPBackend, "_fused_forward_kernel", spy_fwd)
+    monkeypatch.setattr(OpenMPBackend, "conv2d_relu_maxpool2d_backward", spy_bwd)
+    x = np.random.default_rng(8).standard_normal((6, 1, 28, 28)).astype(np.float32)
+    t = np.arange(6) % 10
+    grads = {}
+    for fuse in (True, False):
+        model = pc.models.cnn_mnist(filters=8, rng=0).to("openmp")
+        if not fuse:
+            model.fuse = False
+        loss = pc.CrossEntropyLoss()
+        with pc.autocast("bf16"):
+            loss(model(x), t)
+        model.backward(loss.backward())
+        grads[fuse] = [host(p.grad).copy() for p in model.parameters()]
+    assert calls["forward"] >= 1 and calls["backward"] >= 1
+    for got, want in zip(grads[True], grads[False]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -372,6 +372,26 @@ class Backend:
                                          need_dx, False)
         return dx, dw, (self._sum_for_bias(dy, (0,)) if need_db else None)
 
+    def conv2d_relu_maxpool2d_forward_bf16(self, x, w, b, stride: int, padding: int, pool_kernel: int,
+                                           pool_stride: int):
+        """:meth:`conv2d_relu_maxpool2d_forward` around the bf16 convolution: ``(y, argmax)``.
+        The default composes the bf16 convolution, pooling and ReLU."""
+        z = self.conv2d_forward_bf16(x, w, b, stride, padding)
+        y, argmax = self.maxpool2d_forward(z, pool_kernel, pool_stride)
+        return self.relu_forward(y), argmax
+
+    def conv2d_relu_maxpool2d_backward_bf16(self, x, w, y, argmax, dy, stride: int, padding: int,
+                                            need_dx: bool = True, need_db: bool = True,
+                                            pool_overlaps: bool = True):
+        """Gradients of :meth:`conv2d_relu_maxpool2d_forward_bf16`: the convolution's gradient dz
+        (dy through ReLU and pooling) into :meth:`conv2d_backward_bf16`. ``pool_overlaps``: whether
+        the pooling windows overlapped (then dz sums several dy); False lets a backend round dy
+        instead of dz, which is the same then."""
+        N, O, K = x.shape[0], w.shape[0], w.shape[2]
+        P, Q = out_size(x.shape[2], K, stride, padding), out_size(x.shape[3], K, stride, padding)
+        dz = self.maxpool2d_backward(self.relu_backward(y, dy), argmax, (N, O, P, Q))
+        return self.conv2d_backward_bf16(x, w, dz, stride, padding, need_dx, need_db)
+
     # ------------------------------------------------------------ batch norm
     # x is (N, C), (N, C, L) or (N, C, H, W); the statistics run over every dim but 1
     # (M = N * L or N * H * W values per channel). weight/bias (C,) or None (no affine);

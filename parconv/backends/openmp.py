@@ -1023,18 +1023,46 @@ class OpenMPBackend(HostArrays, Backend):
                                   None, stride, padding, get_num_threads(), CONV_BACKWARD_TILE_BYTES)
         return dx, dw, (self._sum_for_bias(dy, (0, 2, 3)) if need_db else None)
 
-    def linear_forward_bf16(self, x, w, b):
-        if not _bf16.native():
-            return super().linear_forward_bf16(x, w, b)
+    def conv2d_relu_maxpool2d_forward_bf16(self, x, w, b, stride, padding, pool_kernel, pool_stride):
+        """The fused float32 kernel on the rounded x and w where it runs: its products are exact and
+        its sums float32, which is the bf16 convolution; the composition elsewhere."""
         x, w = _f32(x), _f32(w)
+        if min(x.shape + w.shape) > 0:
+            fused = self._fused_forward_kernel(self.round_to_bf16(x), self.round_to_bf16(w),
+                                               None if b is None else _f32(b), stride, padding, pool_kernel,
+                                               pool_stride)
+            if fused is not None:
+                return fused[:2]
+        return super().conv2d_relu_maxpool2d_forward_bf16(x, w, b, stride, padding, pool_kernel, pool_stride)
+
+    def conv2d_relu_maxpool2d_backward_bf16(self, x, w, y, argmax, dy, stride, padding, need_dx=True,
+                                            need_db=True, pool_overlaps=True):
+        """The fused float32 gradient of the rounded x and dy where it runs and the pooling windows did
+        not overlap: each dz value is then one dy value or zero, so rounding dy rounds dz. db is the
+        float32 sum of the unrounded dz (dy where ReLU passed it), as the contract says."""
+        x, w, y, dy = _f32(x), _f32(w), _f32(y), _f32(dy)
+        if pool_overlaps or not self._fused_backward_runs(x, w, y, stride, need_dx):
+            return super().conv2d_relu_maxpool2d_backward_bf16(x, w, y, argmax, dy, stride, padding, need_dx,
+                                                               need_db, pool_overlaps)
+        _, dw, _ = self.conv2d_relu_maxpool2d_backward(self.round_to_bf16(x), w, y, argmax, self.round_to_bf16(dy),
+                                                       stride, padding, False, False)
+        db = self._sum_for_bias(self.relu_backward(y, dy), (0, 2, 3)) if need_db else None
+        return None, dw, db
+
+    def linear_forward_bf16(self, x, w, b):
+        x, w = _f32(x), _f32(w)
+        if not _bf16.native() or self._narrow(x, w):
+            # a narrow head (few outputs, wide inputs): the float32 narrow kernels on the rounded
+            # tensors stream the wide operand once, where the bf16 GEMM repacks it
+            return super().linear_forward_bf16(x, w, b)
         y = self._empty((x.shape[0], w.shape[0]))
         _bf16.linear_forward(x, w, None if b is None else _f32(b), y, get_num_threads())
         return y
 
     def linear_backward_bf16(self, x, w, dy, need_dx=True, need_db=True):
-        if not _bf16.native():
-            return super().linear_backward_bf16(x, w, dy, need_dx, need_db)
         x, w, dy = _f32(x), _f32(w), _f32(dy)
+        if not _bf16.native() or self._narrow(x, w):
+            return super().linear_backward_bf16(x, w, dy, need_dx, need_db)
         dx = self._empty(x.shape) if need_dx else None
         dw = self._empty(w.shape)
         db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
