@@ -206,6 +206,19 @@ static inline void pci8_interleave4(__m128i r0, __m128i r1, __m128i r2, __m128i 
 }
 #endif
 
+/* Column phase b of a row of width W padded by pad and split by stride S into Wg columns: the
+ * columns gw whose input column gw * S + off (returned: b - pad) lies in [0, W) are [*lo, *hi). */
+static inline int pci8_phase_cols(int b, int pad, int S, int W, int Wg, int *lo, int *hi)
+{
+    int off = b - pad;
+    int l = off >= 0 ? 0 : (-off + S - 1) / S;
+    int h = W - 1 - off >= 0 ? (W - 1 - off) / S + 1 : 0;
+    if (h > Wg) h = Wg;
+    *lo = l < h ? l : h;
+    *hi = h;
+    return off;
+}
+
 /* One channel group of one image's grid: channels 4cg..4cg+3 of x (C, H, W), padded by pad
  * with z, split into nph x nph stride phases of Hg x Wg, channels interleaved:
  * dst[((a * nph + b) * Hg + gh) * Wg + gw][j] = x[4cg + j][gh * S + a - pad][gw * S + b - pad]. */
@@ -216,12 +229,7 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
     int nc = C - 4 * cg < 4 ? C - 4 * cg : 4;
     for (int a = 0; a < nph; a++) {
         for (int b = 0; b < nph; b++) {
-            /* columns gw whose input column gw*S + b - pad lies in [0, W) */
-            int off = b - pad;
-            int lo = off >= 0 ? 0 : (-off + S - 1) / S;
-            int hi = W - 1 - off >= 0 ? (W - 1 - off) / S + 1 : 0;
-            if (hi > Wg) hi = Wg;
-            if (lo > hi) lo = hi;
+            int lo, hi, off = pci8_phase_cols(b, pad, S, W, Wg, &lo, &hi);
             for (int gh = 0; gh < Hg; gh++) {
                 uint8_t *d = dst + (((pc_idx)a * nph + b) * Hg + gh) * Wg * 4;
                 int h = gh * S + a - pad;
@@ -650,6 +658,14 @@ static void pci8_cl_avx2(const uint8_t *const *restrict xr, int Kg, const int16_
 #endif
 
 #if defined(PCI8_VNNI_CODE)
+/* Declares w0..w3, group g's 4 bytes for each of 64 output channels (4 blocks of 16, ps apart):
+ * what PCI8_CL_ROW multiplies every row by. */
+#define PCI8_CL_LOAD_W()                                                              \
+    const int8_t *wg = w + (pc_idx)g * 64;                                            \
+    __m512i w0 = _mm512_loadu_si512((const void *)wg);                                \
+    __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));                         \
+    __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));                     \
+    __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps))
 #define PCI8_CL_ROW(r)                                                                \
     do {                                                                              \
         __m512i v = _mm512_set1_epi32(pci8_ld32(x##r + 4 * (pc_idx)g));               \
@@ -675,11 +691,7 @@ static void pci8_cl_vnni(const uint8_t *const *restrict xr, int Kg, const int8_t
     __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
             a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     for (int g = 0; g < Kg; g++) {
-        const int8_t *wg = w + (pc_idx)g * 64;
-        __m512i w0 = _mm512_loadu_si512((const void *)wg);
-        __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));
-        __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));
-        __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps));
+        PCI8_CL_LOAD_W();
         PCI8_CL_ROW(0);
         PCI8_CL_ROW(1);
         PCI8_CL_ROW(2);
@@ -700,11 +712,7 @@ static void pci8_cl_vnni1(const uint8_t *restrict x0, int Kg, const int8_t *rest
     const pc_idx ps = (pc_idx)Kg * 64;
     __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00;
     for (int g = 0; g < Kg; g++) {
-        const int8_t *wg = w + (pc_idx)g * 64;
-        __m512i w0 = _mm512_loadu_si512((const void *)wg);
-        __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));
-        __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));
-        __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps));
+        PCI8_CL_LOAD_W();
         PCI8_CL_ROW(0);
     }
     PCI8_CL_STORE(0);
@@ -819,11 +827,7 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
     for (int a = 0; a < ah; a++) {
         for (int b = 0; b < aw; b++) {
             /* phase (a, b) holds padded pixels (gh * SH + a, gw * SW + b) */
-            int off = b - PW;
-            int lo = off >= 0 ? 0 : (-off + SW - 1) / SW;
-            int hi = W - 1 - off >= 0 ? (W - 1 - off) / SW + 1 : 0;
-            if (hi > Wg) hi = Wg;
-            if (lo > hi) lo = hi;
+            int lo, hi, off = pci8_phase_cols(b, PW, SW, W, Wg, &lo, &hi);
             for (int gh = 0; gh < Hg; gh++) {
                 int h = gh * SH + a - PH;
                 if (h < 0 || h >= H) continue;
