@@ -419,15 +419,21 @@ def _run_pair(ck, name, be_fn, ref_fn, tag):
             ck.close(f"{name}.{key}", got[key], value, tag)
 
 
-def _check_conv2d_general(ck, ref, rng, case):
+def _conv_general_data(ref, rng, case, rounded):
+    """(x, w, b, dy, the reference's y from rounded(x) and rounded(w), the row tag) of a conv2d_general case."""
     n, c, o, h, w, (kh, kw), stride, pads, dil, groups, bias = case
-    be = ck.be
     x = _f32(rng, n, c, h, w)
     wt = _f32(rng, o, c // groups, kh, kw, scale=1 / math.sqrt(c // groups * kh * kw))
     b = _f32(rng, o) if bias else None
-    y_ref = ref.conv2d_general_forward(_f64(x), _f64(wt), _f64(b), stride, pads, dil, groups)
+    y_ref = ref.conv2d_general_forward(rounded(x), rounded(wt), _f64(b), stride, pads, dil, groups)
     dy = _f32(rng, *y_ref.shape)
-    tag = f"x{(n, c, h, w)} w{wt.shape} s{stride} pads{pads} d{dil} g{groups}"
+    return x, wt, b, dy, y_ref, f"x{(n, c, h, w)} w{wt.shape} s{stride} pads{pads} d{dil} g{groups}"
+
+
+def _check_conv2d_general(ck, ref, rng, case):
+    x, wt, b, dy, y_ref, tag = _conv_general_data(ref, rng, case, _f64)
+    stride, pads, dil, groups, bias = case[6:]
+    be = ck.be
 
     def run_be():
         B = be.asarray(b) if bias else None
@@ -821,14 +827,9 @@ def _check_fused_bf16(ck, ref, rng, case):
 
 
 def _check_conv2d_general_bf16(ck, ref, rng, case):
-    n, c, o, h, w, (kh, kw), stride, pads, dil, groups, bias = case
+    x, wt, b, dy, y_ref, tag = _conv_general_data(ref, rng, case, _bf16)
+    stride, pads, dil, groups, bias = case[6:]
     be = ck.be
-    x = _f32(rng, n, c, h, w)
-    wt = _f32(rng, o, c // groups, kh, kw, scale=1 / math.sqrt(c // groups * kh * kw))
-    b = _f32(rng, o) if bias else None
-    y_ref = ref.conv2d_general_forward(_bf16(x), _bf16(wt), _f64(b), stride, pads, dil, groups)
-    dy = _f32(rng, *y_ref.shape)
-    tag = f"x{(n, c, h, w)} w{wt.shape} s{stride} pads{pads} d{dil} g{groups}"
 
     def run_be():
         B = be.asarray(b) if bias else None

@@ -6,9 +6,10 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, assume, settings
 
 import parconv as pc
+import parconv.functional as F
 
 settings.register_profile(
     "default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
@@ -78,3 +79,15 @@ def numeric_grad(f, x, eps=1e-6, max_points=40, rng=None):
         flat[i] = old
         out.append((fp - fm) / (2 * eps))
     return idx, np.array(out)
+
+
+def conv_shapes(n, groups, cg, og, h, w, kh, kw, **kwargs):
+    """(x shape, w shape, conv2d kwargs) of drawn sizes (cg input and og output channels a group); inside a
+    hypothesis strategy, a draw whose convolution has no output is dropped."""
+    x_shape, w_shape = (n, groups * cg, h, w), (groups * og, cg, kh, kw)
+    kwargs = dict(kwargs, groups=groups)
+    try:
+        F.conv2d_output_shape(x_shape, w_shape, **kwargs)
+    except ValueError:
+        assume(False)
+    return x_shape, w_shape, kwargs

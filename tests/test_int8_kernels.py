@@ -53,33 +53,32 @@ def _finish(acc, bias_q, scale, relu, axis):
     return np.maximum(y, np.float32(0)) if relu else y
 
 
+def _tap_patches(xq, z, KH, KW, sh, sw, ph, pw):
+    """((P, Q), [(kh, kw, patch)]): per tap, the (N, C, P, Q) int64 values xq - z it meets (padding: 0)."""
+    N, C, H, W = xq.shape
+    xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw), np.int64)
+    xp[:, :, ph:ph + H, pw:pw + W] = xq.astype(np.int64) - z
+    P, Q = (H + 2 * ph - KH) // sh + 1, (W + 2 * pw - KW) // sw + 1
+    return (P, Q), [(kh, kw, xp[:, :, kh:kh + sh * (P - 1) + 1:sh, kw:kw + sw * (Q - 1) + 1:sw])
+                    for kh in range(KH) for kw in range(KW)]
+
+
 def conv_model(xq, z, wq, bias_q, scale, stride, pad, relu):
     """acc = sum over taps of (xq - z) * wq, padded taps as xq = z; wq (O, C, K, K)."""
-    N, C, H, W = xq.shape
-    O, _, K, _ = wq.shape
-    xp = np.zeros((N, C, H + 2 * pad, W + 2 * pad), np.int64)
-    xp[:, :, pad:pad + H, pad:pad + W] = xq.astype(np.int64) - z
-    P, Q = (H + 2 * pad - K) // stride + 1, (W + 2 * pad - K) // stride + 1
-    acc = np.zeros((N, O, P, Q), np.int64)
-    for kh in range(K):
-        for kw in range(K):
-            patch = xp[:, :, kh:kh + stride * (P - 1) + 1:stride, kw:kw + stride * (Q - 1) + 1:stride]
-            acc += np.einsum("ncpq,oc->nopq", patch, wq[:, :, kh, kw].astype(np.int64))
+    K = wq.shape[2]
+    (P, Q), taps = _tap_patches(xq, z, K, K, stride, stride, pad, pad)
+    acc = np.zeros((xq.shape[0], wq.shape[0], P, Q), np.int64)
+    for kh, kw, patch in taps:
+        acc += np.einsum("ncpq,oc->nopq", patch, wq[:, :, kh, kw].astype(np.int64))
     return _finish(acc, bias_q, scale, relu, 1)
 
 
 def depthwise_model(xq, z, wq, sh, sw, ph, pw, bias_q, scale, relu):
     """Depthwise: channel c with filter wq[c, 0]."""
-    N, C, H, W = xq.shape
-    KH, KW = wq.shape[2:]
-    xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw), np.int64)
-    xp[:, :, ph:ph + H, pw:pw + W] = xq.astype(np.int64) - z
-    P, Q = (H + 2 * ph - KH) // sh + 1, (W + 2 * pw - KW) // sw + 1
-    acc = np.zeros((N, C, P, Q), np.int64)
-    for kh in range(KH):
-        for kw in range(KW):
-            patch = xp[:, :, kh:kh + sh * (P - 1) + 1:sh, kw:kw + sw * (Q - 1) + 1:sw]
-            acc += patch * wq[:, 0, kh, kw].astype(np.int64)[None, :, None, None]
+    (P, Q), taps = _tap_patches(xq, z, wq.shape[2], wq.shape[3], sh, sw, ph, pw)
+    acc = np.zeros((xq.shape[0], xq.shape[1], P, Q), np.int64)
+    for kh, kw, patch in taps:
+        acc += patch * wq[:, 0, kh, kw].astype(np.int64)[None, :, None, None]
     return _finish(acc, bias_q, scale, relu, 1)
 
 
@@ -577,8 +576,8 @@ def test_path_names_what_runs():
 # ------------------------------------------------------- every level, in children
 
 def _child_code():
-    models = "\n".join(inspect.getsource(f) for f in (quantize_model, _finish, conv_model, depthwise_model,
-                                                       linear_model))
+    models = "\n".join(inspect.getsource(f) for f in (quantize_model, _finish, _tap_patches, conv_model,
+                                                       depthwise_model, linear_model))
     body = textwrap.dedent("""
         import json
         from parconv._ext import _int8

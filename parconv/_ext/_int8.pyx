@@ -175,6 +175,25 @@ cdef object _requant_args(object yq, str fn, tuple shape, object yq_scale, objec
     return yq
 
 
+cdef struct _Requant:
+    uint8_t *p          # the uint8 output, or NULL for none
+    float scale
+    int zero_point
+
+
+cdef _Requant _requant_target(object yq, object yq_scale, object yq_zero_point):
+    """The raw form of a yq checked by _requant_args, for the kernels (None: NULL, 1.0, 0)."""
+    cdef _Requant t
+    t.p = NULL
+    t.scale = 1.0
+    t.zero_point = 0
+    if yq is not None:
+        t.p = <uint8_t *>pci8_data(yq)
+        t.scale = <float>yq_scale
+        t.zero_point = <int>yq_zero_point
+    return t
+
+
 cdef void _quantize_team(const float *x, Py_ssize_t n, float s, int z, uint8_t *out, int nt) noexcept nogil:
     """pci8_quantize over n values in blocks, on as many threads as pay."""
     cdef Py_ssize_t block = 1 << 16
@@ -432,13 +451,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     if y is None and per_img > 1 and not direct:
         y = np.empty((N, O_, P, Q), dtype=np.float32)  # whole-batch runs: quantized after the last run
     cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
-    cdef uint8_t *yqp = NULL
-    cdef float qs = 1.0
-    cdef int qz = 0
-    if yq is not None:
-        yqp = <uint8_t *>pci8_data(yq)
-        qs = <float>yq_scale
-        qz = <int>yq_zero_point
+    cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
     cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
     cdef uint8_t *gp = <uint8_t *>pci8_data(grid)
     cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>O_ * kdim + 63) // 64 * 64
@@ -477,9 +490,9 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                                     own + cg * plane * 4)
                 dst = yp + n * O_ * PQ if yp != NULL else ybuf
                 pci8_conv_tiles(path_, own, offv, kg, w8, w16, O_, P, Q, Wg, 0, run, z32, z64, wide_, sv, relu_, dst,
-                                acc, yqp + n * O_ * PQ if direct else NULL, qs, qz)
-                if yqp != NULL and not direct:
-                    pci8_quantize(dst, O_ * PQ, qs, qz, yqp + n * O_ * PQ)
+                                acc, rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point)
+                if rq.p != NULL and not direct:
+                    pci8_quantize(dst, O_ * PQ, rq.scale, rq.zero_point, rq.p + n * O_ * PQ)
             free(acc)
             free(own)
             free(ybuf)
@@ -504,11 +517,11 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                 r = i - n * per_img
                 pci8_conv_tiles(path_, gp + n * img * 4, offv, kg, w8, w16, O_, P, Q, Wg, r * run,
                                 (r + 1) * run, z32, z64, wide_, sv, relu_, yp + n * O_ * PQ if yp != NULL else NULL,
-                                acc, yqp + n * O_ * PQ if direct else NULL, qs, qz)
+                                acc, rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point)
             free(acc)
-        if yqp != NULL and not direct and not failed[0]:
+        if rq.p != NULL and not direct and not failed[0]:
             with nogil:
-                _quantize_team(yp, <Py_ssize_t>N * O_ * PQ, qs, qz, yqp, nt)
+                _quantize_team(yp, <Py_ssize_t>N * O_ * PQ, rq.scale, rq.zero_point, rq.p, nt)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
 
@@ -565,13 +578,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
     cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
     cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
-    cdef uint8_t *yqp = NULL
-    cdef float qs = 1.0
-    cdef int qz = 0
-    if yq is not None:
-        yqp = <uint8_t *>pci8_data(yq)
-        qs = <float>yq_scale
-        qz = <int>yq_zero_point
+    cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
     cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t scratch_n = pci8_dw_scratch(H, W, KH, KW, SH, SW, PH, PW, P)
@@ -604,8 +611,8 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
             c = i % C
             dst = yp + i * PQ if yp != NULL else ybuf
             pci8_dw_plane(xp + i * HW, H, W, z, wp + c * KK, KH, KW, SH, SW, PH, PW, P, Q, z32[c], z64[c], wide_,
-                          sv[c], relu_, scratch, dst, 1 if yp != NULL else 0, yqp + i * PQ if yqp != NULL else NULL,
-                          qs, qz, offv, wpv + c * PCI8_DW_MAXPAIRS, npairs)
+                          sv[c], relu_, scratch, dst, 1 if yp != NULL else 0, rq.p + i * PQ if rq.p != NULL else NULL,
+                          rq.scale, rq.zero_point, offv, wpv + c * PCI8_DW_MAXPAIRS, npairs)
         free(scratch)
         free(ybuf)
     if failed[0]:
@@ -696,12 +703,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
         free(acc)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
-    cdef uint8_t *yqp
-    cdef float qs
-    cdef int qz
+    cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
     if yq is not None:
-        yqp = <uint8_t *>pci8_data(yq)
-        qs = <float>yq_scale
-        qz = <int>yq_zero_point
         with nogil:
-            _quantize_team(yp, N * G, qs, qz, yqp, nt)
+            _quantize_team(yp, N * G, rq.scale, rq.zero_point, rq.p, nt)

@@ -190,6 +190,35 @@ static inline void pci8_pack(const int8_t *restrict raw, int O, int Kdim, int K,
 
 /* ------------------------------------------------------------------ grid */
 
+#if defined(__SSE2__)
+/* 16 pixels of four channel rows, bytewise interleaved into o[0..63] (pixel-major, channel-minor) */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
+static inline void pci8_interleave4(__m128i r0, __m128i r1, __m128i r2, __m128i r3, uint8_t *o)
+{
+    __m128i l01 = _mm_unpacklo_epi8(r0, r1), h01 = _mm_unpackhi_epi8(r0, r1);
+    __m128i l23 = _mm_unpacklo_epi8(r2, r3), h23 = _mm_unpackhi_epi8(r2, r3);
+    _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi16(l01, l23));
+    _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi16(l01, l23));
+    _mm_storeu_si128((__m128i *)(o + 32), _mm_unpacklo_epi16(h01, h23));
+    _mm_storeu_si128((__m128i *)(o + 48), _mm_unpackhi_epi16(h01, h23));
+}
+#endif
+
+/* Column phase b of a row of width W padded by pad and split by stride S into Wg columns: the
+ * columns gw whose input column gw * S + off (returned: b - pad) lies in [0, W) are [*lo, *hi). */
+static inline int pci8_phase_cols(int b, int pad, int S, int W, int Wg, int *lo, int *hi)
+{
+    int off = b - pad;
+    int l = off >= 0 ? 0 : (-off + S - 1) / S;
+    int h = W - 1 - off >= 0 ? (W - 1 - off) / S + 1 : 0;
+    if (h > Wg) h = Wg;
+    *lo = l < h ? l : h;
+    *hi = h;
+    return off;
+}
+
 /* One channel group of one image's grid: channels 4cg..4cg+3 of x (C, H, W), padded by pad
  * with z, split into nph x nph stride phases of Hg x Wg, channels interleaved:
  * dst[((a * nph + b) * Hg + gh) * Wg + gw][j] = x[4cg + j][gh * S + a - pad][gw * S + b - pad]. */
@@ -200,12 +229,7 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
     int nc = C - 4 * cg < 4 ? C - 4 * cg : 4;
     for (int a = 0; a < nph; a++) {
         for (int b = 0; b < nph; b++) {
-            /* columns gw whose input column gw*S + b - pad lies in [0, W) */
-            int off = b - pad;
-            int lo = off >= 0 ? 0 : (-off + S - 1) / S;
-            int hi = W - 1 - off >= 0 ? (W - 1 - off) / S + 1 : 0;
-            if (hi > Wg) hi = Wg;
-            if (lo > hi) lo = hi;
+            int lo, hi, off = pci8_phase_cols(b, pad, S, W, Wg, &lo, &hi);
             for (int gh = 0; gh < Hg; gh++) {
                 uint8_t *d = dst + (((pc_idx)a * nph + b) * Hg + gh) * Wg * 4;
                 int h = gh * S + a - pad;
@@ -223,13 +247,7 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
                         __m128i r1 = _mm_loadu_si128((const __m128i *)(s1 + gw));
                         __m128i r2 = _mm_loadu_si128((const __m128i *)(s2 + gw));
                         __m128i r3 = _mm_loadu_si128((const __m128i *)(s3 + gw));
-                        __m128i l01 = _mm_unpacklo_epi8(r0, r1), h01 = _mm_unpackhi_epi8(r0, r1);
-                        __m128i l23 = _mm_unpacklo_epi8(r2, r3), h23 = _mm_unpackhi_epi8(r2, r3);
-                        uint8_t *o = d + (pc_idx)gw * 4;
-                        _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi16(l01, l23));
-                        _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi16(l01, l23));
-                        _mm_storeu_si128((__m128i *)(o + 32), _mm_unpacklo_epi16(h01, h23));
-                        _mm_storeu_si128((__m128i *)(o + 48), _mm_unpackhi_epi16(h01, h23));
+                        pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
                     }
 #endif
                     for (; gw < hi; gw++) {
@@ -252,13 +270,7 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
                                       _mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w + 16)), even))
                             __m128i r0 = PCI8_EVEN(s0), r1 = PCI8_EVEN(s1), r2 = PCI8_EVEN(s2), r3 = PCI8_EVEN(s3);
 #undef PCI8_EVEN
-                            __m128i l01 = _mm_unpacklo_epi8(r0, r1), h01 = _mm_unpackhi_epi8(r0, r1);
-                            __m128i l23 = _mm_unpacklo_epi8(r2, r3), h23 = _mm_unpackhi_epi8(r2, r3);
-                            uint8_t *o = d + (pc_idx)gw * 4;
-                            _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi16(l01, l23));
-                            _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi16(l01, l23));
-                            _mm_storeu_si128((__m128i *)(o + 32), _mm_unpacklo_epi16(h01, h23));
-                            _mm_storeu_si128((__m128i *)(o + 48), _mm_unpackhi_epi16(h01, h23));
+                            pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
                         }
                     }
 #endif
@@ -400,6 +412,27 @@ static void pci8_px_avx2(const uint8_t *restrict xg, const int *restrict off, in
         a##j##0 = _mm512_dpbusd_epi32(a##j##0, x0, b);                                \
         a##j##1 = _mm512_dpbusd_epi32(a##j##1, x1, b);                                \
     } while (0)
+/* Declares the 16 accumulators a00..a71 (8 channels x 32 pixels) in the caller and sums the Kg
+ * groups of xg (at off[]) x w into them; a macro, not a function, so that every variant keeps
+ * them in registers for its own epilogue. */
+#define PCI8_VNNI_ACCUMULATE()                                                                          \
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, \
+            a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00; \
+    for (int g = 0; g < Kg; g++) {                                                                      \
+        const uint8_t *p = xg + (pc_idx)off[g] * 4;                                                     \
+        const int8_t *wg = w + (pc_idx)g * 64;                                                          \
+        __m512i x0 = _mm512_loadu_si512((const void *)p);                                               \
+        __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));                                        \
+        PCI8_VNNI_STEP(0);                                                                              \
+        PCI8_VNNI_STEP(1);                                                                              \
+        PCI8_VNNI_STEP(2);                                                                              \
+        PCI8_VNNI_STEP(3);                                                                              \
+        PCI8_VNNI_STEP(4);                                                                              \
+        PCI8_VNNI_STEP(5);                                                                              \
+        PCI8_VNNI_STEP(6);                                                                              \
+        PCI8_VNNI_STEP(7);                                                                              \
+    }                                                                                                   \
+    (void)0
 #define PCI8_VNNI_STORE(j)                                                            \
     do {                                                                              \
         _mm512_storeu_si512((void *)(acc + (j) * PCI8_TILE), a##j##0);                \
@@ -410,22 +443,7 @@ PCI8_VNNI_TARGET
 static void pci8_px_vnni(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
                          int32_t *restrict acc)
 {
-    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
-            a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00;
-    for (int g = 0; g < Kg; g++) {
-        const uint8_t *p = xg + (pc_idx)off[g] * 4;
-        const int8_t *wg = w + (pc_idx)g * 64;
-        __m512i x0 = _mm512_loadu_si512((const void *)p);
-        __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
-        PCI8_VNNI_STEP(0);
-        PCI8_VNNI_STEP(1);
-        PCI8_VNNI_STEP(2);
-        PCI8_VNNI_STEP(3);
-        PCI8_VNNI_STEP(4);
-        PCI8_VNNI_STEP(5);
-        PCI8_VNNI_STEP(6);
-        PCI8_VNNI_STEP(7);
-    }
+    PCI8_VNNI_ACCUMULATE();
     PCI8_VNNI_STORE(0);
     PCI8_VNNI_STORE(1);
     PCI8_VNNI_STORE(2);
@@ -485,22 +503,7 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
     const int qfast = qs > 1e-37f && qs < 1e37f;
     const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);
     const __m512i vz = _mm512_set1_epi32(qz);
-    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
-            a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00;
-    for (int g = 0; g < Kg; g++) {
-        const uint8_t *p = xg + (pc_idx)off[g] * 4;
-        const int8_t *wg = w + (pc_idx)g * 64;
-        __m512i x0 = _mm512_loadu_si512((const void *)p);
-        __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
-        PCI8_VNNI_STEP(0);
-        PCI8_VNNI_STEP(1);
-        PCI8_VNNI_STEP(2);
-        PCI8_VNNI_STEP(3);
-        PCI8_VNNI_STEP(4);
-        PCI8_VNNI_STEP(5);
-        PCI8_VNNI_STEP(6);
-        PCI8_VNNI_STEP(7);
-    }
+    PCI8_VNNI_ACCUMULATE();
     PCI8_VNNI_EPI(0);
     PCI8_VNNI_EPI(1);
     PCI8_VNNI_EPI(2);
@@ -655,6 +658,14 @@ static void pci8_cl_avx2(const uint8_t *const *restrict xr, int Kg, const int16_
 #endif
 
 #if defined(PCI8_VNNI_CODE)
+/* Declares w0..w3, group g's 4 bytes for each of 64 output channels (4 blocks of 16, ps apart):
+ * what PCI8_CL_ROW multiplies every row by. */
+#define PCI8_CL_LOAD_W()                                                              \
+    const int8_t *wg = w + (pc_idx)g * 64;                                            \
+    __m512i w0 = _mm512_loadu_si512((const void *)wg);                                \
+    __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));                         \
+    __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));                     \
+    __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps))
 #define PCI8_CL_ROW(r)                                                                \
     do {                                                                              \
         __m512i v = _mm512_set1_epi32(pci8_ld32(x##r + 4 * (pc_idx)g));               \
@@ -680,11 +691,7 @@ static void pci8_cl_vnni(const uint8_t *const *restrict xr, int Kg, const int8_t
     __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
             a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     for (int g = 0; g < Kg; g++) {
-        const int8_t *wg = w + (pc_idx)g * 64;
-        __m512i w0 = _mm512_loadu_si512((const void *)wg);
-        __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));
-        __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));
-        __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps));
+        PCI8_CL_LOAD_W();
         PCI8_CL_ROW(0);
         PCI8_CL_ROW(1);
         PCI8_CL_ROW(2);
@@ -705,11 +712,7 @@ static void pci8_cl_vnni1(const uint8_t *restrict x0, int Kg, const int8_t *rest
     const pc_idx ps = (pc_idx)Kg * 64;
     __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00;
     for (int g = 0; g < Kg; g++) {
-        const int8_t *wg = w + (pc_idx)g * 64;
-        __m512i w0 = _mm512_loadu_si512((const void *)wg);
-        __m512i w1 = _mm512_loadu_si512((const void *)(wg + ps));
-        __m512i w2 = _mm512_loadu_si512((const void *)(wg + 2 * ps));
-        __m512i w3 = _mm512_loadu_si512((const void *)(wg + 3 * ps));
+        PCI8_CL_LOAD_W();
         PCI8_CL_ROW(0);
     }
     PCI8_CL_STORE(0);
@@ -824,11 +827,7 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
     for (int a = 0; a < ah; a++) {
         for (int b = 0; b < aw; b++) {
             /* phase (a, b) holds padded pixels (gh * SH + a, gw * SW + b) */
-            int off = b - PW;
-            int lo = off >= 0 ? 0 : (-off + SW - 1) / SW;
-            int hi = W - 1 - off >= 0 ? (W - 1 - off) / SW + 1 : 0;
-            if (hi > Wg) hi = Wg;
-            if (lo > hi) lo = hi;
+            int lo, hi, off = pci8_phase_cols(b, PW, SW, W, Wg, &lo, &hi);
             for (int gh = 0; gh < Hg; gh++) {
                 int h = gh * SH + a - PH;
                 if (h < 0 || h >= H) continue;
