@@ -382,15 +382,21 @@ class OpenMPBackend(HostArrays, Backend):
 
     # ------------------------------------------------------------------ conv2d
     def conv2d_forward(self, x, w, b, stride, padding):
+        return self._conv_forward("conv2d_forward", x, w, b, stride, padding,
+                                  lambda x, w, b, y: self._conv2d_forward_into(x, w, b, y, stride, padding))
+
+    def _conv_forward(self, op, x, w, b, stride, padding, compute):
+        """``compute(x, w, b, y)`` into a pooled (N, O, P, Q) output, on float32 inputs; a zero-sized
+        dimension goes to the NumPy reference's ``op``."""
         x, w = _f32(x), _f32(w)
         b = None if b is None else _f32(b)
         N, C, H, W = x.shape
         O, _, K, _ = w.shape
         P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
         if min(N, C, O, P, Q) <= 0:
-            return self._reference().conv2d_forward(x, w, b, stride, padding)
+            return getattr(self._reference(), op)(x, w, b, stride, padding)
         y = self._empty((N, O, P, Q))
-        self._conv2d_forward_into(x, w, b, y, stride, padding)
+        compute(x, w, b, y)
         return y
 
     def _conv2d_forward_into(self, x, w, b, y, stride, padding, grad=False):
@@ -983,20 +989,14 @@ class OpenMPBackend(HostArrays, Backend):
         return np.asarray(_f32(dy).sum(axis=axes, dtype=np.float32), dtype=np.float32)
 
     def conv2d_forward_bf16(self, x, w, b, stride, padding):
-        x, w = _f32(x), _f32(w)
-        b = None if b is None else _f32(b)
-        N, C, H, W = x.shape
-        O, _, K, _ = w.shape
-        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
-        if min(N, C, O, P, Q) <= 0:
-            return self._reference().conv2d_forward_bf16(x, w, b, stride, padding)
-        y = self._empty((N, O, P, Q))
-        if _bf16.native() and _bf16_forward_native(C, K):
-            _bf16.conv2d_forward(x, w, b, y, stride, padding, get_num_threads())
-        else:
-            _conv.conv2d_forward(self.round_to_bf16(x), self.round_to_bf16(w), b, y, stride, padding,
-                                 get_num_threads(), CONV_FORWARD_TILE_BYTES, winograd=False, winograd4=False)
-        return y
+        def compute(x, w, b, y):
+            if _bf16.native() and _bf16_forward_native(w.shape[1], w.shape[2]):
+                _bf16.conv2d_forward(x, w, b, y, stride, padding, get_num_threads())
+            else:
+                _conv.conv2d_forward(self.round_to_bf16(x), self.round_to_bf16(w), b, y, stride, padding,
+                                     get_num_threads(), CONV_FORWARD_TILE_BYTES, winograd=False, winograd4=False)
+
+        return self._conv_forward("conv2d_forward_bf16", x, w, b, stride, padding, compute)
 
     def conv2d_backward_bf16(self, x, w, dy, stride, padding, need_dx=True, need_db=True):
         x, w, dy = _f32(x), _f32(w), _f32(dy)
