@@ -188,7 +188,10 @@ def round_to_bf16(x) -> np.ndarray:
     >>> pc.amp.round_to_bf16(np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8], np.float32)).tolist()
     [1.0, 1.0, 1.015625]
     """
-    a = np.ascontiguousarray(x, dtype=np.float32)
+    from . import backends
+    from ._validation import to_backend_array
+
+    a = np.ascontiguousarray(to_backend_array(x, backends.get("numpy"), "x", "round_to_bf16"))
     kernel = _compiled_round()
     if kernel is None or a.size == 0:
         return round_to_bf16_numpy(a)

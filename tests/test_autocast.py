@@ -552,3 +552,10 @@ def test_openmp_runs_the_fused_float32_kernels_on_rounded_inputs_under_autocast(
     assert calls["forward"] >= 1 and calls["backward"] >= 1
     for got, want in zip(grads[True], grads[False]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bad, exc", [("x", TypeError), ([1 + 2j], TypeError), ([[1.0], [1.0, 2.0]], TypeError)])
+def test_round_to_bf16_names_a_bad_argument(bad, exc):
+    with pytest.raises(exc, match="round_to_bf16: x must be"):
+        pc.amp.round_to_bf16(bad)
+    assert pc.amp.round_to_bf16([1.0, 2.0]).dtype == np.float32  # array-likes of numbers are taken
