@@ -835,7 +835,8 @@ class ParconvNet(_Runner):
 
     def _run(self):
         if self.mode == "infer":
-            self.out = self.model.forward(self.x)
+            with pc.no_grad():  # as predict() and the twin's inference_mode: nothing is kept for backward
+                self.out = self.model.forward(self.x)
             return
         out = self.model.forward(self.x)
         self.loss = self.loss_fn.forward(out, self.y, backend=self.be)
@@ -937,7 +938,8 @@ class Nets(Workload):
 
     name = "nets"
     title = ("nets: the zoo networks' training step (SGD with momentum) at batch 32 and 128 and inference at "
-             "batch 1 and 64, and an MLP 784-512-512-10 training step, against PyTorch twins with the same weights")
+             "batch 1 and 64, and an MLP 784-512-512-10 training step and inference, against PyTorch twins with the "
+             "same weights")
     numpy_timed = False
     precisions = PRECISIONS
 
@@ -948,7 +950,7 @@ class Nets(Workload):
         for net in pc.models.ZOO:
             out += [self._case(net, "train", n, size) for n in train_ns]
             out += [self._case(net, "infer", n, size) for n in infer_ns]
-        out += [self._case("mlp", "train", n, size) for n in mlp_ns]
+        out += [self._case("mlp", mode, n, size) for mode in ("train", "infer") for n in mlp_ns]
         return out
 
     def _case(self, net, mode, n, size=None):
