@@ -157,3 +157,27 @@ def test_the_opencl_one_dimensional_launcher_is_named_for_what_it_does():
 def test_the_square_convolution_path_is_chosen_by_its_name(w_shape, stride, pads, dilation, groups, square):
     assert not hasattr(F, "_conv_is_legacy")
     assert F._conv_is_square(w_shape, stride, pads, dilation, groups) is square
+
+
+def test_every_parallel_loop_lets_a_free_thread_take_the_work():
+    """A statically split loop waits at its barrier for the thread the OS descheduled, so on a
+    shared machine it runs at the slowest thread's pace: every ``prange`` hands out its blocks
+    dynamically (``dynamic`` or ``guided``), unless the line above says why the split must be
+    fixed (``# static: ...``, e.g. per-thread partial sums whose order must not follow the load)."""
+    bad = []
+    for path, text in SOURCES.items():
+        if path.suffix not in (".pyx", ".pxi"):
+            continue
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if "prange(" not in line or line.lstrip().startswith("#"):
+                continue
+            m = re.search(r'schedule\s*=\s*["\'](\w+)["\']', line)
+            kind = m.group(1) if m else None
+            if kind in ("dynamic", "guided"):
+                continue
+            above = [ln.strip() for ln in lines[max(0, i - 3):i]]
+            if kind == "static" and any(ln.startswith("# static:") for ln in above):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{i + 1}: schedule={kind!r}")
+    assert not bad, "parallel loops split statically without a reason:\n" + "\n".join(bad)

@@ -223,7 +223,7 @@ cdef void _bias_sums(const float *dy, Py_ssize_t N, Py_ssize_t O, Py_ssize_t pla
     cdef Py_ssize_t o, n
     cdef double s
     cdef int nt = pc_threads_for(N * O * plane, O, num_threads)
-    for o in prange(O, schedule="static", num_threads=nt):
+    for o in prange(O, schedule="guided", num_threads=nt):
         s = 0.0
         for n in range(N):
             s = s + pc_sum_f32(dy + (n * O + o) * plane, plane)
@@ -235,7 +235,7 @@ cdef void _bias_cols(const float *dy, Py_ssize_t N, Py_ssize_t G, float *db, int
     cdef Py_ssize_t g, n
     cdef double s
     cdef int nt = pc_threads_for(N * G, G, num_threads)
-    for g in prange(G, schedule="static", num_threads=nt):
+    for g in prange(G, schedule="guided", num_threads=nt):
         s = 0.0
         for n in range(N):
             s = s + dy[n * G + g]
@@ -521,7 +521,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                     n = n + mm
         free(raw)
     if not failed[0]:
-        for k in prange(Kd, schedule="static", num_threads=pc_threads_for(ng * Kd * O, Kd, num_threads)):
+        for k in prange(Kd, schedule="guided", num_threads=pc_threads_for(ng * Kd * O, Kd, num_threads)):
             for o in range(O):
                 s = part[k * ldo + o]
                 for gi in range(1, ng):
