@@ -84,7 +84,7 @@ def _child_code():
         rng = np.random.default_rng(3)
         fails, worst = [], 0.0
         shapes = [(1, 1, 1), (1, 512, 784), (1, 17, 33), (5, 1, 19), (3, 7, 1), (64, 512, 784), (9, 33, 17),
-                  (70, 10, 512), (13, 65, 100), (2, 31, 15), (257, 19, 47), (4, 4, 16), (33, 70, 129)]
+                  (70, 10, 512), (13, 65, 100), (32, 64, 3), (95, 130, 20), (31, 200, 9), (2, 31, 15), (257, 19, 47), (4, 4, 16), (33, 70, 129)]
         for m, n, k in shapes:
             a, b, bn, bias = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (n, k), (k, n), (n,)))
             ref_nt = np.maximum(a.astype(np.float64) @ b.T.astype(np.float64) + bias, 0)
@@ -102,11 +102,13 @@ def _child_code():
             # the same bits on every repeat and at every thread count
             if not all(np.array_equal(x, y) for o in outs[1:] for x, y in zip(o, outs[0])):
                 fails.append(("bits", m, n, k))
-            # a row's bits do not depend on the other rows of the batch (batch 1: the matrix-vector tile)
-            c1 = np.empty((1, n), np.float32)
-            _dense.gemm_nt(a[m - 1:], b, bias, c1, True, 1)
-            if not np.array_equal(c1[0], outs[0][0][m - 1]):
-                fails.append(("row", m, n, k))
+            # in a small batch (the dot-form tiles) a row's bits do not depend on the other rows:
+            # batch 1 is the matrix-vector tile
+            if m < 32:
+                c1 = np.empty((1, n), np.float32)
+                _dense.gemm_nt(a[m - 1:], b, bias, c1, True, 1)
+                if not np.array_equal(c1[0], outs[0][0][m - 1]):
+                    fails.append(("row", m, n, k))
         print(json.dumps({"level": _ext.STATE["level"], "fails": fails, "worst": worst,
                           "preferred": _dense.GEMM_PREFERRED}))
     """)
@@ -126,8 +128,8 @@ def test_every_level_matches_float64_and_repeats_its_bits(level):
     assert result["level"] == level
     assert result["fails"] == []
     assert result["worst"] <= 1e-5, result
-    # the own GEMM is the default only where it beats the BLAS: the AVX-512 level
-    assert result["preferred"] == (level == "avx512")
+    # the own GEMM is the default at the vector levels; the generic level keeps the BLAS
+    assert result["preferred"] == (level != "generic")
 
 
 # ------------------------------------------------------------- backend and fusion

@@ -1,7 +1,7 @@
 # Shape legend: N batch, F in-features, G out-features.
 # y = x @ w.T + b with x (N, F), w (G, F), b (G,), y (N, G).
 """linear (fully connected) kernels: the register-blocked GEMM of ``pc_gemm.h`` (``gemm=True``:
-the default where ``GEMM_PREFERRED``, i.e. at the AVX-512 level) or sgemm on blocks, one block
+the default where ``GEMM_PREFERRED``: the AVX-512 and AVX2 levels) or sgemm on blocks, one block
 per thread; a layer with at most NARROW_MAX_G outputs (a classifier head) on the narrow kernels
 of ``pc_dense.h`` instead, which stream x once.
 
@@ -42,6 +42,12 @@ cdef extern from "pc_gemm.h":
     void pcg_nn(const float *a, Py_ssize_t rsa, Py_ssize_t csa, const float *b, Py_ssize_t ldb, float *c,
                 Py_ssize_t ldc, Py_ssize_t K, Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0,
                 Py_ssize_t j1) noexcept nogil
+    bint pcg_nt_transposed(Py_ssize_t M, Py_ssize_t N) noexcept nogil
+    Py_ssize_t pcg_t_ld(Py_ssize_t M) noexcept nogil
+    void pcg_transpose(const float *x, Py_ssize_t ldx, Py_ssize_t N, float *xt, Py_ssize_t ldt, Py_ssize_t k0,
+                       Py_ssize_t k1) noexcept nogil
+    void pcg_nnt(const float *w, Py_ssize_t F, const float *xt, Py_ssize_t ldt, const float *bias, int relu,
+                 float *y, Py_ssize_t ldy, Py_ssize_t g0, Py_ssize_t g1, Py_ssize_t n0, Py_ssize_t n1) noexcept nogil
     void pcg_relu_mask_db(const float *dy, const float *y, float *dym, float *db, Py_ssize_t N, Py_ssize_t G,
                           Py_ssize_t g0, Py_ssize_t g1) noexcept nogil
 
@@ -82,14 +88,35 @@ NARROW_MAX_G = PCD_NARROW_G
 GEMM_PREFERRED = bool(PCG_PREFERRED)
 
 
+def gemm_scratch_shape(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K):
+    """Shape of the float32 scratch ``gemm_nt`` (and the own-GEMM ``linear_forward``) takes for a
+    product ``(M x K) @ (N x K)^T``, or None where it needs none."""
+    return (K, pcg_t_ld(M)) if pcg_nt_transposed(M, N) else None
+
+
 cdef void _gemm_nt(const float *a, const float *b, const float *bias, int relu, float *c,
-                   Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, int num_threads) noexcept nogil:
-    """Row-major ``C (M x N) = act(A (M x K) @ B (N x K)^T + bias)`` over fixed blocks of C."""
+                   Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, int num_threads, float *xt) noexcept nogil:
+    """Row-major ``C (M x N) = act(A (M x K) @ B (N x K)^T + bias)`` over fixed blocks of C; ``xt``: the
+    scratch of ``gemm_scratch_shape`` where it has one."""
     cdef Py_ssize_t bm = GEMM_BM, bn = GEMM_NT_BN
-    cdef Py_ssize_t mb = (M + bm - 1) // bm, nbn = (N + bn - 1) // bn, t, i0, j0
+    cdef Py_ssize_t mb = (M + bm - 1) // bm, nbn = (N + bn - 1) // bn, t, i0, j0, ldt, kb
     cdef int nt = num_threads if num_threads > 0 else 1
     if <double>M * N * K < SERIAL_BELOW_MACS:
         nt = 1
+    if pcg_nt_transposed(M, N):
+        # C^T = B A^T in the broadcast form: A transposed once (rows of xt in blocks of 64),
+        # then blocks of GEMM_BM outputs x GEMM_NT_BN rows of the batch
+        ldt = pcg_t_ld(M)
+        kb = (K + 63) // 64
+        for t in prange(kb, schedule="dynamic", num_threads=_team(nt, <int>min(kb, <Py_ssize_t>1 << 30))):
+            pcg_transpose(a, K, M, xt, ldt, t * 64, min(K, t * 64 + 64))
+        mb = (N + bm - 1) // bm
+        nbn = (M + bn - 1) // bn
+        for t in prange(mb * nbn, schedule="dynamic", num_threads=_team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))):
+            i0 = (t % mb) * bm
+            j0 = (t // mb) * bn
+            pcg_nnt(b, K, xt, ldt, bias, relu, c, N, i0, min(N, i0 + bm), j0, min(M, j0 + bn))
+        return
     nt = _team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))
     # row blocks inner: threads that start together share a panel of B
     for t in prange(mb * nbn, schedule="dynamic", num_threads=nt):
@@ -113,6 +140,23 @@ cdef void _gemm_nn(const float *a, Py_ssize_t rsa, Py_ssize_t csa, const float *
         pcg_nn(a, rsa, csa, b, N, c, N, K, i0, min(M, i0 + bm), j0, min(N, j0 + bn))
 
 
+cdef float *_scratch(object arr, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, list keep) except? NULL:
+    """The data of ``arr`` (a C-contiguous float32 array of ``gemm_scratch_shape(M, N, K)``, or None: a new
+    one, held in ``keep``), or NULL where the product needs no scratch."""
+    cdef float[:, ::1] buf
+    shape = gemm_scratch_shape(M, N, K)
+    if shape is None:
+        return NULL
+    if arr is None:
+        import numpy as np
+        arr = np.empty(shape, dtype=np.float32)
+    buf = arr
+    if (buf.shape[0], buf.shape[1]) != shape:
+        raise ValueError(f"the GEMM scratch must have shape {shape}, got {(buf.shape[0], buf.shape[1])}")
+    keep.append(arr)
+    return &buf[0, 0]
+
+
 def gemm_nt(const float[:, ::1] a, const float[:, ::1] b, const float[::1] bias, float[:, ::1] c, bint relu,
             int num_threads):
     """``c = a @ b.T + bias`` (bias may be None), then ``max(c, 0)`` where ``relu``; a (M, K), b (N, K),
@@ -129,10 +173,12 @@ def gemm_nt(const float[:, ::1] a, const float[:, ::1] b, const float[::1] bias,
     if K == 0:
         raise ValueError("gemm_nt: the inner dimension must be at least 1")
     cdef const float *bp = NULL
+    cdef list keep = []
+    cdef float *xt = _scratch(None, M, N, K, keep)
     if bias is not None:
         bp = &bias[0]
     with nogil:
-        _gemm_nt(&a[0, 0], &b[0, 0], bp, relu, &c[0, 0], M, N, K, num_threads)
+        _gemm_nt(&a[0, 0], &b[0, 0], bp, relu, &c[0, 0], M, N, K, num_threads, xt)
 
 
 def gemm_nn(const float[:, ::1] a, const float[:, ::1] b, float[:, ::1] c, bint trans_a, int num_threads):
@@ -273,7 +319,8 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
                    int num_threads,
                    bint narrow=False,
                    bint relu=False,
-                   bint gemm=False):
+                   bint gemm=False,
+                   scratch=None):              # float32 (gemm_scratch_shape(N, G, F)) or None
     """``y = x @ w.T + b``, then ``max(y, 0)`` where ``relu``; ``narrow`` (G <= NARROW_MAX_G) streams
     x once, ``gemm`` runs the own GEMM (bias and ReLU applied as it stores), else sgemm and one
     pass adding the bias and applying the ReLU."""
@@ -287,9 +334,12 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
         bp = &b[0]
     if narrow and relu:
         raise ValueError("linear_forward: the narrow kernels apply no ReLU (apply it after)")
+    cdef list keep = []
+    cdef float *xt
     if gemm:
+        xt = _scratch(scratch, N, G, F, keep)
         with nogil:
-            _gemm_nt(&x[0, 0], &w[0, 0], bp, relu, yp, N, G, F, num_threads)
+            _gemm_nt(&x[0, 0], &w[0, 0], bp, relu, yp, N, G, F, num_threads, xt)
         return
     if narrow:
         if G > PCD_NARROW_G:

@@ -42,8 +42,9 @@
 #define PCG_INLINE static inline
 #endif
 
-/* Whether this ISA level's kernels beat the BLAS sgemm on the linear layers (the backend's default). */
-#if PCC_VEC == 16
+/* Whether this ISA level's kernels beat (AVX-512) or match (AVX2) the BLAS sgemm on the linear
+ * layers, so that the backend takes them by default; the generic level keeps the BLAS. */
+#if PCC_VEC >= 8
 #define PCG_PREFERRED 1
 #else
 #define PCG_PREFERRED 0
@@ -292,6 +293,119 @@ static void pcg_nn(const float *a, pc_idx rsa, pc_idx csa, const float *b, pc_id
             pcg_nn_tile_2(a + i * rsa, rsa, csa, b + j, ldb, c + i * ldc + j, ldc, K, nj);
         for (; i < i1; i++)
             pcg_nn_tile_1(a + i * rsa, rsa, csa, b + j, ldb, c + i * ldc + j, ldc, K, nj);
+    }
+}
+
+/* ------------------------------------------ C = act(A B^T + bias) as (B A^T)^T */
+
+/* The forward of a batch of at least PCG_T_MIN_ROWS rows runs in the broadcast form, whose tiles
+ * are about twice as fast as the dot form's: x is transposed once into xt (F x ldt, ldt = N rounded
+ * up to PCG_NN_NR, the extra columns zero), y^T = w xt is computed by tiles of PCG_NN_MR outputs x
+ * PCG_NN_NR rows of the batch, and each tile is stored transposed, with the bias and the ReLU. */
+#define PCG_T_MIN_ROWS 32
+#define PCG_T_MIN_COLS 64 /* fewer outputs: the transpose would cost more than the faster tiles save */
+
+/* Whether an (M x N) output over depth K takes the transposed broadcast form (not at the generic
+ * level, whose 4-float broadcast tiles are slower than its dot-form ones). */
+static inline int pcg_nt_transposed(pc_idx M, pc_idx N)
+{
+    return PCC_VEC >= 8 && M >= PCG_T_MIN_ROWS && N >= PCG_T_MIN_COLS;
+}
+
+/* Columns of xt for an M-row x: M rounded up to a whole panel. */
+static inline pc_idx pcg_t_ld(pc_idx M)
+{
+    return (M + PCG_NN_NR - 1) / PCG_NN_NR * PCG_NN_NR;
+}
+
+/* Rows [k0, k1) of xt = x^T: xt[k*ldt + n] = x[n*ldx + k] for n < N, zero for N <= n < ldt. */
+static void pcg_transpose(const float *restrict x, pc_idx ldx, pc_idx N, float *restrict xt, pc_idx ldt,
+                          pc_idx k0, pc_idx k1)
+{
+    if (ldt > N)
+        for (pc_idx k = k0; k < k1; k++)
+            memset(xt + k * ldt + N, 0, sizeof(float) * (size_t)(ldt - N));
+    for (pc_idx n0 = 0; n0 < N; n0 += 16) {
+        const int nn = N - n0 < 16 ? (int)(N - n0) : 16;
+        for (pc_idx k = k0; k < k1; k++) {
+            float *dst = xt + k * ldt + n0;
+            const float *src = x + n0 * ldx + k;
+            for (int n = 0; n < nn; n++)
+                dst[n] = src[n * ldx];
+        }
+    }
+}
+
+/* c[j*ldc + i] = act(bias[i] + sum_k a[i*lda + k] * b[k*ldb + j]) for i < MR, j < nj; b has
+ * PCG_NN_NR readable columns (zero-padded). */
+#define PCG_DEFINE_NNT_TILE(MR)                                                                          \
+    static void pcg_nnt_tile_##MR(const float *restrict a, pc_idx lda, const float *restrict b, pc_idx ldb, \
+                                  const float *restrict bias, int relu, float *restrict c, pc_idx ldc,    \
+                                  pc_idx K, int nj)                                                      \
+    {                                                                                                    \
+        pcc_v acc[MR][2];                                                                                \
+        float t[MR][PCG_NN_NR];                                                                          \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = PCC_ZERO();       \
+        for (pc_idx k = 0; k < K; k++) {                                                                 \
+            const float *bk = b + k * ldb, *ak = a + k;                                                  \
+            const pcc_v b0 = PCC_LOADU(bk), b1 = PCC_LOADU(bk + PCC_VEC);                                \
+            _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                      \
+                const pcc_v av = PCC_SET1(ak[i * lda]);                                                  \
+                acc[i][0] = PCC_FMA(av, b0, acc[i][0]);                                                  \
+                acc[i][1] = PCC_FMA(av, b1, acc[i][1]);                                                  \
+            }                                                                                            \
+        }                                                                                                \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                          \
+            PCC_STOREU(t[i], acc[i][0]);                                                                 \
+            PCC_STOREU(t[i] + PCC_VEC, acc[i][1]);                                                       \
+        }                                                                                                \
+        float bi[MR];                                                                                    \
+        for (int i = 0; i < MR; i++) bi[i] = bias ? bias[i] : 0.0f;                                      \
+        for (int j = 0; j < nj; j++)                                                                     \
+            for (int i = 0; i < MR; i++) {                                                               \
+                const float v = t[i][j] + bi[i];                                                         \
+                c[j * ldc + i] = relu && v < 0.0f ? 0.0f : v;                                            \
+            }                                                                                            \
+    }
+
+#if PCG_NN_MR == 8
+PCG_DEFINE_NNT_TILE(8)
+#elif PCG_NN_MR == 6
+PCG_DEFINE_NNT_TILE(6)
+#endif
+PCG_DEFINE_NNT_TILE(4)
+PCG_DEFINE_NNT_TILE(2)
+PCG_DEFINE_NNT_TILE(1)
+
+/* Outputs [g0, g1) x batch rows [n0, n1) of y (N x G, row stride ldy) = act(x w^T + bias), from
+ * xt (F x ldt) = x^T zero-padded to ldt columns and w (G x F); bias (G) or NULL. */
+static void pcg_nnt(const float *w, pc_idx F, const float *xt, pc_idx ldt, const float *bias, int relu, float *y,
+                    pc_idx ldy, pc_idx g0, pc_idx g1, pc_idx n0, pc_idx n1)
+{
+    for (pc_idx n = n0; n < n1; n += PCG_NN_NR) {
+        const int nj = n1 - n < PCG_NN_NR ? (int)(n1 - n) : PCG_NN_NR;
+        const float *b = xt + n;
+        float *yc = y + n * ldy;
+        pc_idx g = g0;
+#define PCG_NNT_CALL(MR) \
+        pcg_nnt_tile_##MR(w + g * F, F, b, ldt, bias ? bias + g : NULL, relu, yc + g, ldy, F, nj)
+        for (; g + PCG_NN_MR <= g1; g += PCG_NN_MR)
+#if PCG_NN_MR == 8
+            PCG_NNT_CALL(8);
+#elif PCG_NN_MR == 6
+            PCG_NNT_CALL(6);
+#else
+            PCG_NNT_CALL(4);
+#endif
+#if PCG_NN_MR > 4
+        for (; g + 4 <= g1; g += 4)
+            PCG_NNT_CALL(4);
+#endif
+        for (; g + 2 <= g1; g += 2)
+            PCG_NNT_CALL(2);
+        for (; g < g1; g++)
+            PCG_NNT_CALL(1);
+#undef PCG_NNT_CALL
     }
 }
 

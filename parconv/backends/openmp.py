@@ -324,7 +324,7 @@ class OpenMPBackend(HostArrays, Backend):
 
     #: Run the other linear layers on the register-blocked GEMM of ``pc_gemm.h`` (bias and a
     #: fused ReLU applied as it stores) instead of the BLAS sgemm. None: where the kernels of the
-    #: ISA level in use beat the BLAS (``_dense.GEMM_PREFERRED``: the AVX-512 level).
+    #: ISA level in use beat or match the BLAS (``_dense.GEMM_PREFERRED``: the AVX-512 and AVX2 levels).
     gemm_linear: bool | None = None
 
     def __init__(self):
@@ -631,7 +631,9 @@ class OpenMPBackend(HostArrays, Backend):
             _dense.linear_forward(x, w, b, y, get_num_threads(), True)
             return self.relu_forward(y) if relu else y
         if self._gemm():
-            _dense.linear_forward(x, w, b, y, get_num_threads(), relu=relu, gemm=True)
+            shape = _dense.gemm_scratch_shape(x.shape[0], w.shape[0], x.shape[1])
+            _dense.linear_forward(x, w, b, y, get_num_threads(), relu=relu, gemm=True,
+                                  scratch=None if shape is None else self._empty(shape))
             return y
         with _blas_limit(x.shape[0] * x.shape[1] * w.shape[0]):
             _dense.linear_forward(x, w, b, y, get_num_threads(), relu=relu)
