@@ -8,8 +8,10 @@ number of chunks it has and runs small inputs on one thread.
 Stride-1 convolutions run on register-blocked micro-kernels (``pc_conv.h``).
 Linear layers with few outputs over many inputs (a classifier head) stream
 their input once through the narrow kernels (``pc_dense.h``); other linear
-layers and the strided convolution backward call the BLAS ``sgemm`` of
-SciPy from inside OpenMP parallel regions. A BLAS that spawned its own
+layers run on the register-blocked GEMM of ``pc_gemm.h`` (at the AVX-512 and
+AVX2 levels, see ``gemm_linear``). The strided convolution backward, and
+linear layers at the portable level, call the BLAS ``sgemm`` of SciPy from
+inside OpenMP parallel regions. A BLAS that spawned its own
 threads there would oversubscribe the cores, so every such call runs with
 SciPy's BLAS limited to one thread (:class:`_BlasOneThread`), per call, so
 the user's BLAS setting outside parconv is left alone. With OpenBLAS (SciPy's
