@@ -226,11 +226,14 @@ def test_fused_linear_relu_checks_its_input_and_dy():
 
 
 def test_fused_linear_relu_under_bf16_autocast_runs_the_layers():
+    from parconv._fusion import count_fused
+
     rng = np.random.default_rng(1)
     x, dy = rand(rng, 4, 20), rand(rng, 4, 3)
     outs = []
     for fuse in (True, False):
         model = _mlp("openmp", fuse)
+        assert count_fused(model.plan()) == (2 if fuse else 0)
         with pc.autocast():
             y = model.forward(x)
             dx = model.backward(dy, need_dx=True)
@@ -243,8 +246,11 @@ def test_fused_linear_relu_under_bf16_autocast_runs_the_layers():
 def test_fused_mlp_matches_pytorch(n):
     import torch
 
+    from parconv._fusion import count_fused
+
     sizes = (784, 512, 512, 10)
     model = _mlp("openmp", True, sizes)
+    assert count_fused(model.plan()) == 2
     tm = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
                              torch.nn.Linear(512, 10))
     with torch.no_grad():
