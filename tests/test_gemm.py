@@ -268,3 +268,33 @@ def test_fused_mlp_matches_pytorch(n):
     assert_close(dx, xt.grad.numpy(), atol=1e-4, what="dx")
     for p, tp in zip(model.parameters(), tm.parameters()):
         assert_close(p.grad, tp.grad.numpy(), atol=2e-4, what="grad")
+
+
+def test_gemm_linear_forward_checks_its_arrays_and_matches_the_memoryview_entry():
+    """The batch-1 entry reads ndarray pointers directly; every array is checked first."""
+    rng = np.random.default_rng(2)
+    for n in (1, 64):
+        x, w, b = rand(rng, n, 30), rand(rng, 70, 30), rand(rng, 70)
+        y1, y2 = np.empty((n, 70), np.float32), np.empty((n, 70), np.float32)
+        shape = _dense.gemm_scratch_shape(n, 70, 30)
+        _dense.gemm_linear_forward(x, w, b, y1, 2, True, None if shape is None else np.empty(shape, np.float32))
+        _dense.linear_forward(x, w, b, y2, 2, relu=True, gemm=True)
+        assert np.array_equal(y1, y2)
+    x, w, y = np.ones((2, 3), np.float32), np.ones((4, 3), np.float32), np.empty((2, 4), np.float32)
+    bad = [(x.T.copy(), w, None, y), (x, w, np.ones(3, np.float32), y), (x, w, None, np.ones((2, 4))),
+           (x.astype(np.float64), w, None, y), (np.asfortranarray(np.ones((2, 3), np.float32)), w, None, y),
+           (x, w, None, np.ones((2, 4), np.float32)[:, ::-1]), (np.ones(3, np.float32), w, None, y)]
+    for args in bad:
+        with pytest.raises(ValueError):
+            _dense.gemm_linear_forward(*args, 1, False, None)
+    with pytest.raises(TypeError, match="NumPy arrays"):
+        _dense.gemm_linear_forward([[1.0]], w, None, y, 1, False, None)
+    ro = np.empty((2, 4), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        _dense.gemm_linear_forward(x, w, None, ro, 1, False, None)
+    xb, wb, yb = np.ones((64, 30), np.float32), np.ones((70, 30), np.float32), np.empty((64, 70), np.float32)
+    with pytest.raises(ValueError, match="scratch"):
+        _dense.gemm_linear_forward(xb, wb, None, yb, 1, False, None)
+    with pytest.raises(ValueError, match="scratch"):
+        _dense.gemm_linear_forward(xb, wb, None, yb, 1, False, np.empty((30, 32), np.float32))

@@ -22,6 +22,8 @@ The caller limits the BLAS library to one thread around these calls.
 
 from cython.parallel cimport prange
 
+from numpy import ndarray
+
 from .pc_helpers cimport PC_BLOCKS_PER_THREAD
 from scipy.linalg.cython_blas cimport sgemm, sgemv
 
@@ -50,6 +52,31 @@ cdef extern from "pc_gemm.h":
                  float *y, Py_ssize_t ldy, Py_ssize_t g0, Py_ssize_t g1, Py_ssize_t n0, Py_ssize_t n1) noexcept nogil
     void pcg_relu_mask_db(const float *dy, const float *y, float *dym, float *db, Py_ssize_t N, Py_ssize_t G,
                           Py_ssize_t g0, Py_ssize_t g1) noexcept nogil
+
+# ndarray checks and data pointers without a typed memoryview: a memoryview costs a buffer acquisition
+# and an object per array on every call, a fair part of a batch-1 layer's time
+cdef extern from *:
+    """
+    #include <numpy/arrayobject.h>
+    /* a: an ndarray (checked by the caller: PyArray_Check needs NumPy's C-API table) */
+    static inline int pcd_f32_matrix(PyObject *a, Py_ssize_t rows, Py_ssize_t cols)
+    {
+        PyArrayObject *arr = (PyArrayObject *)a;
+        if (PyArray_TYPE(arr) != NPY_FLOAT32 || !PyArray_IS_C_CONTIGUOUS(arr)) return 0;
+        if (cols < 0) return PyArray_NDIM(arr) == 1 && PyArray_DIMS(arr)[0] == rows;
+        return PyArray_NDIM(arr) == 2 && PyArray_DIMS(arr)[0] == rows && PyArray_DIMS(arr)[1] == cols;
+    }
+    static inline int pcd_writeable(PyObject *a) { return PyArray_ISWRITEABLE((PyArrayObject *)a); }
+    static inline void *pcd_data(PyObject *a) { return PyArray_DATA((PyArrayObject *)a); }
+    static inline Py_ssize_t pcd_dim(PyObject *a, int i) { return PyArray_DIMS((PyArrayObject *)a)[i]; }
+    static inline int pcd_ndim(PyObject *a) { return PyArray_NDIM((PyArrayObject *)a); }
+    """
+    bint pcd_f32_matrix(object a, Py_ssize_t rows, Py_ssize_t cols)
+    bint pcd_writeable(object a)
+    void *pcd_data(object a)
+    Py_ssize_t pcd_dim(object a, int i)
+    int pcd_ndim(object a)
+
 
 cdef enum:
     # blocks of C the own GEMM hands out: rows x columns (multiples of every level's tiles)
@@ -155,6 +182,40 @@ cdef float *_scratch(object arr, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, list 
         raise ValueError(f"the GEMM scratch must have shape {shape}, got {(buf.shape[0], buf.shape[1])}")
     keep.append(arr)
     return &buf[0, 0]
+
+
+def gemm_linear_forward(x, w, b, y, int num_threads, bint relu, scratch):
+    """``y = x @ w.T + b`` (then ``max(y, 0)`` where ``relu``) on the own GEMM: ``linear_forward(...,
+    gemm=True)`` with ndarray checks instead of memoryviews (the cost that matters at batch 1).
+    x (N, F), w (G, F), b (G,) or None, y (N, G): C-contiguous float32 ndarrays; scratch as
+    ``gemm_scratch_shape(N, G, F)`` or None."""
+    if not (isinstance(x, ndarray) and isinstance(w, ndarray) and isinstance(y, ndarray)
+            and (b is None or isinstance(b, ndarray)) and (scratch is None or isinstance(scratch, ndarray))):
+        raise TypeError("gemm_linear_forward: x, w, y (and b, scratch unless None) must be NumPy arrays")
+    if pcd_ndim(x) != 2 or pcd_ndim(w) != 2:
+        raise ValueError("gemm_linear_forward: x and w must be 2-D")
+    cdef Py_ssize_t N = pcd_dim(x, 0), F = pcd_dim(x, 1), G = pcd_dim(w, 0)
+    if not (pcd_f32_matrix(x, N, F) and pcd_f32_matrix(w, G, F) and pcd_f32_matrix(y, N, G) and pcd_writeable(y)
+            and (b is None or pcd_f32_matrix(b, G, -1))):
+        raise ValueError(f"gemm_linear_forward: expected C-contiguous float32 x (N, F), w (G, F) with the same "
+                         f"F, b (G,) or None and a writeable y (N, G)")
+    if N == 0 or G == 0:
+        return
+    if F == 0:
+        raise ValueError("gemm_linear_forward: x must have at least one feature")
+    cdef const float *bp = NULL if b is None else <const float *>pcd_data(b)
+    cdef float *xt = NULL
+    cdef Py_ssize_t ldt
+    if pcg_nt_transposed(N, G):
+        ldt = pcg_t_ld(N)
+        if scratch is None or not (pcd_f32_matrix(scratch, F, ldt) and pcd_writeable(scratch)):
+            raise ValueError(f"gemm_linear_forward: scratch must be a writeable float32 array of shape {(F, ldt)}")
+        xt = <float *>pcd_data(scratch)
+    cdef const float *xp = <const float *>pcd_data(x)
+    cdef const float *wp = <const float *>pcd_data(w)
+    cdef float *yp = <float *>pcd_data(y)
+    with nogil:
+        _gemm_nt(xp, wp, bp, relu, yp, N, G, F, num_threads, xt)
 
 
 def gemm_nt(const float[:, ::1] a, const float[:, ::1] b, const float[::1] bias, float[:, ::1] c, bint relu,

@@ -625,17 +625,17 @@ class OpenMPBackend(HostArrays, Backend):
     def _linear_forward(self, x, w, b, relu):
         x, w = _f32(x), _f32(w)
         b = None if b is None else _f32(b)
-        if min(x.shape + w.shape) <= 0:
+        (N, F), G = x.shape, w.shape[0]
+        if N <= 0 or F <= 0 or G <= 0:
             y = self._reference().linear_forward(x, w, b)
             return np.maximum(y, 0, out=y) if relu else y
-        y = self._empty((x.shape[0], w.shape[0]))
+        y = self._empty((N, G))
         if self._narrow(x, w):
             _dense.linear_forward(x, w, b, y, get_num_threads(), True)
             return self.relu_forward(y) if relu else y
         if self._gemm():
-            shape = _dense.gemm_scratch_shape(x.shape[0], w.shape[0], x.shape[1])
-            _dense.linear_forward(x, w, b, y, get_num_threads(), relu=relu, gemm=True,
-                                  scratch=None if shape is None else self._empty(shape))
+            shape = _dense.gemm_scratch_shape(N, G, F)
+            _dense.gemm_linear_forward(x, w, b, y, get_num_threads(), relu, None if shape is None else self._empty(shape))
             return y
         with _blas_limit(x.shape[0] * x.shape[1] * w.shape[0]):
             _dense.linear_forward(x, w, b, y, get_num_threads(), relu=relu)
