@@ -48,7 +48,7 @@ HOT_NAMES = ["_conv", "_conv_general", "_pool", "_dense", "_norm", "_activations
 ONCE_NAMES = ["_threads", "_cpu"]
 EXT_NAMES = ONCE_NAMES + HOT_NAMES
 
-HEADERS = ["pc_common.h", "pc_conv.h", "pc_winograd.h", "pc_winograd4.h", "pc_fused.h", "pc_dense.h",
+HEADERS = ["pc_common.h", "pc_conv.h", "pc_winograd.h", "pc_winograd4.h", "pc_fused.h", "pc_dense.h", "pc_gemm.h",
            "pc_optim.h", "pc_pool.h", "pc_conv_general.h", "pc_pool.pxd", "pc_helpers.pxd", "pc_conv.pxd", "pc_bf16.h",
            "pc_int8.h"]
 

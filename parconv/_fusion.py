@@ -14,6 +14,10 @@ Fusions:
   classifier head too (:func:`parconv.functional.fuses_linear_head`);
 * ``BatchNorm -> ReLU`` in training and eval mode: one normalisation pass
   that applies the ReLU as it writes;
+* ``Linear -> ReLU`` in training and eval mode: the bias and the ReLU applied
+  as the product is stored (each hidden activation written once), and the
+  backward masks dy once, summing the bias gradient in the same pass
+  (:class:`LinearReLU`);
 * ``Residual -> ReLU`` in both modes: the ReLU applied by the block, and
   where the block's body ends in a BatchNorm, the shortcut added and the
   ReLU applied by that BatchNorm as it writes (one pass instead of three);
@@ -231,6 +235,46 @@ class ConvBatchNormEval(_Fused):
         return dy
 
 
+class LinearReLU(_Fused):
+    """``Linear -> ReLU`` as one op (training and eval mode): ``backend.linear_relu_forward`` and
+    ``linear_relu_backward``. Under bf16 autocast the layers run one by one."""
+
+    def __init__(self, start, linear, relu):
+        super().__init__(start, [linear, relu])
+        self.linear, self.relu = linear, relu
+
+    def forward(self, x):
+        lin = self.linear
+        precision = current_precision()
+        if precision == "bf16":
+            self._cache = (None, None, precision)
+            return self.relu.forward(lin.forward(x))
+        x = to_backend_array(x, self.backend, "x", "Sequential")
+        self._check_input(x)
+        b = lin.bias.data if lin.bias is not None else None
+        y = self.backend.linear_relu_forward(x, lin.weight.data, b)
+        self._cache = (x, y, precision)
+        return y
+
+    def backward(self, dy, need_dx: bool = True):
+        lin = self.linear
+        x, y, precision = self._cached()
+        if precision == "bf16":
+            return lin.backward(self.relu.backward(dy), need_dx=need_dx)
+        dy = self._dy(dy, shape_of(y))
+        dx, dw, db = self.backend.linear_relu_backward(x, lin.weight.data, y, dy, bool(need_dx),
+                                                       lin.bias is not None)
+        lin.weight.grad = dw
+        if lin.bias is not None:
+            lin.bias.grad = db
+        return dx
+
+    def release(self) -> None:
+        self._cache = None
+        self.linear._cache = None
+        self.relu._cache = None
+
+
 class ResidualReLU(_LayerReLU):
     """``Residual -> ReLU``: the block's output ``relu(body(x) + shortcut(x))`` in one op.
 
@@ -287,6 +331,10 @@ def plan(layers: list, backend, fuse: bool) -> list:
         nxt = layers[i + 1] if i + 1 < n else None
         if fuse and type(layer) is Residual and type(nxt) is ReLU:
             steps.append(PlanStep(ResidualReLU(i, layer, nxt), i, i + 2, (i,)))
+            i += 2
+            continue
+        if fuse and type(layer) is Linear and type(nxt) is ReLU:
+            steps.append(PlanStep(LinearReLU(i, layer, nxt), i, i + 2, (i,)))
             i += 2
             continue
         if fuse and type(layer) in (BatchNorm1d, BatchNorm2d, SyncBatchNorm) and type(nxt) is ReLU:

@@ -225,6 +225,31 @@ def _check_linear(ck, ref, rng, case):
         ck.fail("linear.y", tag, exc)
 
 
+def _check_linear_relu(ck, ref, rng, case):
+    n, f, g, bias = case
+    be = ck.be
+    x = _f32(rng, n, f)
+    wt = _f32(rng, g, f, scale=1 / math.sqrt(f))
+    b = _f32(rng, g) if bias else None
+    tag = f"x{(n, f)} w{(g, f)}{'' if bias else ' nobias'}"
+    try:
+        X, Wd = be.asarray(x), be.asarray(wt)
+        y = be.linear_relu_forward(X, Wd, be.asarray(b) if bias else None)
+        z_ref = ref.linear_forward(_f64(x), _f64(wt), _f64(b))
+        ck.close("linear_relu.y", y, np.maximum(z_ref, 0), tag)
+        dy = _f32(rng, n, g)
+        # masked by the backend's own output, so an element rounding to the other side of 0 agrees
+        dz = np.where(np.asarray(ck.host(y)) > 0, _f64(dy), 0.0)
+        dx, dw, db = be.linear_relu_backward(X, Wd, y, be.asarray(dy), True, bias)
+        dx_ref, dw_ref, db_ref = ref.linear_backward(_f64(x), _f64(wt), dz, True, bias)
+        ck.close("linear_relu.dx", dx, dx_ref, tag)
+        ck.close("linear_relu.dw", dw, dw_ref, tag)
+        if bias:
+            ck.close("linear_relu.db", db, db_ref, tag)
+    except Exception as exc:  # noqa: BLE001
+        ck.fail("linear_relu.y", tag, exc)
+
+
 def _check_activations(ck, ref, rng, shape):
     be = ck.be
     x = _f32(rng, *shape, scale=3.0)
@@ -906,6 +931,9 @@ OPS: tuple = (
            ("Conv2d+ReLU+MaxPool2d+Flatten+Linear",), _check_fused_head, tuple(_FIXED_HEAD)),
     OpSpec("linear", "fully connected layer: forward, dx, dw, db", ("linear_forward", "linear_backward"),
            ("Linear",), _check_linear, tuple(_FIXED_LINEAR), _rand_linear),
+    OpSpec("linear_relu", "fully connected layer followed by a ReLU as one op: forward, dx, dw, db",
+           ("linear_relu_forward", "linear_relu_backward"), ("Linear+ReLU",), _check_linear_relu,
+           tuple(_FIXED_LINEAR), _rand_linear),
     OpSpec("linear_bf16", "fully connected layer with bf16 inputs and float32 accumulation (autocast)",
            ("linear_forward_bf16", "linear_backward_bf16"), ("Linear under autocast",), _check_linear_bf16,
            tuple(_FIXED_LINEAR), _rand_linear),

@@ -1,8 +1,16 @@
 # Shape legend: N batch, F in-features, G out-features.
 # y = x @ w.T + b with x (N, F), w (G, F), b (G,), y (N, G).
-"""linear (fully connected) kernels: sgemm on blocks, one block per thread; a layer with at most
-NARROW_MAX_G outputs (a classifier head) on the narrow kernels of ``pc_dense.h`` instead, which
-stream x once.
+"""linear (fully connected) kernels: the register-blocked GEMM of ``pc_gemm.h`` (``gemm=True``:
+the default where ``GEMM_PREFERRED``: the AVX-512 and AVX2 levels) or sgemm on blocks, one block
+per thread; a layer with at most NARROW_MAX_G outputs (a classifier head) on the narrow kernels
+of ``pc_dense.h`` instead, which stream x once.
+
+The own GEMM splits C into fixed blocks handed out dynamically (a thread whose core is shared
+takes fewer); every element of C sums its products in an order fixed by the shape alone, so it
+gives the same bits at every thread count. It applies the bias and a following ReLU as it
+stores (``relu=True``), and the backward of such a fused layer masks dy once (``y=``), summing
+db in the same pass. ``gemm_linear_forward`` is its forward on checked ndarrays instead of typed
+memoryviews (whose setup is a fair part of a layer's time at batch 1).
 
 Each product is one column-major sgemm (a row-major (r, c) array is a
 column-major (c, r) one) whose *output* is split into contiguous blocks of
@@ -14,6 +22,8 @@ The caller limits the BLAS library to one thread around these calls.
 """
 
 from cython.parallel cimport prange
+
+from numpy import ndarray
 
 from .pc_helpers cimport PC_BLOCKS_PER_THREAD
 from scipy.linalg.cython_blas cimport sgemm, sgemv
@@ -27,7 +37,53 @@ cdef extern from "pc_dense.h":
                              int fb) noexcept nogil
     float pcd_bias_grad(const float *dy, Py_ssize_t N, int G, int g) noexcept nogil
 
+cdef extern from "pc_gemm.h":
+    int PCG_PREFERRED, PCG_MASK_GB
+    void pcg_nt(const float *a, Py_ssize_t lda, const float *b, Py_ssize_t ldb, const float *bias, int relu,
+                float *c, Py_ssize_t ldc, Py_ssize_t K, Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0,
+                Py_ssize_t j1) noexcept nogil
+    void pcg_nn(const float *a, Py_ssize_t rsa, Py_ssize_t csa, const float *b, Py_ssize_t ldb, float *c,
+                Py_ssize_t ldc, Py_ssize_t K, Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0,
+                Py_ssize_t j1) noexcept nogil
+    bint pcg_nt_transposed(Py_ssize_t M, Py_ssize_t N) noexcept nogil
+    Py_ssize_t pcg_t_ld(Py_ssize_t M) noexcept nogil
+    void pcg_transpose(const float *x, Py_ssize_t ldx, Py_ssize_t N, float *xt, Py_ssize_t ldt, Py_ssize_t k0,
+                       Py_ssize_t k1) noexcept nogil
+    void pcg_nnt(const float *w, Py_ssize_t F, const float *xt, Py_ssize_t ldt, const float *bias, int relu,
+                 float *y, Py_ssize_t ldy, Py_ssize_t g0, Py_ssize_t g1, Py_ssize_t n0, Py_ssize_t n1) noexcept nogil
+    void pcg_relu_mask_db(const float *dy, const float *y, float *dym, float *db, Py_ssize_t N, Py_ssize_t G,
+                          Py_ssize_t g0, Py_ssize_t g1) noexcept nogil
+
+# ndarray checks and data pointers without a typed memoryview: a memoryview costs a buffer acquisition
+# and an object per array on every call, a fair part of a batch-1 layer's time
+cdef extern from *:
+    """
+    #include <numpy/arrayobject.h>
+    /* a: an ndarray (checked by the caller: PyArray_Check needs NumPy's C-API table) */
+    static inline int pcd_f32_matrix(PyObject *a, Py_ssize_t rows, Py_ssize_t cols)
+    {
+        PyArrayObject *arr = (PyArrayObject *)a;
+        if (PyArray_TYPE(arr) != NPY_FLOAT32 || !PyArray_IS_C_CONTIGUOUS(arr)) return 0;
+        if (cols < 0) return PyArray_NDIM(arr) == 1 && PyArray_DIMS(arr)[0] == rows;
+        return PyArray_NDIM(arr) == 2 && PyArray_DIMS(arr)[0] == rows && PyArray_DIMS(arr)[1] == cols;
+    }
+    static inline int pcd_writeable(PyObject *a) { return PyArray_ISWRITEABLE((PyArrayObject *)a); }
+    static inline void *pcd_data(PyObject *a) { return PyArray_DATA((PyArrayObject *)a); }
+    static inline Py_ssize_t pcd_dim(PyObject *a, int i) { return PyArray_DIMS((PyArrayObject *)a)[i]; }
+    static inline int pcd_ndim(PyObject *a) { return PyArray_NDIM((PyArrayObject *)a); }
+    """
+    bint pcd_f32_matrix(object a, Py_ssize_t rows, Py_ssize_t cols)
+    bint pcd_writeable(object a)
+    void *pcd_data(object a)
+    Py_ssize_t pcd_dim(object a, int i)
+    int pcd_ndim(object a)
+
+
 cdef enum:
+    # blocks of C the own GEMM hands out: rows x columns (multiples of every level's tiles)
+    GEMM_BM = 64
+    GEMM_NT_BN = 32
+    GEMM_NN_BN = 64
     # multiply-adds below which one thread beats waking a team
     SERIAL_BELOW_MACS = 1 << 20
     # the narrowest block of C's columns (rows) a parallel sgemm hands out: narrower ones repack A
@@ -55,6 +111,155 @@ def _set_narrow_dw_runs_per_thread(int n):
 
 #: the narrow kernels (pc_dense.h) take layers with at most this many outputs
 NARROW_MAX_G = PCD_NARROW_G
+
+#: whether this ISA level's own GEMM (pc_gemm.h) beats the BLAS sgemm on linear layers
+GEMM_PREFERRED = bool(PCG_PREFERRED)
+
+
+def gemm_scratch_shape(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K):
+    """Shape of the float32 scratch ``gemm_nt`` (and the own-GEMM ``linear_forward``) takes for a
+    product ``(M x K) @ (N x K)^T``, or None where it needs none."""
+    return (K, pcg_t_ld(M)) if pcg_nt_transposed(M, N) else None
+
+
+cdef void _gemm_nt(const float *a, const float *b, const float *bias, int relu, float *c,
+                   Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, int num_threads, float *xt) noexcept nogil:
+    """Row-major ``C (M x N) = act(A (M x K) @ B (N x K)^T + bias)`` over fixed blocks of C; ``xt``: the
+    scratch of ``gemm_scratch_shape`` where it has one."""
+    cdef Py_ssize_t bm = GEMM_BM, bn = GEMM_NT_BN
+    cdef Py_ssize_t mb = (M + bm - 1) // bm, nbn = (N + bn - 1) // bn, t, i0, j0, ldt, kb
+    cdef int nt = num_threads if num_threads > 0 else 1
+    if <double>M * N * K < SERIAL_BELOW_MACS:
+        nt = 1
+    if pcg_nt_transposed(M, N):
+        # C^T = B A^T in the broadcast form: A transposed once (rows of xt in blocks of 64),
+        # then blocks of GEMM_BM outputs x GEMM_NT_BN rows of the batch
+        ldt = pcg_t_ld(M)
+        kb = (K + 63) // 64
+        for t in prange(kb, schedule="dynamic", num_threads=_team(nt, <int>min(kb, <Py_ssize_t>1 << 30))):
+            pcg_transpose(a, K, M, xt, ldt, t * 64, min(K, t * 64 + 64))
+        mb = (N + bm - 1) // bm
+        nbn = (M + bn - 1) // bn
+        for t in prange(mb * nbn, schedule="dynamic", num_threads=_team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))):
+            i0 = (t % mb) * bm
+            j0 = (t // mb) * bn
+            pcg_nnt(b, K, xt, ldt, bias, relu, c, N, i0, min(N, i0 + bm), j0, min(M, j0 + bn))
+        return
+    nt = _team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))
+    # row blocks inner: threads that start together share a panel of B
+    for t in prange(mb * nbn, schedule="dynamic", num_threads=nt):
+        i0 = (t % mb) * bm
+        j0 = (t // mb) * bn
+        pcg_nt(a, K, b, K, bias, relu, c, N, K, i0, min(M, i0 + bm), j0, min(N, j0 + bn))
+
+
+cdef void _gemm_nn(const float *a, Py_ssize_t rsa, Py_ssize_t csa, const float *b, float *c,
+                   Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, int num_threads) noexcept nogil:
+    """Row-major ``C (M x N) = A @ B (K x N)``, ``A[i, k] = a[i*rsa + k*csa]``, over fixed blocks of C."""
+    cdef Py_ssize_t bm = GEMM_BM, bn = GEMM_NN_BN
+    cdef Py_ssize_t mb = (M + bm - 1) // bm, nbn = (N + bn - 1) // bn, t, i0, j0
+    cdef int nt = num_threads if num_threads > 0 else 1
+    if <double>M * N * K < SERIAL_BELOW_MACS:
+        nt = 1
+    nt = _team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))
+    for t in prange(mb * nbn, schedule="dynamic", num_threads=nt):
+        i0 = (t % mb) * bm
+        j0 = (t // mb) * bn
+        pcg_nn(a, rsa, csa, b, N, c, N, K, i0, min(M, i0 + bm), j0, min(N, j0 + bn))
+
+
+cdef float *_scratch(object arr, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, list keep) except? NULL:
+    """The data of ``arr`` (a C-contiguous float32 array of ``gemm_scratch_shape(M, N, K)``, or None: a new
+    one, held in ``keep``), or NULL where the product needs no scratch."""
+    cdef float[:, ::1] buf
+    shape = gemm_scratch_shape(M, N, K)
+    if shape is None:
+        return NULL
+    if arr is None:
+        import numpy as np
+        arr = np.empty(shape, dtype=np.float32)
+    buf = arr
+    if (buf.shape[0], buf.shape[1]) != shape:
+        raise ValueError(f"the GEMM scratch must have shape {shape}, got {(buf.shape[0], buf.shape[1])}")
+    keep.append(arr)
+    return &buf[0, 0]
+
+
+def gemm_linear_forward(x, w, b, y, int num_threads, bint relu, scratch):
+    """``y = x @ w.T + b`` (then ``max(y, 0)`` where ``relu``) on the own GEMM: ``linear_forward(...,
+    gemm=True)`` with ndarray checks instead of memoryviews (the cost that matters at batch 1).
+    x (N, F), w (G, F), b (G,) or None, y (N, G): C-contiguous float32 ndarrays; scratch as
+    ``gemm_scratch_shape(N, G, F)`` or None."""
+    if not (isinstance(x, ndarray) and isinstance(w, ndarray) and isinstance(y, ndarray)
+            and (b is None or isinstance(b, ndarray)) and (scratch is None or isinstance(scratch, ndarray))):
+        raise TypeError("gemm_linear_forward: x, w, y (and b, scratch unless None) must be NumPy arrays")
+    if pcd_ndim(x) != 2 or pcd_ndim(w) != 2:
+        raise ValueError("gemm_linear_forward: x and w must be 2-D")
+    cdef Py_ssize_t N = pcd_dim(x, 0), F = pcd_dim(x, 1), G = pcd_dim(w, 0)
+    if not (pcd_f32_matrix(x, N, F) and pcd_f32_matrix(w, G, F) and pcd_f32_matrix(y, N, G) and pcd_writeable(y)
+            and (b is None or pcd_f32_matrix(b, G, -1))):
+        raise ValueError(f"gemm_linear_forward: expected C-contiguous float32 x (N, F), w (G, F) with the same "
+                         f"F, b (G,) or None and a writeable y (N, G)")
+    if N == 0 or G == 0:
+        return
+    if F == 0:
+        raise ValueError("gemm_linear_forward: x must have at least one feature")
+    cdef const float *bp = NULL if b is None else <const float *>pcd_data(b)
+    cdef float *xt = NULL
+    cdef Py_ssize_t ldt
+    if pcg_nt_transposed(N, G):
+        ldt = pcg_t_ld(N)
+        if scratch is None or not (pcd_f32_matrix(scratch, F, ldt) and pcd_writeable(scratch)):
+            raise ValueError(f"gemm_linear_forward: scratch must be a writeable float32 array of shape {(F, ldt)}")
+        xt = <float *>pcd_data(scratch)
+    cdef const float *xp = <const float *>pcd_data(x)
+    cdef const float *wp = <const float *>pcd_data(w)
+    cdef float *yp = <float *>pcd_data(y)
+    with nogil:
+        _gemm_nt(xp, wp, bp, relu, yp, N, G, F, num_threads, xt)
+
+
+def gemm_nt(const float[:, ::1] a, const float[:, ::1] b, const float[::1] bias, float[:, ::1] c, bint relu,
+            int num_threads):
+    """``c = a @ b.T + bias`` (bias may be None), then ``max(c, 0)`` where ``relu``; a (M, K), b (N, K),
+    c (M, N) overwritten. The own GEMM of every ISA level (tests and tuning)."""
+    cdef Py_ssize_t M = a.shape[0], K = a.shape[1], N = b.shape[0]
+    if b.shape[1] != K:
+        raise ValueError(f"gemm_nt: b must have a's {K} columns, got shape {(b.shape[0], b.shape[1])}")
+    if c.shape[0] != M or c.shape[1] != N:
+        raise ValueError(f"gemm_nt: c must have shape {(M, N)}, got {(c.shape[0], c.shape[1])}")
+    if bias is not None and bias.shape[0] != N:
+        raise ValueError(f"gemm_nt: bias must have {N} elements, got {bias.shape[0]}")
+    if M == 0 or N == 0:
+        return
+    if K == 0:
+        raise ValueError("gemm_nt: the inner dimension must be at least 1")
+    cdef const float *bp = NULL
+    cdef list keep = []
+    cdef float *xt = _scratch(None, M, N, K, keep)
+    if bias is not None:
+        bp = &bias[0]
+    with nogil:
+        _gemm_nt(&a[0, 0], &b[0, 0], bp, relu, &c[0, 0], M, N, K, num_threads, xt)
+
+
+def gemm_nn(const float[:, ::1] a, const float[:, ::1] b, float[:, ::1] c, bint trans_a, int num_threads):
+    """``c = a @ b`` (``a.T @ b`` where ``trans_a``); c overwritten. The own GEMM (tests and tuning)."""
+    cdef Py_ssize_t M = a.shape[1] if trans_a else a.shape[0], K = a.shape[0] if trans_a else a.shape[1]
+    cdef Py_ssize_t N = b.shape[1]
+    if b.shape[0] != K:
+        raise ValueError(f"gemm_nn: b must have {K} rows, got shape {(b.shape[0], b.shape[1])}")
+    if c.shape[0] != M or c.shape[1] != N:
+        raise ValueError(f"gemm_nn: c must have shape {(M, N)}, got {(c.shape[0], c.shape[1])}")
+    if M == 0 or N == 0:
+        return
+    if K == 0:
+        raise ValueError("gemm_nn: the inner dimension must be at least 1")
+    with nogil:
+        if trans_a:
+            _gemm_nn(&a[0, 0], 1, M, &b[0, 0], &c[0, 0], M, N, K, num_threads)
+        else:
+            _gemm_nn(&a[0, 0], K, 1, &b[0, 0], &c[0, 0], M, N, K, num_threads)
 
 
 cdef inline int _team(int nt, int extent) noexcept nogil:
@@ -174,15 +379,30 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
                    const float[::1] b,     # IN  (G,) or None
                    float[:, ::1] y,        # OUT (N, G), overwritten
                    int num_threads,
-                   bint narrow=False):
-    """``y = x @ w.T + b``; ``narrow`` (G <= NARROW_MAX_G) streams x once instead of calling sgemm."""
+                   bint narrow=False,
+                   bint relu=False,
+                   bint gemm=False,
+                   scratch=None):              # float32 (gemm_scratch_shape(N, G, F)) or None
+    """``y = x @ w.T + b``, then ``max(y, 0)`` where ``relu``; ``narrow`` (G <= NARROW_MAX_G) streams
+    x once, ``gemm`` runs the own GEMM (bias and ReLU applied as it stores), else sgemm and one
+    pass adding the bias and applying the ReLU."""
     cdef int N = x.shape[0], F = x.shape[1], G = w.shape[0]
     cdef float *yp = &y[0, 0]
     cdef const float *bp = NULL
     cdef Py_ssize_t r, j, npairs, nrun, t
+    cdef float v
     cdef int nt = num_threads if num_threads > 0 else 1
     if b is not None:
         bp = &b[0]
+    if narrow and relu:
+        raise ValueError("linear_forward: the narrow kernels apply no ReLU (apply it after)")
+    cdef list keep = []
+    cdef float *xt
+    if gemm:
+        xt = _scratch(scratch, N, G, F, keep)
+        with nogil:
+            _gemm_nt(&x[0, 0], &w[0, 0], bp, relu, yp, N, G, F, num_threads, xt)
+        return
     if narrow:
         if G > PCD_NARROW_G:
             raise ValueError(f"narrow linear_forward takes at most {PCD_NARROW_G} outputs, got {G}")
@@ -202,12 +422,13 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
     with nogil:
         # y^T (G x N) = w (G x F, stored as F x G: 'T') @ x^T (F x N)
         _par_sgemm(b'T', b'N', G, N, F, &w[0, 0], F, &x[0, 0], F, yp, G, num_threads)
-        if bp != NULL:
+        if bp != NULL or relu:
             if <Py_ssize_t>N * G < 32768:
                 nt = 1
             for r in prange(N, schedule="guided", num_threads=nt):
                 for j in range(G):
-                    yp[r * G + j] = yp[r * G + j] + bp[j]
+                    v = yp[r * G + j] + (bp[j] if bp != NULL else 0.0)
+                    yp[r * G + j] = 0.0 if relu and v < 0.0 else v
 
 
 def linear_backward(const float[:, ::1] x,   # IN  (N, F)
@@ -217,11 +438,16 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
                     float[:, ::1] dw,        # OUT (G, F), overwritten
                     float[::1] db,           # OUT (G,) or None, overwritten
                     int num_threads,
-                    bint narrow=False):
+                    bint narrow=False,
+                    const float[:, ::1] y=None,  # IN (N, G): the output of a fused ReLU, or None
+                    float[:, ::1] dym=None,      # SCRATCH (N, G) with y: dy masked by y > 0
+                    bint gemm=False):
     """``dx = dy @ w``, ``dw = dy.T @ x``, ``db = dy.sum(0)`` (db summed in double).
 
     ``narrow`` (G <= NARROW_MAX_G): dx and dw in one pass over x, column blocks handed out to
     threads dynamically (each column sums its rows in order: the same bits on any thread).
+    ``y``: the layer's output went through a ReLU (``linear_forward(relu=True)``); dy is masked
+    by ``y > 0`` into ``dym`` in one pass that also sums db. ``gemm``: dx and dw on the own GEMM.
     """
     cdef int N = x.shape[0], F = x.shape[1], G = w.shape[0]
     cdef const float *dyp = &dy[0, 0]
@@ -230,10 +456,26 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
     cdef int nt = num_threads if num_threads > 0 else 1
     cdef int g, fb
     cdef Py_ssize_t nblk, nrun, t
+    cdef Py_ssize_t nmask
+    cdef bint db_done = False
     if dx is not None:
         dxp = &dx[0, 0]
     if db is not None:
         dbp = &db[0]
+    if y is not None:
+        if dym is None or y.shape[0] != N or y.shape[1] != G or dym.shape[0] != N or dym.shape[1] != G:
+            raise ValueError(f"linear_backward: y and dym must have dy's shape {(N, G)}")
+        nmask = (G + PCG_MASK_GB - 1) // PCG_MASK_GB
+        nt = num_threads if num_threads > 0 else 1
+        if <Py_ssize_t>N * G < 32768:
+            nt = 1
+        with nogil:
+            for t in prange(nmask, schedule="dynamic", num_threads=_team(nt, <int>nmask)):
+                pcg_relu_mask_db(&dy[0, 0], &y[0, 0], &dym[0, 0], dbp, N, G,
+                                 t * PCG_MASK_GB, min(<Py_ssize_t>G, (t + 1) * PCG_MASK_GB))
+        dyp = &dym[0, 0]
+        db_done = True
+        nt = num_threads if num_threads > 0 else 1
     if narrow:
         if G > PCD_NARROW_G:
             raise ValueError(f"narrow linear_backward takes at most {PCD_NARROW_G} outputs, got {G}")
@@ -246,8 +488,17 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
         nblk = (F + fb - 1) // fb
         if nt > nblk:
             nt = <int>nblk
+    if gemm and not narrow:
+        with nogil:
+            if dxp != NULL:
+                # dx (N x F) = dy (N x G) @ w (G x F)
+                _gemm_nn(dyp, G, 1, &w[0, 0], dxp, N, F, G, num_threads)
+            # dw (G x F) = dy^T (G x N) @ x (N x F)
+            _gemm_nn(dyp, 1, G, &x[0, 0], &dw[0, 0], G, F, N, num_threads)
     with nogil:
-        if narrow:
+        if gemm and not narrow:
+            pass
+        elif narrow:
             # runs of column blocks, a few per thread, handed out dynamically (a thread whose core
             # is shared takes fewer); a run's blocks are adjacent, so each thread streams its dx rows
             nrun = 1 if nt == 1 else min(nblk, <Py_ssize_t>(_dw_runs if dxp == NULL else NARROW_RUNS_PER_THREAD) * nt)
@@ -258,10 +509,10 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
         elif dxp != NULL:
             # dx^T (F x N) = w^T (F x G, stored so: 'N') @ dy^T (G x N)
             _par_sgemm(b'N', b'N', F, N, G, &w[0, 0], F, dyp, G, dxp, F, num_threads)
-        if not narrow:
+        if not narrow and not gemm:
             # dw^T (F x G) = x^T (F x N) @ dy (N x G, stored as G x N: 'T')
             _par_sgemm(b'N', b'T', F, G, N, &x[0, 0], F, dyp, G, &dw[0, 0], F, num_threads)
-        if dbp != NULL:
+        if dbp != NULL and not db_done:
             if <Py_ssize_t>N * G < 32768:
                 nt = 1
             if nt > G:

@@ -128,6 +128,19 @@ class Backend:
         """Returns ``(dx, dw, db)``: dx (N, F) or None, dw (G, F), db (G,) or None; overwritten."""
         raise self._missing("linear_backward")
 
+    def linear_relu_forward(self, x, w, b):
+        """``max(x @ w.T + b, 0)``: a linear layer followed by a ReLU (b may be None).
+
+        The default composes the unfused ops; backends override it to apply the
+        ReLU as the linear layer stores its output.
+        """
+        return self.relu_forward(self.linear_forward(x, w, b))
+
+    def linear_relu_backward(self, x, w, y, dy, need_dx: bool = True, need_db: bool = True):
+        """Gradients of :meth:`linear_relu_forward` from its output y; returns ``(dx, dw, db)``
+        as :meth:`linear_backward` (dy is masked by ``y > 0``)."""
+        return self.linear_backward(x, w, self.relu_backward(y, dy), need_dx, need_db)
+
     # ------------------------------------------------------------- activations
     def relu_forward(self, x):
         """``y = max(x, 0)`` elementwise, any shape."""

@@ -8,8 +8,10 @@ number of chunks it has and runs small inputs on one thread.
 Stride-1 convolutions run on register-blocked micro-kernels (``pc_conv.h``).
 Linear layers with few outputs over many inputs (a classifier head) stream
 their input once through the narrow kernels (``pc_dense.h``); other linear
-layers and the strided convolution backward call the BLAS ``sgemm`` of
-SciPy from inside OpenMP parallel regions. A BLAS that spawned its own
+layers run on the register-blocked GEMM of ``pc_gemm.h`` (at the AVX-512 and
+AVX2 levels, see ``gemm_linear``). The strided convolution backward, and
+linear layers at the portable level, call the BLAS ``sgemm`` of SciPy from
+inside OpenMP parallel regions. A BLAS that spawned its own
 threads there would oversubscribe the cores, so every such call runs with
 SciPy's BLAS limited to one thread (:class:`_BlasOneThread`), per call, so
 the user's BLAS setting outside parconv is left alone. With OpenBLAS (SciPy's
@@ -322,6 +324,11 @@ class OpenMPBackend(HostArrays, Backend):
     #: ``NARROW_MIN_FEATURES``). False keeps every linear layer on sgemm.
     narrow_linear: bool = True
 
+    #: Run the other linear layers on the register-blocked GEMM of ``pc_gemm.h`` (bias and a
+    #: fused ReLU applied as it stores) instead of the BLAS sgemm. None: where the kernels of the
+    #: ISA level in use beat or match the BLAS (``_dense.GEMM_PREFERRED``: the AVX-512 and AVX2 levels).
+    gemm_linear: bool | None = None
+
     def __init__(self):
         self._ref = None
         self._pool = _BufferPool()
@@ -609,31 +616,61 @@ class OpenMPBackend(HostArrays, Backend):
 
     # ------------------------------------------------------------------ linear
     def linear_forward(self, x, w, b):
+        return self._linear_forward(x, w, b, False)
+
+    def linear_relu_forward(self, x, w, b):
+        """The bias and the ReLU applied as the product is stored: one pass over y."""
+        return self._linear_forward(x, w, b, True)
+
+    def _linear_forward(self, x, w, b, relu):
         x, w = _f32(x), _f32(w)
         b = None if b is None else _f32(b)
-        if min(x.shape + w.shape) <= 0:
-            return self._reference().linear_forward(x, w, b)
-        y = self._empty((x.shape[0], w.shape[0]))
+        (N, F), G = x.shape, w.shape[0]
+        if N <= 0 or F <= 0 or G <= 0:
+            y = self._reference().linear_forward(x, w, b)
+            return np.maximum(y, 0, out=y) if relu else y
+        y = self._empty((N, G))
         if self._narrow(x, w):
             _dense.linear_forward(x, w, b, y, get_num_threads(), True)
+            return self.relu_forward(y) if relu else y
+        if self._gemm():
+            shape = _dense.gemm_scratch_shape(N, G, F)
+            _dense.gemm_linear_forward(x, w, b, y, get_num_threads(), relu, None if shape is None else self._empty(shape))
             return y
         with _blas_limit(x.shape[0] * x.shape[1] * w.shape[0]):
-            _dense.linear_forward(x, w, b, y, get_num_threads())
+            _dense.linear_forward(x, w, b, y, get_num_threads(), relu=relu)
         return y
 
     def linear_backward(self, x, w, dy, need_dx=True, need_db=True):
+        return self._linear_backward(x, w, None, dy, need_dx, need_db)
+
+    def linear_relu_backward(self, x, w, y, dy, need_dx=True, need_db=True):
+        """dy masked by ``y > 0`` in one pass that also sums db, then dx and dw."""
+        return self._linear_backward(x, w, _f32(y), dy, need_dx, need_db)
+
+    def _linear_backward(self, x, w, y, dy, need_dx, need_db):
         x, w, dy = _f32(x), _f32(w), _f32(dy)
         if min(x.shape + w.shape) <= 0:
+            if y is not None:
+                dy = np.where(y > 0, dy, np.float32(0))
             return self._reference().linear_backward(x, w, dy, need_dx, need_db)
         dx = self._empty(x.shape) if need_dx else None
         dw = self._empty(w.shape)
         db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
+        dym = self._empty(dy.shape) if y is not None else None
+        nt = get_num_threads()
         if self._narrow(x, w):
-            _dense.linear_backward(x, w, dy, dx, dw, db, get_num_threads(), True)
-            return dx, dw, db
-        with _blas_limit(x.shape[0] * x.shape[1] * w.shape[0]):
-            _dense.linear_backward(x, w, dy, dx, dw, db, get_num_threads())
+            _dense.linear_backward(x, w, dy, dx, dw, db, nt, True, y=y, dym=dym)
+        elif self._gemm():
+            _dense.linear_backward(x, w, dy, dx, dw, db, nt, y=y, dym=dym, gemm=True)
+        else:
+            with _blas_limit(x.shape[0] * x.shape[1] * w.shape[0]):
+                _dense.linear_backward(x, w, dy, dx, dw, db, nt, y=y, dym=dym)
         return dx, dw, db
+
+    def _gemm(self) -> bool:
+        """Whether the other linear layers run on the own GEMM (see ``gemm_linear``)."""
+        return _dense.GEMM_PREFERRED if self.gemm_linear is None else bool(self.gemm_linear)
 
     def _narrow(self, x, w) -> bool:
         """Whether a linear layer takes the narrow kernels (few outputs, wide inputs) over sgemm."""

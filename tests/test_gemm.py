@@ -1,0 +1,300 @@
+"""The register-blocked GEMM of the linear layers (pc_gemm.h) at every ISA level, and the fused
+Linear -> ReLU step of a Sequential."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import parconv as pc
+from conftest import assert_close, host, needs_torch, rand
+
+ext = pytest.importorskip("parconv._ext")
+if not ext.STATE.get("built"):
+    pytest.skip("the compiled kernels are not built", allow_module_level=True)
+
+from parconv._ext import _dense  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
+RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
+
+
+def _tol(k):
+    return 2e-6 * (k ** 0.5 + 4)
+
+
+def _gemm_errors(m, n, k, seed, threads, relu):
+    """Max errors of gemm_nt (with bias, relu) and gemm_nn (both layouts of a) against float64."""
+    rng = np.random.default_rng(seed)
+    a, b = rand(rng, m, k), rand(rng, n, k)
+    bias = rand(rng, n)
+    c = np.full((m, n), np.nan, np.float32)
+    _dense.gemm_nt(a, b, bias, c, relu, threads)
+    want = a.astype(np.float64) @ b.T.astype(np.float64) + bias
+    if relu:
+        want = np.maximum(want, 0)
+    errs = [float(np.abs(c - want).max())]
+    bn = rand(rng, k, n)
+    want = a.astype(np.float64) @ bn.astype(np.float64)
+    c = np.full((m, n), np.nan, np.float32)
+    _dense.gemm_nn(a, bn, c, False, threads)
+    errs.append(float(np.abs(c - want).max()))
+    c = np.full((m, n), np.nan, np.float32)
+    _dense.gemm_nn(np.ascontiguousarray(a.T), bn, c, True, threads)
+    errs.append(float(np.abs(c - want).max()))
+    return errs
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 70), st.integers(1, 90), st.integers(0, 2**31 - 1), st.booleans(),
+       st.sampled_from([1, 2]))
+def test_gemm_matches_float64(m, n, k, seed, relu, threads):
+    """Odd sizes, one row or column, k not a multiple of any vector width: every element written
+    (the outputs start as NaN) and close to the float64 product."""
+    assert max(_gemm_errors(m, n, k, seed, threads, relu)) <= _tol(k)
+
+
+def test_gemm_checks_shapes():
+    a, b, c = np.ones((3, 4), np.float32), np.ones((5, 4), np.float32), np.ones((3, 5), np.float32)
+    with pytest.raises(ValueError, match="b must have"):
+        _dense.gemm_nt(a, np.ones((5, 3), np.float32), None, c, False, 1)
+    with pytest.raises(ValueError, match="c must have shape"):
+        _dense.gemm_nt(a, b, None, np.ones((5, 3), np.float32), False, 1)
+    with pytest.raises(ValueError, match="bias must have 5"):
+        _dense.gemm_nt(a, b, np.ones(4, np.float32), c, False, 1)
+    with pytest.raises(ValueError, match="b must have 4 rows"):
+        _dense.gemm_nn(a, b, c, False, 1)
+
+
+def _child_code():
+    return textwrap.dedent("""
+        import json
+        import numpy as np
+        import parconv as pc
+        from parconv import _ext
+        from parconv._ext import _dense
+        rng = np.random.default_rng(3)
+        fails, worst = [], 0.0
+        shapes = [(1, 1, 1), (1, 512, 784), (1, 17, 33), (5, 1, 19), (3, 7, 1), (64, 512, 784), (9, 33, 17),
+                  (70, 10, 512), (13, 65, 100), (32, 64, 3), (95, 130, 20), (31, 200, 9), (2, 31, 15), (257, 19, 47), (4, 4, 16), (33, 70, 129)]
+        for m, n, k in shapes:
+            a, b, bn, bias = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (n, k), (k, n), (n,)))
+            ref_nt = np.maximum(a.astype(np.float64) @ b.T.astype(np.float64) + bias, 0)
+            ref_nn = a.astype(np.float64) @ bn.astype(np.float64)
+            outs = []
+            for nt in (1, 2, 2):
+                c1, c2, c3 = (np.full((m, n), np.nan, np.float32) for _ in range(3))
+                _dense.gemm_nt(a, b, bias, c1, True, nt)
+                _dense.gemm_nn(a, bn, c2, False, nt)
+                _dense.gemm_nn(np.ascontiguousarray(a.T), bn, c3, True, nt)
+                outs.append((c1, c2, c3))
+                err = max(float(np.abs(c1 - ref_nt).max()), float(np.abs(c2 - ref_nn).max()),
+                          float(np.abs(c3 - ref_nn).max()))
+                worst = max(worst, err / (k ** 0.5 + 4))
+            # the same bits on every repeat and at every thread count
+            if not all(np.array_equal(x, y) for o in outs[1:] for x, y in zip(o, outs[0])):
+                fails.append(("bits", m, n, k))
+            # in a small batch (the dot-form tiles) a row's bits do not depend on the other rows:
+            # batch 1 is the matrix-vector tile
+            if m < 32:
+                c1 = np.empty((1, n), np.float32)
+                _dense.gemm_nt(a[m - 1:], b, bias, c1, True, 1)
+                if not np.array_equal(c1[0], outs[0][0][m - 1]):
+                    fails.append(("row", m, n, k))
+        print(json.dumps({"level": _ext.STATE["level"], "fails": fails, "worst": worst,
+                          "preferred": _dense.GEMM_PREFERRED}))
+    """)
+
+
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
+def test_every_level_matches_float64_and_repeats_its_bits(level):
+    if level not in RUNNABLE:
+        pytest.skip(f"this host or build does not run the {level} level")
+    env = dict(os.environ)
+    env["PARCONV_ISA"] = level
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-P", "-c", _child_code()], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["level"] == level
+    assert result["fails"] == []
+    assert result["worst"] <= 1e-5, result
+    # the own GEMM is the default at the vector levels; the generic level keeps the BLAS
+    assert result["preferred"] == (level != "generic")
+
+
+# ------------------------------------------------------------- backend and fusion
+
+@pytest.fixture(params=[True, False], ids=["gemm", "blas"])
+def openmp(request):
+    be = pc.backends.get("openmp")
+    old = be.gemm_linear
+    be.gemm_linear = request.param
+    yield be
+    be.gemm_linear = old
+
+
+@pytest.mark.parametrize("n,f,g", [(1, 784, 512), (64, 784, 512), (7, 33, 17), (256, 512, 10), (3, 2049, 5)])
+def test_linear_relu_ops_match_the_unfused_ops_bit_for_bit(openmp, n, f, g):
+    """linear_relu_forward/backward (the ReLU applied as y is stored, dy masked once with db summed in
+    the same pass) give the bits of linear_forward -> relu_forward and relu_backward -> linear_backward,
+    on the own GEMM and on the BLAS path."""
+    rng = np.random.default_rng(n + f + g)
+    x, w, b, dy = rand(rng, n, f), rand(rng, g, f, scale=f ** -0.5), rand(rng, g), rand(rng, n, g)
+    with pc.num_threads(2):
+        y = openmp.linear_relu_forward(x, w, b)
+        assert np.array_equal(y, openmp.relu_forward(openmp.linear_forward(x, w, b)))
+        got = openmp.linear_relu_backward(x, w, y, dy, True, True)
+        want = openmp.linear_backward(x, w, openmp.relu_backward(y, dy), True, True)
+    for a, e, name in zip(got, want, ("dx", "dw", "db")):
+        assert np.array_equal(a, e), name
+    ref = np.maximum(x.astype(np.float64) @ w.T.astype(np.float64) + b, 0)
+    assert_close(y, ref, atol=1e-4, what="y")
+
+
+def test_own_gemm_linear_repeats_its_bits_under_any_thread_count():
+    be = pc.backends.get("openmp")
+    old = be.gemm_linear
+    be.gemm_linear = True
+    try:
+        rng = np.random.default_rng(4)
+        x, w, b, dy = rand(rng, 100, 300), rand(rng, 70, 300), rand(rng, 70), rand(rng, 100, 70)
+        runs = []
+        for nt in (1, 2, 2, 3):
+            with pc.num_threads(nt):
+                y = be.linear_relu_forward(x, w, b)
+                runs.append((y,) + tuple(be.linear_relu_backward(x, w, y, dy, True, True)))
+        for r in runs[1:]:
+            for a, e in zip(r, runs[0]):
+                assert np.array_equal(a, e)
+    finally:
+        be.gemm_linear = old
+
+
+def _mlp(backend, fuse, sizes=(20, 16, 12, 3)):
+    pc.manual_seed(7)
+    layers = []
+    for i, (f, g) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers += [pc.Linear(f, g)] + ([pc.ReLU()] if i < len(sizes) - 2 else [])
+    return pc.Sequential(*layers, backend=backend, fuse=fuse)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_sequential_fuses_linear_relu_as_the_layers(backend, training):
+    """Linear -> ReLU runs as one step in both modes and gives the layers' output, input gradient and
+    parameter gradients (bit for bit on the openmp backend)."""
+    from parconv._fusion import LinearReLU, count_fused
+
+    rng = np.random.default_rng(9)
+    x, dy = rand(rng, 5, 20), rand(rng, 5, 3)
+    fused, plain = _mlp(backend, True).train(training), _mlp(backend, False).train(training)
+    assert count_fused(fused.plan()) == 2 and count_fused(plain.plan()) == 0
+    assert all(isinstance(s.step, LinearReLU) for s in fused.plan() if s.stop - s.start == 2)
+    outs = []
+    for model in (fused, plain):
+        y = model.forward(backend.asarray(x))
+        dx = model.backward(backend.asarray(dy), need_dx=True)
+        outs.append((host(y), host(dx), [host(p.grad) for p in model.parameters()]))
+    (y1, dx1, g1), (y2, dx2, g2) = outs
+    exact = backend.name == "openmp"
+    for a, e in [(y1, y2), (dx1, dx2)] + list(zip(g1, g2)):
+        if exact:
+            assert np.array_equal(a, e)
+        else:
+            assert_close(a, e, atol=1e-5)
+
+
+def test_fused_linear_relu_checks_its_input_and_dy():
+    model = _mlp("openmp", True)
+    with pytest.raises(ValueError, match="layer 0"):
+        model.forward(np.ones((2, 19), np.float32))
+    model.forward(np.ones((2, 20), np.float32))
+    with pytest.raises(ValueError, match="dy must have"):
+        model.plan()[0].step.backward(np.ones((2, 3), np.float32))
+    fresh = _mlp("openmp", True)
+    with pytest.raises(ValueError, match="forward pass"):
+        fresh.plan()[0].step.backward(np.ones((2, 16), np.float32))
+
+
+def test_fused_linear_relu_under_bf16_autocast_runs_the_layers():
+    from parconv._fusion import count_fused
+
+    rng = np.random.default_rng(1)
+    x, dy = rand(rng, 4, 20), rand(rng, 4, 3)
+    outs = []
+    for fuse in (True, False):
+        model = _mlp("openmp", fuse)
+        assert count_fused(model.plan()) == (2 if fuse else 0)
+        with pc.autocast():
+            y = model.forward(x)
+            dx = model.backward(dy, need_dx=True)
+        outs.append((host(y), host(dx)))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+
+
+@needs_torch
+@pytest.mark.parametrize("n", [1, 64])
+def test_fused_mlp_matches_pytorch(n):
+    import torch
+
+    from parconv._fusion import count_fused
+
+    sizes = (784, 512, 512, 10)
+    model = _mlp("openmp", True, sizes)
+    assert count_fused(model.plan()) == 2
+    tm = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                             torch.nn.Linear(512, 10))
+    with torch.no_grad():
+        for tl, pl in zip([m for m in tm if isinstance(m, torch.nn.Linear)], [m for m in model if type(m) is pc.Linear]):
+            tl.weight.copy_(torch.from_numpy(host(pl.weight.data)))
+            tl.bias.copy_(torch.from_numpy(host(pl.bias.data)))
+    rng = np.random.default_rng(n)
+    x, dy = rand(rng, n, 784), rand(rng, n, 10)
+    y = model.forward(x)
+    dx = model.backward(dy, need_dx=True)
+    xt = torch.from_numpy(x).requires_grad_(True)
+    yt = tm(xt)
+    yt.backward(torch.from_numpy(dy))
+    assert_close(y, yt.detach().numpy(), atol=1e-4, what="y")
+    assert_close(dx, xt.grad.numpy(), atol=1e-4, what="dx")
+    for p, tp in zip(model.parameters(), tm.parameters()):
+        assert_close(p.grad, tp.grad.numpy(), atol=2e-4, what="grad")
+
+
+def test_gemm_linear_forward_checks_its_arrays_and_matches_the_memoryview_entry():
+    """The batch-1 entry reads ndarray pointers directly; every array is checked first."""
+    rng = np.random.default_rng(2)
+    for n in (1, 64):
+        x, w, b = rand(rng, n, 30), rand(rng, 70, 30), rand(rng, 70)
+        y1, y2 = np.empty((n, 70), np.float32), np.empty((n, 70), np.float32)
+        shape = _dense.gemm_scratch_shape(n, 70, 30)
+        _dense.gemm_linear_forward(x, w, b, y1, 2, True, None if shape is None else np.empty(shape, np.float32))
+        _dense.linear_forward(x, w, b, y2, 2, relu=True, gemm=True)
+        assert np.array_equal(y1, y2)
+    x, w, y = np.ones((2, 3), np.float32), np.ones((4, 3), np.float32), np.empty((2, 4), np.float32)
+    bad = [(x.T.copy(), w, None, y), (x, w, np.ones(3, np.float32), y), (x, w, None, np.ones((2, 4))),
+           (x.astype(np.float64), w, None, y), (np.asfortranarray(np.ones((2, 3), np.float32)), w, None, y),
+           (x, w, None, np.ones((2, 4), np.float32)[:, ::-1]), (np.ones(3, np.float32), w, None, y)]
+    for args in bad:
+        with pytest.raises(ValueError):
+            _dense.gemm_linear_forward(*args, 1, False, None)
+    with pytest.raises(TypeError, match="NumPy arrays"):
+        _dense.gemm_linear_forward([[1.0]], w, None, y, 1, False, None)
+    ro = np.empty((2, 4), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        _dense.gemm_linear_forward(x, w, None, ro, 1, False, None)
+    xb, wb, yb = np.ones((64, 30), np.float32), np.ones((70, 30), np.float32), np.empty((64, 70), np.float32)
+    with pytest.raises(ValueError, match="scratch"):
+        _dense.gemm_linear_forward(xb, wb, None, yb, 1, False, None)
+    with pytest.raises(ValueError, match="scratch"):
+        _dense.gemm_linear_forward(xb, wb, None, yb, 1, False, np.empty((30, 32), np.float32))
