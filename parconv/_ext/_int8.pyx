@@ -48,7 +48,12 @@ cdef extern from "pc_int8.h":
                        const int32_t *wp, int npairs) noexcept nogil
     int pci8_dw_pairs(const int8_t *w, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
                       Py_ssize_t *off, int32_t *wp) noexcept nogil
-    int PCI8_DW_MAXPAIRS
+    int PCI8_DW_MAXPAIRS, PCI8_DWB, PCI8_DWB_FAST, PCI8_DWB_TAPS
+    Py_ssize_t pci8_dwb_scratch(int H, int W, int PH, int PW, int P, int Q) noexcept nogil
+    void pci8_dwb_block(const uint8_t *x, int nc, int H, int W, int z, const int16_t *wt, int KH, int KW, int SH,
+                        int SW, int PH, int PW, int P, int Q, const int32_t *zb32, const int64_t *zb64, int wide,
+                        const float *scale, int relu, void *scratch, float *y, uint8_t *yq, float qs,
+                        int qz) noexcept nogil
 
 # the data pointer of an ndarray whose dtype, rank and contiguity were checked (or that was made here): a
 # typed memoryview costs a buffer acquisition and an object per array on every call
@@ -80,6 +85,21 @@ cdef enum:
     WORK_PER_MAC = 256
     # largest reduction whose raw sums (|xq * wq| <= 255 * 127 each) fit int32
     MAX_KDIM = 2147483647 // (255 * 127)
+
+
+# depthwise layout: per plane (pci8_dw_plane), channel blocks (pci8_dwb_block), or chosen by shape
+_DW_MODES = ("auto", "planes", "blocks")
+cdef str _dw_mode = "auto"
+
+
+def _use_depthwise(name):
+    """Force the depthwise kernel's layout (tests compare them in one process); returns the old mode."""
+    global _dw_mode
+    if name not in _DW_MODES:
+        raise ValueError(f"depthwise mode must be one of {', '.join(_DW_MODES)}, got {name!r}")
+    old = _dw_mode
+    _dw_mode = name
+    return old
 
 
 def path():
@@ -574,6 +594,10 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     scale, zb32, zb64, wide = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
     if N == 0:
         return
+    if _dw_mode == "blocks" or (_dw_mode == "auto" and _dw_blocks_pay(C, H, W, KH, KW, SH, SW, P, Q)):
+        _depthwise_blocks(xq, z, wq, SH, SW, PH, PW, P, Q, scale, zb32, zb64, wide, y, relu, nt, yq, yq_scale,
+                          yq_zero_point)
+        return
     cdef const float *sv = <const float *>pci8_data(scale)
     cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
     cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
@@ -617,6 +641,61 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         free(ybuf)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
+
+
+cdef bint _dw_blocks_pay(int C, int H, int W, int KH, int KW, int SH, int SW, int P, int Q):
+    """Whether the channel blocks beat the per-plane kernel for this shape: planes whose output row is
+    shorter than the plane kernel's 64-wide blocks, or whose stride splits the grid into phases."""
+    return PCI8_DWB_FAST and C >= PCI8_DWB // 2 and KH * KW <= PCI8_DWB_TAPS and (Q < 16 or SH > 1 or SW > 1)
+
+
+cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int PW, int P, int Q, object scale,
+                       object zb32, object zb64, object wide, object y, object relu, int nt, object yq,
+                       object yq_scale, object yq_zero_point):
+    """depthwise_forward (arguments checked there) over blocks of PCI8_DWB channels of one image each."""
+    cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
+    cdef int KH = wq.shape[2], KW = wq.shape[3]
+    cdef Py_ssize_t KK = <Py_ssize_t>KH * KW, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int CB = (C + PCI8_DWB - 1) // PCI8_DWB
+    # per block: each tap's weights on the lanes, and the epilogue's per-channel values (zero past C)
+    wl = np.zeros((CB * PCI8_DWB, KK), dtype=np.int16)
+    wl[:C] = wq.reshape(C, KK)
+    wt = np.ascontiguousarray(wl.reshape(CB, PCI8_DWB, KK).transpose(0, 2, 1))
+    z32 = np.zeros(CB * PCI8_DWB, dtype=np.int32)
+    z64 = np.zeros(CB * PCI8_DWB, dtype=np.int64)
+    sc = np.zeros(CB * PCI8_DWB, dtype=np.float32)
+    z32[:C], z64[:C], sc[:C] = zb32, zb64, scale
+    cdef const int16_t *wtp = <const int16_t *>pci8_data(wt)
+    cdef const int32_t *z32p = <const int32_t *>pci8_data(z32)
+    cdef const int64_t *z64p = <const int64_t *>pci8_data(z64)
+    cdef const float *scp = <const float *>pci8_data(sc)
+    cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
+    cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
+    cdef Py_ssize_t scratch_n = pci8_dwb_scratch(H, W, PH, PW, P, Q)
+    cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
+    cdef Py_ssize_t jobs = <Py_ssize_t>N * CB, i, n, b
+    cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * C * PQ * KK, jobs, nt))
+    cdef int nc
+    cdef void *scratch = NULL
+    cdef int failed[1]
+    failed[0] = 0
+    with nogil, parallel(num_threads=team):
+        scratch = malloc(scratch_n + 64)
+        for i in prange(jobs, schedule="dynamic"):
+            if scratch == NULL:
+                failed[0] = 1
+                continue
+            n = i // CB
+            b = i - n * CB
+            nc = C - <int>b * PCI8_DWB if C - <int>b * PCI8_DWB < PCI8_DWB else PCI8_DWB
+            pci8_dwb_block(xp + (n * C + b * PCI8_DWB) * HW, nc, H, W, z, wtp + b * KK * PCI8_DWB, KH, KW, SH, SW,
+                           PH, PW, P, Q, z32p + b * PCI8_DWB, z64p + b * PCI8_DWB, wide_, scp + b * PCI8_DWB, relu_,
+                           scratch, yp + (n * C + b * PCI8_DWB) * PQ if yp != NULL else NULL,
+                           rq.p + (n * C + b * PCI8_DWB) * PQ if rq.p != NULL else NULL, rq.scale, rq.zero_point)
+        free(scratch)
+    if failed[0]:
+        raise MemoryError("depthwise_forward: could not allocate scratch")
 
 
 # ----------------------------------------------------------------------- linear

@@ -927,4 +927,196 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
     if (yq != NULL) pci8_quantize(y, (pc_idx)P * Q, qs, qz, yq);
 }
 
+/* ------------------------------------------------ depthwise, channel blocks
+ * Small planes waste most of pci8_dw_plane's 64-wide blocks and pay its per-plane set-up (grid, tap
+ * pairs) for few outputs, so they run 16 channels at a time with the channels on the vector lanes: the
+ * 16 planes are transposed into one padded grid T[Hp][Wp][16] of int16 x - z (zeros for padding); every
+ * tap is one 16-lane int16 x int16 -> int32 multiply-add per output pixel with that tap's 16 weights
+ * (exact, as the plane kernel); the epilogue runs on [P*Q][16] and one transpose puts the planes back.
+ * Plain C loops over the 16 lanes, vectorised on every level; SSE2 byte transposes where present. */
+
+#define PCI8_DWB 16       /* channels per block */
+#define PCI8_DWB_TAPS 25  /* taps whose weights the AVX-512 block loop keeps in registers (up to 5x5) */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PCI8_DWB_FAST 1   /* the block loop is the vectorised one: worth choosing over planes */
+#else
+#define PCI8_DWB_FAST 0
+#endif
+
+/* Scratch bytes of one channel block (pci8_dwb_block's layout). */
+static inline pc_idx pci8_dwb_scratch(int H, int W, int PH, int PW, int P, int Q)
+{
+    pc_idx Hp = (pc_idx)H + 2 * PH, Wp = (pc_idx)W + 2 * PW, HW = (pc_idx)H * W, PQ = (pc_idx)P * Q;
+    return (pc_idx)sizeof(int16_t) * Hp * Wp * PCI8_DWB + HW * PCI8_DWB + (pc_idx)sizeof(float) * PQ * PCI8_DWB +
+           PQ * PCI8_DWB + 4 * 64;
+}
+
+/* dst[j * ldd + c] = src[c * lds + j] for a 16 x 16 tile of bytes. */
+static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *restrict dst, pc_idx ldd)
+{
+#if defined(__SSE2__)
+    __m128i r[16], a[16], b[16];
+    for (int c = 0; c < 16; c++) r[c] = _mm_loadu_si128((const __m128i *)(src + c * lds));
+    /* bytes: a[k] pixels 0-7, a[k + 8] pixels 8-15, of rows 2k and 2k + 1 */
+    for (int k = 0; k < 8; k++) {
+        a[k] = _mm_unpacklo_epi8(r[2 * k], r[2 * k + 1]);
+        a[k + 8] = _mm_unpackhi_epi8(r[2 * k], r[2 * k + 1]);
+    }
+    /* words: b[4g + m] pixels 4g..4g+3 of rows 4m..4m+3 */
+    for (int h = 0; h < 2; h++)
+        for (int m = 0; m < 4; m++) {
+            b[8 * h + m] = _mm_unpacklo_epi16(a[8 * h + 2 * m], a[8 * h + 2 * m + 1]);
+            b[8 * h + 4 + m] = _mm_unpackhi_epi16(a[8 * h + 2 * m], a[8 * h + 2 * m + 1]);
+        }
+    /* dwords, then qwords: whole pixels */
+    for (int g = 0; g < 4; g++) {
+        __m128i c0 = _mm_unpacklo_epi32(b[4 * g], b[4 * g + 1]), c1 = _mm_unpackhi_epi32(b[4 * g], b[4 * g + 1]);
+        __m128i c2 = _mm_unpacklo_epi32(b[4 * g + 2], b[4 * g + 3]), c3 = _mm_unpackhi_epi32(b[4 * g + 2], b[4 * g + 3]);
+        _mm_storeu_si128((__m128i *)(dst + (4 * g) * ldd), _mm_unpacklo_epi64(c0, c2));
+        _mm_storeu_si128((__m128i *)(dst + (4 * g + 1) * ldd), _mm_unpackhi_epi64(c0, c2));
+        _mm_storeu_si128((__m128i *)(dst + (4 * g + 2) * ldd), _mm_unpacklo_epi64(c1, c3));
+        _mm_storeu_si128((__m128i *)(dst + (4 * g + 3) * ldd), _mm_unpackhi_epi64(c1, c3));
+    }
+#else
+    for (int j = 0; j < 16; j++)
+        for (int c = 0; c < 16; c++) dst[j * ldd + c] = src[c * lds + j];
+#endif
+}
+
+/* One block of nc <= 16 channels of one image: x points at the first plane (planes HW apart), wt holds
+ * each tap's 16 weights ([KH * KW][16] int16, zero past nc), zb32 / zb64 / scale 16 lanes each.
+ * y (P, Q planes, PQ apart) gets the float32 outputs when not NULL; yq the next layer's uint8 input
+ * when not NULL (pci8_quantize of the same float32 values). */
+static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int W, int z,
+                                  const int16_t *restrict wt, int KH, int KW, int SH, int SW, int PH, int PW,
+                                  int P, int Q, const int32_t *restrict zb32, const int64_t *restrict zb64, int wide,
+                                  const float *restrict scale, int relu, void *restrict scratch,
+                                  float *restrict y, uint8_t *restrict yq, float qs, int qz)
+{
+    const pc_idx Hp = (pc_idx)H + 2 * PH, Wp = (pc_idx)W + 2 * PW, HW = (pc_idx)H * W, PQ = (pc_idx)P * Q;
+    uint8_t *base = (uint8_t *)scratch;
+    int16_t *T = (int16_t *)base;                                      /* [Hp][Wp][16] */
+    uint8_t *xt = base + ((pc_idx)sizeof(int16_t) * Hp * Wp * PCI8_DWB + 63) / 64 * 64;   /* [HW][16] */
+    float *f = (float *)(xt + (HW * PCI8_DWB + 63) / 64 * 64);                            /* [PQ][16] */
+    uint8_t *fq = (uint8_t *)(f + PQ * PCI8_DWB);                                          /* [PQ][16] */
+
+    int fused = 0;  /* the AVX-512 loop quantized as it stored */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    fused = KH * KW <= PCI8_DWB_TAPS;
+#endif
+    /* the planes, channels minor */
+    pc_idx i = 0;
+    if (nc == PCI8_DWB)
+        for (; i + 16 <= HW; i += 16) pci8_tr16(x + i, HW, xt + i * PCI8_DWB, PCI8_DWB);
+    for (; i < HW; i++)
+        for (int c = 0; c < PCI8_DWB; c++) xt[i * PCI8_DWB + c] = c < nc ? x[c * HW + i] : (uint8_t)z;
+
+    /* the padded int16 grid of x - z */
+    for (pc_idx r = 0; r < Hp; r++) {
+        int16_t *row = T + r * Wp * PCI8_DWB;
+        pc_idx h = r - PH;
+        if (h < 0 || h >= H) {
+            memset(row, 0, sizeof(int16_t) * (size_t)(Wp * PCI8_DWB));
+            continue;
+        }
+        memset(row, 0, sizeof(int16_t) * (size_t)(PW * PCI8_DWB));
+        const uint8_t *src = xt + h * W * PCI8_DWB;
+        int16_t *dst = row + (pc_idx)PW * PCI8_DWB;
+        const pc_idx n = (pc_idx)W * PCI8_DWB;
+        PC_SIMD
+        for (pc_idx k = 0; k < n; k++) dst[k] = (int16_t)(src[k] - z);
+        memset(row + ((pc_idx)PW + W) * PCI8_DWB, 0, sizeof(int16_t) * (size_t)(PW * PCI8_DWB));
+    }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (KH * KW <= PCI8_DWB_TAPS) {
+        /* the tap weights stay in registers; each output pixel is one int32 vector of 16 channels
+         * (vpmovsxwd + vpmulld per tap, exact), then the epilogue and the next layer's quantization
+         * (pci8_q16, as pci8_quantize) on that vector */
+        __m512i wv[PCI8_DWB_TAPS];
+        pc_idx toff[PCI8_DWB_TAPS];
+        const int KK = KH * KW;
+        for (int k = 0; k < KK; k++) {
+            wv[k] = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
+            toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
+        }
+        const __m512i zb = _mm512_loadu_si512((const void *)zb32);
+        const __m512 sc = _mm512_loadu_ps(scale);
+        const float rcp = 1.0f / qs;
+        const int fast = qs > 1e-37f && qs < 1e37f;
+        const __m512 vr = _mm512_set1_ps(rcp), vs = _mm512_set1_ps(qs);
+        const __m512i vz = _mm512_set1_epi32(qz);
+        for (int p = 0; p < P; p++) {
+            for (int q = 0; q < Q; q++) {
+                const int16_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
+                __m512i a = _mm512_setzero_si512();
+                for (int k = 0; k < KK; k++)
+                    a = _mm512_add_epi32(a, _mm512_mullo_epi32(
+                        _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(t0 + toff[k]))), wv[k]));
+                const pc_idx o = ((pc_idx)p * Q + q) * PCI8_DWB;
+                if (!wide) {
+                    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, zb)), sc);
+                    if (relu) v = _mm512_max_ps(_mm512_setzero_ps(), v); /* as v < 0 ? 0 : v */
+                    if (y != NULL) _mm512_storeu_ps(f + o, v);
+                    if (yq != NULL) _mm_storeu_si128((__m128i *)(fq + o), _mm512_cvtepi32_epi8(pci8_q16(v, vr, vs, fast, vz)));
+                } else {
+                    int32_t acc[PCI8_DWB];
+                    _mm512_storeu_si512((void *)acc, a);
+                    for (int c = 0; c < PCI8_DWB; c++) {
+                        float v = (float)((int64_t)acc[c] + zb64[c]) * scale[c];
+                        f[o + c] = relu && v < 0.0f ? 0.0f : v;
+                    }
+                    if (yq != NULL) pci8_quantize(f + o, PCI8_DWB, qs, qz, fq + o);
+                }
+            }
+        }
+    } else
+#endif
+    /* taps: 16 lanes each, exact int32 sums; then the epilogue of pci8_epi_run per lane */
+    for (int p = 0; p < P; p++) {
+        for (int q = 0; q < Q; q++) {
+            const int16_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
+            int32_t acc[PCI8_DWB];
+            for (int c = 0; c < PCI8_DWB; c++) acc[c] = 0;
+            for (int kh = 0; kh < KH; kh++) {
+                const int16_t *tr = t0 + (pc_idx)kh * Wp * PCI8_DWB;
+                const int16_t *wr = wt + (pc_idx)kh * KW * PCI8_DWB;
+                for (int kw = 0; kw < KW; kw++) {
+                    PC_SIMD
+                    for (int c = 0; c < PCI8_DWB; c++)
+                        acc[c] += (int32_t)tr[kw * PCI8_DWB + c] * (int32_t)wr[kw * PCI8_DWB + c];
+                }
+            }
+            float *fo = f + ((pc_idx)p * Q + q) * PCI8_DWB;
+            if (!wide) {
+                PC_SIMD
+                for (int c = 0; c < PCI8_DWB; c++) {
+                    float v = (float)(acc[c] + zb32[c]) * scale[c];
+                    fo[c] = relu && v < 0.0f ? 0.0f : v;
+                }
+            } else {
+                for (int c = 0; c < PCI8_DWB; c++) {
+                    float v = (float)((int64_t)acc[c] + zb64[c]) * scale[c];
+                    fo[c] = relu && v < 0.0f ? 0.0f : v;
+                }
+            }
+        }
+    }
+
+    if (y != NULL)
+        for (int c = 0; c < nc; c++) {
+            float *yc = y + c * PQ;
+            for (pc_idx k = 0; k < PQ; k++) yc[k] = f[k * PCI8_DWB + c];
+        }
+    if (yq != NULL) {
+        /* elementwise, so quantizing [PQ][16] gives each plane's bits */
+        if (!fused) pci8_quantize(f, PQ * PCI8_DWB, qs, qz, fq);
+        pc_idx k = 0;
+        if (nc == PCI8_DWB)
+            for (; k + 16 <= PQ; k += 16) pci8_tr16(fq + k * PCI8_DWB, PCI8_DWB, yq + k, PQ);
+        for (int c = 0; c < nc; c++)
+            for (pc_idx kk = k; kk < PQ; kk++) yq[c * PQ + kk] = fq[kk * PCI8_DWB + c];
+    }
+}
+
 #endif /* PARCONV_PC_INT8_H */
