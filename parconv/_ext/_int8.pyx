@@ -49,6 +49,8 @@ cdef extern from "pc_int8.h":
     int pci8_dw_pairs(const int8_t *w, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
                       Py_ssize_t *off, int32_t *wp) noexcept nogil
     int PCI8_DW_MAXPAIRS, PCI8_DWB, PCI8_DWB_FAST, PCI8_DWB_TAPS
+    void pci8_maxpool_plane(const uint8_t *x, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P,
+                            int Q, uint8_t *y) noexcept nogil
     Py_ssize_t pci8_dwb_scratch(int H, int W, int PH, int PW, int P, int Q) noexcept nogil
     void pci8_dwb_block(const uint8_t *x, int nc, int H, int W, int z, const int16_t *wt, int KH, int KW, int SH,
                         int SW, int PH, int PW, int P, int Q, const int32_t *zb32, const int64_t *zb64, int wide,
@@ -786,3 +788,48 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     if yq is not None:
         with nogil:
             _quantize_team(yp, N * G, rq.scale, rq.zero_point, rq.p, nt)
+
+
+# ------------------------------------------------------------------ max pooling
+
+def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
+                 kernel_size,  # (KH, KW)
+                 stride,       # (SH, SW)
+                 padding,      # (PH, PW), at most half the kernel
+                 y,            # OUT uint8 (N, C, P, Q), overwritten
+                 num_threads):
+    """Max pooling of uint8 activations (floor mode; padding never selected).
+
+    Quantization is monotone, so pooling the uint8 input of the next layer gives the same bits as
+    pooling float32 and quantizing after: chained int8 layers stay in uint8 through a max pool.
+    P = (H + 2 PH - KH) // SH + 1, Q = (W + 2 PW - KW) // SW + 1.
+    """
+    fn = "maxpool2d_u8"
+    xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
+    cdef int nt = _threads(num_threads, fn)
+    if not (isinstance(kernel_size, tuple) and isinstance(stride, tuple) and isinstance(padding, tuple)
+            and len(kernel_size) == len(stride) == len(padding) == 2):
+        raise TypeError(f"{fn}: kernel_size, stride and padding must be (h, w) tuples of ints, got "
+                        f"{kernel_size!r}, {stride!r}, {padding!r}")
+    cdef int KH = _positive(kernel_size[0], fn, "kernel_size[0]", 1), KW = _positive(kernel_size[1], fn,
+                                                                                    "kernel_size[1]", 1)
+    cdef int SH = _positive(stride[0], fn, "stride[0]", 1), SW = _positive(stride[1], fn, "stride[1]", 1)
+    cdef int PH = _positive(padding[0], fn, "padding[0]", 0), PW = _positive(padding[1], fn, "padding[1]", 0)
+    if PH > KH // 2 or PW > KW // 2:
+        raise ValueError(f"{fn}: padding {(PH, PW)} must be at most half the kernel size {(KH, KW)}")
+    cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
+    if H + 2 * PH < KH or W + 2 * PW < KW:
+        raise ValueError(f"{fn}: kernel ({KH}, {KW}) is larger than the padded input ({H + 2 * PH}, {W + 2 * PW})")
+    cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
+    y = _out(y, fn, "y", np.uint8, (N, C, P, Q), "uint8 (N, C, P, Q)")
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
+    cdef uint8_t *yp = <uint8_t *>pci8_data(y)
+    cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, i
+    if planes == 0 or PQ == 0:
+        return
+    # a byte per output tap: below ~1M of them one thread finishes before a woken team would
+    cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KH * KW // 8, planes, nt))
+    cdef Py_ssize_t chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
+    with nogil:
+        for i in prange(planes, schedule="dynamic", chunksize=chunk, num_threads=team):
+            pci8_maxpool_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ)

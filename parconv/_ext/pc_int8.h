@@ -1119,4 +1119,52 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
     }
 }
 
+/* ------------------------------------------------------------ max pooling
+ * uint8 max pooling between chained layers: quantization is monotone, so the max of quantized values is
+ * the quantized max (the same bits as pooling float32 and quantizing after). Padded taps are skipped
+ * (-inf never wins); floor-mode windows always hold one real tap (padding is at most half the kernel). */
+
+/* One plane x (H, W) -> y (P, Q). */
+static inline void pci8_maxpool_plane(const uint8_t *restrict x, int H, int W, int KH, int KW, int SH, int SW,
+                                      int PH, int PW, int P, int Q, uint8_t *restrict y)
+{
+    if (KH == 2 && KW == 2 && SH == 2 && SW == 2 && PH == 0 && PW == 0) {
+        for (int p = 0; p < P; p++) {
+            const uint8_t *r0 = x + (pc_idx)(2 * p) * W, *r1 = r0 + W;
+            uint8_t *yr = y + (pc_idx)p * Q;
+            int q = 0;
+#if defined(__SSE2__)
+            /* the rows' max, then the max of each byte pair (even and odd bytes as int16) */
+            const __m128i lo = _mm_set1_epi16(0x00FF);
+            for (; q + 8 <= Q; q += 8) {
+                __m128i m = _mm_max_epu8(_mm_loadu_si128((const __m128i *)(r0 + 2 * q)),
+                                         _mm_loadu_si128((const __m128i *)(r1 + 2 * q)));
+                __m128i v = _mm_max_epi16(_mm_and_si128(m, lo), _mm_srli_epi16(m, 8));
+                _mm_storel_epi64((__m128i *)(yr + q), _mm_packus_epi16(v, v));
+            }
+#endif
+            for (; q < Q; q++) {
+                uint8_t a = r0[2 * q] > r0[2 * q + 1] ? r0[2 * q] : r0[2 * q + 1];
+                uint8_t b = r1[2 * q] > r1[2 * q + 1] ? r1[2 * q] : r1[2 * q + 1];
+                yr[q] = a > b ? a : b;
+            }
+        }
+        return;
+    }
+    for (int p = 0; p < P; p++) {
+        int h0 = p * SH - PH, h1 = h0 + KH;
+        h0 = h0 < 0 ? 0 : h0;
+        h1 = h1 > H ? H : h1;
+        for (int q = 0; q < Q; q++) {
+            int w0 = q * SW - PW, w1 = w0 + KW;
+            w0 = w0 < 0 ? 0 : w0;
+            w1 = w1 > W ? W : w1;
+            uint8_t m = 0;
+            for (int h = h0; h < h1; h++)
+                for (int w = w0; w < w1; w++) m = x[(pc_idx)h * W + w] > m ? x[(pc_idx)h * W + w] : m;
+            y[(pc_idx)p * Q + q] = m;
+        }
+    }
+}
+
 #endif /* PARCONV_PC_INT8_H */
