@@ -659,18 +659,28 @@ cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int 
     cdef int KH = wq.shape[2], KW = wq.shape[3]
     cdef Py_ssize_t KK = <Py_ssize_t>KH * KW, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int CB = (C + PCI8_DWB - 1) // PCI8_DWB
-    # per block: each tap's weights on the lanes, and the epilogue's per-channel values (zero past C)
-    wl = np.zeros((CB * PCI8_DWB, KK), dtype=np.int16)
-    wl[:C] = wq.reshape(C, KK)
-    wt = np.ascontiguousarray(wl.reshape(CB, PCI8_DWB, KK).transpose(0, 2, 1))
-    z32 = np.zeros(CB * PCI8_DWB, dtype=np.int32)
-    z64 = np.zeros(CB * PCI8_DWB, dtype=np.int64)
-    sc = np.zeros(CB * PCI8_DWB, dtype=np.float32)
-    z32[:C], z64[:C], sc[:C] = zb32, zb64, scale
-    cdef const int16_t *wtp = <const int16_t *>pci8_data(wt)
-    cdef const int32_t *z32p = <const int32_t *>pci8_data(z32)
-    cdef const int64_t *z64p = <const int64_t *>pci8_data(z64)
-    cdef const float *scp = <const float *>pci8_data(sc)
+    # per block: each tap's weights on the lanes, and the epilogue's per-channel values (zero past C), in one
+    # buffer: [CB][KK][16] int16 weights, then [CB * 16] int64, int32 and float32
+    cdef Py_ssize_t lanes = <Py_ssize_t>CB * PCI8_DWB, wbytes = (lanes * KK * 2 + 7) // 8 * 8
+    cdef uint8_t *lb = <uint8_t *>malloc(wbytes + lanes * (8 + 4 + 4))
+    if lb == NULL:
+        raise MemoryError("depthwise_forward: could not allocate scratch")
+    cdef int16_t *wtp = <int16_t *>lb
+    cdef int64_t *z64p = <int64_t *>(lb + wbytes)
+    cdef int32_t *z32p = <int32_t *>(lb + wbytes + lanes * 8)
+    cdef float *scp = <float *>(lb + wbytes + lanes * 12)
+    cdef const int8_t *wsrc = <const int8_t *>pci8_data(wq)
+    cdef const int32_t *zs32 = <const int32_t *>pci8_data(zb32)
+    cdef const int64_t *zs64 = <const int64_t *>pci8_data(zb64)
+    cdef const float *ss = <const float *>pci8_data(scale)
+    cdef Py_ssize_t c, k
+    memset(lb, 0, wbytes + lanes * 16)
+    for c in range(C):
+        for k in range(KK):
+            wtp[((c // PCI8_DWB) * KK + k) * PCI8_DWB + c % PCI8_DWB] = wsrc[c * KK + k]
+        z64p[c] = zs64[c]
+        z32p[c] = zs32[c]
+        scp[c] = ss[c]
     cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
     cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
     cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
@@ -696,6 +706,7 @@ cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int 
                            scratch, yp + (n * C + b * PCI8_DWB) * PQ if yp != NULL else NULL,
                            rq.p + (n * C + b * PCI8_DWB) * PQ if rq.p != NULL else NULL, rq.scale, rq.zero_point)
         free(scratch)
+    free(lb)
     if failed[0]:
         raise MemoryError("depthwise_forward: could not allocate scratch")
 
