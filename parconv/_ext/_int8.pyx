@@ -646,9 +646,10 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
 
 
 cdef bint _dw_blocks_pay(int C, int H, int W, int KH, int KW, int SH, int SW, int P, int Q):
-    """Whether the channel blocks beat the per-plane kernel for this shape: planes whose output row is
-    shorter than the plane kernel's 64-wide blocks, or whose stride splits the grid into phases."""
-    return PCI8_DWB_FAST and C >= PCI8_DWB // 2 and KH * KW <= PCI8_DWB_TAPS and (Q < 16 or SH > 1 or SW > 1)
+    """Whether the channel blocks beat the per-plane kernel for this shape (measured): a full block of channels,
+    and output rows up to 32 wide or strided (on long stride-1 rows the plane kernel's 64-wide runs are full)."""
+    return (PCI8_DWB_FAST and C >= PCI8_DWB and KH * KW <= PCI8_DWB_TAPS
+            and (Q <= 32 or SH > 1 or SW > 1))
 
 
 cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int PW, int P, int Q, object scale,

@@ -983,6 +983,59 @@ static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *r
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* pci8_dwb_block's AVX-512 loop over the output pixels: the tap weights stay in registers; each output pixel
+ * is one int32 vector of 16 channels (vpmovsxwd + vpmulld per tap, exact), then the epilogue and the next
+ * layer's quantization (pci8_q16, as pci8_quantize) on that vector. Inlined with constant kernel sizes for
+ * the common 3x3, so the taps unroll. */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
+static inline void pci8_dwb_taps(const int16_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
+                                 int SH, int SW, int P, int Q, const int32_t *restrict zb32,
+                                 const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
+                                 float *restrict f, int keep_f, uint8_t *restrict fq, int want_q, float qs, int qz)
+{
+    __m512i wv[PCI8_DWB_TAPS];
+    pc_idx toff[PCI8_DWB_TAPS];
+    const int KK = KH * KW;
+    for (int k = 0; k < KK; k++) {
+        wv[k] = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
+        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
+    }
+    const __m512i zb = _mm512_loadu_si512((const void *)zb32);
+    const __m512 sc = _mm512_loadu_ps(scale);
+    const float rcp = 1.0f / qs;
+    const int fast = qs > 1e-37f && qs < 1e37f;
+    const __m512 vr = _mm512_set1_ps(rcp), vs = _mm512_set1_ps(qs);
+    const __m512i vz = _mm512_set1_epi32(qz);
+    for (int p = 0; p < P; p++) {
+        for (int q = 0; q < Q; q++) {
+            const int16_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
+            __m512i a = _mm512_setzero_si512();
+            for (int k = 0; k < KK; k++)
+                a = _mm512_add_epi32(a, _mm512_mullo_epi32(
+                    _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(t0 + toff[k]))), wv[k]));
+            const pc_idx o = ((pc_idx)p * Q + q) * PCI8_DWB;
+            if (!wide) {
+                __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, zb)), sc);
+                if (relu) v = _mm512_max_ps(_mm512_setzero_ps(), v); /* as v < 0 ? 0 : v */
+                if (keep_f) _mm512_storeu_ps(f + o, v);
+                if (want_q) _mm_storeu_si128((__m128i *)(fq + o), _mm512_cvtepi32_epi8(pci8_q16(v, vr, vs, fast, vz)));
+            } else {
+                int32_t acc[PCI8_DWB];
+                _mm512_storeu_si512((void *)acc, a);
+                for (int c = 0; c < PCI8_DWB; c++) {
+                    float v = (float)((int64_t)acc[c] + zb64[c]) * scale[c];
+                    f[o + c] = relu && v < 0.0f ? 0.0f : v;
+                }
+                if (want_q) pci8_quantize(f + o, PCI8_DWB, qs, qz, fq + o);
+            }
+        }
+    }
+}
+#endif
+
 /* One block of nc <= 16 channels of one image: x points at the first plane (planes HW apart), wt holds
  * each tap's 16 weights ([KH * KW][16] int16, zero past nc), zb32 / zb64 / scale 16 lanes each.
  * y (P, Q planes, PQ apart) gets the float32 outputs when not NULL; yq the next layer's uint8 input
@@ -1029,47 +1082,13 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
     }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (KH * KW <= PCI8_DWB_TAPS) {
-        /* the tap weights stay in registers; each output pixel is one int32 vector of 16 channels
-         * (vpmovsxwd + vpmulld per tap, exact), then the epilogue and the next layer's quantization
-         * (pci8_q16, as pci8_quantize) on that vector */
-        __m512i wv[PCI8_DWB_TAPS];
-        pc_idx toff[PCI8_DWB_TAPS];
-        const int KK = KH * KW;
-        for (int k = 0; k < KK; k++) {
-            wv[k] = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
-            toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
-        }
-        const __m512i zb = _mm512_loadu_si512((const void *)zb32);
-        const __m512 sc = _mm512_loadu_ps(scale);
-        const float rcp = 1.0f / qs;
-        const int fast = qs > 1e-37f && qs < 1e37f;
-        const __m512 vr = _mm512_set1_ps(rcp), vs = _mm512_set1_ps(qs);
-        const __m512i vz = _mm512_set1_epi32(qz);
-        for (int p = 0; p < P; p++) {
-            for (int q = 0; q < Q; q++) {
-                const int16_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
-                __m512i a = _mm512_setzero_si512();
-                for (int k = 0; k < KK; k++)
-                    a = _mm512_add_epi32(a, _mm512_mullo_epi32(
-                        _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(t0 + toff[k]))), wv[k]));
-                const pc_idx o = ((pc_idx)p * Q + q) * PCI8_DWB;
-                if (!wide) {
-                    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, zb)), sc);
-                    if (relu) v = _mm512_max_ps(_mm512_setzero_ps(), v); /* as v < 0 ? 0 : v */
-                    if (y != NULL) _mm512_storeu_ps(f + o, v);
-                    if (yq != NULL) _mm_storeu_si128((__m128i *)(fq + o), _mm512_cvtepi32_epi8(pci8_q16(v, vr, vs, fast, vz)));
-                } else {
-                    int32_t acc[PCI8_DWB];
-                    _mm512_storeu_si512((void *)acc, a);
-                    for (int c = 0; c < PCI8_DWB; c++) {
-                        float v = (float)((int64_t)acc[c] + zb64[c]) * scale[c];
-                        f[o + c] = relu && v < 0.0f ? 0.0f : v;
-                    }
-                    if (yq != NULL) pci8_quantize(f + o, PCI8_DWB, qs, qz, fq + o);
-                }
-            }
-        }
+    if (fused) {
+        if (KH == 3 && KW == 3)
+            pci8_dwb_taps(T, Wp, wt, 3, 3, SH, SW, P, Q, zb32, zb64, wide, scale, relu, f, y != NULL, fq, yq != NULL,
+                          qs, qz);
+        else
+            pci8_dwb_taps(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, zb64, wide, scale, relu, f, y != NULL, fq,
+                          yq != NULL, qs, qz);
     } else
 #endif
     /* taps: 16 lanes each, exact int32 sums; then the epilogue of pci8_epi_run per lane */
