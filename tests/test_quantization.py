@@ -349,6 +349,7 @@ def test_maxpool2d_u8_matches_float_pooling_and_validates():
         pytest.skip("the native int8 kernels are not built")
     rng = np.random.default_rng(3)
     for (h, w), k, s, p in [((8, 8), (2, 2), (2, 2), (0, 0)), ((9, 37), (2, 2), (2, 2), (0, 0)),
+                            ((5, 13), (2, 2), (2, 2), (0, 0)),
                             ((7, 11), (3, 3), (2, 2), (1, 1)), ((6, 5), (3, 2), (1, 3), (1, 0)),
                             ((1, 1), (1, 1), (1, 1), (0, 0)), ((5, 33), (2, 3), (2, 1), (0, 1))]:
         xq = rng.integers(0, 256, (2, 3, h, w), dtype=np.uint8)

@@ -10,7 +10,9 @@ int8 in [-127, 127], bias int32 with scale s_x * s_w[o]. Each output is
     y[o]   = float32(acc[o] + bias_q[o]) * scale[o]    (then ReLU if asked)
 
 Integer sums are exact, so every path (:func:`path`: AVX512_VNNI ``vpdpbusd``, AVX2 int16
-``vpmaddwd``, portable C) gives the same bits at every thread count. The kernels are in
+``vpmaddwd``, portable C) gives the same bits at every thread count. Between chained layers, max pooling
+(:func:`maxpool2d_u8`) runs on the uint8 activations: quantization is monotone, so it gives the bits
+of pooling float32 and quantizing after. The kernels are in
 ``pc_int8.h``; this module validates every argument (the kernels run without bounds checks)
 and hands work out in blocks, dynamically.
 """

@@ -1161,6 +1161,14 @@ static inline void pci8_maxpool_plane(const uint8_t *restrict x, int H, int W, i
                 __m128i v = _mm_max_epi16(_mm_and_si128(m, lo), _mm_srli_epi16(m, 8));
                 _mm_storel_epi64((__m128i *)(yr + q), _mm_packus_epi16(v, v));
             }
+            /* short rows (8x8 planes): four outputs from 8 bytes of each row */
+            for (; q + 4 <= Q; q += 4) {
+                __m128i m = _mm_max_epu8(_mm_loadl_epi64((const __m128i *)(r0 + 2 * q)),
+                                         _mm_loadl_epi64((const __m128i *)(r1 + 2 * q)));
+                __m128i v = _mm_max_epi16(_mm_and_si128(m, lo), _mm_srli_epi16(m, 8));
+                int32_t four = _mm_cvtsi128_si32(_mm_packus_epi16(v, v));
+                memcpy(yr + q, &four, 4);
+            }
 #endif
             for (; q < Q; q++) {
                 uint8_t a = r0[2 * q] > r0[2 * q + 1] ? r0[2 * q] : r0[2 * q + 1];
