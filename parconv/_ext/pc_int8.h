@@ -930,9 +930,9 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
 /* ------------------------------------------------ depthwise, channel blocks
  * Small planes waste most of pci8_dw_plane's 64-wide blocks and pay its per-plane set-up (grid, tap
  * pairs) for few outputs, so they run 16 channels at a time with the channels on the vector lanes: the
- * 16 planes are transposed into one padded grid T[Hp][Wp][16] of int16 x - z (zeros for padding); every
- * tap is one 16-lane int16 x int16 -> int32 multiply-add per output pixel with that tap's 16 weights
- * (exact, as the plane kernel); the epilogue runs on [P*Q][16] and one transpose puts the planes back.
+ * 16 planes are transposed into one padded grid T[Hp][Wp][16] of int32 x - z (zeros for padding); every
+ * tap is one 16-lane exact int32 multiply-add per output pixel with that tap's 16 weights (as the plane
+ * kernel's sums); the epilogue runs on [P*Q][16] and one transpose puts the planes back.
  * Plain C loops over the 16 lanes, vectorised on every level; SSE2 byte transposes where present. */
 
 #define PCI8_DWB 16       /* channels per block */
@@ -947,7 +947,7 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
 static inline pc_idx pci8_dwb_scratch(int H, int W, int PH, int PW, int P, int Q)
 {
     pc_idx Hp = (pc_idx)H + 2 * PH, Wp = (pc_idx)W + 2 * PW, HW = (pc_idx)H * W, PQ = (pc_idx)P * Q;
-    return (pc_idx)sizeof(int16_t) * Hp * Wp * PCI8_DWB + HW * PCI8_DWB + (pc_idx)sizeof(float) * PQ * PCI8_DWB +
+    return (pc_idx)sizeof(int32_t) * Hp * Wp * PCI8_DWB + HW * PCI8_DWB + (pc_idx)sizeof(float) * PQ * PCI8_DWB +
            PQ * PCI8_DWB + 4 * 64;
 }
 
@@ -991,7 +991,7 @@ static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *r
 #if defined(__GNUC__)
 __attribute__((always_inline))
 #endif
-static inline void pci8_dwb_taps(const int16_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
+static inline void pci8_dwb_taps(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
                                  int SH, int SW, int P, int Q, const int32_t *restrict zb32,
                                  const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
                                  float *restrict f, int keep_f, uint8_t *restrict fq, int want_q, float qs, int qz)
@@ -1000,7 +1000,9 @@ static inline void pci8_dwb_taps(const int16_t *restrict T, pc_idx Wp, const int
     pc_idx toff[PCI8_DWB_TAPS];
     const int KK = KH * KW;
     for (int k = 0; k < KK; k++) {
-        wv[k] = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
+        /* (w, 0) int16 pairs: vpmaddwd of a grid lane (x - z as int32: low half x - z, high half its sign)
+         * is then (x - z) * w exactly */
+        wv[k] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
         toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
     }
     const __m512i zb = _mm512_loadu_si512((const void *)zb32);
@@ -1011,11 +1013,10 @@ static inline void pci8_dwb_taps(const int16_t *restrict T, pc_idx Wp, const int
     const __m512i vz = _mm512_set1_epi32(qz);
     for (int p = 0; p < P; p++) {
         for (int q = 0; q < Q; q++) {
-            const int16_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
+            const int32_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
             __m512i a = _mm512_setzero_si512();
             for (int k = 0; k < KK; k++)
-                a = _mm512_add_epi32(a, _mm512_mullo_epi32(
-                    _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(t0 + toff[k]))), wv[k]));
+                a = _mm512_add_epi32(a, _mm512_madd_epi16(_mm512_load_si512((const void *)(t0 + toff[k])), wv[k]));
             const pc_idx o = ((pc_idx)p * Q + q) * PCI8_DWB;
             if (!wide) {
                 __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, zb)), sc);
@@ -1047,9 +1048,10 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
                                   float *restrict y, uint8_t *restrict yq, float qs, int qz)
 {
     const pc_idx Hp = (pc_idx)H + 2 * PH, Wp = (pc_idx)W + 2 * PW, HW = (pc_idx)H * W, PQ = (pc_idx)P * Q;
-    uint8_t *base = (uint8_t *)scratch;
-    int16_t *T = (int16_t *)base;                                      /* [Hp][Wp][16] */
-    uint8_t *xt = base + ((pc_idx)sizeof(int16_t) * Hp * Wp * PCI8_DWB + 63) / 64 * 64;   /* [HW][16] */
+    /* 64-byte aligned (the caller's scratch has 64 bytes to spare): a pixel's 16 lanes are one cache line */
+    uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    int32_t *T = (int32_t *)base;                                      /* [Hp][Wp][16] */
+    uint8_t *xt = base + ((pc_idx)sizeof(int32_t) * Hp * Wp * PCI8_DWB + 63) / 64 * 64;   /* [HW][16] */
     float *f = (float *)(xt + (HW * PCI8_DWB + 63) / 64 * 64);                            /* [PQ][16] */
     uint8_t *fq = (uint8_t *)(f + PQ * PCI8_DWB);                                          /* [PQ][16] */
 
@@ -1064,21 +1066,21 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
     for (; i < HW; i++)
         for (int c = 0; c < PCI8_DWB; c++) xt[i * PCI8_DWB + c] = c < nc ? x[c * HW + i] : (uint8_t)z;
 
-    /* the padded int16 grid of x - z */
+    /* the padded int32 grid of x - z (widened once here, not at every tap that reads it) */
     for (pc_idx r = 0; r < Hp; r++) {
-        int16_t *row = T + r * Wp * PCI8_DWB;
+        int32_t *row = T + r * Wp * PCI8_DWB;
         pc_idx h = r - PH;
         if (h < 0 || h >= H) {
-            memset(row, 0, sizeof(int16_t) * (size_t)(Wp * PCI8_DWB));
+            memset(row, 0, sizeof(int32_t) * (size_t)(Wp * PCI8_DWB));
             continue;
         }
-        memset(row, 0, sizeof(int16_t) * (size_t)(PW * PCI8_DWB));
+        memset(row, 0, sizeof(int32_t) * (size_t)(PW * PCI8_DWB));
         const uint8_t *src = xt + h * W * PCI8_DWB;
-        int16_t *dst = row + (pc_idx)PW * PCI8_DWB;
+        int32_t *dst = row + (pc_idx)PW * PCI8_DWB;
         const pc_idx n = (pc_idx)W * PCI8_DWB;
         PC_SIMD
-        for (pc_idx k = 0; k < n; k++) dst[k] = (int16_t)(src[k] - z);
-        memset(row + ((pc_idx)PW + W) * PCI8_DWB, 0, sizeof(int16_t) * (size_t)(PW * PCI8_DWB));
+        for (pc_idx k = 0; k < n; k++) dst[k] = (int32_t)src[k] - z;
+        memset(row + ((pc_idx)PW + W) * PCI8_DWB, 0, sizeof(int32_t) * (size_t)(PW * PCI8_DWB));
     }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -1094,11 +1096,11 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
     /* taps: 16 lanes each, exact int32 sums; then the epilogue of pci8_epi_run per lane */
     for (int p = 0; p < P; p++) {
         for (int q = 0; q < Q; q++) {
-            const int16_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
+            const int32_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
             int32_t acc[PCI8_DWB];
             for (int c = 0; c < PCI8_DWB; c++) acc[c] = 0;
             for (int kh = 0; kh < KH; kh++) {
-                const int16_t *tr = t0 + (pc_idx)kh * Wp * PCI8_DWB;
+                const int32_t *tr = t0 + (pc_idx)kh * Wp * PCI8_DWB;
                 const int16_t *wr = wt + (pc_idx)kh * KW * PCI8_DWB;
                 for (int kw = 0; kw < KW; kw++) {
                     PC_SIMD
