@@ -684,12 +684,17 @@ def _child_code():
                             fails += [] if ok and (yd is None or np.array_equal(yd, dw)) else \
                                 [("depthwise yq", N, C, K, S, nt)]
         # depthwise in both layouts (channel blocks, planes) on full and partial channel blocks
-        for N, C, H, W, K, S, pad, z in ((2, 16, 8, 8, 3, 1, 1, 3), (1, 33, 9, 7, 3, 2, 1, 250),
-                                         (2, 32, 16, 17, 3, 2, 1, 0), (1, 17, 5, 21, 5, 1, 2, 128)):
+        # (a bias near the int32 limits: the epilogue adds in int64)
+        for N, C, H, W, K, S, pad, z, huge in ((2, 16, 8, 8, 3, 1, 1, 3, False), (1, 33, 9, 7, 3, 2, 1, 250, False),
+                                               (2, 32, 16, 17, 3, 2, 1, 0, False), (1, 17, 5, 21, 5, 1, 2, 128, False),
+                                               (1, 16, 6, 9, 3, 1, 1, 77, True)):
             xq = rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)
             wq = rng.integers(-127, 128, (C, 1, K, K), dtype=np.int8)
             scale = rng.uniform(1e-4, 1e-1, C).astype(np.float32)
             bias = rng.integers(-10 ** 6, 10 ** 6, C).astype(np.int32)
+            if huge:
+                bias = rng.choice(np.array([2 ** 31 - 1, -2 ** 31], np.int64), C).astype(np.int32)
+                scale = rng.uniform(1e-12, 1e-10, C).astype(np.float32)
             dw = depthwise_model(xq, z, wq, S, S, pad, pad, bias, scale, True)
             for mode in ("blocks", "planes"):
                 _int8._use_depthwise(mode)

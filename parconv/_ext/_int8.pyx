@@ -649,9 +649,9 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
 
 cdef bint _dw_blocks_pay(int C, int H, int W, int KH, int KW, int SH, int SW, int P, int Q):
     """Whether the channel blocks beat the per-plane kernel for this shape (measured): a full block of channels,
-    and output rows up to 32 wide or strided (on long stride-1 rows the plane kernel's 64-wide runs are full)."""
+    and output rows up to 48 wide or strided (on long stride-1 rows the plane kernel's 64-wide runs are full)."""
     return (PCI8_DWB_FAST and C >= PCI8_DWB and KH * KW <= PCI8_DWB_TAPS
-            and (Q <= 32 or SH > 1 or SW > 1))
+            and (Q <= 48 or SH > 1 or SW > 1))
 
 
 cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int PW, int P, int Q, object scale,
