@@ -100,7 +100,7 @@ def run_int8(args, threads: list, with_torch: bool, log) -> dict:
     """Check and time fp32 vs int8 inference per network, batch and thread count; returns the results dict."""
     rng = np.random.default_rng(0)
     backend = "openmp" if "openmp" in pc.available_backends() else "numpy"
-    nets = args.nets or (QUICK_NETS if args.quick else NETS)
+    nets = getattr(args, "nets", None) or (QUICK_NETS if args.quick else NETS)
     batches = (1, 4) if args.quick else (1, 64)
     out = {"int8_path": Q.int8_path(), "backend": backend, "batches": list(batches), "nets": [], "failed": False}
     log(f"int8 inference (parconv's int8 path: {out['int8_path']}; PyTorch int8: static x86 quantization for the "
