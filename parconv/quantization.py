@@ -675,16 +675,15 @@ class _Int8Chain(_Fused):
         memo = self._memo
         if memo is None or memo[0] != x.shape:
             self._check_input(x)  # the layers' own checks, once per input shape
-            shapes, shape, pooled = [], x.shape, []
+            shapes, shape = [], x.shape
             for (layer, _, flat), pools in zip(self.links, self.pools):  # each kernel's output shape
                 shape = tuple(layer.output_shape(shape))
                 shapes.append(shape)
-                for pool in pools:
+                for pool in pools:  # the next kernel's input
                     shape = tuple(pool.output_shape(shape))
-                pooled.append(shape)
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
-            self._memo = memo = (x.shape, shapes, pooled)  # one assignment: another thread sees the old or the new
+            self._memo = memo = (x.shape, shapes)  # one assignment: another thread sees the old or the new
         xq = first.quantize_input(x)
         for (layer, nxt, flat), shape, pools in zip(self.links, memo[1], self.pools):
             xq = layer._native_forward(xq, shape, nxt)
