@@ -985,7 +985,7 @@ static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *r
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* pci8_dwb_block's AVX-512 loop over the output pixels: the tap weights stay in registers; each output pixel
- * is one int32 vector of 16 channels (vpmovsxwd + vpmulld per tap, exact), then the epilogue and the next
+ * is one int32 vector of 16 channels (one vpmaddwd per tap, exact), then the epilogue and the next
  * layer's quantization (pci8_q16, as pci8_quantize) on that vector. Inlined with constant kernel sizes for
  * the common 3x3, so the taps unroll. */
 #if defined(__GNUC__)
