@@ -932,8 +932,10 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
  * pairs) for few outputs, so they run 16 channels at a time with the channels on the vector lanes: the
  * 16 planes are transposed into one padded grid T[Hp][Wp][16] of int32 x - z (zeros for padding); every
  * tap is one 16-lane exact int32 multiply-add per output pixel with that tap's 16 weights (as the plane
- * kernel's sums); the epilogue runs on [P*Q][16] and one transpose puts the planes back.
- * Plain C loops over the 16 lanes, vectorised on every level; SSE2 byte transposes where present. */
+ * kernel's sums); the epilogue runs on [P*Q][16] and one transpose puts the planes back (SSE2 byte
+ * transposes). The pixel loop is AVX-512 (pci8_dwb_taps) or AVX2 (pci8_dwb_taps2) code; the plain C loop
+ * (other levels, and AVX2's int64 epilogue for biases near the int32 limits) is exact but slow, and
+ * depthwise_forward picks the blocks only where PCI8_DWB_FAST. */
 
 #define PCI8_DWB 16       /* channels per block */
 #define PCI8_DWB_TAPS 25  /* taps whose weights the AVX-512 block loop keeps in registers (up to 5x5) */
