@@ -48,7 +48,8 @@ from ._config import conv_precision, get_num_threads
 from ._shapes import conv_pads
 from ._validation import Where, check_int, shape_of, to_backend_array
 from ._fusion import _Fused
-from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Flatten, Identity, Layer, Linear, ReLU, Residual
+from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Flatten, Identity, Layer, Linear, MaxPool2d, ReLU
+from .layers import Residual
 from .layers import SyncBatchNorm
 from .layers import _check_bool, _pair, _scalar_or_pair, layer_from_spec
 
@@ -664,6 +665,9 @@ class _Int8Chain(_Fused):
             nxt = layers[b] if b is not None else None
             flat = any(type(layers[k]) is Flatten for k in range(a + 1, b if b is not None else len(layers)))
             self.links.append((layers[a], nxt, flat))
+        # per link, the max poolings between its layer and the next, run on the uint8 activations (_pool_u8)
+        self.pools = [[layers[k] for k in range(a + 1, b if b is not None else len(layers))
+                       if type(layers[k]) is MaxPool2d] for a, b in zip(quantized, quantized[1:] + [None])]
 
     def forward(self, x):
         first = self.links[0][0]
@@ -672,21 +676,42 @@ class _Int8Chain(_Fused):
         if memo is None or memo[0] != x.shape:
             self._check_input(x)  # the layers' own checks, once per input shape
             shapes, shape = [], x.shape
-            for layer, _, flat in self.links:  # each kernel's output shape for this input shape
+            for (layer, _, flat), pools in zip(self.links, self.pools):  # each kernel's output shape
                 shape = tuple(layer.output_shape(shape))
                 shapes.append(shape)
+                for pool in pools:  # the next kernel's input
+                    shape = tuple(pool.output_shape(shape))
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
             self._memo = memo = (x.shape, shapes)  # one assignment: another thread sees the old or the new
         xq = first.quantize_input(x)
-        for (layer, nxt, flat), shape in zip(self.links, memo[1]):
+        for (layer, nxt, flat), shape, pools in zip(self.links, memo[1], self.pools):
             xq = layer._native_forward(xq, shape, nxt)
+            for pool in pools:
+                xq = _pool_u8(pool, xq, first._alloc)
             if flat:
                 xq = xq.reshape(shape[0], -1)
         return first._output(None, xq)
 
     def backward(self, dy, need_dx: bool = True):
         return self.links[0][0].backward(dy, need_dx)
+
+
+def _pool_u8(pool, xq: np.ndarray, alloc) -> np.ndarray:
+    """``pool`` (a MaxPool2d) on uint8 activations: quantization is monotone, so the max of the quantized values is
+    the quantized max, the same bits as pooling float32 and quantizing after."""
+    kh, kw = _pair(pool.kernel_size, "kernel_size", "MaxPool2d", 1)
+    sh, sw = _pair(pool.stride, "stride", "MaxPool2d", 1)
+    ph, pw = _pair(pool.padding, "padding", "MaxPool2d", 0)
+    n, c, h, w = xq.shape
+    y = alloc((n, c, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1), np.uint8)
+    _native("maxpool2d_u8")(xq, (kh, kw), (sh, sw), (ph, pw), y, get_num_threads())
+    return y
+
+
+def _pools_u8(layer) -> bool:
+    """Whether a chain runs this layer on its uint8 activations: a max pooling with the native kernel."""
+    return type(layer) is MaxPool2d and layer.backend.name == "openmp" and _native("maxpool2d_u8") is not None
 
 
 def _chains(layer) -> bool:
@@ -700,13 +725,16 @@ def chain_plan(layers, i: int):
     """``(step, stop)`` when ``layers[i]`` starts a run of two or more chainable quantized layers, else None."""
     if not _chains(layers[i]):
         return None
-    last, j, n = i, i + 1, len(layers)
+    last, j, n, flat = i, i + 1, len(layers), False
     while j < n:
         layer = layers[j]
         if type(layer) is Identity or type(layer) is Flatten or (type(layer) is Dropout and not layer.training):
+            flat = flat or type(layer) is Flatten
+            j += 1
+        elif not flat and _pools_u8(layer):  # pooled in uint8 (a pool after the chain's last layer stays out)
             j += 1
         elif _chains(layer):
-            last, j = j, j + 1
+            last, j, flat = j, j + 1, False
         else:
             break
     if last == i:

@@ -239,6 +239,56 @@ def test_depthwise_wide_rows_every_vector_tail(H, W, sh, sw, K):
 
 
 @st.composite
+def dw_block_cases(draw):
+    KH, KW = draw(st.sampled_from([1, 2, 3, 5])), draw(st.sampled_from([1, 3, 4]))
+    ph, pw = draw(st.integers(0, KH - 1)), draw(st.integers(0, KW - 1))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 7, 16, 17, 32, 40])), KH=KH, KW=KW, ph=ph,
+                pw=pw, H=draw(st.integers(max(1, KH - 2 * ph), 11)), W=draw(st.integers(max(1, KW - 2 * pw), 19)),
+                sh=draw(st.sampled_from([1, 2])), sw=draw(st.sampled_from([1, 2, 3])), z=draw(ZPS),
+                extreme=draw(st.booleans()), relu=draw(st.booleans()),
+                bias=draw(st.sampled_from(["none", "small", "huge"])), keep_y=draw(st.booleans()),
+                sq=draw(st.sampled_from([0.013, 0.37, 5.0])), zq=draw(st.sampled_from([0, 9, 255])),
+                seed=draw(st.integers(0, 2 ** 31)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=dw_block_cases())
+def test_depthwise_channel_blocks_and_planes_are_exact(case):
+    # both layouts (16-channel blocks with the channels on the lanes, and one plane at a time) on full and
+    # partial blocks, odd widths, padding and strides: the model's float32 outputs and their uint8 quantization
+    rng = np.random.default_rng(case["seed"])
+    N, C, H, W, KH, KW = (case[k] for k in ("N", "C", "H", "W", "KH", "KW"))
+    sh, sw, ph, pw = (case[k] for k in ("sh", "sw", "ph", "pw"))
+    xq = _uint8(rng, (N, C, H, W), case["extreme"])
+    wq = _int8w(rng, (C, 1, KH, KW), case["extreme"])
+    scale, bias = _epilogue_args(rng, C, case["bias"])
+    ref = depthwise_model(xq, case["z"], wq, sh, sw, ph, pw, bias, scale, case["relu"])
+    want_q = quantize_model(ref, np.float32(case["sq"]), case["zq"])
+    for mode in ("blocks", "planes"):
+        old = _int8._use_depthwise(mode)
+        try:
+            for nt in (1, 2):
+                y = np.full(ref.shape, np.nan, np.float32) if case["keep_y"] else None
+                yq = np.empty(ref.shape, np.uint8)
+                _int8.depthwise_forward(xq, case["z"], wq, sh, sw, ph, pw, scale, bias, y, case["relu"], nt, yq=yq,
+                                        yq_scale=case["sq"], yq_zero_point=case["zq"])
+                if y is not None:
+                    np.testing.assert_array_equal(y, ref, err_msg=f"{mode}, {nt} threads, {case}")
+                np.testing.assert_array_equal(yq, want_q, err_msg=f"{mode}, {nt} threads, {case}")
+                y = np.full(ref.shape, np.nan, np.float32)
+                _int8.depthwise_forward(xq, case["z"], wq, sh, sw, ph, pw, scale, bias, y, case["relu"], nt)
+                np.testing.assert_array_equal(y, ref, err_msg=f"{mode}, float32 only, {nt} threads, {case}")
+        finally:
+            _int8._use_depthwise(old)
+
+
+def test_depthwise_mode_validates():
+    with pytest.raises(ValueError, match="depthwise mode must be one of"):
+        _int8._use_depthwise("rows")
+    assert _int8._use_depthwise("auto") == "auto"
+
+
+@st.composite
 def linear_cases(draw):
     return dict(N=draw(st.sampled_from([1, 2, 3, 4, 5, 9, 17])), F=draw(st.sampled_from([1, 3, 4, 7, 64, 130, 784])),
                 G=draw(st.sampled_from([1, 10, 16, 17, 64, 65, 130])), z=draw(ZPS), extreme=draw(st.booleans()),
@@ -633,6 +683,31 @@ def _child_code():
                             ok = np.array_equal(yq, quantize_model(dw, np.float32(0.013), z // 2))
                             fails += [] if ok and (yd is None or np.array_equal(yd, dw)) else \
                                 [("depthwise yq", N, C, K, S, nt)]
+        # depthwise in both layouts (channel blocks, planes) on full and partial channel blocks
+        # (a bias near the int32 limits: the epilogue adds in int64)
+        for N, C, H, W, K, S, pad, z, huge in ((2, 16, 8, 8, 3, 1, 1, 3, False), (1, 33, 9, 7, 3, 2, 1, 250, False),
+                                               (2, 32, 16, 17, 3, 2, 1, 0, False), (1, 17, 5, 21, 5, 1, 2, 128, False),
+                                               (1, 16, 6, 9, 3, 1, 1, 77, True)):
+            xq = rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)
+            wq = rng.integers(-127, 128, (C, 1, K, K), dtype=np.int8)
+            scale = rng.uniform(1e-4, 1e-1, C).astype(np.float32)
+            bias = rng.integers(-10 ** 6, 10 ** 6, C).astype(np.int32)
+            if huge:
+                bias = rng.choice(np.array([2 ** 31 - 1, -2 ** 31], np.int64), C).astype(np.int32)
+                scale = rng.uniform(1e-12, 1e-10, C).astype(np.float32)
+            dw = depthwise_model(xq, z, wq, S, S, pad, pad, bias, scale, True)
+            for mode in ("blocks", "planes"):
+                _int8._use_depthwise(mode)
+                for nt in (1, 2):
+                    yd, yq = np.empty_like(dw), np.empty(dw.shape, np.uint8)
+                    _int8.depthwise_forward(xq, z, wq, S, S, pad, pad, scale, bias, yd, True, nt, yq=yq,
+                                            yq_scale=0.021, yq_zero_point=5)
+                    ok = np.array_equal(yd, dw) and np.array_equal(yq, quantize_model(dw, np.float32(0.021), 5))
+                    yq2 = np.empty(dw.shape, np.uint8)
+                    _int8.depthwise_forward(xq, z, wq, S, S, pad, pad, scale, bias, None, True, nt, yq=yq2,
+                                            yq_scale=0.021, yq_zero_point=5)
+                    fails += [] if ok and np.array_equal(yq, yq2) else [("depthwise " + mode, N, C, K, S, nt)]
+            _int8._use_depthwise("auto")
         x = np.concatenate([(np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(0.05),
                             np.array([np.nan, np.inf, -np.inf, 1e30], np.float32),
                             rng.standard_normal(5000).astype(np.float32) * 9])

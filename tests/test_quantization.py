@@ -305,6 +305,72 @@ def test_chained_int8_layers_are_bit_identical_to_the_numpy_model(batch):
         chain.backward(np.zeros((batch, 8, 5, 5), np.float32))
 
 
+@pytest.mark.skipif("openmp" not in BACKENDS or Q.int8_path() == "float32 emulation",
+                    reason="chains run the native int8 kernels of the openmp backend")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_chains_stay_uint8_through_max_pooling(batch, monkeypatch):
+    # conv -> ReLU -> MaxPool2d -> conv (VGG's stages; the pool 2x2 and a padded 3x3 stride 2 one) -> Flatten ->
+    # linear: one chain, the pools run on the uint8 activations (the max of quantized values is the quantized
+    # max), bit-identical to the NumPy model; a pool after the chain's last layer stays out of it
+    rng = np.random.default_rng(9)
+    model = pc.Sequential(
+        pc.Conv2d(3, 8, 3, padding=1, rng=0), pc.BatchNorm2d(8), pc.ReLU(), pc.MaxPool2d(2),
+        pc.Conv2d(8, 16, 3, padding=1, rng=1), pc.ReLU(), pc.MaxPool2d(3, stride=2, padding=1),
+        pc.Conv2d(16, 16, 3, padding=1, rng=2), pc.ReLU(), pc.MaxPool2d(2), pc.Flatten(), pc.Dropout(0.5),
+        pc.Linear(16 * 1 * 2, 10, rng=3), pc.ReLU(), pc.Linear(10, 5, rng=4), backend="numpy")
+    _trained_bn(model[1], rng)
+    model.eval()
+    x = rand(rng, batch, 3, 13, 15)  # odd sides: floor-mode pools drop a row and a column
+    qmodel = Q.quantize(model, rand(rng, 16, 3, 13, 15))
+    want = qmodel.predict(x)
+    qmodel.to("openmp")
+    seen = []
+    real = Q._pool_u8
+    monkeypatch.setattr(Q, "_pool_u8", lambda pool, xq, alloc: seen.append(xq.dtype) or real(pool, xq, alloc))
+    np.testing.assert_array_equal(qmodel.predict(x), want)
+    assert _chain_steps(qmodel) == 1
+    chain = qmodel.plan()[0].step
+    assert [type(m).__name__ for m in chain.layers if type(m) in (pc.MaxPool2d, Q.QuantizedConv2d)] == \
+        ["QuantizedConv2d", "MaxPool2d", "QuantizedConv2d", "MaxPool2d", "QuantizedConv2d", "MaxPool2d"]
+    assert seen == [np.uint8] * 3
+    # the last pool ends a chain: it runs in float32 on the last layer's output
+    tail = pc.Sequential(pc.Conv2d(3, 8, 3, padding=1, rng=0), pc.ReLU(), pc.Conv2d(8, 8, 3, padding=1, rng=1),
+                         pc.ReLU(), pc.MaxPool2d(2), backend="numpy").eval()
+    qtail = Q.quantize(tail, rand(rng, 8, 3, 8, 8))
+    want = qtail.predict(x[:, :, :8, :8])
+    qtail.to("openmp")
+    np.testing.assert_array_equal(qtail.predict(x[:, :, :8, :8]), want)
+    assert [type(s.step).__name__ for s in qtail.plan()] == ["_Int8Chain", "Identity", "MaxPool2d"]
+
+
+def test_maxpool2d_u8_matches_float_pooling_and_validates():
+    native = Q._native("maxpool2d_u8")
+    if native is None:
+        pytest.skip("the native int8 kernels are not built")
+    rng = np.random.default_rng(3)
+    for (h, w), k, s, p in [((8, 8), (2, 2), (2, 2), (0, 0)), ((9, 37), (2, 2), (2, 2), (0, 0)),
+                            ((5, 13), (2, 2), (2, 2), (0, 0)),
+                            ((7, 11), (3, 3), (2, 2), (1, 1)), ((6, 5), (3, 2), (1, 3), (1, 0)),
+                            ((1, 1), (1, 1), (1, 1), (0, 0)), ((5, 33), (2, 3), (2, 1), (0, 1))]:
+        xq = rng.integers(0, 256, (2, 3, h, w), dtype=np.uint8)
+        ref = np.asarray(F.maxpool2d(xq.astype(np.float32), k, s, padding=p, backend="numpy")).astype(np.uint8)
+        for nt in (1, 2):
+            y = np.empty(ref.shape, np.uint8)
+            native(xq, k, s, p, y, nt)
+            np.testing.assert_array_equal(y, ref, err_msg=f"{(h, w)} {k} {s} {p}")
+    xq = np.zeros((1, 1, 4, 4), np.uint8)
+    with pytest.raises(TypeError, match="xq must have dtype uint8"):
+        native(xq.astype(np.float32), (2, 2), (2, 2), (0, 0), np.empty((1, 1, 2, 2), np.uint8), 1)
+    with pytest.raises(ValueError, match="padding .* at most half"):
+        native(xq, (2, 2), (2, 2), (2, 0), np.empty((1, 1, 4, 2), np.uint8), 1)
+    with pytest.raises(ValueError, match=r"y must have shape \(1, 1, 2, 2\)"):
+        native(xq, (2, 2), (2, 2), (0, 0), np.empty((1, 1, 3, 3), np.uint8), 1)
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        native(xq, (5, 5), (1, 1), (0, 0), np.empty((1, 1, 1, 1), np.uint8), 1)
+    with pytest.raises(TypeError, match="tuples"):
+        native(xq, 2, 2, 0, np.empty((1, 1, 2, 2), np.uint8), 1)
+
+
 @pytest.mark.skipif("openmp" not in BACKENDS, reason="the openmp backend's buffer pool")
 def test_recycled_outputs_never_overwrite_a_result_still_held():
     # the int8 layers' outputs and the uint8 activations between chained layers come from the backend's buffer
@@ -550,8 +616,21 @@ def _int8_resnet():
     return Q.quantize(model, x[:16])
 
 
+def _pooled_int8():
+    """VGG's conv -> ReLU -> MaxPool2d -> conv stages and a 16-channel depthwise conv, on the openmp backend where
+    built: chained through the pools in uint8, the depthwise in channel blocks."""
+    model = pc.Sequential(pc.Conv2d(3, 16, 3, padding=1, rng=1), pc.ReLU(), pc.MaxPool2d(2),
+                          pc.Conv2d(16, 16, 3, padding=1, rng=2), pc.ReLU(), pc.MaxPool2d(3, stride=2, padding=1),
+                          pc.Conv2d(16, 16, 3, padding=1, groups=16, rng=3), pc.ReLU(), pc.Flatten(),
+                          pc.Linear(16 * 4 * 4, 5, rng=4),
+                          backend="openmp" if "openmp" in BACKENDS else "numpy")
+    x = np.random.default_rng(2).standard_normal((16, 3, 16, 16)).astype(np.float32)
+    return Q.quantize(model.eval(), x)
+
+
 #: int8 models whose QDQ export is checked against onnxruntime and loaded back (tests/test_onnx_coverage.py reads it)
-ONNX_MODELS = {"small": (_small_int8, (1, 2, 10, 10)), "resnet20": (_int8_resnet, (1, 3, 32, 32))}
+ONNX_MODELS = {"small": (_small_int8, (1, 2, 10, 10)), "resnet20": (_int8_resnet, (1, 3, 32, 32)),
+               "pooled": (_pooled_int8, (1, 3, 16, 16))}
 
 
 def _onnx():

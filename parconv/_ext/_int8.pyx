@@ -10,7 +10,9 @@ int8 in [-127, 127], bias int32 with scale s_x * s_w[o]. Each output is
     y[o]   = float32(acc[o] + bias_q[o]) * scale[o]    (then ReLU if asked)
 
 Integer sums are exact, so every path (:func:`path`: AVX512_VNNI ``vpdpbusd``, AVX2 int16
-``vpmaddwd``, portable C) gives the same bits at every thread count. The kernels are in
+``vpmaddwd``, portable C) gives the same bits at every thread count. Between chained layers, max pooling
+(:func:`maxpool2d_u8`) runs on the uint8 activations: quantization is monotone, so it gives the bits
+of pooling float32 and quantizing after. The kernels are in
 ``pc_int8.h``; this module validates every argument (the kernels run without bounds checks)
 and hands work out in blocks, dynamically.
 """
@@ -48,7 +50,14 @@ cdef extern from "pc_int8.h":
                        const int32_t *wp, int npairs) noexcept nogil
     int pci8_dw_pairs(const int8_t *w, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW,
                       Py_ssize_t *off, int32_t *wp) noexcept nogil
-    int PCI8_DW_MAXPAIRS
+    int PCI8_DW_MAXPAIRS, PCI8_DWB, PCI8_DWB_FAST, PCI8_DWB_TAPS
+    void pci8_maxpool_plane(const uint8_t *x, int H, int W, int KH, int KW, int SH, int SW, int PH, int PW, int P,
+                            int Q, uint8_t *y) noexcept nogil
+    Py_ssize_t pci8_dwb_scratch(int H, int W, int PH, int PW, int P, int Q) noexcept nogil
+    void pci8_dwb_block(const uint8_t *x, int nc, int H, int W, int z, const int16_t *wt, int KH, int KW, int SH,
+                        int SW, int PH, int PW, int P, int Q, const int32_t *zb32, const int64_t *zb64, int wide,
+                        const float *scale, int relu, void *scratch, float *y, uint8_t *yq, float qs,
+                        int qz) noexcept nogil
 
 # the data pointer of an ndarray whose dtype, rank and contiguity were checked (or that was made here): a
 # typed memoryview costs a buffer acquisition and an object per array on every call
@@ -80,6 +89,21 @@ cdef enum:
     WORK_PER_MAC = 256
     # largest reduction whose raw sums (|xq * wq| <= 255 * 127 each) fit int32
     MAX_KDIM = 2147483647 // (255 * 127)
+
+
+# depthwise layout: per plane (pci8_dw_plane), channel blocks (pci8_dwb_block), or chosen by shape
+_DW_MODES = ("auto", "planes", "blocks")
+cdef str _dw_mode = "auto"
+
+
+def _use_depthwise(name):
+    """Force the depthwise kernel's layout (tests compare them in one process); returns the old mode."""
+    global _dw_mode
+    if name not in _DW_MODES:
+        raise ValueError(f"depthwise mode must be one of {', '.join(_DW_MODES)}, got {name!r}")
+    old = _dw_mode
+    _dw_mode = name
+    return old
 
 
 def path():
@@ -574,6 +598,10 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     scale, zb32, zb64, wide = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
     if N == 0:
         return
+    if _dw_mode == "blocks" or (_dw_mode == "auto" and _dw_blocks_pay(C, H, W, KH, KW, SH, SW, P, Q)):
+        _depthwise_blocks(xq, z, wq, SH, SW, PH, PW, P, Q, scale, zb32, zb64, wide, y, relu, nt, yq, yq_scale,
+                          yq_zero_point)
+        return
     cdef const float *sv = <const float *>pci8_data(scale)
     cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
     cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
@@ -617,6 +645,73 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         free(ybuf)
     if failed[0]:
         raise MemoryError(f"{fn}: could not allocate scratch")
+
+
+cdef bint _dw_blocks_pay(int C, int H, int W, int KH, int KW, int SH, int SW, int P, int Q):
+    """Whether the channel blocks beat the per-plane kernel for this shape (measured): a full block of channels,
+    and output rows up to 48 wide or strided (on long stride-1 rows the plane kernel's 64-wide runs are full)."""
+    return (PCI8_DWB_FAST and C >= PCI8_DWB and KH * KW <= PCI8_DWB_TAPS
+            and (Q <= 48 or SH > 1 or SW > 1))
+
+
+cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int PW, int P, int Q, object scale,
+                       object zb32, object zb64, object wide, object y, object relu, int nt, object yq,
+                       object yq_scale, object yq_zero_point):
+    """depthwise_forward (arguments checked there) over blocks of PCI8_DWB channels of one image each."""
+    cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
+    cdef int KH = wq.shape[2], KW = wq.shape[3]
+    cdef Py_ssize_t KK = <Py_ssize_t>KH * KW, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
+    cdef int CB = (C + PCI8_DWB - 1) // PCI8_DWB
+    # per block: each tap's weights on the lanes, and the epilogue's per-channel values (zero past C), in one
+    # buffer: [CB][KK][16] int16 weights, then [CB * 16] int64, int32 and float32
+    cdef Py_ssize_t lanes = <Py_ssize_t>CB * PCI8_DWB, wbytes = (lanes * KK * 2 + 7) // 8 * 8
+    cdef uint8_t *lb = <uint8_t *>malloc(wbytes + lanes * (8 + 4 + 4))
+    if lb == NULL:
+        raise MemoryError("depthwise_forward: could not allocate scratch")
+    cdef int16_t *wtp = <int16_t *>lb
+    cdef int64_t *z64p = <int64_t *>(lb + wbytes)
+    cdef int32_t *z32p = <int32_t *>(lb + wbytes + lanes * 8)
+    cdef float *scp = <float *>(lb + wbytes + lanes * 12)
+    cdef const int8_t *wsrc = <const int8_t *>pci8_data(wq)
+    cdef const int32_t *zs32 = <const int32_t *>pci8_data(zb32)
+    cdef const int64_t *zs64 = <const int64_t *>pci8_data(zb64)
+    cdef const float *ss = <const float *>pci8_data(scale)
+    cdef Py_ssize_t c, k
+    memset(lb, 0, wbytes + lanes * 16)
+    for c in range(C):
+        for k in range(KK):
+            wtp[((c // PCI8_DWB) * KK + k) * PCI8_DWB + c % PCI8_DWB] = wsrc[c * KK + k]
+        z64p[c] = zs64[c]
+        z32p[c] = zs32[c]
+        scp[c] = ss[c]
+    cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
+    cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
+    cdef Py_ssize_t scratch_n = pci8_dwb_scratch(H, W, PH, PW, P, Q)
+    cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
+    cdef Py_ssize_t jobs = <Py_ssize_t>N * CB, i, n, b
+    cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * C * PQ * KK, jobs, nt))
+    cdef int nc
+    cdef void *scratch = NULL
+    cdef int failed[1]
+    failed[0] = 0
+    with nogil, parallel(num_threads=team):
+        scratch = malloc(scratch_n + 64)
+        for i in prange(jobs, schedule="dynamic"):
+            if scratch == NULL:
+                failed[0] = 1
+                continue
+            n = i // CB
+            b = i - n * CB
+            nc = C - <int>b * PCI8_DWB if C - <int>b * PCI8_DWB < PCI8_DWB else PCI8_DWB
+            pci8_dwb_block(xp + (n * C + b * PCI8_DWB) * HW, nc, H, W, z, wtp + b * KK * PCI8_DWB, KH, KW, SH, SW,
+                           PH, PW, P, Q, z32p + b * PCI8_DWB, z64p + b * PCI8_DWB, wide_, scp + b * PCI8_DWB, relu_,
+                           scratch, yp + (n * C + b * PCI8_DWB) * PQ if yp != NULL else NULL,
+                           rq.p + (n * C + b * PCI8_DWB) * PQ if rq.p != NULL else NULL, rq.scale, rq.zero_point)
+        free(scratch)
+    free(lb)
+    if failed[0]:
+        raise MemoryError("depthwise_forward: could not allocate scratch")
 
 
 # ----------------------------------------------------------------------- linear
@@ -707,3 +802,48 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     if yq is not None:
         with nogil:
             _quantize_team(yp, N * G, rq.scale, rq.zero_point, rq.p, nt)
+
+
+# ------------------------------------------------------------------ max pooling
+
+def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
+                 kernel_size,  # (KH, KW)
+                 stride,       # (SH, SW)
+                 padding,      # (PH, PW), at most half the kernel
+                 y,            # OUT uint8 (N, C, P, Q), overwritten
+                 num_threads):
+    """Max pooling of uint8 activations (floor mode; padding never selected).
+
+    Quantization is monotone, so pooling the uint8 input of the next layer gives the same bits as
+    pooling float32 and quantizing after: chained int8 layers stay in uint8 through a max pool.
+    P = (H + 2 PH - KH) // SH + 1, Q = (W + 2 PW - KW) // SW + 1.
+    """
+    fn = "maxpool2d_u8"
+    xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
+    cdef int nt = _threads(num_threads, fn)
+    if not (isinstance(kernel_size, tuple) and isinstance(stride, tuple) and isinstance(padding, tuple)
+            and len(kernel_size) == len(stride) == len(padding) == 2):
+        raise TypeError(f"{fn}: kernel_size, stride and padding must be (h, w) tuples of ints, got "
+                        f"{kernel_size!r}, {stride!r}, {padding!r}")
+    cdef int KH = _positive(kernel_size[0], fn, "kernel_size[0]", 1), KW = _positive(kernel_size[1], fn,
+                                                                                    "kernel_size[1]", 1)
+    cdef int SH = _positive(stride[0], fn, "stride[0]", 1), SW = _positive(stride[1], fn, "stride[1]", 1)
+    cdef int PH = _positive(padding[0], fn, "padding[0]", 0), PW = _positive(padding[1], fn, "padding[1]", 0)
+    if PH > KH // 2 or PW > KW // 2:
+        raise ValueError(f"{fn}: padding {(PH, PW)} must be at most half the kernel size {(KH, KW)}")
+    cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
+    if H + 2 * PH < KH or W + 2 * PW < KW:
+        raise ValueError(f"{fn}: kernel ({KH}, {KW}) is larger than the padded input ({H + 2 * PH}, {W + 2 * PW})")
+    cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
+    y = _out(y, fn, "y", np.uint8, (N, C, P, Q), "uint8 (N, C, P, Q)")
+    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
+    cdef uint8_t *yp = <uint8_t *>pci8_data(y)
+    cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, i
+    if planes == 0 or PQ == 0:
+        return
+    # a byte per output tap: below ~1M of them one thread finishes before a woken team would
+    cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KH * KW // 8, planes, nt))
+    cdef Py_ssize_t chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
+    with nogil:
+        for i in prange(planes, schedule="dynamic", chunksize=chunk, num_threads=team):
+            pci8_maxpool_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ)

@@ -927,4 +927,326 @@ static inline void pci8_dw_plane(const uint8_t *restrict x, int H, int W, int z,
     if (yq != NULL) pci8_quantize(y, (pc_idx)P * Q, qs, qz, yq);
 }
 
+/* ------------------------------------------------ depthwise, channel blocks
+ * Small planes waste most of pci8_dw_plane's 64-wide blocks and pay its per-plane set-up (grid, tap
+ * pairs) for few outputs, so they run 16 channels at a time with the channels on the vector lanes: the
+ * 16 planes are transposed into one padded grid T[Hp][Wp][16] of int32 x - z (zeros for padding); every
+ * tap is one 16-lane exact int32 multiply-add per output pixel with that tap's 16 weights (as the plane
+ * kernel's sums); the epilogue runs on [P*Q][16] and one transpose puts the planes back (SSE2 byte
+ * transposes). The pixel loop is AVX-512 (pci8_dwb_taps) or AVX2 (pci8_dwb_taps2) code; the plain C loop
+ * (other levels, and AVX2's int64 epilogue for biases near the int32 limits) is exact but slow, and
+ * depthwise_forward picks the blocks only where PCI8_DWB_FAST. */
+
+#define PCI8_DWB 16       /* channels per block */
+#define PCI8_DWB_TAPS 25  /* taps whose weights the AVX-512 block loop keeps in registers (up to 5x5) */
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
+#define PCI8_DWB_FAST 1   /* the block loop is the vectorised one: worth choosing over planes */
+#else
+#define PCI8_DWB_FAST 0
+#endif
+
+/* Scratch bytes of one channel block (pci8_dwb_block's layout). */
+static inline pc_idx pci8_dwb_scratch(int H, int W, int PH, int PW, int P, int Q)
+{
+    pc_idx Hp = (pc_idx)H + 2 * PH, Wp = (pc_idx)W + 2 * PW, HW = (pc_idx)H * W, PQ = (pc_idx)P * Q;
+    return (pc_idx)sizeof(int32_t) * Hp * Wp * PCI8_DWB + HW * PCI8_DWB + (pc_idx)sizeof(float) * PQ * PCI8_DWB +
+           PQ * PCI8_DWB + 4 * 64;
+}
+
+/* dst[j * ldd + c] = src[c * lds + j] for a 16 x 16 tile of bytes. */
+static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *restrict dst, pc_idx ldd)
+{
+#if defined(__SSE2__)
+    __m128i r[16], a[16], b[16];
+    for (int c = 0; c < 16; c++) r[c] = _mm_loadu_si128((const __m128i *)(src + c * lds));
+    /* bytes: a[k] pixels 0-7, a[k + 8] pixels 8-15, of rows 2k and 2k + 1 */
+    for (int k = 0; k < 8; k++) {
+        a[k] = _mm_unpacklo_epi8(r[2 * k], r[2 * k + 1]);
+        a[k + 8] = _mm_unpackhi_epi8(r[2 * k], r[2 * k + 1]);
+    }
+    /* words: b[4g + m] pixels 4g..4g+3 of rows 4m..4m+3 */
+    for (int h = 0; h < 2; h++)
+        for (int m = 0; m < 4; m++) {
+            b[8 * h + m] = _mm_unpacklo_epi16(a[8 * h + 2 * m], a[8 * h + 2 * m + 1]);
+            b[8 * h + 4 + m] = _mm_unpackhi_epi16(a[8 * h + 2 * m], a[8 * h + 2 * m + 1]);
+        }
+    /* dwords, then qwords: whole pixels */
+    for (int g = 0; g < 4; g++) {
+        __m128i c0 = _mm_unpacklo_epi32(b[4 * g], b[4 * g + 1]), c1 = _mm_unpackhi_epi32(b[4 * g], b[4 * g + 1]);
+        __m128i c2 = _mm_unpacklo_epi32(b[4 * g + 2], b[4 * g + 3]), c3 = _mm_unpackhi_epi32(b[4 * g + 2], b[4 * g + 3]);
+        _mm_storeu_si128((__m128i *)(dst + (4 * g) * ldd), _mm_unpacklo_epi64(c0, c2));
+        _mm_storeu_si128((__m128i *)(dst + (4 * g + 1) * ldd), _mm_unpackhi_epi64(c0, c2));
+        _mm_storeu_si128((__m128i *)(dst + (4 * g + 2) * ldd), _mm_unpacklo_epi64(c1, c3));
+        _mm_storeu_si128((__m128i *)(dst + (4 * g + 3) * ldd), _mm_unpackhi_epi64(c1, c3));
+    }
+#else
+    for (int j = 0; j < 16; j++)
+        for (int c = 0; c < 16; c++) dst[j * ldd + c] = src[c * lds + j];
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* pci8_dwb_block's AVX-512 loop over the output pixels: the tap weights stay in registers; each output pixel
+ * is one int32 vector of 16 channels (one vpmaddwd per tap, exact), then the epilogue and the next
+ * layer's quantization (pci8_q16, as pci8_quantize) on that vector. Inlined with constant kernel sizes for
+ * the common 3x3, so the taps unroll. */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
+static inline void pci8_dwb_taps(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
+                                 int SH, int SW, int P, int Q, const int32_t *restrict zb32,
+                                 const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
+                                 float *restrict f, int keep_f, uint8_t *restrict fq, int want_q, float qs, int qz)
+{
+    __m512i wv[PCI8_DWB_TAPS];
+    pc_idx toff[PCI8_DWB_TAPS];
+    const int KK = KH * KW;
+    for (int k = 0; k < KK; k++) {
+        /* (w, 0) int16 pairs: vpmaddwd of a grid lane (x - z as int32: low half x - z, high half its sign)
+         * is then (x - z) * w exactly */
+        wv[k] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
+        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
+    }
+    const __m512i zb = _mm512_loadu_si512((const void *)zb32);
+    const __m512 sc = _mm512_loadu_ps(scale);
+    const float rcp = 1.0f / qs;
+    const int fast = qs > 1e-37f && qs < 1e37f;
+    const __m512 vr = _mm512_set1_ps(rcp), vs = _mm512_set1_ps(qs);
+    const __m512i vz = _mm512_set1_epi32(qz);
+    for (int p = 0; p < P; p++) {
+        for (int q = 0; q < Q; q++) {
+            const int32_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
+            __m512i a = _mm512_setzero_si512();
+            for (int k = 0; k < KK; k++)
+                a = _mm512_add_epi32(a, _mm512_madd_epi16(_mm512_load_si512((const void *)(t0 + toff[k])), wv[k]));
+            const pc_idx o = ((pc_idx)p * Q + q) * PCI8_DWB;
+            if (!wide) {
+                __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, zb)), sc);
+                if (relu) v = _mm512_max_ps(_mm512_setzero_ps(), v); /* as v < 0 ? 0 : v */
+                if (keep_f) _mm512_storeu_ps(f + o, v);
+                if (want_q) _mm_storeu_si128((__m128i *)(fq + o), _mm512_cvtepi32_epi8(pci8_q16(v, vr, vs, fast, vz)));
+            } else {
+                int32_t acc[PCI8_DWB];
+                _mm512_storeu_si512((void *)acc, a);
+                for (int c = 0; c < PCI8_DWB; c++) {
+                    float v = (float)((int64_t)acc[c] + zb64[c]) * scale[c];
+                    f[o + c] = relu && v < 0.0f ? 0.0f : v;
+                }
+                if (want_q) pci8_quantize(f + o, PCI8_DWB, qs, qz, fq + o);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+/* The AVX2 form of pci8_dwb_taps: two 8-lane halves per output pixel (vpmaddwd of the int32 grid lanes against
+ * (w, 0) int16 pairs, exact), float32 results into f for pci8_quantize (its own AVX2-level code, so the same
+ * bits as the quantize pass). */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
+static inline void pci8_dwb_taps2(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
+                                  int SH, int SW, int P, int Q, const int32_t *restrict zb32, const float *restrict scale,
+                                  int relu, float *restrict f)
+{
+    __m256i wlo[PCI8_DWB_TAPS], whi[PCI8_DWB_TAPS];
+    pc_idx toff[PCI8_DWB_TAPS];
+    const int KK = KH * KW;
+    for (int k = 0; k < KK; k++) {
+        const __m256i w16 = _mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB));
+        wlo[k] = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(w16));
+        whi[k] = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w16, 1));
+        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
+    }
+    const __m256i zl = _mm256_loadu_si256((const __m256i *)zb32), zh = _mm256_loadu_si256((const __m256i *)(zb32 + 8));
+    const __m256 sl = _mm256_loadu_ps(scale), sh = _mm256_loadu_ps(scale + 8), zero = _mm256_setzero_ps();
+    for (int p = 0; p < P; p++) {
+        for (int q = 0; q < Q; q++) {
+            const int32_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
+            __m256i a = _mm256_setzero_si256(), b = a;
+            for (int k = 0; k < KK; k++) {
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(t0 + toff[k])), wlo[k]));
+                b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(t0 + toff[k] + 8)), whi[k]));
+            }
+            __m256 va = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, zl)), sl);
+            __m256 vb = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(b, zh)), sh);
+            if (relu) { /* as v < 0 ? 0 : v (NaN and -0 pass: max returns its second operand then) */
+                va = _mm256_max_ps(zero, va);
+                vb = _mm256_max_ps(zero, vb);
+            }
+            float *fo = f + ((pc_idx)p * Q + q) * PCI8_DWB;
+            _mm256_storeu_ps(fo, va);
+            _mm256_storeu_ps(fo + 8, vb);
+        }
+    }
+}
+#endif
+
+/* One block of nc <= 16 channels of one image: x points at the first plane (planes HW apart), wt holds
+ * each tap's 16 weights ([KH * KW][16] int16, zero past nc), zb32 / zb64 / scale 16 lanes each.
+ * y (P, Q planes, PQ apart) gets the float32 outputs when not NULL; yq the next layer's uint8 input
+ * when not NULL (pci8_quantize of the same float32 values). */
+static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int W, int z,
+                                  const int16_t *restrict wt, int KH, int KW, int SH, int SW, int PH, int PW,
+                                  int P, int Q, const int32_t *restrict zb32, const int64_t *restrict zb64, int wide,
+                                  const float *restrict scale, int relu, void *restrict scratch,
+                                  float *restrict y, uint8_t *restrict yq, float qs, int qz)
+{
+    const pc_idx Hp = (pc_idx)H + 2 * PH, Wp = (pc_idx)W + 2 * PW, HW = (pc_idx)H * W, PQ = (pc_idx)P * Q;
+    /* 64-byte aligned (the caller's scratch has 64 bytes to spare): a pixel's 16 lanes are one cache line */
+    uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    int32_t *T = (int32_t *)base;                                      /* [Hp][Wp][16] */
+    uint8_t *xt = base + ((pc_idx)sizeof(int32_t) * Hp * Wp * PCI8_DWB + 63) / 64 * 64;   /* [HW][16] */
+    float *f = (float *)(xt + (HW * PCI8_DWB + 63) / 64 * 64);                            /* [PQ][16] */
+    uint8_t *fq = (uint8_t *)(f + PQ * PCI8_DWB);                                          /* [PQ][16] */
+
+    int fused = 0;  /* the AVX-512 loop quantized as it stored */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    fused = KH * KW <= PCI8_DWB_TAPS;
+#endif
+    /* the planes, channels minor */
+    pc_idx i = 0;
+    if (nc == PCI8_DWB)
+        for (; i + 16 <= HW; i += 16) pci8_tr16(x + i, HW, xt + i * PCI8_DWB, PCI8_DWB);
+    for (; i < HW; i++)
+        for (int c = 0; c < PCI8_DWB; c++) xt[i * PCI8_DWB + c] = c < nc ? x[c * HW + i] : (uint8_t)z;
+
+    /* the padded int32 grid of x - z (widened once here, not at every tap that reads it) */
+    for (pc_idx r = 0; r < Hp; r++) {
+        int32_t *row = T + r * Wp * PCI8_DWB;
+        pc_idx h = r - PH;
+        if (h < 0 || h >= H) {
+            memset(row, 0, sizeof(int32_t) * (size_t)(Wp * PCI8_DWB));
+            continue;
+        }
+        memset(row, 0, sizeof(int32_t) * (size_t)(PW * PCI8_DWB));
+        const uint8_t *src = xt + h * W * PCI8_DWB;
+        int32_t *dst = row + (pc_idx)PW * PCI8_DWB;
+        const pc_idx n = (pc_idx)W * PCI8_DWB;
+        PC_SIMD
+        for (pc_idx k = 0; k < n; k++) dst[k] = (int32_t)src[k] - z;
+        memset(row + ((pc_idx)PW + W) * PCI8_DWB, 0, sizeof(int32_t) * (size_t)(PW * PCI8_DWB));
+    }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (fused) {
+        if (KH == 3 && KW == 3)
+            pci8_dwb_taps(T, Wp, wt, 3, 3, SH, SW, P, Q, zb32, zb64, wide, scale, relu, f, y != NULL, fq, yq != NULL,
+                          qs, qz);
+        else
+            pci8_dwb_taps(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, zb64, wide, scale, relu, f, y != NULL, fq,
+                          yq != NULL, qs, qz);
+    } else
+#elif defined(__AVX2__)
+    if (!wide && KH * KW <= PCI8_DWB_TAPS) {
+        if (KH == 3 && KW == 3)
+            pci8_dwb_taps2(T, Wp, wt, 3, 3, SH, SW, P, Q, zb32, scale, relu, f);
+        else
+            pci8_dwb_taps2(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, scale, relu, f);
+    } else
+#endif
+    /* taps: 16 lanes each, exact int32 sums; then the epilogue of pci8_epi_run per lane */
+    for (int p = 0; p < P; p++) {
+        for (int q = 0; q < Q; q++) {
+            const int32_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
+            int32_t acc[PCI8_DWB];
+            for (int c = 0; c < PCI8_DWB; c++) acc[c] = 0;
+            for (int kh = 0; kh < KH; kh++) {
+                const int32_t *tr = t0 + (pc_idx)kh * Wp * PCI8_DWB;
+                const int16_t *wr = wt + (pc_idx)kh * KW * PCI8_DWB;
+                for (int kw = 0; kw < KW; kw++) {
+                    PC_SIMD
+                    for (int c = 0; c < PCI8_DWB; c++)
+                        acc[c] += (int32_t)tr[kw * PCI8_DWB + c] * (int32_t)wr[kw * PCI8_DWB + c];
+                }
+            }
+            float *fo = f + ((pc_idx)p * Q + q) * PCI8_DWB;
+            if (!wide) {
+                PC_SIMD
+                for (int c = 0; c < PCI8_DWB; c++) {
+                    float v = (float)(acc[c] + zb32[c]) * scale[c];
+                    fo[c] = relu && v < 0.0f ? 0.0f : v;
+                }
+            } else {
+                for (int c = 0; c < PCI8_DWB; c++) {
+                    float v = (float)((int64_t)acc[c] + zb64[c]) * scale[c];
+                    fo[c] = relu && v < 0.0f ? 0.0f : v;
+                }
+            }
+        }
+    }
+
+    if (y != NULL)
+        for (int c = 0; c < nc; c++) {
+            float *yc = y + c * PQ;
+            for (pc_idx k = 0; k < PQ; k++) yc[k] = f[k * PCI8_DWB + c];
+        }
+    if (yq != NULL) {
+        /* elementwise, so quantizing [PQ][16] gives each plane's bits */
+        if (!fused) pci8_quantize(f, PQ * PCI8_DWB, qs, qz, fq);
+        pc_idx k = 0;
+        if (nc == PCI8_DWB)
+            for (; k + 16 <= PQ; k += 16) pci8_tr16(fq + k * PCI8_DWB, PCI8_DWB, yq + k, PQ);
+        for (int c = 0; c < nc; c++)
+            for (pc_idx kk = k; kk < PQ; kk++) yq[c * PQ + kk] = fq[kk * PCI8_DWB + c];
+    }
+}
+
+/* ------------------------------------------------------------ max pooling
+ * uint8 max pooling between chained layers: quantization is monotone, so the max of quantized values is
+ * the quantized max (the same bits as pooling float32 and quantizing after). Padded taps are skipped
+ * (-inf never wins); floor-mode windows always hold one real tap (padding is at most half the kernel). */
+
+/* One plane x (H, W) -> y (P, Q). */
+static inline void pci8_maxpool_plane(const uint8_t *restrict x, int H, int W, int KH, int KW, int SH, int SW,
+                                      int PH, int PW, int P, int Q, uint8_t *restrict y)
+{
+    if (KH == 2 && KW == 2 && SH == 2 && SW == 2 && PH == 0 && PW == 0) {
+        for (int p = 0; p < P; p++) {
+            const uint8_t *r0 = x + (pc_idx)(2 * p) * W, *r1 = r0 + W;
+            uint8_t *yr = y + (pc_idx)p * Q;
+            int q = 0;
+#if defined(__SSE2__)
+            /* the rows' max, then the max of each byte pair (even and odd bytes as int16) */
+            const __m128i lo = _mm_set1_epi16(0x00FF);
+            for (; q + 8 <= Q; q += 8) {
+                __m128i m = _mm_max_epu8(_mm_loadu_si128((const __m128i *)(r0 + 2 * q)),
+                                         _mm_loadu_si128((const __m128i *)(r1 + 2 * q)));
+                __m128i v = _mm_max_epi16(_mm_and_si128(m, lo), _mm_srli_epi16(m, 8));
+                _mm_storel_epi64((__m128i *)(yr + q), _mm_packus_epi16(v, v));
+            }
+            /* short rows (8x8 planes): four outputs from 8 bytes of each row */
+            for (; q + 4 <= Q; q += 4) {
+                __m128i m = _mm_max_epu8(_mm_loadl_epi64((const __m128i *)(r0 + 2 * q)),
+                                         _mm_loadl_epi64((const __m128i *)(r1 + 2 * q)));
+                __m128i v = _mm_max_epi16(_mm_and_si128(m, lo), _mm_srli_epi16(m, 8));
+                int32_t four = _mm_cvtsi128_si32(_mm_packus_epi16(v, v));
+                memcpy(yr + q, &four, 4);
+            }
+#endif
+            for (; q < Q; q++) {
+                uint8_t a = r0[2 * q] > r0[2 * q + 1] ? r0[2 * q] : r0[2 * q + 1];
+                uint8_t b = r1[2 * q] > r1[2 * q + 1] ? r1[2 * q] : r1[2 * q + 1];
+                yr[q] = a > b ? a : b;
+            }
+        }
+        return;
+    }
+    for (int p = 0; p < P; p++) {
+        int h0 = p * SH - PH, h1 = h0 + KH;
+        h0 = h0 < 0 ? 0 : h0;
+        h1 = h1 > H ? H : h1;
+        for (int q = 0; q < Q; q++) {
+            int w0 = q * SW - PW, w1 = w0 + KW;
+            w0 = w0 < 0 ? 0 : w0;
+            w1 = w1 > W ? W : w1;
+            uint8_t m = 0;
+            for (int h = h0; h < h1; h++)
+                for (int w = w0; w < w1; w++) m = x[(pc_idx)h * W + w] > m ? x[(pc_idx)h * W + w] : m;
+            y[(pc_idx)p * Q + q] = m;
+        }
+    }
+}
+
 #endif /* PARCONV_PC_INT8_H */
