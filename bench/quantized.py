@@ -100,7 +100,7 @@ def run_int8(args, threads: list, with_torch: bool, log) -> dict:
     """Check and time fp32 vs int8 inference per network, batch and thread count; returns the results dict."""
     rng = np.random.default_rng(0)
     backend = "openmp" if "openmp" in pc.available_backends() else "numpy"
-    nets = QUICK_NETS if args.quick else NETS
+    nets = getattr(args, "nets", None) or (QUICK_NETS if args.quick else NETS)
     batches = (1, 4) if args.quick else (1, 64)
     out = {"int8_path": Q.int8_path(), "backend": backend, "batches": list(batches), "nets": [], "failed": False}
     log(f"int8 inference (parconv's int8 path: {out['int8_path']}; PyTorch int8: static x86 quantization for the "
@@ -176,7 +176,7 @@ def run_int8(args, threads: list, with_torch: bool, log) -> dict:
                 log(f"  {name:16s} batch {batch:3d} @{t}  {cells}  | {ratios}")
         out["nets"].append(entry)
     if not args.quick:
-        out["accuracy"] = accuracy(NETS, log)
+        out["accuracy"] = accuracy(nets, log)
     return out
 
 
@@ -266,10 +266,17 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny batches and two nets: checks answers only")
     p.add_argument("--no-accuracy", action="store_true", help="skip the MNIST-sample accuracy part")
     p.add_argument("--no-torch", action="store_true", help="parconv only")
+    p.add_argument("--nets", default=None, help=f"comma-separated subset of {','.join(NETS)} (default: all)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = p.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
+    if args.nets is not None:
+        args.nets = tuple(n.strip() for n in args.nets.split(",") if n.strip())
+        unknown = [n for n in args.nets if n not in NETS]
+        if unknown or not args.nets:
+            raise SystemExit(f"bench/quantized.py: --nets takes names from {', '.join(NETS)}, got "
+                             f"{', '.join(unknown) or 'nothing'}")
     if args.repeat < 1 or args.warmup < 0 or not threads or min(threads) < 1:
         raise SystemExit("bench/quantized.py: --repeat >= 1, --warmup >= 0 and positive --threads, please")
     args.min_time, args.gap, args.idle_wait = (0.0, 0.0, 0.0) if args.quick else (0.05, 0.01, 0.5)
