@@ -566,15 +566,15 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
                     r0 = _mm512_mask_loadu_ps(r0, runs->m0[k], rj + runs->base[k]);               \
                     r1 = _mm512_mask_loadu_ps(r1, runs->m1[k], rj + runs->base[k] + 16);          \
                 }                                                                                 \
-            } else {                                                                              \
+            } else { /* all 32 lanes' bytes of a run in one masked load */                        \
                 const uint8_t *rj = rq + (j) * PQ;                                                \
-                __m128i b0 = _mm_setzero_si128(), b1 = b0;                                        \
-                for (int k = 0; k < runs->n; k++) {                                               \
-                    b0 = _mm_mask_loadu_epi8(b0, runs->m0[k], rj + runs->base[k]);                \
-                    b1 = _mm_mask_loadu_epi8(b1, runs->m1[k], rj + runs->base[k] + 16);           \
-                }                                                                                 \
-                r0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b0), vrz)), vrs); \
-                r1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b1), vrz)), vrs); \
+                __m256i b = _mm256_setzero_si256();                                               \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    b = _mm256_mask_loadu_epi8(b, m32[k], rj + runs->base[k]);                    \
+                r0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(                           \
+                         _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)), vrz)), vrs);            \
+                r1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(                           \
+                         _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)), vrz)), vrs);       \
             }                                                                                     \
             v0 = _mm512_add_ps(v0, r0);                                                           \
             v1 = _mm512_add_ps(v1, r1);                                                           \
@@ -590,13 +590,12 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
                 }                                                                                 \
             }                                                                                     \
             if (yq != NULL) {                                                                     \
-                const __m128i q0 = _mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz));         \
-                const __m128i q1 = _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz));         \
+                const __m256i q = _mm256_inserti128_si256(                                        \
+                    _mm256_castsi128_si256(_mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz))),    \
+                    _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz)), 1);                    \
                 uint8_t *qj = yq + (j) * PQ;                                                      \
-                for (int k = 0; k < runs->n; k++) {                                               \
-                    _mm_mask_storeu_epi8(qj + runs->base[k], runs->m0[k], q0);                    \
-                    _mm_mask_storeu_epi8(qj + runs->base[k] + 16, runs->m1[k], q1);               \
-                }                                                                                 \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    _mm256_mask_storeu_epi8(qj + runs->base[k], m32[k], q);                       \
             }                                                                                     \
         }                                                                                         \
     } while (0)
@@ -613,6 +612,8 @@ static void pci8_px_vnni_epi_res(const uint8_t *restrict xg, const int *restrict
     const int qfast = qs > 1e-37f && qs < 1e37f;
     const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);
     const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);
+    __mmask32 m32[PCI8_TILE];
+    for (int k = 0; k < runs->n; k++) m32[k] = (__mmask32)runs->m0[k] | (__mmask32)runs->m1[k] << 16;
     PCI8_VNNI_ACCUMULATE();
     PCI8_VNNI_EPI_RES(0);
     PCI8_VNNI_EPI_RES(1);
@@ -655,6 +656,23 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
     pc_idx seg_dst[PCI8_TILE];
     (void)w16;
     for (pc_idx s = s0; s < s1 && s < s_end; s += PCI8_TILE) {
+        if (res) {
+            /* the next tile's shortcut, one stream per channel plane (too many for the hardware prefetchers):
+             * written a layer or two ago, it comes from L3 */
+            pc_idx sn = s + PCI8_TILE, pn = sn / Wg, qn = sn - pn * Wg;
+            pc_idx at = pn * Q + (qn < Q ? qn : Q - 1);
+            if (pn < P) {
+                for (int o = 0; o < O; o++) {
+                    if (rf != NULL) {
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + at);
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + at + 16);
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + at + 31);
+                    } else {
+                        __builtin_prefetch(rq + (pc_idx)o * PQ + at);
+                    }
+                }
+            }
+        }
         /* the tile's runs of real output pixels: one per output row it crosses */
         int ns = 0;
         for (int lane = 0; lane < PCI8_TILE && s + lane < s_end;) {
