@@ -626,6 +626,78 @@ static void pci8_px_vnni_epi_res(const uint8_t *restrict xg, const int *restrict
 }
 #endif
 
+#if defined(PCI8_VNNI_CODE)
+/* pci8_px_vnni_epi / pci8_px_vnni_epi_res for a tile whose lanes 16-31 all lie past the last output pixel
+ * (the last tile of a small map: 8x8 outputs fill 2.4 tiles): half the multiply-adds, the same epilogue on
+ * lanes 0-15 (runs->m1 are all zero). rf and rq NULL: no shortcut. */
+#define PCI8_VNNI_STEP_HALF(j)                                                        \
+    do {                                                                              \
+        __m512i b = _mm512_set1_epi32(pci8_ld32(wg + 4 * (j)));                       \
+        a##j = _mm512_dpbusd_epi32(a##j, x0, b);                                      \
+    } while (0)
+#define PCI8_VNNI_EPI_HALF(j)                                                                     \
+    do {                                                                                          \
+        if ((j) < oe) {                                                                           \
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j, _mm512_set1_epi32(zb32[j]))), \
+                                     _mm512_set1_ps(scale[j]));                                   \
+            if (rf != NULL) {                                                                     \
+                __m512 r = _mm512_setzero_ps();                                                   \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    r = _mm512_mask_loadu_ps(r, runs->m0[k], rf + (j) * PQ + runs->base[k]);      \
+                v = _mm512_add_ps(v, r);                                                          \
+            } else if (rq != NULL) {                                                              \
+                __m128i b = _mm_setzero_si128();                                                  \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    b = _mm_mask_loadu_epi8(b, runs->m0[k], rq + (j) * PQ + runs->base[k]);       \
+                v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(                            \
+                                         _mm512_sub_epi32(_mm512_cvtepu8_epi32(b), vrz)), vrs));  \
+            }                                                                                     \
+            if (relu) v = _mm512_max_ps(_mm512_setzero_ps(), v);                                  \
+            if (y != NULL)                                                                        \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    _mm512_mask_storeu_ps(y + (j) * PQ + runs->base[k], runs->m0[k], v);          \
+            if (yq != NULL) {                                                                     \
+                const __m128i q = _mm512_cvtepi32_epi8(pci8_q16(v, vr, vs, qfast, vz));           \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    _mm_mask_storeu_epi8(yq + (j) * PQ + runs->base[k], runs->m0[k], q);          \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+
+PCI8_VNNI_TARGET
+static void pci8_px_vnni_epi_half(const uint8_t *restrict xg, const int *restrict off, int Kg,
+                                  const int8_t *restrict w, int oe, const int32_t *restrict zb32,
+                                  const float *restrict scale, int relu, const pci8_runs *restrict runs, float *y,
+                                  pc_idx PQ, uint8_t *yq, float qs, int qz, const float *rf, const uint8_t *rq,
+                                  float rs, int rz)
+{
+    const int qfast = qs > 1e-37f && qs < 1e37f;
+    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);
+    const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int g = 0; g < Kg; g++) {
+        const int8_t *wg = w + (pc_idx)g * 64;
+        __m512i x0 = _mm512_loadu_si512((const void *)(xg + (pc_idx)off[g] * 4));
+        PCI8_VNNI_STEP_HALF(0);
+        PCI8_VNNI_STEP_HALF(1);
+        PCI8_VNNI_STEP_HALF(2);
+        PCI8_VNNI_STEP_HALF(3);
+        PCI8_VNNI_STEP_HALF(4);
+        PCI8_VNNI_STEP_HALF(5);
+        PCI8_VNNI_STEP_HALF(6);
+        PCI8_VNNI_STEP_HALF(7);
+    }
+    PCI8_VNNI_EPI_HALF(0);
+    PCI8_VNNI_EPI_HALF(1);
+    PCI8_VNNI_EPI_HALF(2);
+    PCI8_VNNI_EPI_HALF(3);
+    PCI8_VNNI_EPI_HALF(4);
+    PCI8_VNNI_EPI_HALF(5);
+    PCI8_VNNI_EPI_HALF(6);
+    PCI8_VNNI_EPI_HALF(7);
+}
+#endif
+
 /* Tiles of grid pixels [s0, s1) of one image (multiples of PCI8_TILE but s1 may pass s_end):
  * every output channel, then the epilogue into y (O, P, Q). acc: scratch [8][32].
  * pci8_conv_tiles_quantize(path, wide) says when the tiles also store yq (O, P, Q), the values
@@ -699,12 +771,17 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
                 runs.m0[k] = (__mmask16)(bits & 0xFFFFu);
                 runs.m1[k] = (__mmask16)(bits >> 16);
             }
+            const int half = s + PCI8_TILE / 2 >= s_end;
             for (int o0 = 0; o0 < O; o0 += PCI8_OB) {
                 const int8_t *wp = w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4;
                 int oe = O - o0 < PCI8_OB ? O - o0 : PCI8_OB;
                 float *yo = y != NULL ? y + (pc_idx)o0 * PQ : NULL;
                 uint8_t *qo = yq != NULL ? yq + (pc_idx)o0 * PQ : NULL;
-                if (res)
+                if (half)
+                    pci8_px_vnni_epi_half(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ,
+                                          qo, qs, qz, rf != NULL ? rf + (pc_idx)o0 * PQ : NULL,
+                                          rq != NULL ? rq + (pc_idx)o0 * PQ : NULL, rs, rz);
+                else if (res)
                     pci8_px_vnni_epi_res(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ,
                                          qo, qs, qz, rf != NULL ? rf + (pc_idx)o0 * PQ : NULL,
                                          rq != NULL ? rq + (pc_idx)o0 * PQ : NULL, rs, rz);
