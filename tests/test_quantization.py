@@ -389,6 +389,18 @@ def test_residual_blocks_stay_uint8_inside_int8_chains(batch, monkeypatch):
     monkeypatch.setattr(F, "add", counted("add", add))
     monkeypatch.setattr(Q.QuantDequant, "forward", counted("quant_dequant", qd))
     np.testing.assert_array_equal(qmodel.predict(x), want)
+    from parconv._ext import _int8
+
+    order = ["portable", "avx2", "avx512_vnni"]
+    for path in order[:order.index(_int8.path())]:  # the lower paths this CPU runs: float32 y, then quantized
+        old = _int8._use_path(path)
+        try:
+            np.testing.assert_array_equal(qmodel.predict(x), want, err_msg=path)
+        finally:
+            _int8._use_path(old)
+    for k in calls:
+        calls[k] = 0
+    np.testing.assert_array_equal(qmodel.predict(x), want)
     assert [type(s.step).__name__ for s in qmodel.plan()] == ["_Int8Chain", "AdaptiveAvgPool2d", "Flatten",
                                                              "QuantizedLinear"]
     assert calls == {"quantize": 2, "add": 0, "quant_dequant": 0}  # the stem's input and the head's
