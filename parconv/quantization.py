@@ -48,7 +48,8 @@ from ._config import conv_precision, get_num_threads
 from ._shapes import conv_pads
 from ._validation import Where, check_int, shape_of, to_backend_array
 from ._fusion import _Fused
-from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Flatten, Identity, Layer, Linear, ReLU, Residual
+from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Flatten, Identity, Layer, Linear, MaxPool2d, ReLU
+from .layers import Residual
 from .layers import SyncBatchNorm
 from .layers import _check_bool, _pair, _scalar_or_pair, layer_from_spec
 
@@ -724,12 +725,15 @@ class _Int8Chain(_Fused):
         super().__init__(start, layers)
         self._memo = None  # (input shape, each link's output shape(s))
         # (layer or _ResidualLink, the quantized layer it feeds or None, flatten its output first?) per link
-        compute = [k for k, it in enumerate(items) if it is not _FLATTEN]
+        compute = [k for k, it in enumerate(items) if _computes(it)]
         self.links = []
         for a, b in zip(compute, compute[1:] + [None]):
             nxt = items[b] if b is not None else None
             flat = _FLATTEN in items[a + 1:b if b is not None else len(items)]
             self.links.append((items[a], nxt.first if isinstance(nxt, _ResidualLink) else nxt, flat))
+        # per link, the max poolings between it and the next, run on the uint8 activations (_pool_u8)
+        self.pools = [[it for it in items[a + 1:b if b is not None else len(items)] if type(it) is MaxPool2d]
+                      for a, b in zip(compute, compute[1:] + [None])]
         head = self.links[0][0]
         self.first = head.first if isinstance(head, _ResidualLink) else head
 
@@ -740,7 +744,7 @@ class _Int8Chain(_Fused):
         if memo is None or memo[0] != x.shape:
             self._check_input(x)  # the layers' own checks, once per input shape
             shapes, shape = [], x.shape
-            for link, _, flat in self.links:  # each kernel's output shape for this input shape
+            for (link, _, flat), pools in zip(self.links, self.pools):  # each kernel's output shape(s)
                 if isinstance(link, _ResidualLink):
                     out = link.output_shapes(shape)
                     shapes.append(out)
@@ -748,21 +752,47 @@ class _Int8Chain(_Fused):
                 else:
                     shape = tuple(link.output_shape(shape))
                     shapes.append(shape)
+                for pool in pools:  # the next kernel's input
+                    shape = tuple(pool.output_shape(shape))
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
             self._memo = memo = (x.shape, shapes)  # one assignment: another thread sees the old or the new
         xq = first.quantize_input(x)
-        for (link, nxt, flat), shape in zip(self.links, memo[1]):
+        for (link, nxt, flat), shape, pools in zip(self.links, memo[1], self.pools):
             if isinstance(link, _ResidualLink):
                 xq = link.forward(xq, shape, nxt)
             else:
                 xq = link._native_forward(xq, shape, nxt)
+            for pool in pools:
+                xq = _pool_u8(pool, xq, first._alloc)
             if flat:
                 xq = xq.reshape(xq.shape[0], -1)
         return first._output(None, xq)
 
     def backward(self, dy, need_dx: bool = True):
         return self.first.backward(dy, need_dx)
+
+
+def _pool_u8(pool, xq: np.ndarray, alloc) -> np.ndarray:
+    """``pool`` (a MaxPool2d) on uint8 activations: quantization is monotone, so the max of the quantized values is
+    the quantized max, the same bits as pooling float32 and quantizing after."""
+    kh, kw = _pair(pool.kernel_size, "kernel_size", "MaxPool2d", 1)
+    sh, sw = _pair(pool.stride, "stride", "MaxPool2d", 1)
+    ph, pw = _pair(pool.padding, "padding", "MaxPool2d", 0)
+    n, c, h, w = xq.shape
+    y = alloc((n, c, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1), np.uint8)
+    _native("maxpool2d_u8")(xq, (kh, kw), (sh, sw), (ph, pw), y, get_num_threads())
+    return y
+
+
+def _pools_u8(layer) -> bool:
+    """Whether a chain runs this layer on its uint8 activations: a max pooling with the native kernel."""
+    return type(layer) is MaxPool2d and layer.backend.name == "openmp" and _native("maxpool2d_u8") is not None
+
+
+def _computes(item) -> bool:
+    """Whether a chain item runs a kernel (a quantized layer or a residual block), not a Flatten or a pooling."""
+    return isinstance(item, (_Quantized, _ResidualLink))
 
 
 def _chains(layer) -> bool:
@@ -808,8 +838,8 @@ def _residual_link(block):
 
 
 def _items(layer):
-    """The chain items of one layer (chainable quantized layers, _ResidualLinks, _FLATTEN, _RELU), or None when
-    it cannot run inside an int8 chain."""
+    """The chain items of one layer (chainable quantized layers, _ResidualLinks, max poolings on uint8, _FLATTEN,
+    _RELU), or None when it cannot run inside an int8 chain."""
     if _chains(layer):
         return [layer]
     kind = type(layer)
@@ -822,6 +852,8 @@ def _items(layer):
     if kind is Residual:
         link = _residual_link(layer)
         return None if link is None else [link]
+    if _pools_u8(layer):
+        return [layer]
     if isinstance(getattr(layer, "layers", None), list) and getattr(layer, "fuse", False) and not layer.training:
         out = []
         for child in layer.layers:
@@ -851,14 +883,20 @@ def chain_plan(layers, i: int):
                     cand = None
                     break
                 cand[-1] = cand[-1].with_relu()
+            elif type(it) is MaxPool2d:  # pooled in uint8 after a kernel, before any Flatten
+                before = [c for c in cand if type(c) is not MaxPool2d]
+                if not before or before[-1] is _FLATTEN:
+                    cand = None
+                    break
+                cand.append(it)
             else:
                 cand.append(it)
         if cand is None:
             break
         items = cand
-        if any(it is not _FLATTEN for it in got):  # the chain ends after the last layer that computes
+        if any(_computes(it) or it is _RELU for it in got):  # the chain ends after the last layer that computes
             kept, stop = items, j + 1
-    compute = [it for it in kept if it is not _FLATTEN]
+    compute = [it for it in kept if _computes(it)]
     if not compute or (len(compute) < 2 and not isinstance(compute[0], _ResidualLink)):
         return None
     return _Int8Chain(i, layers[i:stop], kept), stop

@@ -418,6 +418,33 @@ def test_residual_blocks_stay_uint8_inside_int8_chains(batch, monkeypatch):
 
 @pytest.mark.skipif("openmp" not in BACKENDS or Q.int8_path() == "float32 emulation",
                     reason="chains run the native int8 kernels of the openmp backend")
+def test_max_pooling_on_uint8_and_residual_blocks_share_a_chain(monkeypatch):
+    # where a uint8 max-pooling kernel is built, a pooling between a kernel and a residual block runs inside the
+    # same chain (here a NumPy stand-in for it: the max of uint8 windows)
+    def maxpool2d_u8(xq, kernel, stride, padding, y, num_threads):
+        assert padding == (0, 0)
+        n, c, p, q = y.shape
+        windows = [xq[:, :, i:i + stride[0] * (p - 1) + 1:stride[0], j:j + stride[1] * (q - 1) + 1:stride[1]]
+                   for i in range(kernel[0]) for j in range(kernel[1])]
+        y[...] = np.max(windows, axis=0)
+
+    native = Q._native
+    monkeypatch.setattr(Q, "_native", lambda name: maxpool2d_u8 if name == "maxpool2d_u8" else native(name))
+    rng = np.random.default_rng(15)
+    net = _residual_net(rng)
+    model = pc.Sequential(*net.layers[:3], pc.MaxPool2d(2), *net.layers[3:6], backend="numpy").eval()
+    qmodel = Q.quantize(model, rand(rng, 16, 3, 12, 12))
+    x = rand(rng, 3, 3, 12, 12)
+    want = qmodel.predict(x)
+    qmodel.to("openmp")
+    np.testing.assert_array_equal(qmodel.predict(x), want)
+    chain = qmodel.plan()[0].step
+    assert len(qmodel.plan()) == 1 and [len(p) for p in chain.pools] == [1, 0, 0]
+    assert [type(link).__name__ for link, _, _ in chain.links] == ["QuantizedConv2d", "_ResidualLink", "_ResidualLink"]
+
+
+@pytest.mark.skipif("openmp" not in BACKENDS or Q.int8_path() == "float32 emulation",
+                    reason="chains run the native int8 kernels of the openmp backend")
 def test_blocks_that_cannot_stay_uint8_run_as_before():
     # a shortcut that quantizes its input unlike the body, a body that ends in a ReLU, an identity shortcut on the
     # float32 input: each block leaves the chain, and the results stay those of the NumPy model
