@@ -830,9 +830,8 @@ def _residual_link(block):
     if not isinstance(last, QuantizedConv2d) or last.relu or last._prepare()[0][0] != "conv":
         return None
     short = _only(block.shortcut)
-    if isinstance(short, QuantDequant) and not short.training:
-        pass
-    elif not (isinstance(short, QuantizedConv2d) and _chains(short) and not short.relu):
+    if not (isinstance(short, QuantDequant) or (isinstance(short, QuantizedConv2d) and _chains(short)
+                                                and not short.relu)):
         return None
     return _ResidualLink(block, body, short) if _same_input(short, body[0]) else None
 
