@@ -276,7 +276,8 @@ def main(argv=None) -> int:
         args.nets = tuple(n.strip() for n in args.nets.split(",") if n.strip())
         unknown = [n for n in args.nets if n not in NETS]
         if unknown or not args.nets:
-            raise SystemExit(f"bench/quantized.py: --nets takes names from {', '.join(NETS)}, got {unknown or 'none'}")
+            raise SystemExit(f"bench/quantized.py: --nets takes names from {', '.join(NETS)}, got "
+                             f"{', '.join(unknown) or 'nothing'}")
     if args.repeat < 1 or args.warmup < 0 or not threads or min(threads) < 1:
         raise SystemExit("bench/quantized.py: --repeat >= 1, --warmup >= 0 and positive --threads, please")
     args.min_time, args.gap, args.idle_wait = (0.0, 0.0, 0.0) if args.quick else (0.05, 0.01, 0.5)

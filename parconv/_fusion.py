@@ -22,7 +22,9 @@ Fusions:
   where the block's body ends in a BatchNorm, the shortcut added and the
   ReLU applied by that BatchNorm as it writes (one pass instead of three);
 * quantized layers (:mod:`parconv.quantization`) that feed each other through
-  placeholders: each native int8 kernel stores the next one's uint8 input;
+  placeholders: each native int8 kernel stores the next one's uint8 input; residual
+  blocks of them (and the ReLU after each, nested Sequentials included) run inside
+  such a chain, the block's last convolution adding the shortcut as it stores;
 * ``Conv2d -> BatchNorm2d (-> ReLU)`` in eval mode (square kernel, int
   stride/padding, one group): the running statistics folded into the
   convolution's per-filter scale and shift, applied with the ReLU as the
@@ -320,7 +322,8 @@ def plan(layers: list, backend, fuse: bool) -> list:
             steps.append(PlanStep(ConvBatchNormEval(i, *layers[i:stop]), i, stop, (i + 1, i)))
             i = stop
             continue
-        if fuse and getattr(layer, "_int8_chains", False):
+        if fuse and (getattr(layer, "_int8_chains", False) or type(layer) is Residual
+                     or isinstance(getattr(layer, "layers", None), list)):
             from .quantization import chain_plan  # imported here: quantization builds on this module
 
             chain = chain_plan(layers, i)

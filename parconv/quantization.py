@@ -55,7 +55,8 @@ from .layers import _check_bool, _pair, _scalar_or_pair, layer_from_spec
 
 __all__ = [
     "quantize", "fuse_conv_bn_eval", "MinMaxObserver", "PercentileObserver", "QuantizedConv2d", "QuantizedLinear", "QuantDequant",
-    "quantize_per_tensor", "quantize_weight_per_channel", "quantize_bias", "conv2d_int8_reference",
+    "quantize_per_tensor", "dequantize_per_tensor", "quantize_weight_per_channel", "quantize_bias",
+    "conv2d_int8_reference",
     "linear_int8_reference", "requantize", "requant_scale", "int8_path",
 ]
 
@@ -75,6 +76,12 @@ def quantize_per_tensor(x, scale, zero_point) -> np.ndarray:
     ``zero_point``. Returns a uint8 array of ``x``'s shape.
     """
     return (_centred(x, scale, zero_point) + np.float32(zero_point)).astype(np.uint8)
+
+
+def dequantize_per_tensor(q, scale, zero_point) -> np.ndarray:
+    """ONNX ``DequantizeLinear`` from uint8: ``float32(q - zero_point) * float32(scale)`` (one rounding)."""
+    q = np.asarray(q)
+    return ((q.astype(np.int32) - int(zero_point)).astype(np.float32) * np.float32(scale)).astype(np.float32)
 
 
 def _centred(x, scale, zero_point) -> np.ndarray:
@@ -115,13 +122,20 @@ def quantize_bias(bias, input_scale, weight_scale) -> np.ndarray:
     return np.clip(q, _INT32.min, _INT32.max).astype(np.int32)
 
 
-def requantize(acc, bias_q, scale, relu: bool = False) -> np.ndarray:
-    """``float32(acc + bias_q[o]) * scale[o]`` (then ReLU), with the channel on axis 1 of ``acc``."""
+def requantize(acc, bias_q, scale, relu: bool = False, residual=None) -> np.ndarray:
+    """``float32(acc + bias_q[o]) * scale[o]`` (then ReLU), with the channel on axis 1 of ``acc``.
+
+    ``residual`` (float32, the output's shape), a residual block's shortcut, is added before the ReLU:
+    ``max(float32(acc + bias_q[o]) * scale[o] + residual, 0)``, as the layers run one by one (the convolution,
+    ``Add``, ``Relu``) compute it; a uint8 shortcut is :func:`dequantize_per_tensor`'d first.
+    """
     acc = np.asarray(acc, dtype=np.int64)
     shape = (1, -1) + (1,) * (acc.ndim - 2)
     if bias_q is not None:
         acc = acc + np.asarray(bias_q, dtype=np.int64).reshape(shape)
     y = acc.astype(np.float32) * np.asarray(scale, dtype=np.float32).reshape(shape)
+    if residual is not None:
+        y = np.add(y, np.asarray(residual, dtype=np.float32), dtype=np.float32)
     if relu:
         np.maximum(y, 0, out=y)
     return y
@@ -519,9 +533,12 @@ class QuantizedConv2d(_Quantized):
         self._prepared = (native, chunks, wchunks, bias_f)
         return self._prepared
 
-    def _native_forward(self, xq, out_shape, next_q=None):
+    def _native_forward(self, xq, out_shape, next_q=None, shortcut=None):
         """The native kernel on uint8 ``xq``: a float32 output of ``out_shape``, or with ``next_q`` (a quantized
-        layer this output feeds) that layer's uint8 input, quantized by the kernel as it stores (same bits)."""
+        layer this output feeds) that layer's uint8 input, quantized by the kernel as it stores (same bits).
+
+        ``shortcut`` (the last convolution of a residual block; a ``conv`` kernel only): ``(relu, kwargs)``, the
+        ReLU after the block and the kernel's ``residual=`` or ``residual_q=`` arguments, added before it."""
         kind, fn, packed, row_sums = self._prepared[0]
         args = self._native_args
         if args is None:
@@ -529,13 +546,21 @@ class QuantizedConv2d(_Quantized):
             self._native_args = args = (
                 (packed, row_sums, self.out_channels, self.kernel_size[0], self.stride[0], top) if kind == "conv"
                 else (packed, self.stride[0], self.stride[1], top, left))
+        relu, extra = (self.relu, None) if shortcut is None else shortcut
         if next_q is None:
             y = self._alloc(out_shape, np.float32)
-            fn(xq, self._zx, *args, self._requant, self.bias, y, self.relu, get_num_threads())
+            if extra is None:
+                fn(xq, self._zx, *args, self._requant, self.bias, y, relu, get_num_threads())
+            else:
+                fn(xq, self._zx, *args, self._requant, self.bias, y, relu, get_num_threads(), **extra)
             return y
         yq = self._alloc(out_shape, np.uint8)
-        fn(xq, self._zx, *args, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
-           float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
+        if extra is None:
+            fn(xq, self._zx, *args, self._requant, self.bias, None, relu, get_num_threads(), yq,
+               float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
+        else:
+            fn(xq, self._zx, *args, self._requant, self.bias, None, relu, get_num_threads(), yq,
+               float(next_q.input_scale[0]), int(next_q.input_zero_point[0]), **extra)
         return yq
 
     def forward(self, x):
@@ -649,52 +674,103 @@ class QuantizedLinear(_Quantized):
         return self._output(acc)
 
 
+class _ResidualLink:
+    """A :class:`parconv.Residual` block inside an int8 chain: its body a run of chainable quantized layers that
+    ends in a native convolution without a ReLU, its shortcut the :class:`QuantDequant` of the block's input or
+    one chainable :class:`QuantizedConv2d`, both reading the block's input quantized alike. The last
+    convolution adds the shortcut (the uint8 input dequantized, or the shortcut convolution's float32 output)
+    and applies the ReLU after the block (``relu``) as it stores: the block never leaves uint8."""
+
+    __slots__ = ("block", "body", "shortcut", "relu", "first")
+
+    def __init__(self, block, body, shortcut, relu=False):
+        self.block, self.body, self.shortcut, self.relu = block, body, shortcut, relu
+        self.first = body[0]  # the block's input is quantized with this layer's input parameters
+
+    def with_relu(self) -> "_ResidualLink":
+        return _ResidualLink(self.block, self.body, self.shortcut, True)
+
+    def output_shapes(self, shape) -> list:
+        out = []
+        for layer in self.body:
+            shape = tuple(layer.output_shape(shape))
+            out.append(shape)
+        return out
+
+    def forward(self, xq, shapes, next_q):
+        """The block (and its ReLU) on its uint8 input: ``next_q``'s uint8 input, or float32 without one."""
+        body, short = self.body, self.shortcut
+        if isinstance(short, QuantDequant):
+            extra = {"residual_q": xq, "residual_scale": short.scale, "residual_zero_point": short.zero_point}
+        else:
+            extra = {"residual": short._native_forward(xq, shapes[-1])}
+        h = xq
+        for k in range(len(body) - 1):
+            h = body[k]._native_forward(h, shapes[k], body[k + 1])
+        return body[-1]._native_forward(h, shapes[-1], next_q, (self.relu, extra))
+
+
+_FLATTEN, _RELU = "flatten", "relu"
+
+
 class _Int8Chain(_Fused):
     """A run of quantized layers each feeding the next (through Identity, eval-mode Dropout or Flatten) as one
     step of a :class:`parconv.Sequential`'s plan: each native kernel stores its output already quantized with the
     next layer's input scale and zero point (the same ``quantize_per_tensor`` of the same float32 values, so the
-    same bits as running the layers one by one), skipping a float32 write and a quantize pass per link."""
+    same bits as running the layers one by one), skipping a float32 write and a quantize pass per link. Residual
+    blocks of quantized layers (:class:`_ResidualLink`), nested Sequentials of them and the ReLU after each run
+    inside the chain, so that a ResNet's stages stay uint8 from block to block."""
 
-    def __init__(self, start, layers):
+    def __init__(self, start, layers, items):
         super().__init__(start, layers)
-        self._memo = None  # (input shape, each link's output shape)
-        # (layer, the quantized layer it feeds or None, flatten its output first?) per quantized layer
-        quantized = [k for k, layer in enumerate(layers) if isinstance(layer, _Quantized)]
+        self._memo = None  # (input shape, each link's output shape(s))
+        # (layer or _ResidualLink, the quantized layer it feeds or None, flatten its output first?) per link
+        compute = [k for k, it in enumerate(items) if _computes(it)]
         self.links = []
-        for a, b in zip(quantized, quantized[1:] + [None]):
-            nxt = layers[b] if b is not None else None
-            flat = any(type(layers[k]) is Flatten for k in range(a + 1, b if b is not None else len(layers)))
-            self.links.append((layers[a], nxt, flat))
-        # per link, the max poolings between its layer and the next, run on the uint8 activations (_pool_u8)
-        self.pools = [[layers[k] for k in range(a + 1, b if b is not None else len(layers))
-                       if type(layers[k]) is MaxPool2d] for a, b in zip(quantized, quantized[1:] + [None])]
+        for a, b in zip(compute, compute[1:] + [None]):
+            nxt = items[b] if b is not None else None
+            flat = _FLATTEN in items[a + 1:b if b is not None else len(items)]
+            self.links.append((items[a], nxt.first if isinstance(nxt, _ResidualLink) else nxt, flat))
+        # per link, the max poolings between it and the next, run on the uint8 activations (_pool_u8)
+        self.pools = [[it for it in items[a + 1:b if b is not None else len(items)] if type(it) is MaxPool2d]
+                      for a, b in zip(compute, compute[1:] + [None])]
+        head = self.links[0][0]
+        self.first = head.first if isinstance(head, _ResidualLink) else head
 
     def forward(self, x):
-        first = self.links[0][0]
+        first = self.first
         x = first._host_input(x)
         memo = self._memo
         if memo is None or memo[0] != x.shape:
             self._check_input(x)  # the layers' own checks, once per input shape
             shapes, shape = [], x.shape
-            for (layer, _, flat), pools in zip(self.links, self.pools):  # each kernel's output shape
-                shape = tuple(layer.output_shape(shape))
-                shapes.append(shape)
+            for (link, _, flat), pools in zip(self.links, self.pools):  # each kernel's output shape(s)
+                if isinstance(link, _ResidualLink):
+                    out = link.output_shapes(shape)
+                    shapes.append(out)
+                    shape = out[-1]
+                else:
+                    shape = tuple(link.output_shape(shape))
+                    shapes.append(shape)
                 for pool in pools:  # the next kernel's input
                     shape = tuple(pool.output_shape(shape))
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
             self._memo = memo = (x.shape, shapes)  # one assignment: another thread sees the old or the new
         xq = first.quantize_input(x)
-        for (layer, nxt, flat), shape, pools in zip(self.links, memo[1], self.pools):
-            xq = layer._native_forward(xq, shape, nxt)
+        for (link, nxt, flat), shape, pools in zip(self.links, memo[1], self.pools):
+            if isinstance(link, _ResidualLink):
+                xq = link.forward(xq, shape, nxt)
+            else:
+                xq = link._native_forward(xq, shape, nxt)
             for pool in pools:
                 xq = _pool_u8(pool, xq, first._alloc)
             if flat:
-                xq = xq.reshape(shape[0], -1)
+                xq = xq.reshape(xq.shape[0], -1)
         return first._output(None, xq)
 
     def backward(self, dy, need_dx: bool = True):
-        return self.links[0][0].backward(dy, need_dx)
+        return self.first.backward(dy, need_dx)
 
 
 def _pool_u8(pool, xq: np.ndarray, alloc) -> np.ndarray:
@@ -714,6 +790,11 @@ def _pools_u8(layer) -> bool:
     return type(layer) is MaxPool2d and layer.backend.name == "openmp" and _native("maxpool2d_u8") is not None
 
 
+def _computes(item) -> bool:
+    """Whether a chain item runs a kernel (a quantized layer or a residual block), not a Flatten or a pooling."""
+    return isinstance(item, (_Quantized, _ResidualLink))
+
+
 def _chains(layer) -> bool:
     """Whether a quantized layer runs a native kernel that can take and emit uint8 (a chain member)."""
     if not isinstance(layer, _Quantized) or layer.training or layer.backend.name != "openmp":
@@ -721,25 +802,103 @@ def _chains(layer) -> bool:
     return layer._prepare()[0] is not None
 
 
+def _same_input(a, b) -> bool:
+    """Whether two layers quantize their input alike (so one uint8 tensor serves both)."""
+    sa, za = (a.scale, a.zero_point) if isinstance(a, QuantDequant) else (a.input_scale[0], a.input_zero_point[0])
+    sb, zb = (b.scale, b.zero_point) if isinstance(b, QuantDequant) else (b.input_scale[0], b.input_zero_point[0])
+    return np.float32(sa) == np.float32(sb) and int(za) == int(zb)
+
+
+def _only(layer):
+    """The one layer that is not an Identity in a (nested) Sequential, or the layer itself; None for several."""
+    while isinstance(getattr(layer, "layers", None), list):
+        rest = [child for child in layer.layers if type(child) is not Identity]
+        if len(rest) != 1:
+            return None
+        layer = rest[0]
+    return layer
+
+
+def _residual_link(block):
+    """A :class:`_ResidualLink` for a Residual whose body and shortcut qualify (its docstring), else None."""
+    if block.training or block.shortcut is None:  # an identity shortcut reads the float32 input
+        return None
+    body = _items(block.body)
+    if not body or any(not isinstance(it, _Quantized) for it in body):
+        return None
+    last = body[-1]
+    if not isinstance(last, QuantizedConv2d) or last.relu or last._prepare()[0][0] != "conv":
+        return None
+    short = _only(block.shortcut)
+    if not (isinstance(short, QuantDequant) or (isinstance(short, QuantizedConv2d) and _chains(short)
+                                                and not short.relu)):
+        return None
+    return _ResidualLink(block, body, short) if _same_input(short, body[0]) else None
+
+
+def _items(layer):
+    """The chain items of one layer (chainable quantized layers, _ResidualLinks, max poolings on uint8, _FLATTEN,
+    _RELU), or None when it cannot run inside an int8 chain."""
+    if _chains(layer):
+        return [layer]
+    kind = type(layer)
+    if kind is Identity or (kind is Dropout and not layer.training):
+        return []
+    if kind is Flatten:
+        return [_FLATTEN]
+    if kind is ReLU:
+        return [_RELU]
+    if kind is Residual:
+        link = _residual_link(layer)
+        return None if link is None else [link]
+    if _pools_u8(layer):
+        return [layer]
+    if isinstance(getattr(layer, "layers", None), list) and getattr(layer, "fuse", False) and not layer.training:
+        out = []
+        for child in layer.layers:
+            got = _items(child)
+            if got is None:
+                return None
+            out += got
+        return out
+    return None
+
+
 def chain_plan(layers, i: int):
-    """``(step, stop)`` when ``layers[i]`` starts a run of two or more chainable quantized layers, else None."""
-    if not _chains(layers[i]):
+    """``(step, stop)`` when ``layers[i]`` starts a run of two or more chainable quantized layers or a residual
+    block of them (nested Sequentials included), else None."""
+    first = layers[i]
+    if not (_chains(first) or type(first) is Residual or isinstance(getattr(first, "layers", None), list)):
         return None
-    last, j, n, flat = i, i + 1, len(layers), False
-    while j < n:
-        layer = layers[j]
-        if type(layer) is Identity or type(layer) is Flatten or (type(layer) is Dropout and not layer.training):
-            flat = flat or type(layer) is Flatten
-            j += 1
-        elif not flat and _pools_u8(layer):  # pooled in uint8 (a pool after the chain's last layer stays out)
-            j += 1
-        elif _chains(layer):
-            last, j, flat = j, j + 1, False
-        else:
+    items, kept, stop = [], [], i
+    for j in range(i, len(layers)):
+        got = _items(layers[j])
+        if got is None:
             break
-    if last == i:
+        cand = list(items)
+        for it in got:
+            if it is _RELU:  # the ReLU after a residual block: applied by the block's last convolution
+                if not (cand and isinstance(cand[-1], _ResidualLink) and not cand[-1].relu):
+                    cand = None
+                    break
+                cand[-1] = cand[-1].with_relu()
+            elif type(it) is MaxPool2d:  # pooled in uint8 after a kernel, before any Flatten
+                before = [c for c in cand if type(c) is not MaxPool2d]
+                if not before or before[-1] is _FLATTEN:
+                    cand = None
+                    break
+                cand.append(it)
+            else:
+                cand.append(it)
+        if cand is None:
+            break
+        items = cand
+        if any(_computes(it) or it is _RELU for it in got):  # the chain ends after the last layer that computes
+            kept, stop = items, j + 1
+    compute = [it for it in kept if _computes(it)]
+    if not compute or (len(compute) < 2 and not isinstance(compute[0], _ResidualLink)):
         return None
-    return _Int8Chain(i, layers[i:last + 1]), last + 1
+    return _Int8Chain(i, layers[i:stop], kept), stop
 
 
 class QuantDequant(Layer):
@@ -766,8 +925,7 @@ class QuantDequant(Layer):
 
     def forward(self, x):
         x = self._host(x)
-        q = quantize_per_tensor(x, self.scale, self.zero_point)
-        y = ((q.astype(np.int32) - self.zero_point).astype(np.float32) * np.float32(self.scale)).astype(np.float32)
+        y = dequantize_per_tensor(quantize_per_tensor(x, self.scale, self.zero_point), self.scale, self.zero_point)
         return y if self.backend.host_arrays else self.backend.asarray(y)
 
     def _host(self, x):
@@ -1033,10 +1191,26 @@ def quantize(model, calibration_data, batch_size: int = 256, progress=None, obse
         cls = QuantizedConv2d if isinstance(wrapped.layer, Conv2d) else QuantizedLinear
         put(cls.from_float(wrapped.layer, scale, zp, relu=relu))
     for box in _containers(qmodel):
+        # an identity shortcut adds the block's input as its quantized layers read it (QuantizeLinear then
+        # DequantizeLinear, as a QDQ graph and PyTorch's quantized add do), so the block can run on uint8 alone
+        first = _first_leaf(box.body) if isinstance(box, Residual) and box.shortcut is None else None
+        if isinstance(first, _Quantized):
+            box.shortcut = QuantDequant(first.input_scale[0], int(first.input_zero_point[0]), backend=box.backend)
+    for box in _containers(qmodel):
         if hasattr(box, "_plan_key"):
             box._plan_key = None
     qmodel.eval()
     return qmodel.layers[0] if bare else qmodel
+
+
+def _first_leaf(layer):
+    """The first layer that runs in ``layer`` (through nested Sequentials, past Identity placeholders)."""
+    while isinstance(getattr(layer, "layers", None), list):
+        rest = [child for child in layer.layers if type(child) is not Identity]
+        if not rest:
+            return None
+        layer = rest[0]
+    return layer
 
 
 def _calibrate(model, data, batch_size, progress, where) -> None:

@@ -665,6 +665,24 @@ def test_int8_rows_check_every_answer_before_timing(monkeypatch):
         assert all(r["int8_vs_fp32"] > 0 for r in entry["rows"])
 
 
+def test_int8_rows_for_chosen_nets(monkeypatch):
+    # bench/quantized.py --nets: only those networks (checked and timed as always); an unknown name is refused
+    import argparse
+
+    sys.path.insert(0, BENCH)
+    try:
+        import quantized
+    finally:
+        sys.path.remove(BENCH)
+    args = argparse.Namespace(quick=True, repeat=1, warmup=1, min_time=0.0, gap=0.0, idle_wait=0.0, nets=("mlp",))
+    lines = []
+    out = quantized.run_int8(args, [1], False, lines.append)
+    assert not out["failed"], lines
+    assert [e["net"] for e in out["nets"]] == ["mlp"]
+    with pytest.raises(SystemExit, match="--nets takes names from .*got resnet"):
+        quantized.main(["--nets", "resnet", "--no-torch"])
+
+
 def test_unknown_precision_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--precision", "fp8",
                            "--workloads", "nets", "--out", str(tmp_path)], capture_output=True, text=True,

@@ -363,6 +363,74 @@ def test_conv2d_forward_requantizes_for_the_next_layer_exactly(case):
             _check_yq(y, yq, ref, case, f"path {path}, {nt} threads, {case}")
 
 
+def residual_model(y, rf, rq, rs, rz, relu):
+    """The residual block's epilogue on the convolution's float32 y (no ReLU yet): y + r, then ReLU, where r is the
+    float32 shortcut rf or the uint8 one rq dequantized, float32(rq - rz) * rs."""
+    r = rf if rf is not None else (rq.astype(np.int32) - rz).astype(np.float32) * np.float32(rs)
+    v = (y + r).astype(np.float32)
+    return np.maximum(v, np.float32(0)) if relu else v
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=yq_cases(), kind=st.sampled_from(["float", "uint8"]), out=st.sampled_from(["y", "y+yq", "yq"]),
+       rs=st.sampled_from([1e-3, 0.02, 0.7]), rz=ZPS)
+def test_conv2d_forward_adds_the_residual_shortcut_exactly(case, kind, out, rs, rz):
+    rng = np.random.default_rng(case["seed"])
+    N, C, O, HW, K, S = (case[k] for k in ("N", "C", "O", "HW", "K", "S"))
+    pad = K // 2
+    xq = _uint8(rng, (N, C, HW, HW), False)
+    wq = _int8w(rng, (O, C, K, K), False)
+    scale, bias = _epilogue_args(rng, O, case["bias"])
+    packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+    y2 = conv_model(xq, case["z"], wq, bias, scale, S, pad, False)
+    rf = rq = None
+    if kind == "float":  # of y2's size, and now and then its exact negation (a zero sum)
+        rf = (rng.standard_normal(y2.shape) * max(float(np.abs(y2).max()), 1e-3)).astype(np.float32)
+        rf[..., ::3] = -y2[..., ::3]
+    else:
+        rq = _uint8(rng, y2.shape, case["seed"] % 3 == 0)
+    ref = residual_model(y2, rf, rq, rs, rz, case["relu"])
+    for path in PATHS:
+        for nt in (1, 2):
+            y = np.full(ref.shape, np.nan, np.float32) if out != "yq" else None
+            yq = np.full(ref.shape, 7, np.uint8) if out != "y" else None
+            old = _int8._use_path(path)
+            try:
+                _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, K, S, pad, scale, bias, y, case["relu"], nt,
+                                     yq=yq, yq_scale=case["sq"], yq_zero_point=case["zq"], residual=rf, residual_q=rq,
+                                     residual_scale=rs, residual_zero_point=rz)
+            finally:
+                _int8._use_path(old)
+            msg = f"path {path}, {nt} threads, {kind} shortcut, {out}, {case}"
+            if y is not None:
+                np.testing.assert_array_equal(y, ref, err_msg=msg)
+            if yq is not None:
+                np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(case["sq"]), case["zq"]), err_msg=msg)
+
+
+def test_conv2d_forward_residual_validates():
+    xq = np.zeros((2, 3, 5, 5), np.uint8)
+    packed, rs = _int8.pack_weights(np.ones((4, 27), np.int8))
+    scale = np.ones(4, np.float32)
+    y = np.empty((2, 4, 5, 5), np.float32)
+    args = (xq, 0, packed, rs, 4, 3, 1, 1, scale, None, y, True, 1)
+    with pytest.raises(ValueError, match="not both"):
+        _int8.conv2d_forward(*args, residual=np.zeros((2, 4, 5, 5), np.float32),
+                             residual_q=np.zeros((2, 4, 5, 5), np.uint8))
+    with pytest.raises(ValueError, match=r"residual must have shape \(2, 4, 5, 5\)"):
+        _int8.conv2d_forward(*args, residual=np.zeros((2, 4, 5, 4), np.float32))
+    with pytest.raises(TypeError, match="residual must have dtype float32"):
+        _int8.conv2d_forward(*args, residual=np.zeros((2, 4, 5, 5), np.float64))
+    with pytest.raises(TypeError, match="residual_q must have dtype uint8"):
+        _int8.conv2d_forward(*args, residual_q=np.zeros((2, 4, 5, 5), np.int8))
+    with pytest.raises(ValueError, match="residual_scale must be a finite"):
+        _int8.conv2d_forward(*args, residual_q=np.zeros((2, 4, 5, 5), np.uint8), residual_scale=0.0)
+    with pytest.raises(ValueError, match="residual_zero_point must be in 0..255"):
+        _int8.conv2d_forward(*args, residual_q=np.zeros((2, 4, 5, 5), np.uint8), residual_zero_point=256)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _int8.conv2d_forward(*args, residual=np.zeros((2, 4, 5, 10), np.float32)[..., ::2])
+
+
 @settings(max_examples=40, deadline=None)
 @given(case=yq_cases())
 def test_depthwise_forward_requantizes_for_the_next_layer_exactly(case):
@@ -627,7 +695,7 @@ def test_path_names_what_runs():
 
 def _child_code():
     models = "\n".join(inspect.getsource(f) for f in (quantize_model, _finish, _tap_patches, conv_model,
-                                                       depthwise_model, linear_model))
+                                                       depthwise_model, linear_model, residual_model))
     body = textwrap.dedent("""
         import json
         from parconv._ext import _int8
@@ -661,6 +729,23 @@ def _child_code():
                         _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
                                                 scale[:C], bias[:C], yd, True, nt)
                         fails += [] if np.array_equal(yd, dw) else [("depthwise", N, C, K, S, nt)]
+                    # the residual block's shortcut, float32 or uint8, added before the ReLU
+                    y2 = conv_model(xq, z, wq, bias, scale, S, pad, False)
+                    rf = (rng.standard_normal(y2.shape) * np.abs(y2).max()).astype(np.float32)
+                    rq = rng.integers(0, 256, y2.shape, dtype=np.uint8)
+                    for kind in ("float", "uint8"):
+                        want = residual_model(y2, rf if kind == "float" else None, rq, 0.05, z // 3, True)
+                        for keep in (True, False):
+                            yq = np.empty(y2.shape, np.uint8)
+                            y = np.empty_like(y2) if keep else None
+                            _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt, yq=yq,
+                                                 yq_scale=0.013, yq_zero_point=z // 2,
+                                                 residual=rf if kind == "float" else None,
+                                                 residual_q=rq if kind == "uint8" else None, residual_scale=0.05,
+                                                 residual_zero_point=z // 3)
+                            ok = np.array_equal(yq, quantize_model(want, np.float32(0.013), z // 2))
+                            fails += [] if ok and (y is None or np.array_equal(y, want)) else \
+                                [("conv residual", kind, keep, N, C, O, nt)]
                     # outputs quantized for a next layer (y kept or not)
                     for keep in (True, False):
                         yq = np.empty(ref.shape, np.uint8)

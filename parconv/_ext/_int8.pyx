@@ -39,6 +39,11 @@ cdef extern from "pc_int8.h":
                          const int32_t *zb32, const int64_t *zb64, int wide, const float *scale, int relu,
                          float *y, int32_t *acc, uint8_t *yq, float qs, int qz) noexcept nogil
     int pci8_conv_tiles_quantize(int path, int wide) noexcept nogil
+    void pci8_conv_tiles_res(int path, const uint8_t *grid, const int *off, int Kg, const int8_t *w8,
+                             const int16_t *w16, int O, int P, int Q, int Wg, Py_ssize_t s0, Py_ssize_t s1,
+                             const int32_t *zb32, const int64_t *zb64, int wide, const float *scale, int relu,
+                             float *y, int32_t *acc, uint8_t *yq, float qs, int qz, const float *rf,
+                             const uint8_t *rq, float rs, int rz) noexcept nogil
     void pci8_linear_block(int path, const uint8_t *x, Py_ssize_t ldx, Py_ssize_t r0, Py_ssize_t r1, int Kg,
                            const int8_t *w8, const int16_t *w16, int c0, int c1, int G, const int32_t *zb32,
                            const int64_t *zb64, int wide, const float *scale, int relu, float *y,
@@ -215,6 +220,43 @@ cdef _Requant _requant_target(object yq, object yq_scale, object yq_zero_point):
         t.p = <uint8_t *>pci8_data(yq)
         t.scale = <float>yq_scale
         t.zero_point = <int>yq_zero_point
+    return t
+
+
+cdef struct _Residual:
+    const float *f      # a float32 shortcut, or NULL
+    const uint8_t *q    # a uint8 one, or NULL
+    float scale
+    int zero_point
+
+
+cdef _Residual _residual_target(str fn, tuple shape, object residual, object residual_q, object rs, object rz) except *:
+    """Check a residual block's shortcut (float32 ``residual`` or uint8 ``residual_q`` with its scale and zero
+    point, of the output's shape) and return its raw form (both NULL for none)."""
+    cdef _Residual t
+    t.f = NULL
+    t.q = NULL
+    t.scale = 1.0
+    t.zero_point = 0
+    if residual is not None and residual_q is not None:
+        raise ValueError(f"{fn}: pass the shortcut as residual (float32) or residual_q (uint8), not both")
+    if residual is not None:
+        residual = _shaped(residual, fn, "residual", np.float32, shape, "float32 " + str(shape) + ": the shortcut")
+        t.f = <const float *>pci8_data(residual)
+    elif residual_q is not None:
+        residual_q = _shaped(residual_q, fn, "residual_q", np.uint8, shape,
+                             "uint8 " + str(shape) + ": the quantized shortcut")
+        if isinstance(rs, (bool, np.bool_)) or not isinstance(rs, (float, int, np.floating, np.integer)):
+            raise TypeError(f"{fn}: residual_scale must be a float, got {type(rs).__name__}")
+        if not (isfinite(<float>rs) and <float>rs > 0.0):
+            raise ValueError(f"{fn}: residual_scale must be a finite float32 > 0, got {rs!r}")
+        if isinstance(rz, (bool, np.bool_)) or not isinstance(rz, (int, np.integer)):
+            raise TypeError(f"{fn}: residual_zero_point must be an int in 0..255, got {type(rz).__name__}")
+        if not 0 <= rz <= 255:
+            raise ValueError(f"{fn}: residual_zero_point must be in 0..255 (uint8 activations), got {rz}")
+        t.q = <const uint8_t *>pci8_data(residual_q)
+        t.scale = <float>rs
+        t.zero_point = <int>rz
     return t
 
 
@@ -405,13 +447,22 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                    relu,
                    num_threads,
                    yq=None,       # OUT uint8 (N, O, P, Q) or None: y quantized for the next layer
-                   yq_scale=1.0, yq_zero_point=0):
+                   yq_scale=1.0, yq_zero_point=0,
+                   residual=None,    # IN float32 (N, O, P, Q) or None: a residual block's shortcut
+                   residual_q=None,  # IN uint8 (N, O, P, Q) or None: the same, quantized
+                   residual_scale=1.0, residual_zero_point=0):
     """Quantized 2-D convolution (groups 1, square K, dilation 1); see the module docstring.
 
     P = (H + 2 padding - K) // stride + 1, likewise Q; y is overwritten. With ``yq``, the
     float32 result is also quantized into it as :func:`quantize` would (``yq_scale``,
     ``yq_zero_point``: the next layer's input parameters) while it is still in cache; ``y`` may
     then be None (the float32 result is not kept).
+
+    As the last convolution of a residual block, the shortcut is added before the ReLU:
+    ``y = float32(acc + bias_q) * scale + r``, then ``max(y, 0)`` when ``relu``, where ``r`` is
+    ``residual`` (float32) or ``float32(residual_q - residual_zero_point) * residual_scale``
+    (uint8: the block's quantized input, dequantized as ONNX ``DequantizeLinear`` does); at most
+    one of the two.
     """
     fn = "conv2d_forward"
     xq = _array(xq, fn, "xq", np.uint8, 4, "uint8 (N, C, H, W)")
@@ -432,6 +483,8 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     if yq is not None:
         yq = _requant_args(yq, fn, (N, O_, P, Q), yq_scale, yq_zero_point)
     scale, zb32, zb64, wide = _epilogue(fn, O_, scale, bias_q, row_sums, z, kdim)
+    cdef _Residual res = _residual_target(fn, (N, O_, P, Q), residual, residual_q, residual_scale,
+                                          residual_zero_point)
     if N == 0:
         return
     cdef int kg = _layout(packed, K_)
@@ -513,8 +566,10 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                     pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, cg, <uint8_t>z,
                                     own + cg * plane * 4)
                 dst = yp + n * O_ * PQ if yp != NULL else ybuf
-                pci8_conv_tiles(path_, own, offv, kg, w8, w16, O_, P, Q, Wg, 0, run, z32, z64, wide_, sv, relu_, dst,
-                                acc, rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point)
+                pci8_conv_tiles_res(path_, own, offv, kg, w8, w16, O_, P, Q, Wg, 0, run, z32, z64, wide_, sv, relu_,
+                                    dst, acc, rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point,
+                                    res.f + n * O_ * PQ if res.f != NULL else NULL,
+                                    res.q + n * O_ * PQ if res.q != NULL else NULL, res.scale, res.zero_point)
                 if rq.p != NULL and not direct:
                     pci8_quantize(dst, O_ * PQ, rq.scale, rq.zero_point, rq.p + n * O_ * PQ)
             free(acc)
@@ -539,9 +594,12 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                     continue
                 n = i // per_img
                 r = i - n * per_img
-                pci8_conv_tiles(path_, gp + n * img * 4, offv, kg, w8, w16, O_, P, Q, Wg, r * run,
-                                (r + 1) * run, z32, z64, wide_, sv, relu_, yp + n * O_ * PQ if yp != NULL else NULL,
-                                acc, rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point)
+                pci8_conv_tiles_res(path_, gp + n * img * 4, offv, kg, w8, w16, O_, P, Q, Wg, r * run,
+                                    (r + 1) * run, z32, z64, wide_, sv, relu_,
+                                    yp + n * O_ * PQ if yp != NULL else NULL, acc,
+                                    rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point,
+                                    res.f + n * O_ * PQ if res.f != NULL else NULL,
+                                    res.q + n * O_ * PQ if res.q != NULL else NULL, res.scale, res.zero_point)
             free(acc)
         if rq.p != NULL and not direct and not failed[0]:
             with nogil:

@@ -337,6 +337,42 @@ static inline void pci8_epi_row(const int32_t *restrict a, int n, const int32_t 
     }
 }
 
+/* The residual block's epilogue: out[i] = float32(a[i] + zb) * scale + r[i], then ReLU if relu, where
+ * r[i] = rf[i] (a float32 shortcut) or float32(rq[i] - rz) * rs (a uint8 one, dequantized): the float32
+ * operations of running the layers one by one (the convolution, DequantizeLinear, Add, Relu), in order. */
+static inline void pci8_epi_run_res(const int32_t *restrict a, int n, int32_t zb32, int64_t zb64, int wide,
+                                    float scale, int relu, const float *restrict rf, const uint8_t *restrict rq,
+                                    float rs, int rz, float *restrict out)
+{
+    if (rf != NULL) {
+        if (!wide) {
+            PC_SIMD
+            for (int i = 0; i < n; i++) {
+                float v = (float)(a[i] + zb32) * scale + rf[i];
+                out[i] = relu && v < 0.0f ? 0.0f : v;
+            }
+        } else {
+            for (int i = 0; i < n; i++) {
+                float v = (float)((int64_t)a[i] + zb64) * scale + rf[i];
+                out[i] = relu && v < 0.0f ? 0.0f : v;
+            }
+        }
+    } else {
+        if (!wide) {
+            PC_SIMD
+            for (int i = 0; i < n; i++) {
+                float v = (float)(a[i] + zb32) * scale + (float)((int)rq[i] - rz) * rs;
+                out[i] = relu && v < 0.0f ? 0.0f : v;
+            }
+        } else {
+            for (int i = 0; i < n; i++) {
+                float v = (float)((int64_t)a[i] + zb64) * scale + (float)((int)rq[i] - rz) * rs;
+                out[i] = relu && v < 0.0f ? 0.0f : v;
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------ conv micro-kernels
  * acc[8][32] = raw sums over the Kg groups for 8 output channels and 32 grid pixels:
  * xg is the grid at the tile's first pixel, off[g] the pixel offset of group g, w (w16) the
@@ -513,6 +549,153 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
     PCI8_VNNI_EPI(6);
     PCI8_VNNI_EPI(7);
 }
+
+/* PCI8_VNNI_EPI with the residual block's shortcut added before the ReLU (pci8_epi_run_res's arithmetic):
+ * the shortcut's lanes come from the same runs of output pixels as the stores go to. */
+#define PCI8_VNNI_EPI_RES(j)                                                                      \
+    do {                                                                                          \
+        if ((j) < oe) {                                                                           \
+            const __m512 sc = _mm512_set1_ps(scale[j]);                                           \
+            const __m512i zb = _mm512_set1_epi32(zb32[j]);                                        \
+            __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##0, zb)), sc);     \
+            __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##1, zb)), sc);     \
+            __m512 r0 = _mm512_setzero_ps(), r1 = r0;                                             \
+            if (rf != NULL) {                                                                     \
+                const float *rj = rf + (j) * PQ;                                                  \
+                for (int k = 0; k < runs->n; k++) {                                               \
+                    r0 = _mm512_mask_loadu_ps(r0, runs->m0[k], rj + runs->base[k]);               \
+                    r1 = _mm512_mask_loadu_ps(r1, runs->m1[k], rj + runs->base[k] + 16);          \
+                }                                                                                 \
+            } else { /* all 32 lanes' bytes of a run in one masked load */                        \
+                const uint8_t *rj = rq + (j) * PQ;                                                \
+                __m256i b = _mm256_setzero_si256();                                               \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    b = _mm256_mask_loadu_epi8(b, m32[k], rj + runs->base[k]);                    \
+                r0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(                           \
+                         _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)), vrz)), vrs);            \
+                r1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(                           \
+                         _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)), vrz)), vrs);       \
+            }                                                                                     \
+            v0 = _mm512_add_ps(v0, r0);                                                           \
+            v1 = _mm512_add_ps(v1, r1);                                                           \
+            if (relu) {                                                                           \
+                v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                      \
+                v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                      \
+            }                                                                                     \
+            if (y != NULL) {                                                                      \
+                float *yj = y + (j) * PQ;                                                         \
+                for (int k = 0; k < runs->n; k++) {                                               \
+                    _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                   \
+                    _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);              \
+                }                                                                                 \
+            }                                                                                     \
+            if (yq != NULL) {                                                                     \
+                const __m256i q = _mm256_inserti128_si256(                                        \
+                    _mm256_castsi128_si256(_mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz))),    \
+                    _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz)), 1);                    \
+                uint8_t *qj = yq + (j) * PQ;                                                      \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    _mm256_mask_storeu_epi8(qj + runs->base[k], m32[k], q);                       \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+
+/* pci8_px_vnni_epi for the last convolution of a residual block: the shortcut, rf (float32) or rq (uint8
+ * with scale rs and zero point rz), at the first channel's plane as y, is added before the ReLU. */
+PCI8_VNNI_TARGET
+static void pci8_px_vnni_epi_res(const uint8_t *restrict xg, const int *restrict off, int Kg,
+                                 const int8_t *restrict w, int oe, const int32_t *restrict zb32,
+                                 const float *restrict scale, int relu, const pci8_runs *restrict runs, float *y,
+                                 pc_idx PQ, uint8_t *yq, float qs, int qz, const float *rf, const uint8_t *rq,
+                                 float rs, int rz)
+{
+    const int qfast = qs > 1e-37f && qs < 1e37f;
+    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);
+    const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);
+    __mmask32 m32[PCI8_TILE];
+    for (int k = 0; k < runs->n; k++) m32[k] = (__mmask32)runs->m0[k] | (__mmask32)runs->m1[k] << 16;
+    PCI8_VNNI_ACCUMULATE();
+    PCI8_VNNI_EPI_RES(0);
+    PCI8_VNNI_EPI_RES(1);
+    PCI8_VNNI_EPI_RES(2);
+    PCI8_VNNI_EPI_RES(3);
+    PCI8_VNNI_EPI_RES(4);
+    PCI8_VNNI_EPI_RES(5);
+    PCI8_VNNI_EPI_RES(6);
+    PCI8_VNNI_EPI_RES(7);
+}
+#endif
+
+#if defined(PCI8_VNNI_CODE)
+/* pci8_px_vnni_epi / pci8_px_vnni_epi_res for a tile whose lanes 16-31 all lie past the last output pixel
+ * (the last tile of a small map: 8x8 outputs fill 2.4 tiles): half the multiply-adds, the same epilogue on
+ * lanes 0-15 (runs->m1 are all zero). rf and rq NULL: no shortcut. */
+#define PCI8_VNNI_STEP_HALF(j)                                                        \
+    do {                                                                              \
+        __m512i b = _mm512_set1_epi32(pci8_ld32(wg + 4 * (j)));                       \
+        a##j = _mm512_dpbusd_epi32(a##j, x0, b);                                      \
+    } while (0)
+#define PCI8_VNNI_EPI_HALF(j)                                                                     \
+    do {                                                                                          \
+        if ((j) < oe) {                                                                           \
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j, _mm512_set1_epi32(zb32[j]))), \
+                                     _mm512_set1_ps(scale[j]));                                   \
+            if (rf != NULL) {                                                                     \
+                __m512 r = _mm512_setzero_ps();                                                   \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    r = _mm512_mask_loadu_ps(r, runs->m0[k], rf + (j) * PQ + runs->base[k]);      \
+                v = _mm512_add_ps(v, r);                                                          \
+            } else if (rq != NULL) {                                                              \
+                __m128i b = _mm_setzero_si128();                                                  \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    b = _mm_mask_loadu_epi8(b, runs->m0[k], rq + (j) * PQ + runs->base[k]);       \
+                v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(                            \
+                                         _mm512_sub_epi32(_mm512_cvtepu8_epi32(b), vrz)), vrs));  \
+            }                                                                                     \
+            if (relu) v = _mm512_max_ps(_mm512_setzero_ps(), v);                                  \
+            if (y != NULL)                                                                        \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    _mm512_mask_storeu_ps(y + (j) * PQ + runs->base[k], runs->m0[k], v);          \
+            if (yq != NULL) {                                                                     \
+                const __m128i q = _mm512_cvtepi32_epi8(pci8_q16(v, vr, vs, qfast, vz));           \
+                for (int k = 0; k < runs->n; k++)                                                 \
+                    _mm_mask_storeu_epi8(yq + (j) * PQ + runs->base[k], runs->m0[k], q);          \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+
+PCI8_VNNI_TARGET
+static void pci8_px_vnni_epi_half(const uint8_t *restrict xg, const int *restrict off, int Kg,
+                                  const int8_t *restrict w, int oe, const int32_t *restrict zb32,
+                                  const float *restrict scale, int relu, const pci8_runs *restrict runs, float *y,
+                                  pc_idx PQ, uint8_t *yq, float qs, int qz, const float *rf, const uint8_t *rq,
+                                  float rs, int rz)
+{
+    const int qfast = qs > 1e-37f && qs < 1e37f;
+    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);
+    const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int g = 0; g < Kg; g++) {
+        const int8_t *wg = w + (pc_idx)g * 64;
+        __m512i x0 = _mm512_loadu_si512((const void *)(xg + (pc_idx)off[g] * 4));
+        PCI8_VNNI_STEP_HALF(0);
+        PCI8_VNNI_STEP_HALF(1);
+        PCI8_VNNI_STEP_HALF(2);
+        PCI8_VNNI_STEP_HALF(3);
+        PCI8_VNNI_STEP_HALF(4);
+        PCI8_VNNI_STEP_HALF(5);
+        PCI8_VNNI_STEP_HALF(6);
+        PCI8_VNNI_STEP_HALF(7);
+    }
+    PCI8_VNNI_EPI_HALF(0);
+    PCI8_VNNI_EPI_HALF(1);
+    PCI8_VNNI_EPI_HALF(2);
+    PCI8_VNNI_EPI_HALF(3);
+    PCI8_VNNI_EPI_HALF(4);
+    PCI8_VNNI_EPI_HALF(5);
+    PCI8_VNNI_EPI_HALF(6);
+    PCI8_VNNI_EPI_HALF(7);
+}
 #endif
 
 /* Tiles of grid pixels [s0, s1) of one image (multiples of PCI8_TILE but s1 may pass s_end):
@@ -529,18 +712,39 @@ static inline int pci8_conv_tiles_quantize(int path, int wide)
 #endif
 }
 
-static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const int *restrict off, int Kg,
-                                   const int8_t *restrict w8, const int16_t *restrict w16, int O, int P, int Q,
-                                   int Wg, pc_idx s0, pc_idx s1, const int32_t *restrict zb32,
-                                   const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
-                                   float *restrict y, int32_t *restrict acc, uint8_t *restrict yq, float qs, int qz)
+/* The tiles with a residual block's shortcut added before the ReLU (pci8_epi_run_res): rf, float32
+ * (O, P, Q), or rq, uint8 (O, P, Q) with scale rs and zero point rz, or both NULL for none. */
+static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, const int *restrict off, int Kg,
+                                       const int8_t *restrict w8, const int16_t *restrict w16, int O, int P, int Q,
+                                       int Wg, pc_idx s0, pc_idx s1, const int32_t *restrict zb32,
+                                       const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
+                                       float *restrict y, int32_t *restrict acc, uint8_t *restrict yq, float qs,
+                                       int qz, const float *restrict rf, const uint8_t *restrict rq, float rs, int rz)
 {
+    const int res = rf != NULL || rq != NULL;
     (void)yq; (void)qs; (void)qz;
     pc_idx s_end = (pc_idx)(P - 1) * Wg + Q, PQ = (pc_idx)P * Q;
     int seg_lane[PCI8_TILE], seg_len[PCI8_TILE];
     pc_idx seg_dst[PCI8_TILE];
     (void)w16;
     for (pc_idx s = s0; s < s1 && s < s_end; s += PCI8_TILE) {
+        if (res) {
+            /* the next tile's shortcut, one stream per channel plane (too many for the hardware prefetchers):
+             * written a layer or two ago, it comes from L3 */
+            pc_idx sn = s + PCI8_TILE, pn = sn / Wg, qn = sn - pn * Wg;
+            pc_idx at = pn * Q + (qn < Q ? qn : Q - 1);
+            if (pn < P) {
+                for (int o = 0; o < O; o++) {
+                    if (rf != NULL) {
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + at);
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + at + 16);
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + at + 31);
+                    } else {
+                        __builtin_prefetch(rq + (pc_idx)o * PQ + at);
+                    }
+                }
+            }
+        }
         /* the tile's runs of real output pixels: one per output row it crosses */
         int ns = 0;
         for (int lane = 0; lane < PCI8_TILE && s + lane < s_end;) {
@@ -567,11 +771,24 @@ static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const
                 runs.m0[k] = (__mmask16)(bits & 0xFFFFu);
                 runs.m1[k] = (__mmask16)(bits >> 16);
             }
-            for (int o0 = 0; o0 < O; o0 += PCI8_OB)
-                pci8_px_vnni_epi(grid + s * 4, off, Kg, w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4,
-                                 O - o0 < PCI8_OB ? O - o0 : PCI8_OB, zb32 + o0, scale + o0, relu, &runs,
-                                 y != NULL ? y + (pc_idx)o0 * PQ : NULL, PQ,
-                                 yq != NULL ? yq + (pc_idx)o0 * PQ : NULL, qs, qz);
+            const int half = s + PCI8_TILE / 2 >= s_end;
+            for (int o0 = 0; o0 < O; o0 += PCI8_OB) {
+                const int8_t *wp = w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4;
+                int oe = O - o0 < PCI8_OB ? O - o0 : PCI8_OB;
+                float *yo = y != NULL ? y + (pc_idx)o0 * PQ : NULL;
+                uint8_t *qo = yq != NULL ? yq + (pc_idx)o0 * PQ : NULL;
+                if (half)
+                    pci8_px_vnni_epi_half(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ,
+                                          qo, qs, qz, rf != NULL ? rf + (pc_idx)o0 * PQ : NULL,
+                                          rq != NULL ? rq + (pc_idx)o0 * PQ : NULL, rs, rz);
+                else if (res)
+                    pci8_px_vnni_epi_res(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ,
+                                         qo, qs, qz, rf != NULL ? rf + (pc_idx)o0 * PQ : NULL,
+                                         rq != NULL ? rq + (pc_idx)o0 * PQ : NULL, rs, rz);
+                else
+                    pci8_px_vnni_epi(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo,
+                                     qs, qz);
+            }
             continue;
         }
 #endif
@@ -589,12 +806,30 @@ static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const
             int oe = O - o0 < PCI8_OB ? O - o0 : PCI8_OB;
             for (int j = 0; j < oe; j++) {
                 int o = o0 + j;
-                for (int k = 0; k < ns; k++)
-                    pci8_epi_run(acc + j * PCI8_TILE + seg_lane[k], seg_len[k], zb32[o], zb64[o], wide, scale[o],
-                                 relu, y + (pc_idx)o * PQ + seg_dst[k]);
+                for (int k = 0; k < ns; k++) {
+                    pc_idx at = (pc_idx)o * PQ + seg_dst[k];
+                    if (res)
+                        pci8_epi_run_res(acc + j * PCI8_TILE + seg_lane[k], seg_len[k], zb32[o], zb64[o], wide,
+                                         scale[o], relu, rf != NULL ? rf + at : NULL, rq != NULL ? rq + at : NULL, rs,
+                                         rz, y + at);
+                    else
+                        pci8_epi_run(acc + j * PCI8_TILE + seg_lane[k], seg_len[k], zb32[o], zb64[o], wide, scale[o],
+                                     relu, y + at);
+                }
             }
         }
     }
+}
+
+/* pci8_conv_tiles_res without a shortcut. */
+static inline void pci8_conv_tiles(int path, const uint8_t *restrict grid, const int *restrict off, int Kg,
+                                   const int8_t *restrict w8, const int16_t *restrict w16, int O, int P, int Q,
+                                   int Wg, pc_idx s0, pc_idx s1, const int32_t *restrict zb32,
+                                   const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
+                                   float *restrict y, int32_t *restrict acc, uint8_t *restrict yq, float qs, int qz)
+{
+    pci8_conv_tiles_res(path, grid, off, Kg, w8, w16, O, P, Q, Wg, s0, s1, zb32, zb64, wide, scale, relu, y, acc, yq,
+                        qs, qz, NULL, NULL, 1.0f, 0);
 }
 
 /* ---------------------------------------------- linear micro-kernels
