@@ -1,5 +1,6 @@
-"""Batch norm's vector plane sums (pc_norm.h) and the Winograd weight gradient's dot GEMM
-(pcw4_dot_gemm) at every ISA level, each in its own process, against float64 NumPy.
+"""Batch norm's vector plane sums (pc_norm.h), the Winograd weight gradient's dot GEMM
+(pcw4_dot_gemm) and the F(2x2, 3x3) forward's blocks of several images at every ISA level,
+each in its own process, against float64 NumPy.
 
 Both change with the level: AVX-512 and AVX2 sum in vectors of doubles (floats for the
 GEMM) of their own width, the baseline in four scalar lanes. Each level must stay within
@@ -101,6 +102,27 @@ CHILD = textwrap.dedent("""
             base = acc.astype(np.float64)
             _conv._dot_gemm(a, bm, acc, True)
             check(f"dot {(O, Cn, K)} accumulate", acc, base + want, bound + 2.0 ** -23 * np.abs(base + want))
+    # the F(2x2, 3x3) forward with several small images per block (odd sizes: a half-empty
+    # last tile), against the float64 convolution; the same bits at 1, 2 and 3 threads
+    from parconv.backends.numpy_ref import NumpyBackend
+    for N, C, O, S in ((6, 32, 32, 8), (5, 32, 40, 7), (9, 64, 32, 8)):
+        if not _conv.winograd_applies(C, O, 3, 1, S, S, N):
+            fails.append(f"f2 {(N, C, O, S)}: the forward would not run Winograd")
+        x = rng.standard_normal((N, C, S, S)).astype(np.float32)
+        w = (rng.standard_normal((O, C, 3, 3)) / np.sqrt(9 * C)).astype(np.float32)
+        b = rng.standard_normal(O).astype(np.float32)
+        want = NumpyBackend().conv2d_forward(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), 1, 1)
+        scale = NumpyBackend().conv2d_forward(np.abs(x).astype(np.float64), np.abs(w).astype(np.float64), None, 1, 1)
+        ys = []
+        for threads in (1, 2, 3):
+            if _conv._winograd_blocks(N, C, O, S, S, threads, False)[0] < 2:
+                fails.append(f"f2 {(N, C, O, S)}: not several images per block at {threads} threads")
+            y = np.empty((N, O, S, S), np.float32)
+            _conv.conv2d_forward(x, w, b, y, 1, 1, threads, winograd=True, winograd4=False)
+            ys.append(y)
+        check(f"f2 {(N, C, O, S)}", ys[0], want, 1e-5 * scale + 1e-6)
+        if not (np.array_equal(ys[0], ys[1]) and np.array_equal(ys[0], ys[2])):
+            fails.append(f"f2 {(N, C, O, S)}: the bits change with the thread count")
     print(json.dumps({"level": _conv.kernel_isa(), "fails": fails}))
 """)
 
@@ -118,6 +140,17 @@ def test_norm_sums_and_dot_gemm_agree_with_float64_at_every_level(level):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["level"] == level
     assert result["fails"] == []
+
+
+def test_f2_forward_puts_small_images_together():
+    from parconv._ext import _conv
+
+    # resnet20's last stage (8x8 outputs, 16 tiles an image): four images a block, GEMMs 64 wide
+    assert _conv._winograd_blocks(128, 64, 64, 8, 8, 2, False) == (4, 4, 1, 64)
+    # 64 tiles an image are wide enough on their own: one image, all its rows
+    assert _conv._winograd_blocks(128, 32, 32, 16, 16, 2, False)[:3] == (1, 8, 1)
+    # one image on two threads still splits its rows
+    assert _conv._winograd_blocks(1, 64, 64, 8, 8, 2, False) == (1, 2, 2, 8)
 
 
 def test_dot_gemm_checks_its_shapes():

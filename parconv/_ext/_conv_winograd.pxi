@@ -40,6 +40,9 @@ cdef enum:
     WINOGRAD_BATCH_MIN_O = 32
     WINOGRAD_BATCH_MIN_TILES = 16
     WINOGRAD_BATCH_MIN_TILES_X_O = 512
+    # the F(2x2, 3x3) forward puts several images in a block where one has fewer tiles (8x8
+    # outputs and less): GEMMs this wide read the transformed filters from L2 a quarter as often
+    WINOGRAD_IMAGES_BELOW_TILES = 64
 
 
 # rules (min channels, min filters, min tiles, min tiles x filters), any of which takes Winograd:
@@ -77,9 +80,10 @@ cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nog
 cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb, int *rb, int *bpi,
                            bint f4) noexcept nogil:
     """Blocks of the Winograd forward (F(4x4, 3x3) with ``f4``, else F(2x2, 3x3)): ``ipb`` whole
-    images per block where an F(4x4, 3x3) image's V and M fit WINOGRAD4_BLOCK_BYTES (``bpi`` =
-    1), else ``bpi`` blocks of ``rb`` tile rows of one image (WINOGRAD_BLOCK_BYTES for F(2x2,
-    3x3)); at least one block per thread where the batch allows. Returns the tiles of a full
+    images per block where an F(4x4, 3x3) image's V and M fit WINOGRAD4_BLOCK_BYTES, or (F(2x2,
+    3x3)) where two or more images of fewer than WINOGRAD_IMAGES_BELOW_TILES tiles fit
+    WINOGRAD_BLOCK_BYTES (``bpi`` = 1), else ``bpi`` blocks of ``rb`` tile rows of one image;
+    at least one block per thread where the batch allows. Returns the tiles of a full
     block (the GEMMs' width and the planes' row stride), for F(4x4, 3x3) rounded up to whole
     vectors of 8 (pcw4_input_block)."""
     cdef int m = 4 if f4 else 2
@@ -87,12 +91,17 @@ cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb,
     cdef Py_ssize_t per_tile = 4 * (m + 2) * (m + 2) * (<Py_ssize_t>C + O)  # bytes of V and M for one tile
     cdef Py_ssize_t cap = max(<Py_ssize_t>1, (WINOGRAD4_BLOCK_BYTES if f4 else WINOGRAD_BLOCK_BYTES) // per_tile)
     cdef Py_ssize_t img_tiles = <Py_ssize_t>tH * tW
-    if f4 and img_tiles <= cap:
+    if img_tiles <= cap:
         ipb[0] = <int>min(<Py_ssize_t>N, cap // img_tiles)
         ipb[0] = max(1, min(ipb[0], (N + nt - 1) // nt))
-        rb[0] = tH
-        bpi[0] = 1
-        return (<Py_ssize_t>ipb[0] * img_tiles + 7) & ~7
+        # F(2x2, 3x3) takes whole images only where one has fewer tiles than WINOGRAD_IMAGES_BELOW_TILES
+        # (its GEMMs would be too narrow), and then just enough of them
+        if not f4:
+            ipb[0] = <int>min(<Py_ssize_t>ipb[0], (WINOGRAD_IMAGES_BELOW_TILES + img_tiles - 1) // img_tiles)
+        if f4 or ipb[0] >= 2:
+            rb[0] = tH
+            bpi[0] = 1
+            return (<Py_ssize_t>ipb[0] * img_tiles + 7) & ~7 if f4 else <Py_ssize_t>ipb[0] * img_tiles
     ipb[0] = 1
     rb[0] = <int>max(<Py_ssize_t>1, min(cap // tW, <Py_ssize_t>tH))
     bpi[0] = (tH + rb[0] - 1) // rb[0]
@@ -103,15 +112,23 @@ cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb,
     return (<Py_ssize_t>rb[0] * tW + 7) & ~7 if f4 else <Py_ssize_t>rb[0] * tW
 
 
+def _winograd_blocks(int N, int C, int O, int P, int Q, int num_threads, bint winograd4):
+    """The Winograd forward's blocks for this shape (:func:`_fwd_blocks`, tests): (images per
+    block, tile rows per block, blocks per image, tiles of a full block)."""
+    cdef int ipb, rb, bpi
+    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, max(1, num_threads), &ipb, &rb, &bpi, winograd4)
+    return ipb, rb, bpi, ldt
+
+
 cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                         const float *w, int O, const float *bias, float *y, int P, int Q, int nt,
                         const float *scale, bint relu, bint f4) noexcept:
     """Stride-1 3x3 forward by Winograd: F(4x4, 3x3) with ``f4`` (``pc_winograd4.h``, 36
     transform points), else F(2x2, 3x3) (``pc_winograd.h``, 16).
 
-    Blocks (:func:`_fwd_blocks`: tile rows of one image, or for F(4x4, 3x3) whole images
-    where an image has few tiles, since a block's tiles are the width of its GEMMs and the
-    micro-kernels want whole panels) are split over threads; each thread transforms its
+    Blocks (:func:`_fwd_blocks`: tile rows of one image, or whole images where an image has
+    few tiles, since a block's tiles are the width of its GEMMs and the micro-kernels want
+    whole panels) are split over threads; each thread transforms its
     block's input into private scratch, runs the GEMMs and transforms the result straight
     into y, so every output has the same bits at any thread count. The GEMMs are the
     convolution's register-blocked micro-kernels reading U and V in place: a block has a
@@ -179,14 +196,18 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                 mr0 = pcc_main_mr(nv)
                 if f4:
                     pcw4_input_images(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
-                else:
-                    pcw_input(x + n0 * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
+                else:  # each image's tiles after the previous one's along the planes' rows
+                    for n in range(n0, n1):
+                        pcw_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V + (n - n0) * rows_tiles, ldxv, ldt,
+                                  scr)
                 for xi in range(pts):
                     # M[xi] (O x nb) = U[xi] (O x C) @ V[xi] (C x nb): one row of nb positions
                     pcc_conv_panels(U + <Py_ssize_t>xi * O * C, O, C, mr0, nv, V + xi * ldxv, off,
                                     0, nb, <int>nb, <int>nb, M + xi * ldxm, ldt, NULL, NULL, 0, ct)
                 if not f4:
-                    pcw_output(M, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y + n0 * img_out, scr)
+                    for n in range(n0, n1):
+                        pcw_output(M + (n - n0) * rows_tiles, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu,
+                                   y + n * img_out, scr)
                 elif tW % 8 == 0:  # whole vectors along each row, as the input transform
                     for n in range(n0, n1):
                         pcw4_output(M, ldxm, ldt, (n - n0) * rows_tiles, 0, O, ty0, ty1, tW, P, Q, bias, scale,
