@@ -123,6 +123,24 @@ CHILD = textwrap.dedent("""
         check(f"f2 {(N, C, O, S)}", ys[0], want, 1e-5 * scale + 1e-6)
         if not (np.array_equal(ys[0], ys[1]) and np.array_equal(ys[0], ys[2])):
             fails.append(f"f2 {(N, C, O, S)}: the bits change with the thread count")
+    # the F(4x4, 3x3) weight gradient over runs of images: float64, the same bits at 1, 2, 3 threads
+    for N, C, O, S in ((5, 32, 32, 8), (9, 32, 48, 12)):
+        x = rng.standard_normal((N, C, S, S)).astype(np.float32)
+        dy = rng.standard_normal((N, O, S, S)).astype(np.float32)
+        if not _conv.winograd4_dw_applies(N, C, O, 3, 1, S, S):
+            fails.append(f"f4 dw {(N, C, O, S)}: would not run Winograd")
+        want = NumpyBackend().conv2d_backward(x.astype(np.float64), np.zeros((O, C, 3, 3)), dy.astype(np.float64),
+                                              1, 1, False, False)[1]
+        scale = NumpyBackend().conv2d_backward(np.abs(x).astype(np.float64), np.zeros((O, C, 3, 3)),
+                                               np.abs(dy).astype(np.float64), 1, 1, False, False)[1]
+        dws = []
+        for threads in (1, 2, 3):
+            dw = np.empty((O, C, 3, 3), np.float32)
+            _conv.conv2d_backward_weights_winograd(x, dy, dw, None, 1, threads, True)
+            dws.append(dw)
+        check(f"f4 dw {(N, C, O, S)}", dws[0], want, 1e-4 * scale + 1e-6)
+        if not (np.array_equal(dws[0], dws[1]) and np.array_equal(dws[0], dws[2])):
+            fails.append(f"f4 dw {(N, C, O, S)}: the bits change with the thread count")
     print(json.dumps({"level": _conv.kernel_isa(), "fails": fails}))
 """)
 
@@ -146,11 +164,26 @@ def test_f2_forward_puts_small_images_together():
     from parconv._ext import _conv
 
     # resnet20's last stage (8x8 outputs, 16 tiles an image): four images a block, GEMMs 64 wide
-    assert _conv._winograd_blocks(128, 64, 64, 8, 8, 2, False) == (4, 4, 1, 64)
+    assert _conv._winograd_blocks(128, 64, 64, 8, 8, 2, False) == (4, 4, 1, 32, 64)
     # 64 tiles an image are wide enough on their own: one image, all its rows
-    assert _conv._winograd_blocks(128, 32, 32, 16, 16, 2, False)[:3] == (1, 8, 1)
+    assert _conv._winograd_blocks(128, 32, 32, 16, 16, 2, False)[:4] == (1, 8, 1, 128)
     # one image on two threads still splits its rows
-    assert _conv._winograd_blocks(1, 64, 64, 8, 8, 2, False) == (1, 2, 2, 8)
+    assert _conv._winograd_blocks(1, 64, 64, 8, 8, 2, False) == (1, 2, 2, 1, 8)
+
+
+@pytest.mark.parametrize("N, C, S, threads", [(32, 64, 8, 2), (32, 32, 16, 2), (128, 64, 8, 2), (32, 64, 8, 3),
+                                              (128, 16, 32, 4)])
+def test_winograd_blocks_share_images_evenly_between_threads(N, C, S, threads):
+    from parconv._ext import _conv
+
+    # the forward's runs of images: a multiple of the threads, sizes within one of each other
+    ipb, _, bpi, ng, _ = _conv._winograd_blocks(N, C, C, S, S, threads, True)
+    assert bpi == 1 and ng % threads == 0 and ipb == -(-N // ng)
+    # the weight gradient's (its bits depend on them, so the shape alone sets them): an even number
+    ipb, _, bpi, ng, _ = _conv._winograd_dw_blocks(N, C, C, S, S, True)
+    assert bpi == 1 and ng % 2 == 0 and ipb == -(-N // ng)
+    # batch 32, 64 channels: 28 images fit a block; two runs of 16, not 28 + 4
+    assert _conv._winograd_dw_blocks(32, 64, 64, 8, 8, True)[:4] == (16, 2, 1, 2)
 
 
 def test_dot_gemm_checks_its_shapes():

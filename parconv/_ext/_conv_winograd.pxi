@@ -77,13 +77,25 @@ cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nog
     return ((<Py_ssize_t>rows * ldt + 15) & ~15) + 32
 
 
+cdef inline int _image_groups(int N, int ipb, int mult) noexcept nogil:
+    """Runs of whole images for blocks of at most ``ipb``: ceil(N / ipb), rounded up to a
+    multiple of ``mult`` where the batch has that many images, so ``mult`` threads get equal
+    shares. Run g holds images N g / n .. N (g + 1) / n (sizes differ by at most one)."""
+    cdef int n = (N + ipb - 1) // ipb
+    if mult > 1 and n % mult:
+        n = min(N, n + mult - n % mult)
+    return max(n, 1)
+
+
 cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb, int *rb, int *bpi,
-                           bint f4) noexcept nogil:
+                           int *ng, bint f4) noexcept nogil:
     """Blocks of the Winograd forward (F(4x4, 3x3) with ``f4``, else F(2x2, 3x3)): ``ipb`` whole
     images per block where an F(4x4, 3x3) image's V and M fit WINOGRAD4_BLOCK_BYTES, or (F(2x2,
     3x3)) where two or more images of fewer than WINOGRAD_IMAGES_BELOW_TILES tiles fit
     WINOGRAD_BLOCK_BYTES (``bpi`` = 1), else ``bpi`` blocks of ``rb`` tile rows of one image;
-    at least one block per thread where the batch allows. Returns the tiles of a full
+    at least one block per thread where the batch allows. ``ng`` runs of images
+    (:func:`_image_groups`, a multiple of the threads: the forward's bits do not depend on
+    its blocks), ``ipb`` the longest. Returns the tiles of a full
     block (the GEMMs' width and the planes' row stride), for F(4x4, 3x3) rounded up to whole
     vectors of 8 (pcw4_input_block)."""
     cdef int m = 4 if f4 else 2
@@ -101,8 +113,11 @@ cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb,
         if f4 or ipb[0] >= 2:
             rb[0] = tH
             bpi[0] = 1
+            ng[0] = _image_groups(N, ipb[0], nt)
+            ipb[0] = (N + ng[0] - 1) // ng[0]
             return (<Py_ssize_t>ipb[0] * img_tiles + 7) & ~7 if f4 else <Py_ssize_t>ipb[0] * img_tiles
     ipb[0] = 1
+    ng[0] = N
     rb[0] = <int>max(<Py_ssize_t>1, min(cap // tW, <Py_ssize_t>tH))
     bpi[0] = (tH + rb[0] - 1) // rb[0]
     if N * bpi[0] < nt:                   # a block for every thread
@@ -113,11 +128,11 @@ cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb,
 
 
 def _winograd_blocks(int N, int C, int O, int P, int Q, int num_threads, bint winograd4):
-    """The Winograd forward's blocks for this shape (:func:`_fwd_blocks`, tests): (images per
-    block, tile rows per block, blocks per image, tiles of a full block)."""
-    cdef int ipb, rb, bpi
-    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, max(1, num_threads), &ipb, &rb, &bpi, winograd4)
-    return ipb, rb, bpi, ldt
+    """The Winograd forward's blocks for this shape (:func:`_fwd_blocks`, tests): (most images in a
+    block, tile rows per block, blocks per image, runs of images, tiles of a full block)."""
+    cdef int ipb, rb, bpi, ng
+    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, max(1, num_threads), &ipb, &rb, &bpi, &ng, winograd4)
+    return ipb, rb, bpi, ng, ldt
 
 
 cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
@@ -137,8 +152,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     """
     cdef int m = 4 if f4 else 2, pts = 36 if f4 else 16
     cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
-    cdef int ipb, rb, bpi, nblocks
-    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, nt, &ipb, &rb, &bpi, f4)
+    cdef int ipb, rb, bpi, ng, nblocks
+    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, nt, &ipb, &rb, &bpi, &ng, f4)
     cdef Py_ssize_t ldxv, ldxm, HW = <Py_ssize_t>H * W, img_out = <Py_ssize_t>O * P * Q
     cdef Py_ssize_t rows_tiles, nb, scratch
     cdef float *U = <float *>malloc(sizeof(float) * pts * <size_t>O * C)
@@ -155,7 +170,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
         free(U)
         free(off)
         return 1
-    nblocks = ((N + ipb - 1) // ipb) * bpi
+    nblocks = ng * bpi
     nt = _min(nt, nblocks)
     ldxv = _wino_plane_stride(C, ldt)
     ldxm = _wino_plane_stride(O, ldt)
@@ -186,8 +201,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
             scr = ct + PCC_MR_MAX * PCC_NR
         for blk in prange(nblocks, schedule="dynamic"):
             if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
-                n0 = (blk // bpi) * ipb
-                n1 = _min(N, n0 + ipb)
+                n0 = <int>((<long>N * (blk // bpi)) // ng)
+                n1 = <int>((<long>N * (blk // bpi + 1)) // ng)
                 ty0 = (blk % bpi) * rb
                 ty1 = _min(tH, ty0 + rb)
                 rows_tiles = <Py_ssize_t>(ty1 - ty0) * tW
@@ -234,24 +249,30 @@ cdef enum:
     WINOGRAD_DW_MIN_DEPTH = 96
 
 
-cdef Py_ssize_t _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi,
-                          bint f4=False) noexcept nogil:
+cdef Py_ssize_t _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi, int *ng,
+                          bint f4=False, bint even=True) noexcept nogil:
     """Blocks of the Winograd weight gradient (F(4x4, 3x3) with ``f4``, else F(2x2, 3x3)):
     ``ipb`` whole images per block when an image's V and dM fit WINOGRAD_DW_BLOCK_BYTES
     (``bpi`` = 1, ``rb`` = all tile rows), else ``bpi`` blocks of ``rb`` tile rows per image
-    (``ipb`` = 1). Returns the tiles of a full block, the depth of its GEMMs; for F(4x4, 3x3)
-    rounded up to whole vectors of 8 (the planes' row stride, see pcw4_input_block)."""
+    (``ipb`` = 1). The ``ng`` runs of whole images (:func:`_image_groups`, ``ipb`` the longest)
+    are an even number (with ``even``) where the batch allows, so two threads get equal shares; they set the
+    bits of dw, so they depend on the shape only. Returns the tiles of a full block, the depth
+    of its GEMMs; for F(4x4, 3x3) rounded up to whole vectors of 8 (the planes' row stride, see
+    pcw4_input_block)."""
     cdef int m = 4 if f4 else 2
     cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
     cdef Py_ssize_t per_tile = 4 * (m + 2) * (m + 2) * (<Py_ssize_t>C + O)
     cdef Py_ssize_t per_image = per_tile * tH * tW, tiles
     if per_image <= WINOGRAD_DW_BLOCK_BYTES:
         ipb[0] = <int>min(<Py_ssize_t>max(N, 1), WINOGRAD_DW_BLOCK_BYTES // per_image)
+        ng[0] = _image_groups(max(N, 1), ipb[0], 2 if even else 1)
+        ipb[0] = (max(N, 1) + ng[0] - 1) // ng[0]
         rb[0] = tH
         bpi[0] = 1
         tiles = <Py_ssize_t>ipb[0] * tH * tW
     else:
         ipb[0] = 1
+        ng[0] = N
         rb[0] = <int>max(1, min(WINOGRAD_DW_BLOCK_BYTES // (per_tile * tW), tH))
         bpi[0] = (tH + rb[0] - 1) // rb[0]
         rb[0] = (tH + bpi[0] - 1) // bpi[0]    # equal blocks
@@ -260,17 +281,26 @@ cdef Py_ssize_t _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb,
     return (tiles + 7) & ~7 if f4 else tiles
 
 
+def _winograd_dw_blocks(int N, int C, int O, int P, int Q, bint winograd4):
+    """The Winograd weight gradient's blocks for this shape (:func:`_dw_blocks`, tests): (most
+    images in a block, tile rows per block, blocks per image, runs of images, tiles of a full
+    block)."""
+    cdef int ipb, rb, bpi, ng
+    cdef Py_ssize_t ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, &ng, winograd4)
+    return ipb, rb, bpi, ng, ldt
+
+
 def winograd_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
     """Whether :func:`conv2d_backward_weights_winograd` pays for this layer: where the forward
     runs Winograd, with at least WINOGRAD_DW_MIN_O filters, rows of at least 8 tiles (the
     transforms' vectors) or of 4 to 7 whole tiles (an even Q from 8), and GEMMs at least
     WINOGRAD_DW_MIN_DEPTH tiles deep."""
-    cdef int ipb, rb, bpi
+    cdef int ipb, rb, bpi, ng
     if not winograd_applies(C, O, K, stride, P, Q, N) or O < WINOGRAD_DW_MIN_O:
         return False
     if (Q + 1) // 2 < 8 and (Q & 1 or Q < 8):  # short rows with a half-empty last tile lose
         return False
-    return _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi) >= WINOGRAD_DW_MIN_DEPTH
+    return _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, &ng, False, False) >= WINOGRAD_DW_MIN_DEPTH
 
 
 cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
@@ -287,7 +317,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     """
     cdef int m = 4 if f4 else 2, pts = 36 if f4 else 16
     cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
-    cdef int ipb, rb, bpi
+    cdef int ipb, rb, bpi, ng
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, OC = <Py_ssize_t>O * C
     cdef Py_ssize_t ldt, ldxv, ldxm, rows_tiles, scratch
     cdef int nblocks, groups, g, blk, n, n0, n1, ty0, ty1, nb, xi, ldti, o
@@ -304,8 +334,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef char tt = b'T', tn = b'N'
     cdef float one = 1.0
     failed[0] = 0
-    ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, f4)
-    nblocks = (N + ipb - 1) // ipb if bpi == 1 else N * bpi
+    ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, &ng, f4)
+    nblocks = ng if bpi == 1 else N * bpi
     groups = <int>max(1, min(<Py_ssize_t>min(nblocks, WINOGRAD_DW_GROUPS),
                              WINOGRAD_DW_PARTIAL_BYTES // (4 * pts * OC)))
     ldti = <int>ldt
@@ -331,8 +361,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                 acc = dU + <Py_ssize_t>g * pts * OC
                 for blk in range(<int>((<long>nblocks * g) // groups), <int>((<long>nblocks * (g + 1)) // groups)):
                     if bpi == 1:   # images n0 .. n1, whole, one after the other along the tiles
-                        n0 = blk * ipb
-                        n1 = _min(N, n0 + ipb)
+                        n0 = <int>((<long>N * blk) // ng)
+                        n1 = <int>((<long>N * (blk + 1)) // ng)
                         ty0 = 0
                         ty1 = tH
                     else:          # tile rows ty0 .. ty1 of one image
