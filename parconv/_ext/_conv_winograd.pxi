@@ -156,7 +156,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, nt, &ipb, &rb, &bpi, &ng, f4)
     cdef Py_ssize_t ldxv, ldxm, HW = <Py_ssize_t>H * W, img_out = <Py_ssize_t>O * P * Q
     cdef Py_ssize_t rows_tiles, nb, scratch
-    cdef float *U = <float *>malloc(sizeof(float) * pts * <size_t>O * C)
+    # scratch slots (pcw_scratch_get): 0 U, 1 each thread's V and M
+    cdef float *U = <float *>pcw_scratch_get(0, sizeof(float) * pts * <size_t>O * C)
     cdef int *off = <int *>malloc(sizeof(int) * <size_t>C)
     cdef float *Vraw
     cdef float *V
@@ -167,7 +168,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef int blk, n, n0, n1, ty0, ty1, xi, o, nv, mr0
     failed[0] = 0
     if U == NULL or off == NULL:
-        free(U)
+        pcw_scratch_release(0, U)
         free(off)
         return 1
     nblocks = ng * bpi
@@ -182,7 +183,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     with nogil, parallel(num_threads=nt):
         # V, M and the scratch start on a cache line (ldxv, ldxm are multiples of 16 floats),
         # so no 16-float store of a transform splits across two lines
-        Vraw = <float *>malloc(sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch + PCC_MR_MAX * PCC_NR) + 64)
+        Vraw = <float *>pcw_scratch_get(1, sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch
+                                                           + PCC_MR_MAX * PCC_NR) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
             failed[0] = 1
@@ -229,8 +231,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                                     relu, y + n * img_out, scr)
                 else:
                     pcw4_output_block(M, ldxm, ldt, n0, n1, O, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y, scr)
-        free(Vraw)
-    free(U)
+        pcw_scratch_release(1, Vraw)
+    pcw_scratch_release(0, U)
     free(off)
     return failed[0]
 
@@ -345,11 +347,12 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
         scratch = max(pcw4_input_images_scratch_floats(ipb, tW, rb), pcw4_dy_scratch_floats(ipb, tW, rb))
     else:
         scratch = pcw_scratch_floats(tW, rb)
-    dU = <float *>malloc(sizeof(float) * pts * <size_t>OC * groups)
+    # scratch slots (pcw_scratch_get): 0 dU, 1 each thread's V and dM, 2 its filter scratch
+    dU = <float *>pcw_scratch_get(0, sizeof(float) * pts * <size_t>OC * groups)
     if dU == NULL:
         return 1
     with nogil, parallel(num_threads=_min(nt, groups)):
-        Vraw = <float *>malloc(sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch) + 64)
+        Vraw = <float *>pcw_scratch_get(1, sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
             failed[0] = 1
@@ -391,9 +394,9 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                         else:  # column-major: dU[xi]^T (C x O) += (V[xi]^T)^T @ dM[xi]^T
                             sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
                                   &beta, acc + xi * OC, &C)
-        free(Vraw)
+        pcw_scratch_release(1, Vraw)
     if failed[0]:
-        free(dU)
+        pcw_scratch_release(0, dU)
         return 1
     with nogil:
         # the groups' sums, added in group order (into group 0), then G^T dU G per filter
@@ -401,8 +404,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
             for g in range(1, groups):
                 dU[e] = dU[e] + dU[<Py_ssize_t>g * pts * OC + e]
     with nogil, parallel(num_threads=_min(nt, O)):
-        scr = <float *>malloc(sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
-                                               else pcw_filter_scratch_floats(C)))
+        scr = <float *>pcw_scratch_get(2, sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
+                                                              else pcw_filter_scratch_floats(C)))
         if scr == NULL:
             failed[0] = 1
         for o in prange(O, schedule="guided"):
@@ -411,8 +414,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                     pcw4_filters_grad(dU, O, C, o, o + 1, dw, scr)
                 else:
                     pcw_filters_grad(dU, O, C, o, o + 1, dw, scr)
-        free(scr)
-    free(dU)
+        pcw_scratch_release(2, scr)
+    pcw_scratch_release(0, dU)
     return failed[0]
 
 

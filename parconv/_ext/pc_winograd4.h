@@ -289,6 +289,9 @@ static void pcw4_input_block(const float *x, int n0, int n1, int C, int H, int W
         for (int n = n0; n < n1; n++) {
             const float *xc = x + ((pcw_idx)n * C + c) * HW;
             float *pl = planes + (pcw_idx)(n - n0) * plane;
+            /* the planes of a block's images are C H W floats apart: no hardware prefetcher
+             * follows from one to the next */
+            pcw_prefetch_ahead(xc, c, C, H, W, ih0, rows, kmax);
             for (int r = 0; r < rows; r++) {
                 const int ih = ih0 + r;
                 if (ih >= 0 && ih < H && kmax > 0)   /* other rows stay zero */
@@ -333,6 +336,7 @@ static void pcw4_input_block(const float *x, int n0, int n1, int C, int H, int W
     for (int c = 0; c < C; c++) {
         for (int n = n0; n < n1; n++) {
             const float *xc = x + ((pcw_idx)n * C + c) * HW;
+            pcw_prefetch_ahead(xc, c, C, H, W, 4 * ty0 - pad, 4 * (ty1 - ty0) + 2, W);
             for (int ty = ty0; ty < ty1; ty++) {
                 const pcw_idx tb = (pcw_idx)(n - n0) * rows_tiles + (pcw_idx)(ty - ty0) * tW;
                 for (int r = 0; r < 6; r++) {
@@ -577,6 +581,7 @@ static void pcw4_dy_block(const float *dy, int n0, int n1, int O, int P, int Q, 
     for (int o = 0; o < O; o++) {
         for (int n = n0; n < n1; n++) {
             const float *dyo = dy + ((pcw_idx)n * O + o) * PQ;
+            pcw_prefetch_ahead(dyo, o, O, P, Q, 4 * ty0, 4 * (ty1 - ty0), Q);
             for (int ty = ty0; ty < ty1; ty++) {
                 const pcw_idx tb = (pcw_idx)(n - n0) * rows_tiles + (pcw_idx)(ty - ty0) * tW;
                 for (int a = 0; a < 4; a++) {
