@@ -33,15 +33,25 @@ cdef extern from "pc_norm.h":
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements: below this, waking a team costs more than the loop
+    # batch norm's passes run at memory speed on one thread (pc_norm.h): below this many
+    # elements, waking the team for each of its two or three passes costs more than it saves
+    BN_SERIAL_BELOW = 1 << 20
 
 
-cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads) noexcept nogil:
+cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads,
+                        Py_ssize_t serial_below=SERIAL_BELOW) noexcept nogil:
     """Contiguous chunks for ``units`` planes holding ``work`` elements: a few per thread, set by the
     shape and the thread count only, so whichever thread sums a chunk the bits are the same."""
-    if work < SERIAL_BELOW or num_threads <= 1 or units <= 1:
+    if work < serial_below or num_threads <= 1 or units <= 1:
         return 1
     return <int>min(units, <Py_ssize_t>num_threads * PC_BLOCKS_PER_THREAD)
 
+
+
+def _bn_chunks(Py_ssize_t N, Py_ssize_t C, Py_ssize_t L, int num_threads):
+    """How many chunks batch norm splits an (N, C, L) input into at ``num_threads`` threads
+    (1: one thread runs it; tests)."""
+    return _chunks(N * C, N * C * L, num_threads, BN_SERIAL_BELOW)
 
 
 cdef void _merge(const double *part, double *out, int nc, Py_ssize_t C) noexcept nogil:
@@ -67,7 +77,7 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     """Normalise with the batch statistics (M = N * L > 1); see ``Backend.batch_norm_forward_train``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
     cdef const float *rp = _residual(residual, N, C, L)
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
@@ -150,7 +160,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     """Normalise with the running statistics; see ``Backend.batch_norm_forward_eval``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift
@@ -187,7 +197,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     passes (vector selects) rather than in a pass of its own."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
     cdef double *sgx
