@@ -190,7 +190,7 @@ def test_batch_norm_runs_on_one_thread_below_a_million_values():
     from parconv._ext import _norm
 
     # resnet20 at batch 32 (at most 524,288 values a layer): one thread; waking the team for
-    # each pass cost more than the second thread saved (two threads measured 1.2-3.4x slower)
+    # each pass costs more than the second thread saves
     assert _norm._bn_chunks(32, 16, 1024, 2) == 1
     assert _norm._bn_chunks(128, 64, 64, 2) == 1
     # batch 128's first stage (2,097,152 values): both threads, a few chunks each
@@ -250,8 +250,8 @@ SCRATCH_CHILD = textwrap.dedent("""
 def test_winograd_scratch_is_kept_between_calls(threads):
     """The Winograd drivers keep their MB of scratch per thread: once warm, a layer's forward and
     weight gradient fault in no fresh pages. In a fresh process (glibc's default mmap and trim
-    thresholds) batch 32 of a 64-channel layer mapped and zeroed about 550 pages of scratch on
-    every weight gradient, doubling its time."""
+    thresholds) batch 32 of a 64-channel layer used to map and zero its scratch on every weight
+    gradient."""
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-P", "-c", SCRATCH_CHILD, str(threads)], env=env, capture_output=True,

@@ -37,7 +37,7 @@ typedef ptrdiff_t pcw_idx;
  * The Winograd drivers need a few MB per call (transformed blocks, partial sums). glibc
  * maps such blocks fresh or trims them back to the system on free whenever their sizes
  * fall just so against its adaptive mmap and trim thresholds, and then every call faults
- * in and zeroes each page again (twice a call's time for one batch size of a layer).
+ * in and zeroes each page again.
  * Buffers up to PCW_SCRATCH_MAX bytes are kept, per thread and slot, until the thread
  * ends; larger ones are malloc'd and freed as before. */
 #include <pthread.h>
