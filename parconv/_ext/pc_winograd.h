@@ -44,7 +44,7 @@ typedef ptrdiff_t pcw_idx;
 #include <stdlib.h>
 
 #define PCW_SCRATCH_SLOTS 4
-#define PCW_SCRATCH_MAX ((size_t)64 << 20)
+#define PCW_SCRATCH_MAX ((size_t)16 << 20)
 
 typedef struct {
     void *p[PCW_SCRATCH_SLOTS];
