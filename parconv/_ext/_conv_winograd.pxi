@@ -40,6 +40,9 @@ cdef enum:
     WINOGRAD_BATCH_MIN_O = 32
     WINOGRAD_BATCH_MIN_TILES = 16
     WINOGRAD_BATCH_MIN_TILES_X_O = 512
+    # the F(2x2, 3x3) forward puts several images in a block where one has fewer tiles (8x8
+    # outputs and less): GEMMs this wide read the transformed filters from L2 a quarter as often
+    WINOGRAD_IMAGES_BELOW_TILES = 64
 
 
 # rules (min channels, min filters, min tiles, min tiles x filters), any of which takes Winograd:
@@ -74,12 +77,25 @@ cdef inline Py_ssize_t _wino_plane_stride(int rows, Py_ssize_t ldt) noexcept nog
     return ((<Py_ssize_t>rows * ldt + 15) & ~15) + 32
 
 
+cdef inline int _image_groups(int N, int ipb, int mult) noexcept nogil:
+    """Runs of whole images for blocks of at most ``ipb``: ceil(N / ipb), rounded up to a
+    multiple of ``mult`` where the batch has that many images, so ``mult`` threads get equal
+    shares. Run g holds images N g / n .. N (g + 1) / n (sizes differ by at most one)."""
+    cdef int n = (N + ipb - 1) // ipb
+    if mult > 1 and n % mult:
+        n = min(N, n + mult - n % mult)
+    return max(n, 1)
+
+
 cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb, int *rb, int *bpi,
-                           bint f4) noexcept nogil:
+                           int *ng, bint f4) noexcept nogil:
     """Blocks of the Winograd forward (F(4x4, 3x3) with ``f4``, else F(2x2, 3x3)): ``ipb`` whole
-    images per block where an F(4x4, 3x3) image's V and M fit WINOGRAD4_BLOCK_BYTES (``bpi`` =
-    1), else ``bpi`` blocks of ``rb`` tile rows of one image (WINOGRAD_BLOCK_BYTES for F(2x2,
-    3x3)); at least one block per thread where the batch allows. Returns the tiles of a full
+    images per block where an F(4x4, 3x3) image's V and M fit WINOGRAD4_BLOCK_BYTES, or (F(2x2,
+    3x3)) where two or more images of fewer than WINOGRAD_IMAGES_BELOW_TILES tiles fit
+    WINOGRAD_BLOCK_BYTES (``bpi`` = 1), else ``bpi`` blocks of ``rb`` tile rows of one image;
+    at least one block per thread where the batch allows. ``ng`` runs of images
+    (:func:`_image_groups`, a multiple of the threads: the forward's bits do not depend on
+    its blocks), ``ipb`` the longest. Returns the tiles of a full
     block (the GEMMs' width and the planes' row stride), for F(4x4, 3x3) rounded up to whole
     vectors of 8 (pcw4_input_block)."""
     cdef int m = 4 if f4 else 2
@@ -87,13 +103,21 @@ cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb,
     cdef Py_ssize_t per_tile = 4 * (m + 2) * (m + 2) * (<Py_ssize_t>C + O)  # bytes of V and M for one tile
     cdef Py_ssize_t cap = max(<Py_ssize_t>1, (WINOGRAD4_BLOCK_BYTES if f4 else WINOGRAD_BLOCK_BYTES) // per_tile)
     cdef Py_ssize_t img_tiles = <Py_ssize_t>tH * tW
-    if f4 and img_tiles <= cap:
+    if img_tiles <= cap:
         ipb[0] = <int>min(<Py_ssize_t>N, cap // img_tiles)
         ipb[0] = max(1, min(ipb[0], (N + nt - 1) // nt))
-        rb[0] = tH
-        bpi[0] = 1
-        return (<Py_ssize_t>ipb[0] * img_tiles + 7) & ~7
+        # F(2x2, 3x3) takes whole images only where one has fewer tiles than WINOGRAD_IMAGES_BELOW_TILES
+        # (its GEMMs would be too narrow), and then just enough of them
+        if not f4:
+            ipb[0] = <int>min(<Py_ssize_t>ipb[0], (WINOGRAD_IMAGES_BELOW_TILES + img_tiles - 1) // img_tiles)
+        if f4 or ipb[0] >= 2:
+            rb[0] = tH
+            bpi[0] = 1
+            ng[0] = _image_groups(N, ipb[0], nt)
+            ipb[0] = (N + ng[0] - 1) // ng[0]
+            return (<Py_ssize_t>ipb[0] * img_tiles + 7) & ~7 if f4 else <Py_ssize_t>ipb[0] * img_tiles
     ipb[0] = 1
+    ng[0] = N
     rb[0] = <int>max(<Py_ssize_t>1, min(cap // tW, <Py_ssize_t>tH))
     bpi[0] = (tH + rb[0] - 1) // rb[0]
     if N * bpi[0] < nt:                   # a block for every thread
@@ -103,15 +127,23 @@ cdef Py_ssize_t _fwd_blocks(int N, int C, int O, int P, int Q, int nt, int *ipb,
     return (<Py_ssize_t>rb[0] * tW + 7) & ~7 if f4 else <Py_ssize_t>rb[0] * tW
 
 
+def _winograd_blocks(int N, int C, int O, int P, int Q, int num_threads, bint winograd4):
+    """The Winograd forward's blocks for this shape (:func:`_fwd_blocks`, tests): (most images in a
+    block, tile rows per block, blocks per image, runs of images, tiles of a full block)."""
+    cdef int ipb, rb, bpi, ng
+    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, max(1, num_threads), &ipb, &rb, &bpi, &ng, winograd4)
+    return ipb, rb, bpi, ng, ldt
+
+
 cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                         const float *w, int O, const float *bias, float *y, int P, int Q, int nt,
                         const float *scale, bint relu, bint f4) noexcept:
     """Stride-1 3x3 forward by Winograd: F(4x4, 3x3) with ``f4`` (``pc_winograd4.h``, 36
     transform points), else F(2x2, 3x3) (``pc_winograd.h``, 16).
 
-    Blocks (:func:`_fwd_blocks`: tile rows of one image, or for F(4x4, 3x3) whole images
-    where an image has few tiles, since a block's tiles are the width of its GEMMs and the
-    micro-kernels want whole panels) are split over threads; each thread transforms its
+    Blocks (:func:`_fwd_blocks`: tile rows of one image, or whole images where an image has
+    few tiles, since a block's tiles are the width of its GEMMs and the micro-kernels want
+    whole panels) are split over threads; each thread transforms its
     block's input into private scratch, runs the GEMMs and transforms the result straight
     into y, so every output has the same bits at any thread count. The GEMMs are the
     convolution's register-blocked micro-kernels reading U and V in place: a block has a
@@ -120,11 +152,12 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     """
     cdef int m = 4 if f4 else 2, pts = 36 if f4 else 16
     cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
-    cdef int ipb, rb, bpi, nblocks
-    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, nt, &ipb, &rb, &bpi, f4)
+    cdef int ipb, rb, bpi, ng, nblocks
+    cdef Py_ssize_t ldt = _fwd_blocks(N, C, O, P, Q, nt, &ipb, &rb, &bpi, &ng, f4)
     cdef Py_ssize_t ldxv, ldxm, HW = <Py_ssize_t>H * W, img_out = <Py_ssize_t>O * P * Q
     cdef Py_ssize_t rows_tiles, nb, scratch
-    cdef float *U = <float *>malloc(sizeof(float) * pts * <size_t>O * C)
+    # scratch slots (pcw_scratch_get): 0 U, 1 each thread's V and M
+    cdef float *U = <float *>pcw_scratch_get(0, sizeof(float) * pts * <size_t>O * C)
     cdef int *off = <int *>malloc(sizeof(int) * <size_t>C)
     cdef float *Vraw
     cdef float *V
@@ -135,10 +168,10 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef int blk, n, n0, n1, ty0, ty1, xi, o, nv, mr0
     failed[0] = 0
     if U == NULL or off == NULL:
-        free(U)
+        pcw_scratch_release(0, U)
         free(off)
         return 1
-    nblocks = ((N + ipb - 1) // ipb) * bpi
+    nblocks = ng * bpi
     nt = _min(nt, nblocks)
     ldxv = _wino_plane_stride(C, ldt)
     ldxm = _wino_plane_stride(O, ldt)
@@ -150,7 +183,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     with nogil, parallel(num_threads=nt):
         # V, M and the scratch start on a cache line (ldxv, ldxm are multiples of 16 floats),
         # so no 16-float store of a transform splits across two lines
-        Vraw = <float *>malloc(sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch + PCC_MR_MAX * PCC_NR) + 64)
+        Vraw = <float *>pcw_scratch_get(1, sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch
+                                                           + PCC_MR_MAX * PCC_NR) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
             failed[0] = 1
@@ -169,8 +203,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
             scr = ct + PCC_MR_MAX * PCC_NR
         for blk in prange(nblocks, schedule="dynamic"):
             if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
-                n0 = (blk // bpi) * ipb
-                n1 = _min(N, n0 + ipb)
+                n0 = <int>((<long>N * (blk // bpi)) // ng)
+                n1 = <int>((<long>N * (blk // bpi + 1)) // ng)
                 ty0 = (blk % bpi) * rb
                 ty1 = _min(tH, ty0 + rb)
                 rows_tiles = <Py_ssize_t>(ty1 - ty0) * tW
@@ -179,22 +213,26 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
                 mr0 = pcc_main_mr(nv)
                 if f4:
                     pcw4_input_images(x, n0, n1, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
-                else:
-                    pcw_input(x + n0 * C * HW, C, H, W, pad, ty0, ty1, tW, V, ldxv, ldt, scr)
+                else:  # each image's tiles after the previous one's along the planes' rows
+                    for n in range(n0, n1):
+                        pcw_input(x + n * C * HW, C, H, W, pad, ty0, ty1, tW, V + (n - n0) * rows_tiles, ldxv, ldt,
+                                  scr)
                 for xi in range(pts):
                     # M[xi] (O x nb) = U[xi] (O x C) @ V[xi] (C x nb): one row of nb positions
                     pcc_conv_panels(U + <Py_ssize_t>xi * O * C, O, C, mr0, nv, V + xi * ldxv, off,
                                     0, nb, <int>nb, <int>nb, M + xi * ldxm, ldt, NULL, NULL, 0, ct)
                 if not f4:
-                    pcw_output(M, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y + n0 * img_out, scr)
+                    for n in range(n0, n1):
+                        pcw_output(M + (n - n0) * rows_tiles, ldxm, ldt, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu,
+                                   y + n * img_out, scr)
                 elif tW % 8 == 0:  # whole vectors along each row, as the input transform
                     for n in range(n0, n1):
                         pcw4_output(M, ldxm, ldt, (n - n0) * rows_tiles, 0, O, ty0, ty1, tW, P, Q, bias, scale,
                                     relu, y + n * img_out, scr)
                 else:
                     pcw4_output_block(M, ldxm, ldt, n0, n1, O, 0, O, ty0, ty1, tW, P, Q, bias, scale, relu, y, scr)
-        free(Vraw)
-    free(U)
+        pcw_scratch_release(1, Vraw)
+    pcw_scratch_release(0, U)
     free(off)
     return failed[0]
 
@@ -213,24 +251,30 @@ cdef enum:
     WINOGRAD_DW_MIN_DEPTH = 96
 
 
-cdef Py_ssize_t _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi,
-                          bint f4=False) noexcept nogil:
+cdef Py_ssize_t _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb, int *bpi, int *ng,
+                          bint f4=False, bint even=True) noexcept nogil:
     """Blocks of the Winograd weight gradient (F(4x4, 3x3) with ``f4``, else F(2x2, 3x3)):
     ``ipb`` whole images per block when an image's V and dM fit WINOGRAD_DW_BLOCK_BYTES
     (``bpi`` = 1, ``rb`` = all tile rows), else ``bpi`` blocks of ``rb`` tile rows per image
-    (``ipb`` = 1). Returns the tiles of a full block, the depth of its GEMMs; for F(4x4, 3x3)
-    rounded up to whole vectors of 8 (the planes' row stride, see pcw4_input_block)."""
+    (``ipb`` = 1). The ``ng`` runs of whole images (:func:`_image_groups`, ``ipb`` the longest)
+    are an even number (with ``even``) where the batch allows, so two threads get equal shares; they set the
+    bits of dw, so they depend on the shape only. Returns the tiles of a full block, the depth
+    of its GEMMs; for F(4x4, 3x3) rounded up to whole vectors of 8 (the planes' row stride, see
+    pcw4_input_block)."""
     cdef int m = 4 if f4 else 2
     cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
     cdef Py_ssize_t per_tile = 4 * (m + 2) * (m + 2) * (<Py_ssize_t>C + O)
     cdef Py_ssize_t per_image = per_tile * tH * tW, tiles
     if per_image <= WINOGRAD_DW_BLOCK_BYTES:
         ipb[0] = <int>min(<Py_ssize_t>max(N, 1), WINOGRAD_DW_BLOCK_BYTES // per_image)
+        ng[0] = _image_groups(max(N, 1), ipb[0], 2 if even else 1)
+        ipb[0] = (max(N, 1) + ng[0] - 1) // ng[0]
         rb[0] = tH
         bpi[0] = 1
         tiles = <Py_ssize_t>ipb[0] * tH * tW
     else:
         ipb[0] = 1
+        ng[0] = N
         rb[0] = <int>max(1, min(WINOGRAD_DW_BLOCK_BYTES // (per_tile * tW), tH))
         bpi[0] = (tH + rb[0] - 1) // rb[0]
         rb[0] = (tH + bpi[0] - 1) // bpi[0]    # equal blocks
@@ -239,17 +283,26 @@ cdef Py_ssize_t _dw_blocks(int N, int C, int O, int P, int Q, int *ipb, int *rb,
     return (tiles + 7) & ~7 if f4 else tiles
 
 
+def _winograd_dw_blocks(int N, int C, int O, int P, int Q, bint winograd4):
+    """The Winograd weight gradient's blocks for this shape (:func:`_dw_blocks`, tests): (most
+    images in a block, tile rows per block, blocks per image, runs of images, tiles of a full
+    block)."""
+    cdef int ipb, rb, bpi, ng
+    cdef Py_ssize_t ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, &ng, winograd4)
+    return ipb, rb, bpi, ng, ldt
+
+
 def winograd_dw_applies(int N, int C, int O, int K, int stride, int P, int Q):
     """Whether :func:`conv2d_backward_weights_winograd` pays for this layer: where the forward
     runs Winograd, with at least WINOGRAD_DW_MIN_O filters, rows of at least 8 tiles (the
     transforms' vectors) or of 4 to 7 whole tiles (an even Q from 8), and GEMMs at least
     WINOGRAD_DW_MIN_DEPTH tiles deep."""
-    cdef int ipb, rb, bpi
+    cdef int ipb, rb, bpi, ng
     if not winograd_applies(C, O, K, stride, P, Q, N) or O < WINOGRAD_DW_MIN_O:
         return False
     if (Q + 1) // 2 < 8 and (Q & 1 or Q < 8):  # short rows with a half-empty last tile lose
         return False
-    return _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi) >= WINOGRAD_DW_MIN_DEPTH
+    return _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, &ng, False, False) >= WINOGRAD_DW_MIN_DEPTH
 
 
 cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
@@ -266,7 +319,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     """
     cdef int m = 4 if f4 else 2, pts = 36 if f4 else 16
     cdef int tH = (P + m - 1) // m, tW = (Q + m - 1) // m
-    cdef int ipb, rb, bpi
+    cdef int ipb, rb, bpi, ng
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, OC = <Py_ssize_t>O * C
     cdef Py_ssize_t ldt, ldxv, ldxm, rows_tiles, scratch
     cdef int nblocks, groups, g, blk, n, n0, n1, ty0, ty1, nb, xi, ldti, o
@@ -283,8 +336,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef char tt = b'T', tn = b'N'
     cdef float one = 1.0
     failed[0] = 0
-    ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, f4)
-    nblocks = (N + ipb - 1) // ipb if bpi == 1 else N * bpi
+    ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, &ng, f4)
+    nblocks = ng if bpi == 1 else N * bpi
     groups = <int>max(1, min(<Py_ssize_t>min(nblocks, WINOGRAD_DW_GROUPS),
                              WINOGRAD_DW_PARTIAL_BYTES // (4 * pts * OC)))
     ldti = <int>ldt
@@ -294,11 +347,12 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
         scratch = max(pcw4_input_images_scratch_floats(ipb, tW, rb), pcw4_dy_scratch_floats(ipb, tW, rb))
     else:
         scratch = pcw_scratch_floats(tW, rb)
-    dU = <float *>malloc(sizeof(float) * pts * <size_t>OC * groups)
+    # scratch slots (pcw_scratch_get): 0 dU, 1 each thread's V and dM, 2 its filter scratch
+    dU = <float *>pcw_scratch_get(0, sizeof(float) * pts * <size_t>OC * groups)
     if dU == NULL:
         return 1
     with nogil, parallel(num_threads=_min(nt, groups)):
-        Vraw = <float *>malloc(sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch) + 64)
+        Vraw = <float *>pcw_scratch_get(1, sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
             failed[0] = 1
@@ -310,8 +364,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                 acc = dU + <Py_ssize_t>g * pts * OC
                 for blk in range(<int>((<long>nblocks * g) // groups), <int>((<long>nblocks * (g + 1)) // groups)):
                     if bpi == 1:   # images n0 .. n1, whole, one after the other along the tiles
-                        n0 = blk * ipb
-                        n1 = _min(N, n0 + ipb)
+                        n0 = <int>((<long>N * blk) // ng)
+                        n1 = <int>((<long>N * (blk + 1)) // ng)
                         ty0 = 0
                         ty1 = tH
                     else:          # tile rows ty0 .. ty1 of one image
@@ -340,9 +394,9 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                         else:  # column-major: dU[xi]^T (C x O) += (V[xi]^T)^T @ dM[xi]^T
                             sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
                                   &beta, acc + xi * OC, &C)
-        free(Vraw)
+        pcw_scratch_release(1, Vraw)
     if failed[0]:
-        free(dU)
+        pcw_scratch_release(0, dU)
         return 1
     with nogil:
         # the groups' sums, added in group order (into group 0), then G^T dU G per filter
@@ -350,8 +404,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
             for g in range(1, groups):
                 dU[e] = dU[e] + dU[<Py_ssize_t>g * pts * OC + e]
     with nogil, parallel(num_threads=_min(nt, O)):
-        scr = <float *>malloc(sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
-                                               else pcw_filter_scratch_floats(C)))
+        scr = <float *>pcw_scratch_get(2, sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
+                                                              else pcw_filter_scratch_floats(C)))
         if scr == NULL:
             failed[0] = 1
         for o in prange(O, schedule="guided"):
@@ -360,8 +414,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                     pcw4_filters_grad(dU, O, C, o, o + 1, dw, scr)
                 else:
                     pcw_filters_grad(dU, O, C, o, o + 1, dw, scr)
-        free(scr)
-    free(dU)
+        pcw_scratch_release(2, scr)
+    pcw_scratch_release(0, dU)
     return failed[0]
 
 

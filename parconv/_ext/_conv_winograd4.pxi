@@ -55,6 +55,19 @@ cdef int[4] _wino4_dw_limits = [WINOGRAD4_DW_MIN_C, WINOGRAD4_DW_MIN_O, WINOGRAD
                                  WINOGRAD4_DW_NARROW_MIN_TILES]
 
 
+def _dot_gemm(const float[:, ::1] a, const float[:, ::1] b, float[:, ::1] out, bint accumulate=False):
+    """``out (=|+=) a @ b.T`` by ``pcw4_dot_gemm``, the weight gradient's small-product kernel
+    (kernel tests): a (O, K), b (C, K), out (O, C)."""
+    if a.shape[1] != b.shape[1] or out.shape[0] != a.shape[0] or out.shape[1] != b.shape[0]:
+        raise ValueError(f"_dot_gemm: a ({a.shape[0]}, {a.shape[1]}), b ({b.shape[0]}, {b.shape[1]}) and out "
+                         f"({out.shape[0]}, {out.shape[1]}) do not make out = a @ b.T")
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return
+    with nogil:
+        pcw4_dot_gemm(<int>a.shape[0], <int>b.shape[0], a.shape[1], &a[0, 0], a.shape[1], &b[0, 0], b.shape[1],
+                      &out[0, 0], out.shape[1], accumulate)
+
+
 def _set_winograd4_dw_limits(limits=None):
     """The thresholds of :func:`winograd4_dw_applies` (min channels, min filters, narrow min
     channels and filters, narrow min tiles); with ``limits`` None they stay. Returns the previous

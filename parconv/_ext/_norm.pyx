@@ -21,40 +21,37 @@ from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_sum_lanes, pc_team
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team
+
+cdef extern from "pc_norm.h":
+    double pcn_sum(const float *p, Py_ssize_t n) noexcept nogil
+    double pcn_sqdev(const float *p, Py_ssize_t n, double m) noexcept nogil
+    void pcn_grad_sums_relu(const float *x, const float *dy, const float *y, Py_ssize_t n, float m, float istd,
+                            double *sg, double *sgx) noexcept nogil
+    void pcn_dx_plane(const float *x, const float *dy, const float *y, float *dx, Py_ssize_t n, float m,
+                      float istd, float k, float a, float b, int training) noexcept nogil
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements: below this, waking a team costs more than the loop
+    # batch norm's passes run at memory speed on one thread (pc_norm.h): below this many
+    # elements, waking the team for each of its two or three passes costs more than it saves
+    BN_SERIAL_BELOW = 1 << 20
 
 
-cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads) noexcept nogil:
+cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads,
+                        Py_ssize_t serial_below=SERIAL_BELOW) noexcept nogil:
     """Contiguous chunks for ``units`` planes holding ``work`` elements: a few per thread, set by the
     shape and the thread count only, so whichever thread sums a chunk the bits are the same."""
-    if work < SERIAL_BELOW or num_threads <= 1 or units <= 1:
+    if work < serial_below or num_threads <= 1 or units <= 1:
         return 1
     return <int>min(units, <Py_ssize_t>num_threads * PC_BLOCKS_PER_THREAD)
 
 
 
-cdef inline double _plane_sqdev(const float *p, Py_ssize_t n, double m) noexcept nogil:
-    """Sum of (p[i] - m)^2 in double, four lanes added in a fixed order."""
-    cdef double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, d0, d1, d2, d3
-    cdef Py_ssize_t i = 0
-    while i + 4 <= n:
-        d0 = p[i] - m
-        d1 = p[i + 1] - m
-        d2 = p[i + 2] - m
-        d3 = p[i + 3] - m
-        s0 += d0 * d0
-        s1 += d1 * d1
-        s2 += d2 * d2
-        s3 += d3 * d3
-        i += 4
-    while i < n:
-        d0 = p[i] - m
-        s0 += d0 * d0
-        i += 1
-    return (s0 + s1) + (s2 + s3)
+def _bn_chunks(Py_ssize_t N, Py_ssize_t C, Py_ssize_t L, int num_threads):
+    """How many chunks batch norm splits an (N, C, L) input into at ``num_threads`` threads
+    (1: one thread runs it; tests)."""
+    return _chunks(N * C, N * C * L, num_threads, BN_SERIAL_BELOW)
 
 
 cdef void _merge(const double *part, double *out, int nc, Py_ssize_t C) noexcept nogil:
@@ -80,7 +77,7 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     """Normalise with the batch statistics (M = N * L > 1); see ``Backend.batch_norm_forward_train``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
     cdef const float *rp = _residual(residual, N, C, L)
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
@@ -121,11 +118,13 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     free(part)
 
 
-cdef const float *_residual(const float[:, :, ::1] r, Py_ssize_t N, Py_ssize_t C, Py_ssize_t L) except? NULL:
+cdef const float *_residual(const float[:, :, ::1] r, Py_ssize_t N, Py_ssize_t C, Py_ssize_t L,
+                            str name="residual") except? NULL:
+    """r's data, or NULL for None; r must have x's shape (N, C, L)."""
     if r is None:
         return NULL
     if r.shape[0] != N or r.shape[1] != C or r.shape[2] != L:
-        raise ValueError(f"batch_norm: residual must have x's shape ({N}, {C}, {L}), "
+        raise ValueError(f"batch_norm: {name} must have x's shape ({N}, {C}, {L}), "
                          f"got ({r.shape[0]}, {r.shape[1]}, {r.shape[2]})")
     return &r[0, 0, 0]
 
@@ -161,7 +160,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     """Normalise with the running statistics; see ``Backend.batch_norm_forward_eval``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift
@@ -183,30 +182,6 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     free(scale)
 
 
-cdef inline void _grad_sums(const float *x, const float *g, Py_ssize_t n, float m, float istd,
-                            double *sg, double *sgx) noexcept nogil:
-    """Adds sum(g) and sum(g * xhat) of one plane, four lanes each added in a fixed order (one
-    double accumulator is a chain of dependent adds, several times slower than the memory)."""
-    cdef Py_ssize_t k = 0
-    cdef double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0, b0 = 0.0, b1 = 0.0, b2 = 0.0, b3 = 0.0
-    while k + 4 <= n:
-        a0 += g[k]
-        a1 += g[k + 1]
-        a2 += g[k + 2]
-        a3 += g[k + 3]
-        b0 += g[k] * ((x[k] - m) * istd)
-        b1 += g[k + 1] * ((x[k + 1] - m) * istd)
-        b2 += g[k + 2] * ((x[k + 2] - m) * istd)
-        b3 += g[k + 3] * ((x[k + 3] - m) * istd)
-        k += 4
-    while k < n:
-        a0 += g[k]
-        b0 += g[k] * ((x[k] - m) * istd)
-        k += 1
-    sg[0] += (a0 + a1) + (a2 + a3)
-    sgx[0] += (b0 + b1) + (b2 + b3)
-
-
 def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
                         const float[::1] weight,      # IN  (C,) or None
                         const float[:, :, ::1] dy,    # IN  (N, C, L) gradient of the normalised output
@@ -215,13 +190,14 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
                         float[:, :, ::1] dx,          # OUT (N, C, L) or None, overwritten (may be dy itself)
                         float[::1] dweight,           # OUT (C,) or None, overwritten
                         float[::1] dbias,             # OUT (C,) or None, overwritten
-                        bint training, int num_threads):
-    """Gradients of batch norm; see ``Backend.batch_norm_backward``. A fused ReLU's mask is applied
-    to dy by the caller first (a separate vectorised pass: inside these loops the data-dependent
-    select becomes a mispredicted branch per element)."""
+                        bint training, int num_threads,
+                        const float[:, :, ::1] y=None):  # IN (N, C, L) or None: a fused ReLU's output
+    """Gradients of batch norm; see ``Backend.batch_norm_backward``. With ``y`` (the output of a
+    ReLU fused into the forward) the gradient is ``dy`` where ``y > 0``, else 0, masked inside both
+    passes (vector selects) rather than in a pass of its own."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
     cdef double *sgx
@@ -230,6 +206,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     cdef const float *dyp = &dy[0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0] if dx is not None else NULL
     cdef bint sums = training or dweight is not None
+    cdef const float *yp = _residual(y, N, C, L, "y")
     if part == NULL:
         raise MemoryError()
     sg = part + 2 * nc * C
@@ -241,7 +218,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     with nogil:
         if sums:
             for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
-                _grad_chunk(xp, dyp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
+                _grad_chunk(xp, dyp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
                             part + 2 * i * C, part + (2 * i + 1) * C)
             for c in range(C):
                 sg[c] = 0.0
@@ -259,22 +236,10 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
                 coef[C + c] = <float>(sg[c] / M)
                 coef[2 * C + c] = <float>(sgx[c] / M)
             for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
-                _dx_chunk(xp, dyp, dxp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
-                          coef, training)
+                _dx_chunk(xp, dyp, yp, dxp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0],
+                          &invstd[0], coef, training)
     free(coef)
     free(part)
-
-
-cdef inline void _dx_plane(const float *x, const float *g, float *dx, Py_ssize_t n, float m,
-                           float istd, float k, float a, float b, bint training) noexcept nogil:
-    """dx = ((g - a) - xhat * b) * k in training mode, g * k in eval mode."""
-    cdef Py_ssize_t i
-    if training:
-        for i in range(n):
-            dx[i] = ((g[i] - a) - ((x[i] - m) * istd) * b) * k
-    else:
-        for i in range(n):
-            dx[i] = g[i] * k
 
 
 cdef inline Py_ssize_t _bound(Py_ssize_t N, Py_ssize_t C, Py_ssize_t i, int nc) noexcept nogil:
@@ -305,9 +270,9 @@ cdef void _sum_chunk(const float *x, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C,
         return
     for j in range(j0, j1):
         if center == NULL:
-            part[c] += pc_sum_lanes(x + j * L, L)
+            part[c] += pcn_sum(x + j * L, L)
         else:
-            part[c] += _plane_sqdev(x + j * L, L, center[c])
+            part[c] += pcn_sqdev(x + j * L, L, center[c])
         c += 1
         if c == C:
             c = 0
@@ -334,43 +299,47 @@ cdef void _apply_chunk(const float *x, float *y, Py_ssize_t j0, Py_ssize_t j1, P
             c = 0
 
 
-cdef void _grad_chunk(const float *x, const float *dy, Py_ssize_t j0, Py_ssize_t j1,
+cdef void _grad_chunk(const float *x, const float *dy, const float *y, Py_ssize_t j0, Py_ssize_t j1,
                       Py_ssize_t C, Py_ssize_t L, const float *mean, const float *invstd, double *sg,
                       double *sgx) noexcept nogil:
+    """sum(g) and sum(g xhat) of planes [j0, j1) into sg, sgx; g = dy, masked by y > 0 with y."""
     cdef Py_ssize_t j, r, rr, c = j0 % C
+    cdef float g
     if L == 1 and c == 0 and j1 % C == 0:
         for rr in range(j0 // C, j1 // C):
             r = rr * C
             for c in range(C):
-                sg[c] += dy[r + c]
-                sgx[c] += dy[r + c] * ((x[r + c] - mean[c]) * invstd[c])
+                g = <float>0.0 if y != NULL and not (y[r + c] > 0) else dy[r + c]
+                sg[c] += g
+                sgx[c] += g * ((x[r + c] - mean[c]) * invstd[c])
         return
     for j in range(j0, j1):
-        _grad_sums(x + j * L, dy + j * L, L, mean[c], invstd[c], &sg[c], &sgx[c])
+        pcn_grad_sums_relu(x + j * L, dy + j * L, NULL if y == NULL else y + j * L, L, mean[c], invstd[c],
+                           &sg[c], &sgx[c])
         c += 1
         if c == C:
             c = 0
 
 
-cdef void _dx_chunk(const float *x, const float *dy, float *dx, Py_ssize_t j0, Py_ssize_t j1,
+cdef void _dx_chunk(const float *x, const float *dy, const float *y, float *dx, Py_ssize_t j0, Py_ssize_t j1,
                     Py_ssize_t C, Py_ssize_t L, const float *mean, const float *invstd, const float *coef,
                     bint training) noexcept nogil:
-    """coef: (3, C) rows k = w * invstd, sum(g) / M, sum(g xhat) / M."""
+    """coef: (3, C) rows k = w * invstd, sum(g) / M, sum(g xhat) / M; g = dy, masked by y > 0 with y."""
     cdef Py_ssize_t j, r, rr, c = j0 % C
+    cdef float g
     if L == 1 and c == 0 and j1 % C == 0:
         for rr in range(j0 // C, j1 // C):
             r = rr * C
-            if training:
-                for c in range(C):
-                    dx[r + c] = ((dy[r + c] - coef[C + c]) - ((x[r + c] - mean[c]) * invstd[c]) * coef[2 * C + c]) \
-                        * coef[c]
-            else:
-                for c in range(C):
-                    dx[r + c] = dy[r + c] * coef[c]
+            for c in range(C):
+                g = <float>0.0 if y != NULL and not (y[r + c] > 0) else dy[r + c]
+                if training:
+                    dx[r + c] = ((g - coef[C + c]) - ((x[r + c] - mean[c]) * invstd[c]) * coef[2 * C + c]) * coef[c]
+                else:
+                    dx[r + c] = g * coef[c]
         return
     for j in range(j0, j1):
-        _dx_plane(x + j * L, dy + j * L, dx + j * L, L, mean[c], invstd[c],
-                  coef[c], coef[C + c], coef[2 * C + c], training)
+        pcn_dx_plane(x + j * L, dy + j * L, NULL if y == NULL else y + j * L, dx + j * L, L, mean[c], invstd[c],
+                     coef[c], coef[C + c], coef[2 * C + c], training)
         c += 1
         if c == C:
             c = 0

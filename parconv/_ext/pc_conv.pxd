@@ -41,6 +41,8 @@ cdef extern from "pc_conv.h":
 
 
 cdef extern from "pc_winograd.h":
+    void *pcw_scratch_get(int slot, size_t nbytes) noexcept nogil
+    void pcw_scratch_release(int slot, void *p) noexcept nogil
     void pcw_filters(const float *w, int O, int C, int o0, int o1, float *U, float *scratch) noexcept nogil
     Py_ssize_t pcw_filter_scratch_floats(int C) noexcept nogil
     Py_ssize_t pcw_scratch_floats(int tW, int rb) noexcept nogil

@@ -32,6 +32,80 @@
 
 typedef ptrdiff_t pcw_idx;
 
+/* Scratch that outlives a call: each thread keeps its largest buffer per slot.
+ *
+ * The Winograd drivers need a few MB per call (transformed blocks, partial sums). glibc
+ * maps such blocks fresh or trims them back to the system on free whenever their sizes
+ * fall just so against its adaptive mmap and trim thresholds, and then every call faults
+ * in and zeroes each page again.
+ * Buffers up to PCW_SCRATCH_MAX bytes are kept, per thread and slot, until the thread
+ * ends; larger ones are malloc'd and freed as before. */
+#include <pthread.h>
+#include <stdlib.h>
+
+#define PCW_SCRATCH_SLOTS 4
+#define PCW_SCRATCH_MAX ((size_t)16 << 20)
+
+typedef struct {
+    void *p[PCW_SCRATCH_SLOTS];
+    size_t n[PCW_SCRATCH_SLOTS];
+} pcw_scratch_cache;
+
+static pthread_key_t pcw_scratch_key;
+static pthread_once_t pcw_scratch_once = PTHREAD_ONCE_INIT;
+static int pcw_scratch_ok;
+
+static inline void pcw_scratch_drop(void *v)
+{
+    pcw_scratch_cache *s = (pcw_scratch_cache *)v;
+    for (int i = 0; i < PCW_SCRATCH_SLOTS; i++)
+        free(s->p[i]);
+    free(s);
+}
+
+static inline void pcw_scratch_init(void)
+{
+    pcw_scratch_ok = pthread_key_create(&pcw_scratch_key, pcw_scratch_drop) == 0;
+}
+
+static inline pcw_scratch_cache *pcw_scratch_mine(int create)
+{
+    pthread_once(&pcw_scratch_once, pcw_scratch_init);
+    if (!pcw_scratch_ok)
+        return NULL;
+    pcw_scratch_cache *s = (pcw_scratch_cache *)pthread_getspecific(pcw_scratch_key);
+    if (s == NULL && create) {
+        s = (pcw_scratch_cache *)calloc(1, sizeof *s);
+        if (s != NULL && pthread_setspecific(pcw_scratch_key, s) != 0) {
+            free(s);
+            s = NULL;
+        }
+    }
+    return s;
+}
+
+/* bytes of scratch (uninitialised) for slot of this thread; NULL when out of memory. Give
+ * it back with pcw_scratch_release before the thread asks for the slot again. */
+static inline void *pcw_scratch_get(int slot, size_t bytes)
+{
+    pcw_scratch_cache *s = bytes <= PCW_SCRATCH_MAX ? pcw_scratch_mine(1) : NULL;
+    if (s == NULL)
+        return malloc(bytes > 0 ? bytes : 1);
+    if (s->n[slot] < bytes) {
+        free(s->p[slot]);
+        s->p[slot] = malloc(bytes > 0 ? bytes : 1);
+        s->n[slot] = s->p[slot] != NULL ? bytes : 0;
+    }
+    return s->p[slot];
+}
+
+static inline void pcw_scratch_release(int slot, void *p)
+{
+    pcw_scratch_cache *s = pcw_scratch_mine(0);
+    if (p != NULL && (s == NULL || s->p[slot] != p))
+        free(p);
+}
+
 /* The loops below run along channels (filters) or along the tiles of a row with
  * restrict-qualified rows, so the compiler vectorises them. */
 

@@ -844,17 +844,11 @@ class OpenMPBackend(HostArrays, Backend):
         x, dy = _f32(x), _f32(dy)
         C = x.shape[1]
         dx = self._empty(x.shape) if need_dx else None
-        if y is not None:
-            # the fused ReLU's mask in its own vectorised pass, into dx (the kernel reads dy
-            # and writes dx element by element, so they may share memory)
-            g = dx if dx is not None else self._empty(x.shape)
-            _activations.relu_backward(_f32(y).reshape(-1), dy.reshape(-1), g.reshape(-1), get_num_threads())
-            dy = g
         dweight = np.empty(C, np.float32) if weight is not None else None
         dbias = np.empty(C, np.float32) if weight is not None else None
         _norm.batch_norm_backward(self._bn3(x), self._opt32(weight), self._bn3(dy), _f32(mean), _f32(invstd),
                                   None if dx is None else self._bn3(dx), dweight, dbias, bool(training),
-                                  get_num_threads())
+                                  get_num_threads(), None if y is None else self._bn3(_f32(y)))
         return dx, dweight, dbias
 
     # --------------------------------------------------------------- dropout

@@ -1,0 +1,238 @@
+/* Per-plane sums of batch norm (_norm.pyx): the statistics of the forward and the two sums
+ * of the backward, over the n contiguous floats of one (image, channel) plane.
+ *
+ * Every value is converted to double before it is added, so a channel of millions of values
+ * keeps float64 accuracy. With AVX-512 (AVX2) the sums run in 4 vectors of 8 (4) doubles
+ * each, taking 32 (16) floats per step; the last n % 32 (16) floats go one by one into a
+ * scalar sum; the vectors' lanes are then added in a fixed tree and the scalar sum last.
+ * The grouping is set by n alone, so a plane has the same bits whichever thread sums it.
+ * The baseline build keeps four scalar lanes (portable C, no vector instructions). Each
+ * element is rounded as the scalar code rounds it: differences and products of the
+ * backward in float, as the NumPy reference evaluates them, sums in double, no FMA.
+ */
+#ifndef PARCONV_PC_NORM_H
+#define PARCONV_PC_NORM_H
+
+#include <stddef.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef ptrdiff_t pcn_idx;
+
+#if defined(__AVX512F__)
+#define PCN_STEP 32
+typedef __m512d pcn_vd;
+typedef __m512 pcn_vf;
+/* the 16 floats at p as two vectors of 8 doubles */
+#define PCN_CVT_LO(v) _mm512_cvtps_pd(_mm512_castps512_ps256(v))
+#define PCN_CVT_HI(v) _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+static inline double pcn_hsum(pcn_vd a, pcn_vd b, pcn_vd c, pcn_vd d)
+{
+    double l[8];
+    _mm512_storeu_pd(l, _mm512_add_pd(_mm512_add_pd(a, b), _mm512_add_pd(c, d)));
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+#elif defined(__AVX2__)
+#define PCN_STEP 16
+typedef __m256d pcn_vd;
+typedef __m256 pcn_vf;
+#define PCN_CVT_LO(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v))
+#define PCN_CVT_HI(v) _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))
+static inline double pcn_hsum(pcn_vd a, pcn_vd b, pcn_vd c, pcn_vd d)
+{
+    double l[4];
+    _mm256_storeu_pd(l, _mm256_add_pd(_mm256_add_pd(a, b), _mm256_add_pd(c, d)));
+    return (l[0] + l[1]) + (l[2] + l[3]);
+}
+#endif
+
+#if defined(__AVX512F__)
+#define PCN_LDF(p) _mm512_loadu_ps(p)
+#define PCN_SUBF _mm512_sub_ps
+#define PCN_MULF _mm512_mul_ps
+#define PCN_SETF _mm512_set1_ps
+#define PCN_ADDD _mm512_add_pd
+#define PCN_SUBD _mm512_sub_pd
+#define PCN_MULD _mm512_mul_pd
+#define PCN_SETD _mm512_set1_pd
+#define PCN_ZEROD _mm512_setzero_pd
+#define PCN_HALF 16
+#elif defined(__AVX2__)
+#define PCN_LDF(p) _mm256_loadu_ps(p)
+#define PCN_SUBF _mm256_sub_ps
+#define PCN_MULF _mm256_mul_ps
+#define PCN_SETF _mm256_set1_ps
+#define PCN_ADDD _mm256_add_pd
+#define PCN_SUBD _mm256_sub_pd
+#define PCN_MULD _mm256_mul_pd
+#define PCN_SETD _mm256_set1_pd
+#define PCN_ZEROD _mm256_setzero_pd
+#define PCN_HALF 8
+#endif
+
+/* sum of p[0..n) in double */
+static inline double pcn_sum(const float *p, pcn_idx n)
+{
+#if defined(PCN_STEP)
+    pcn_vd s0 = PCN_ZEROD(), s1 = PCN_ZEROD(), s2 = PCN_ZEROD(), s3 = PCN_ZEROD();
+    pcn_idx i = 0;
+    for (; i + PCN_STEP <= n; i += PCN_STEP) {
+        const pcn_vf a = PCN_LDF(p + i), b = PCN_LDF(p + i + PCN_HALF);
+        s0 = PCN_ADDD(s0, PCN_CVT_LO(a));
+        s1 = PCN_ADDD(s1, PCN_CVT_HI(a));
+        s2 = PCN_ADDD(s2, PCN_CVT_LO(b));
+        s3 = PCN_ADDD(s3, PCN_CVT_HI(b));
+    }
+    double t = 0.0;
+    for (; i < n; i++)
+        t += p[i];
+    return pcn_hsum(s0, s1, s2, s3) + t;
+#else
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    pcn_idx i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += p[i];
+        s1 += p[i + 1];
+        s2 += p[i + 2];
+        s3 += p[i + 3];
+    }
+    for (; i < n; i++)
+        s0 += p[i];
+    return (s0 + s1) + (s2 + s3);
+#endif
+}
+
+/* sum of (p[i] - m)^2 in double */
+static inline double pcn_sqdev(const float *p, pcn_idx n, double m)
+{
+#if defined(PCN_STEP)
+    const pcn_vd vm = PCN_SETD(m);
+    pcn_vd s0 = PCN_ZEROD(), s1 = PCN_ZEROD(), s2 = PCN_ZEROD(), s3 = PCN_ZEROD();
+    pcn_idx i = 0;
+    for (; i + PCN_STEP <= n; i += PCN_STEP) {
+        const pcn_vf a = PCN_LDF(p + i), b = PCN_LDF(p + i + PCN_HALF);
+        const pcn_vd d0 = PCN_SUBD(PCN_CVT_LO(a), vm), d1 = PCN_SUBD(PCN_CVT_HI(a), vm);
+        const pcn_vd d2 = PCN_SUBD(PCN_CVT_LO(b), vm), d3 = PCN_SUBD(PCN_CVT_HI(b), vm);
+        s0 = PCN_ADDD(s0, PCN_MULD(d0, d0));
+        s1 = PCN_ADDD(s1, PCN_MULD(d1, d1));
+        s2 = PCN_ADDD(s2, PCN_MULD(d2, d2));
+        s3 = PCN_ADDD(s3, PCN_MULD(d3, d3));
+    }
+    double t = 0.0;
+    for (; i < n; i++) {
+        const double d = p[i] - m;
+        t += d * d;
+    }
+    return pcn_hsum(s0, s1, s2, s3) + t;
+#else
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    pcn_idx i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const double d0 = p[i] - m, d1 = p[i + 1] - m, d2 = p[i + 2] - m, d3 = p[i + 3] - m;
+        s0 += d0 * d0;
+        s1 += d1 * d1;
+        s2 += d2 * d2;
+        s3 += d3 * d3;
+    }
+    for (; i < n; i++) {
+        const double d = p[i] - m;
+        s0 += d * d;
+    }
+    return (s0 + s1) + (s2 + s3);
+#endif
+}
+
+/* g = dy where y > 0, else 0: a fused ReLU's gradient mask (NaN in y masks, as relu_backward) */
+#if defined(__AVX512F__)
+#define PCN_MASKF(g, y) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask((y), _mm512_setzero_ps(), _CMP_GT_OQ), (g))
+#elif defined(__AVX2__)
+#define PCN_MASKF(g, y) _mm256_and_ps((g), _mm256_cmp_ps((y), _mm256_setzero_ps(), _CMP_GT_OQ))
+#endif
+
+/* sg += sum g[i], sgx += sum g[i] ((x[i] - m) istd): the product in float, the sums in double;
+ * g is dy, or with y (not NULL) dy masked by y > 0 */
+static inline void pcn_grad_sums_relu(const float *x, const float *dy, const float *y, pcn_idx n, float m,
+                                      float istd, double *sg, double *sgx)
+{
+#if defined(PCN_STEP)
+    const pcn_vf vm = PCN_SETF(m), vs = PCN_SETF(istd);
+    pcn_vd a0 = PCN_ZEROD(), a1 = PCN_ZEROD(), a2 = PCN_ZEROD(), a3 = PCN_ZEROD();
+    pcn_vd b0 = PCN_ZEROD(), b1 = PCN_ZEROD(), b2 = PCN_ZEROD(), b3 = PCN_ZEROD();
+    pcn_idx i = 0;
+    for (; i + PCN_STEP <= n; i += PCN_STEP) {
+        pcn_vf g0 = PCN_LDF(dy + i), g1 = PCN_LDF(dy + i + PCN_HALF);
+        if (y) {
+            g0 = PCN_MASKF(g0, PCN_LDF(y + i));
+            g1 = PCN_MASKF(g1, PCN_LDF(y + i + PCN_HALF));
+        }
+        const pcn_vf p0 = PCN_MULF(g0, PCN_MULF(PCN_SUBF(PCN_LDF(x + i), vm), vs));
+        const pcn_vf p1 = PCN_MULF(g1, PCN_MULF(PCN_SUBF(PCN_LDF(x + i + PCN_HALF), vm), vs));
+        a0 = PCN_ADDD(a0, PCN_CVT_LO(g0));
+        a1 = PCN_ADDD(a1, PCN_CVT_HI(g0));
+        a2 = PCN_ADDD(a2, PCN_CVT_LO(g1));
+        a3 = PCN_ADDD(a3, PCN_CVT_HI(g1));
+        b0 = PCN_ADDD(b0, PCN_CVT_LO(p0));
+        b1 = PCN_ADDD(b1, PCN_CVT_HI(p0));
+        b2 = PCN_ADDD(b2, PCN_CVT_LO(p1));
+        b3 = PCN_ADDD(b3, PCN_CVT_HI(p1));
+    }
+    double ta = 0.0, tb = 0.0;
+    for (; i < n; i++) {
+        const float gi = y && !(y[i] > 0.0f) ? 0.0f : dy[i];
+        ta += gi;
+        tb += gi * ((x[i] - m) * istd);
+    }
+    *sg += pcn_hsum(a0, a1, a2, a3) + ta;
+    *sgx += pcn_hsum(b0, b1, b2, b3) + tb;
+#else
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0, b0 = 0.0, b1 = 0.0, b2 = 0.0, b3 = 0.0;
+    pcn_idx k = 0;
+#define PCN_G(k) (y && !(y[k] > 0.0f) ? 0.0f : dy[k])
+    for (; k + 4 <= n; k += 4) {
+        const float g0 = PCN_G(k), g1 = PCN_G(k + 1), g2 = PCN_G(k + 2), g3 = PCN_G(k + 3);
+        a0 += g0;
+        a1 += g1;
+        a2 += g2;
+        a3 += g3;
+        b0 += g0 * ((x[k] - m) * istd);
+        b1 += g1 * ((x[k + 1] - m) * istd);
+        b2 += g2 * ((x[k + 2] - m) * istd);
+        b3 += g3 * ((x[k + 3] - m) * istd);
+    }
+    for (; k < n; k++) {
+        const float g0 = PCN_G(k);
+        a0 += g0;
+        b0 += g0 * ((x[k] - m) * istd);
+    }
+#undef PCN_G
+    *sg += (a0 + a1) + (a2 + a3);
+    *sgx += (b0 + b1) + (b2 + b3);
+#endif
+}
+
+/* dx = ((g - a) - xhat b) k in training mode, g k in eval mode, xhat = (x - m) istd, g = dy or
+ * with y (not NULL) dy masked by y > 0; dx may be dy itself. Plain loops the compiler
+ * vectorises; the mask is a select, not a branch. */
+static inline void pcn_dx_plane(const float *x, const float *dy, const float *y, float *dx, pcn_idx n, float m,
+                                float istd, float k, float a, float b, int training)
+{
+    if (training && y) {
+        for (pcn_idx i = 0; i < n; i++) {
+            const float g = y[i] > 0.0f ? dy[i] : 0.0f;
+            dx[i] = ((g - a) - ((x[i] - m) * istd) * b) * k;
+        }
+    } else if (training) {
+        for (pcn_idx i = 0; i < n; i++)
+            dx[i] = ((dy[i] - a) - ((x[i] - m) * istd) * b) * k;
+    } else if (y) {
+        for (pcn_idx i = 0; i < n; i++)
+            dx[i] = (y[i] > 0.0f ? dy[i] : 0.0f) * k;
+    } else {
+        for (pcn_idx i = 0; i < n; i++)
+            dx[i] = dy[i] * k;
+    }
+}
+
+#endif
