@@ -15,9 +15,11 @@
  * every training step, so packing it would cost a pass over it per call). A tile of
  * PCG_NT_MR rows of a by PCG_NT_NR rows of b keeps MR x NR vector sums in registers over the
  * whole of k (the last partial vector a masked load of zeros), then reduces the lanes of all
- * of them at once in a shuffle tree whose adds are the same for every element. A batch of one
- * takes a 1 x PCG_NT_RED tile (a matrix-vector product: each weight read once, no wasted
- * lanes), whose reduction is the same tree, so its bits equal those of the batched rows.
+ * of them at once in a shuffle tree whose adds are the same for every element. Fewer than
+ * PCG_NT_MR rows (a batch of one: a matrix-vector product) take a 1 x PCG_NT_ROW_NR tile: each
+ * weight read once, no wasted lanes, the weight rows prefetched a few lines ahead (they stream
+ * from L3: a layer's weights outgrow L2), and few enough rows at once for the streams to keep
+ * up. Its reduction is the same tree, so its bits equal those of the batched rows.
  *
  * pcg_nn is the broadcast form: a tile keeps PCG_NN_MR rows x PCG_NN_NR columns of C in
  * registers; each k broadcasts MR values of a and loads NR contiguous values of b's row k
@@ -92,6 +94,10 @@ PCG_INLINE pcc_v pcg_loadn(const float *p, int n)
 #define PCG_NT_NR 4
 #endif
 
+/* The one-row tile's weight rows (at most PCG_NT_RED) and how far ahead (floats) it prefetches them. */
+#define PCG_NT_ROW_NR 8
+#define PCG_NT_PF 64
+
 /* out[p] = the lane sum of v[p], p < PCG_NT_RED; per element (in 4-lane groups g and lanes l)
  * ((g0 + g2) + (g1 + g3)) then ((l0 + l2) + (l1 + l3)) on AVX-512, and
  * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) on AVX2, whatever p is. */
@@ -132,7 +138,8 @@ PCG_INLINE void pcg_reduce(const pcc_v *v, float *out)
 }
 #endif
 
-/* out[i * nr + j] = sum_k ar[i][k] * br[j][k] for i < mr, j < nr (mr * nr == PCG_NT_RED). */
+/* out[i * nr + j] = sum_k ar[i][k] * br[j][k] for i < mr, j < nr (mr * nr <= PCG_NT_RED; the
+ * unused sums stay zero). One row (mr == 1) prefetches the rows of b PCG_NT_PF floats ahead. */
 PCG_INLINE void pcg_nt_tile(const float *const *ar, const float *const *br, int mr, int nr, pc_idx K, float *out)
 {
     pcc_v acc[PCG_NT_RED];
@@ -143,6 +150,11 @@ PCG_INLINE void pcg_nt_tile(const float *const *ar, const float *const *br, int 
         pcc_v av[PCG_NT_RED];
         _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)
             av[i] = PCC_LOADU(ar[i] + k);
+        if (mr == 1) {
+            /* past the end of a row this touches the next one: a prefetch never faults */
+            _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++)
+                __builtin_prefetch(br[j] + k + PCG_NT_PF, 0, 3);
+        }
         _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++) {
             pcc_v bv = PCC_LOADU(br[j] + k);
             PCC_KEEP(bv);
@@ -171,7 +183,7 @@ static void pcg_nt_tile_mn(const float *const *ar, const float *const *br, pc_id
 
 static void pcg_nt_tile_1n(const float *const *ar, const float *const *br, pc_idx K, float *out)
 {
-    pcg_nt_tile(ar, br, 1, PCG_NT_RED, K, out);
+    pcg_nt_tile(ar, br, 1, PCG_NT_ROW_NR, K, out);
 }
 
 /* Rows [i0, i1) x columns [j0, j1) of C = act(A B^T + bias): A (., K) with row stride lda, B
@@ -182,7 +194,7 @@ static void pcg_nt(const float *a, pc_idx lda, const float *b, pc_idx ldb, const
 {
     /* one row at a time where fewer than MR are left overall, and for a single row */
     const int mr = i1 - i0 >= PCG_NT_MR ? PCG_NT_MR : 1;
-    const int nr = PCG_NT_RED / mr;
+    const int nr = mr == 1 ? PCG_NT_ROW_NR : PCG_NT_RED / mr;
     float out[PCG_NT_RED];
     const float *ar[PCG_NT_RED], *br[PCG_NT_RED];
     for (pc_idx j = j0; j < j1; j += nr) {
