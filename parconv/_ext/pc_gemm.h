@@ -151,9 +151,10 @@ PCG_INLINE void pcg_nt_tile(const float *const *ar, const float *const *br, int 
         _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)
             av[i] = PCC_LOADU(ar[i] + k);
         if (mr == 1) {
-            /* past the end of a row this touches the next one: a prefetch never faults */
+            /* non-temporal: each weight is read once per call, so it should not push out what the
+             * next layer reads; past the end of a row this touches the next one (never faults) */
             _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++)
-                __builtin_prefetch(br[j] + k + PCG_NT_PF, 0, 3);
+                __builtin_prefetch(br[j] + k + PCG_NT_PF, 0, 0);
         }
         _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++) {
             pcc_v bv = PCC_LOADU(br[j] + k);
