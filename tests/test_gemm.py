@@ -383,3 +383,69 @@ def test_gemm_serial_threshold_keeps_the_bits():
         assert _dense._set_gemm_serial_below(old) == 0
     with pytest.raises(ValueError, match="macs must be >= 0"):
         _dense._set_gemm_serial_below(-1)
+
+
+# ------------------------------------------------------------- the Linear layer's per-call path
+
+def test_linear_layer_checks_each_input_shape_once(monkeypatch):
+    """A Linear layer runs functional.linear's checks once per (x, weight, bias) shape for float32
+    arrays used as they are; anything else (another shape, a conversion, bf16) checks again."""
+    calls = []
+    real = pc.functional.linear
+    monkeypatch.setattr(pc.functional, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pc.manual_seed(3)
+    layer = pc.Linear(6, 4)
+    rng = np.random.default_rng(9)
+    x = rand(rng, 2, 6)
+    want = x.astype(np.float64) @ host(layer.weight.data).T.astype(np.float64) + host(layer.bias.data)
+    y1 = layer(x)
+    assert len(calls) == 1
+    y2 = layer(x)
+    assert len(calls) == 1 and np.array_equal(host(y1), host(y2))
+    assert_close(y2, want, atol=1e-5, what="y")
+    layer(rand(rng, 3, 6))  # a new batch size
+    assert len(calls) == 2
+    layer(x.astype(np.float64))  # converted: checked every time
+    layer(x.astype(np.float64))
+    assert len(calls) == 4
+    layer(np.asfortranarray(rand(rng, 2, 6)))  # not contiguous: converted
+    assert len(calls) == 5
+    layer(x)  # the cache holds one shape: (3, 6) until now
+    assert len(calls) == 6
+    with pc.autocast():
+        layer(x)
+    assert len(calls) == 7
+    layer(x)  # bf16 does not forget the float32 shape
+    assert len(calls) == 7
+    # a changed parameter shape is checked again and fails with the layer's message
+    layer.weight.data = rand(rng, 4, 7)
+    with pytest.raises(ValueError, match="weight expects 7"):
+        layer(x)
+    assert len(calls) == 8
+    # and a bad input after a cached good one still fails with the layer's message
+    pc.manual_seed(3)
+    layer = pc.Linear(6, 4)
+    layer(x)
+    with pytest.raises(ValueError, match="in_features=6"):
+        layer(rand(rng, 2, 7))
+    with pytest.raises(ValueError, match="2-D"):
+        layer(rand(rng, 2, 6, 1))
+
+
+def test_linear_layer_backward_after_the_cached_forward():
+    """The forward that skips the checks keeps what the backward needs (the same gradients)."""
+    rng = np.random.default_rng(10)
+    x, dy = rand(rng, 3, 6), rand(rng, 3, 4)
+    pc.manual_seed(3)
+    layer = pc.Linear(6, 4)
+    layer(x)
+    layer.backward(dy)
+    g1 = host(layer.weight.grad).copy(), host(layer.bias.grad).copy()
+    layer(x)  # the cached path
+    dx = layer.backward(dy)
+    assert np.array_equal(host(layer.weight.grad), g1[0]) and np.array_equal(host(layer.bias.grad), g1[1])
+    assert_close(dx, dy.astype(np.float64) @ host(layer.weight.data).astype(np.float64), atol=1e-5, what="dx")
+    with pc.no_grad():
+        layer(x)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        layer.backward(dy)
