@@ -19,7 +19,8 @@
  * PCG_NT_MR rows (a batch of one: a matrix-vector product) take a 1 x PCG_NT_ROW_NR tile: each
  * weight read once, no wasted lanes, the weight rows prefetched a few lines ahead (they stream
  * from L3: a layer's weights outgrow L2), and few enough rows at once for the streams to keep
- * up. Its reduction is the same tree, so its bits equal those of the batched rows.
+ * up; two or three rows a 2 x RED/2 or 3 x RED/3 tile, so they too read each weight once. Their
+ * reduction is the same tree, so their bits equal those of the batched rows.
  *
  * pcg_nn is the broadcast form: a tile keeps PCG_NN_MR rows x PCG_NN_NR columns of C in
  * registers; each k broadcasts MR values of a and loads NR contiguous values of b's row k
@@ -139,7 +140,7 @@ PCG_INLINE void pcg_reduce(const pcc_v *v, float *out)
 #endif
 
 /* out[i * nr + j] = sum_k ar[i][k] * br[j][k] for i < mr, j < nr (mr * nr <= PCG_NT_RED; the
- * unused sums stay zero). One row (mr == 1) prefetches the rows of b PCG_NT_PF floats ahead. */
+ * unused sums stay zero). Fewer than PCG_NT_MR rows prefetch the rows of b PCG_NT_PF floats ahead. */
 PCG_INLINE void pcg_nt_tile(const float *const *ar, const float *const *br, int mr, int nr, pc_idx K, float *out)
 {
     pcc_v acc[PCG_NT_RED];
@@ -150,7 +151,7 @@ PCG_INLINE void pcg_nt_tile(const float *const *ar, const float *const *br, int 
         pcc_v av[PCG_NT_RED];
         _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)
             av[i] = PCC_LOADU(ar[i] + k);
-        if (mr == 1) {
+        if (mr < PCG_NT_MR) {
             /* non-temporal: each weight is read once per call, so it should not push out what the
              * next layer reads; past the end of a row this touches the next one (never faults) */
             _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++)
@@ -187,14 +188,28 @@ static void pcg_nt_tile_1n(const float *const *ar, const float *const *br, pc_id
     pcg_nt_tile(ar, br, 1, PCG_NT_ROW_NR, K, out);
 }
 
+#if PCG_NT_MR > 2
+static void pcg_nt_tile_2n(const float *const *ar, const float *const *br, pc_idx K, float *out)
+{
+    pcg_nt_tile(ar, br, 2, PCG_NT_RED / 2, K, out);
+}
+#endif
+
+#if PCG_NT_MR > 3
+static void pcg_nt_tile_3n(const float *const *ar, const float *const *br, pc_idx K, float *out)
+{
+    pcg_nt_tile(ar, br, 3, PCG_NT_RED / 3, K, out);
+}
+#endif
+
 /* Rows [i0, i1) x columns [j0, j1) of C = act(A B^T + bias): A (., K) with row stride lda, B
  * (., K) with row stride ldb, bias (j1) or NULL; relu: max(v, 0) (a NaN stays NaN). A tile at
  * the edge repeats its last row (column) and drops the copies. */
 static void pcg_nt(const float *a, pc_idx lda, const float *b, pc_idx ldb, const float *bias, int relu, float *c,
                    pc_idx ldc, pc_idx K, pc_idx i0, pc_idx i1, pc_idx j0, pc_idx j1)
 {
-    /* one row at a time where fewer than MR are left overall, and for a single row */
-    const int mr = i1 - i0 >= PCG_NT_MR ? PCG_NT_MR : 1;
+    /* fewer than MR rows overall (a small batch) take a tile of exactly that many rows */
+    const int mr = i1 - i0 >= PCG_NT_MR ? PCG_NT_MR : (int)(i1 - i0);
     const int nr = mr == 1 ? PCG_NT_ROW_NR : PCG_NT_RED / mr;
     float out[PCG_NT_RED];
     const float *ar[PCG_NT_RED], *br[PCG_NT_RED];
@@ -208,6 +223,14 @@ static void pcg_nt(const float *a, pc_idx lda, const float *b, pc_idx ldb, const
                 ar[t] = a + (i + (t < ni ? t : ni - 1)) * lda;
             if (mr == 1)
                 pcg_nt_tile_1n(ar, br, K, out);
+#if PCG_NT_MR > 2
+            else if (mr == 2)
+                pcg_nt_tile_2n(ar, br, K, out);
+#endif
+#if PCG_NT_MR > 3
+            else if (mr == 3)
+                pcg_nt_tile_3n(ar, br, K, out);
+#endif
             else
                 pcg_nt_tile_mn(ar, br, K, out);
             for (int ii = 0; ii < ni; ii++) {
