@@ -84,7 +84,8 @@ def _child_code():
         rng = np.random.default_rng(3)
         fails, worst = [], 0.0
         shapes = [(1, 1, 1), (1, 512, 784), (1, 17, 33), (5, 1, 19), (3, 7, 1), (64, 512, 784), (9, 33, 17),
-                  (70, 10, 512), (13, 65, 100), (32, 64, 3), (95, 130, 20), (31, 200, 9), (2, 31, 15), (257, 19, 47), (4, 4, 16), (33, 70, 129)]
+                  (70, 10, 512), (13, 65, 100), (32, 64, 3), (95, 130, 20), (31, 200, 9), (2, 31, 15), (257, 19, 47), (4, 4, 16), (33, 70, 129),
+                  (1, 9, 200), (1, 23, 67), (2, 130, 300), (3, 8, 64), (1, 1000, 40)]
         for m, n, k in shapes:
             a, b, bn, bias = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (n, k), (k, n), (n,)))
             ref_nt = np.maximum(a.astype(np.float64) @ b.T.astype(np.float64) + bias, 0)
@@ -109,6 +110,11 @@ def _child_code():
                 _dense.gemm_nt(a[m - 1:], b, bias, c1, True, 1)
                 if not np.array_equal(c1[0], outs[0][0][m - 1]):
                     fails.append(("row", m, n, k))
+                # the one-call entry of the linear layers: the same bits
+                for nt in (1, 2):
+                    y = _dense.gemm_linear(a, b, bias, nt, True, -1)
+                    if y is None or not np.array_equal(y, outs[0][0]):
+                        fails.append(("gemm_linear", m, n, k, nt))
         print(json.dumps({"level": _ext.STATE["level"], "fails": fails, "worst": worst,
                           "preferred": _dense.GEMM_PREFERRED}))
     """)
@@ -298,3 +304,148 @@ def test_gemm_linear_forward_checks_its_arrays_and_matches_the_memoryview_entry(
         _dense.gemm_linear_forward(xb, wb, None, yb, 1, False, None)
     with pytest.raises(ValueError, match="scratch"):
         _dense.gemm_linear_forward(xb, wb, None, yb, 1, False, np.empty((30, 32), np.float32))
+
+
+# ------------------------------------------------ small batches: the one-call entry, the row tile
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 7), st.integers(1, 70), st.integers(1, 300), st.integers(0, 2**31 - 1), st.booleans(),
+       st.booleans(), st.sampled_from([1, 2]))
+def test_small_batch_linear_matches_float64_and_the_batched_rows(m, n, k, seed, relu, bias, threads):
+    """Fewer rows than a batched tile (a batch of one is a matrix-vector product): every output
+    written, close to float64, and each row's bits those it has inside a batch of 32 (the dot
+    form) at any thread count."""
+    rng = np.random.default_rng(seed)
+    a, b = rand(rng, m, k), rand(rng, n, k)
+    bb = rand(rng, n) if bias else None
+    y = _dense.gemm_linear(a, b, bb, threads, relu, -1)
+    want = a.astype(np.float64) @ b.T.astype(np.float64) + (0.0 if bb is None else bb)
+    if relu:
+        want = np.maximum(want, 0)
+    assert y.shape == (m, n) and y.dtype == np.float32
+    assert float(np.abs(y - want).max()) <= _tol(k)
+    big = np.concatenate([a, rand(rng, 31 - m, k)]) if m < 31 else a
+    c = np.full((big.shape[0], n), np.nan, np.float32)
+    _dense.gemm_nt(big, b, bb, c, relu, threads)
+    assert np.array_equal(y, c[:m])
+
+
+def test_gemm_linear_takes_only_what_its_kernel_can_read():
+    """The one-call entry answers None (the caller converts and takes its general path) for
+    anything but C-contiguous float32 ndarrays of matching shapes at a small batch."""
+    rng = np.random.default_rng(5)
+    x, w, b = rand(rng, 2, 30), rand(rng, 40, 30), rand(rng, 40)
+    y = _dense.gemm_linear(x, w, b, 1, False, -1)
+    assert np.array_equal(y, np.asarray(_dense.gemm_linear(x, w, b, 2, False, -1)))
+    none = [(x.astype(np.float64), w, b), (x, w.astype(np.float64), b), (x, w, b.astype(np.float64)),
+            (np.asfortranarray(rand(rng, 2, 30)), w, b), (x, w[:, ::-1], b), (x, w, b[::-1]),
+            (x.tolist(), w, b), (x, w, b.tolist()), (x[0], w, b), (x, w[0], b), (x, w, b[:39]),
+            (x[:, :29], w, b), (x[:0], w, b), (x, w[:0], b[:0]), (x[:, :0], w[:, :0], b),
+            (x[None], w, b), (x, w, b[None])]
+    for args in none:
+        assert _dense.gemm_linear(*args, 1, False, -1) is None
+    # a narrow head (few outputs, many features) and a batch for the transposed form go elsewhere
+    xn, wn = rand(rng, 1, 64), rand(rng, 3, 64)
+    assert _dense.gemm_linear(xn, wn, None, 1, False, 64) is None
+    assert _dense.gemm_linear(xn, wn, None, 1, False, 65) is not None
+    assert _dense.gemm_linear(xn, wn, None, 1, False, -1) is not None
+    xb, wb = rand(rng, 64, 30), rand(rng, 70, 30)
+    assert _dense.gemm_scratch_shape(64, 70, 30) is not None
+    assert _dense.gemm_linear(xb, wb, None, 1, False, -1) is None
+
+
+def test_backend_linear_forward_at_batch_one_is_one_call(monkeypatch):
+    """The backend's small-batch forward is the one-call entry, with the answer of the general path."""
+    be = pc.backends.get("openmp")
+    if not (be.gemm_linear if be.gemm_linear is not None else _dense.GEMM_PREFERRED):
+        pytest.skip("this level runs the linear layers on the BLAS")
+    rng = np.random.default_rng(6)
+    x, w, b = rand(rng, 1, 50), rand(rng, 20, 50), rand(rng, 20)
+    want = be.linear_relu_forward(x.astype(np.float64), w, b)  # converted: the general path
+    calls = []
+    real = _dense.gemm_linear_forward
+    monkeypatch.setattr(_dense, "gemm_linear_forward", lambda *a: calls.append(1) or real(*a))
+    assert np.array_equal(be.linear_relu_forward(x, w, b), want)
+    assert calls == []
+    be.linear_relu_forward(x.astype(np.float64), w, b)
+    assert calls == [1]
+
+
+def test_gemm_serial_threshold_keeps_the_bits():
+    """Splitting a batch-1 product over threads (the tuning hook) gives the serial bits."""
+    rng = np.random.default_rng(8)
+    x, w, b = rand(rng, 1, 300), rand(rng, 200, 300), rand(rng, 200)
+    serial = _dense.gemm_linear(x, w, b, 2, True, -1)
+    old = _dense._set_gemm_serial_below(0)
+    try:
+        assert np.array_equal(_dense.gemm_linear(x, w, b, 2, True, -1), serial)
+    finally:
+        assert _dense._set_gemm_serial_below(old) == 0
+    with pytest.raises(ValueError, match="macs must be >= 0"):
+        _dense._set_gemm_serial_below(-1)
+
+
+# ------------------------------------------------------------- the Linear layer's per-call path
+
+def test_linear_layer_checks_each_input_shape_once(monkeypatch):
+    """A Linear layer runs functional.linear's checks once per (x, weight, bias) shape for float32
+    arrays used as they are; anything else (another shape, a conversion, bf16) checks again."""
+    calls = []
+    real = pc.functional.linear
+    monkeypatch.setattr(pc.functional, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pc.manual_seed(3)
+    layer = pc.Linear(6, 4)
+    rng = np.random.default_rng(9)
+    x = rand(rng, 2, 6)
+    want = x.astype(np.float64) @ host(layer.weight.data).T.astype(np.float64) + host(layer.bias.data)
+    y1 = layer(x)
+    assert len(calls) == 1
+    y2 = layer(x)
+    assert len(calls) == 1 and np.array_equal(host(y1), host(y2))
+    assert_close(y2, want, atol=1e-5, what="y")
+    layer(rand(rng, 3, 6))  # a new batch size
+    assert len(calls) == 2
+    layer(x.astype(np.float64))  # converted: checked every time
+    layer(x.astype(np.float64))
+    assert len(calls) == 4
+    layer(np.asfortranarray(rand(rng, 2, 6)))  # not contiguous: converted
+    assert len(calls) == 5
+    layer(x)  # the cache holds one shape: (3, 6) until now
+    assert len(calls) == 6
+    with pc.autocast():
+        layer(x)
+    assert len(calls) == 7
+    layer(x)  # bf16 does not forget the float32 shape
+    assert len(calls) == 7
+    # a changed parameter shape is checked again and fails with the layer's message
+    layer.weight.data = rand(rng, 4, 7)
+    with pytest.raises(ValueError, match="weight expects 7"):
+        layer(x)
+    assert len(calls) == 8
+    # and a bad input after a cached good one still fails with the layer's message
+    pc.manual_seed(3)
+    layer = pc.Linear(6, 4)
+    layer(x)
+    with pytest.raises(ValueError, match="in_features=6"):
+        layer(rand(rng, 2, 7))
+    with pytest.raises(ValueError, match="2-D"):
+        layer(rand(rng, 2, 6, 1))
+
+
+def test_linear_layer_backward_after_the_cached_forward():
+    """The forward that skips the checks keeps what the backward needs (the same gradients)."""
+    rng = np.random.default_rng(10)
+    x, dy = rand(rng, 3, 6), rand(rng, 3, 4)
+    pc.manual_seed(3)
+    layer = pc.Linear(6, 4)
+    layer(x)
+    layer.backward(dy)
+    g1 = host(layer.weight.grad).copy(), host(layer.bias.grad).copy()
+    layer(x)  # the cached path
+    dx = layer.backward(dy)
+    assert np.array_equal(host(layer.weight.grad), g1[0]) and np.array_equal(host(layer.bias.grad), g1[1])
+    assert_close(dx, dy.astype(np.float64) @ host(layer.weight.data).astype(np.float64), atol=1e-5, what="dx")
+    with pc.no_grad():
+        layer(x)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        layer.backward(dy)

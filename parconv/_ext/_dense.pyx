@@ -97,6 +97,19 @@ cdef enum:
     NARROW_DW_RUNS_PER_THREAD = 1
 
 cdef int _dw_runs = NARROW_DW_RUNS_PER_THREAD
+# the own GEMM's forward runs on one thread below this many multiply-adds (see _set_gemm_serial_below)
+cdef double _gemm_serial_below = SERIAL_BELOW_MACS
+
+
+def _set_gemm_serial_below(double macs):
+    """Set the multiply-adds below which the own GEMM's forward runs on one thread (tuning); returns
+    the old value."""
+    global _gemm_serial_below
+    if not macs >= 0:
+        raise ValueError(f"macs must be >= 0, got {macs}")
+    old = _gemm_serial_below
+    _gemm_serial_below = macs
+    return old
 
 
 def _set_narrow_dw_runs_per_thread(int n):
@@ -129,7 +142,7 @@ cdef void _gemm_nt(const float *a, const float *b, const float *bias, int relu, 
     cdef Py_ssize_t bm = GEMM_BM, bn = GEMM_NT_BN
     cdef Py_ssize_t mb = (M + bm - 1) // bm, nbn = (N + bn - 1) // bn, t, i0, j0, ldt, kb
     cdef int nt = num_threads if num_threads > 0 else 1
-    if <double>M * N * K < SERIAL_BELOW_MACS:
+    if <double>M * N * K < _gemm_serial_below:
         nt = 1
     if pcg_nt_transposed(M, N):
         # C^T = B A^T in the broadcast form: A transposed once (rows of xt in blocks of 64),
@@ -217,6 +230,43 @@ def gemm_linear_forward(x, w, b, y, int num_threads, bint relu, scratch):
     cdef float *yp = <float *>pcd_data(y)
     with nogil:
         _gemm_nt(xp, wp, bp, relu, yp, N, G, F, num_threads, xt)
+
+
+_np_empty = None
+
+
+def gemm_linear(x, w, b, int num_threads, bint relu, Py_ssize_t narrow_min_features):
+    """The new ``y = x @ w.T + b`` (then ``max(y, 0)`` where ``relu``) on the own GEMM in one call, or
+    None where this entry does not take the product and the caller's general path must: x, w (and
+    b) not C-contiguous float32 ndarrays of shapes (N, F), (G, F) (and (G,)) with N, F, G > 0, a
+    batch large enough for the transposed form (whose scratch comes from the caller's pool), or a
+    narrow layer (G <= NARROW_MAX_G and F >= ``narrow_min_features``; pass -1 for none).
+
+    Everything the kernel relies on is checked here, so a None costs the caller nothing but its
+    own conversions; the answer is the bits of ``gemm_linear_forward``."""
+    global _np_empty
+    if not (isinstance(x, ndarray) and isinstance(w, ndarray) and (b is None or isinstance(b, ndarray))):
+        return None
+    if pcd_ndim(x) != 2 or pcd_ndim(w) != 2:
+        return None
+    cdef Py_ssize_t N = pcd_dim(x, 0), F = pcd_dim(x, 1), G = pcd_dim(w, 0)
+    if N <= 0 or F <= 0 or G <= 0 or pcg_nt_transposed(N, G):
+        return None
+    if narrow_min_features >= 0 and G <= PCD_NARROW_G and F >= narrow_min_features:
+        return None
+    if not (pcd_f32_matrix(x, N, F) and pcd_f32_matrix(w, G, F) and (b is None or pcd_f32_matrix(b, G, -1))):
+        return None
+    if _np_empty is None:
+        import numpy as np
+        _np_empty = (np.empty, np.float32)
+    y = _np_empty[0]((N, G), _np_empty[1])
+    cdef const float *bp = NULL if b is None else <const float *>pcd_data(b)
+    cdef const float *xp = <const float *>pcd_data(x)
+    cdef const float *wp = <const float *>pcd_data(w)
+    cdef float *yp = <float *>pcd_data(y)
+    with nogil:
+        _gemm_nt(xp, wp, bp, relu, yp, N, G, F, num_threads, NULL)
+    return y
 
 
 def gemm_nt(const float[:, ::1] a, const float[:, ::1] b, const float[::1] bias, float[:, ::1] c, bint relu,

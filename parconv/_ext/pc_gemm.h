@@ -15,9 +15,12 @@
  * every training step, so packing it would cost a pass over it per call). A tile of
  * PCG_NT_MR rows of a by PCG_NT_NR rows of b keeps MR x NR vector sums in registers over the
  * whole of k (the last partial vector a masked load of zeros), then reduces the lanes of all
- * of them at once in a shuffle tree whose adds are the same for every element. A batch of one
- * takes a 1 x PCG_NT_RED tile (a matrix-vector product: each weight read once, no wasted
- * lanes), whose reduction is the same tree, so its bits equal those of the batched rows.
+ * of them at once in a shuffle tree whose adds are the same for every element. Fewer than
+ * PCG_NT_MR rows (a batch of one: a matrix-vector product) take a 1 x PCG_NT_ROW_NR tile: each
+ * weight read once, no wasted lanes, the weight rows prefetched a few lines ahead (they stream
+ * from L3: a layer's weights outgrow L2), and few enough rows at once for the streams to keep
+ * up; two or three rows a 2 x RED/2 or 3 x RED/3 tile, so they too read each weight once. Their
+ * reduction is the same tree, so their bits equal those of the batched rows.
  *
  * pcg_nn is the broadcast form: a tile keeps PCG_NN_MR rows x PCG_NN_NR columns of C in
  * registers; each k broadcasts MR values of a and loads NR contiguous values of b's row k
@@ -92,6 +95,10 @@ PCG_INLINE pcc_v pcg_loadn(const float *p, int n)
 #define PCG_NT_NR 4
 #endif
 
+/* The one-row tile's weight rows (at most PCG_NT_RED) and how far ahead (floats) it prefetches them. */
+#define PCG_NT_ROW_NR 8
+#define PCG_NT_PF 64
+
 /* out[p] = the lane sum of v[p], p < PCG_NT_RED; per element (in 4-lane groups g and lanes l)
  * ((g0 + g2) + (g1 + g3)) then ((l0 + l2) + (l1 + l3)) on AVX-512, and
  * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) on AVX2, whatever p is. */
@@ -132,7 +139,8 @@ PCG_INLINE void pcg_reduce(const pcc_v *v, float *out)
 }
 #endif
 
-/* out[i * nr + j] = sum_k ar[i][k] * br[j][k] for i < mr, j < nr (mr * nr == PCG_NT_RED). */
+/* out[i * nr + j] = sum_k ar[i][k] * br[j][k] for i < mr, j < nr (mr * nr <= PCG_NT_RED; the
+ * unused sums stay zero). Fewer than PCG_NT_MR rows prefetch the rows of b PCG_NT_PF floats ahead. */
 PCG_INLINE void pcg_nt_tile(const float *const *ar, const float *const *br, int mr, int nr, pc_idx K, float *out)
 {
     pcc_v acc[PCG_NT_RED];
@@ -143,6 +151,12 @@ PCG_INLINE void pcg_nt_tile(const float *const *ar, const float *const *br, int 
         pcc_v av[PCG_NT_RED];
         _Pragma("GCC unroll 16") for (int i = 0; i < mr; i++)
             av[i] = PCC_LOADU(ar[i] + k);
+        if (mr < PCG_NT_MR) {
+            /* non-temporal: each weight is read once per call, so it should not push out what the
+             * next layer reads; past the end of a row this touches the next one (never faults) */
+            _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++)
+                __builtin_prefetch(br[j] + k + PCG_NT_PF, 0, 0);
+        }
         _Pragma("GCC unroll 16") for (int j = 0; j < nr; j++) {
             pcc_v bv = PCC_LOADU(br[j] + k);
             PCC_KEEP(bv);
@@ -171,8 +185,22 @@ static void pcg_nt_tile_mn(const float *const *ar, const float *const *br, pc_id
 
 static void pcg_nt_tile_1n(const float *const *ar, const float *const *br, pc_idx K, float *out)
 {
-    pcg_nt_tile(ar, br, 1, PCG_NT_RED, K, out);
+    pcg_nt_tile(ar, br, 1, PCG_NT_ROW_NR, K, out);
 }
+
+#if PCG_NT_MR > 2
+static void pcg_nt_tile_2n(const float *const *ar, const float *const *br, pc_idx K, float *out)
+{
+    pcg_nt_tile(ar, br, 2, PCG_NT_RED / 2, K, out);
+}
+#endif
+
+#if PCG_NT_MR > 3
+static void pcg_nt_tile_3n(const float *const *ar, const float *const *br, pc_idx K, float *out)
+{
+    pcg_nt_tile(ar, br, 3, PCG_NT_RED / 3, K, out);
+}
+#endif
 
 /* Rows [i0, i1) x columns [j0, j1) of C = act(A B^T + bias): A (., K) with row stride lda, B
  * (., K) with row stride ldb, bias (j1) or NULL; relu: max(v, 0) (a NaN stays NaN). A tile at
@@ -180,9 +208,9 @@ static void pcg_nt_tile_1n(const float *const *ar, const float *const *br, pc_id
 static void pcg_nt(const float *a, pc_idx lda, const float *b, pc_idx ldb, const float *bias, int relu, float *c,
                    pc_idx ldc, pc_idx K, pc_idx i0, pc_idx i1, pc_idx j0, pc_idx j1)
 {
-    /* one row at a time where fewer than MR are left overall, and for a single row */
-    const int mr = i1 - i0 >= PCG_NT_MR ? PCG_NT_MR : 1;
-    const int nr = PCG_NT_RED / mr;
+    /* fewer than MR rows overall (a small batch) take a tile of exactly that many rows */
+    const int mr = i1 - i0 >= PCG_NT_MR ? PCG_NT_MR : (int)(i1 - i0);
+    const int nr = mr == 1 ? PCG_NT_ROW_NR : PCG_NT_RED / mr;
     float out[PCG_NT_RED];
     const float *ar[PCG_NT_RED], *br[PCG_NT_RED];
     for (pc_idx j = j0; j < j1; j += nr) {
@@ -195,6 +223,14 @@ static void pcg_nt(const float *a, pc_idx lda, const float *b, pc_idx ldb, const
                 ar[t] = a + (i + (t < ni ? t : ni - 1)) * lda;
             if (mr == 1)
                 pcg_nt_tile_1n(ar, br, K, out);
+#if PCG_NT_MR > 2
+            else if (mr == 2)
+                pcg_nt_tile_2n(ar, br, K, out);
+#endif
+#if PCG_NT_MR > 3
+            else if (mr == 3)
+                pcg_nt_tile_3n(ar, br, K, out);
+#endif
             else
                 pcg_nt_tile_mn(ar, br, K, out);
             for (int ii = 0; ii < ni; ii++) {

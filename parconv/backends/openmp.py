@@ -623,6 +623,12 @@ class OpenMPBackend(HostArrays, Backend):
         return self._linear_forward(x, w, b, True)
 
     def _linear_forward(self, x, w, b, relu):
+        if self.gemm_linear if self.gemm_linear is not None else _dense.GEMM_PREFERRED:
+            # C-contiguous float32 arrays at a small batch: one call that checks, allocates and runs
+            y = _dense.gemm_linear(x, w, b, get_num_threads(), relu,
+                                   NARROW_MIN_FEATURES if self.narrow_linear else -1)
+            if y is not None:
+                return y
         x, w = _f32(x), _f32(w)
         b = None if b is None else _f32(b)
         (N, F), G = x.shape, w.shape[0]
