@@ -203,51 +203,39 @@ def _check_fused_head(ck, ref, rng, case):
     ck.close("conv_relu_pool_linear.head_db", dbl, _f64(dl).sum(0), tag)
 
 
-def _check_linear(ck, ref, rng, case):
+def _check_linear(ck, ref, rng, case, relu=False):
+    """``linear_forward``/``linear_backward``, or with ``relu`` the fused ``linear_relu_*`` pair."""
     n, f, g, bias = case
     be = ck.be
+    op = "linear_relu" if relu else "linear"
     x = _f32(rng, n, f)
     wt = _f32(rng, g, f, scale=1 / math.sqrt(f))
     b = _f32(rng, g) if bias else None
     tag = f"x{(n, f)} w{(g, f)}{'' if bias else ' nobias'}"
     try:
         X, Wd = be.asarray(x), be.asarray(wt)
-        y = be.linear_forward(X, Wd, be.asarray(b) if bias else None)
-        ck.close("linear.y", y, ref.linear_forward(_f64(x), _f64(wt), _f64(b)), tag)
+        y = getattr(be, f"{op}_forward")(X, Wd, be.asarray(b) if bias else None)
+        z_ref = ref.linear_forward(_f64(x), _f64(wt), _f64(b))
+        ck.close(f"{op}.y", y, np.maximum(z_ref, 0) if relu else z_ref, tag)
         dy = _f32(rng, n, g)
-        dx, dw, db = be.linear_backward(X, Wd, be.asarray(dy), True, bias)
-        dx_ref, dw_ref, db_ref = ref.linear_backward(_f64(x), _f64(wt), _f64(dy), True, bias)
-        ck.close("linear.dx", dx, dx_ref, tag)
-        ck.close("linear.dw", dw, dw_ref, tag)
+        if relu:
+            # masked by the backend's own output, so an element rounding to the other side of 0 agrees
+            dz = np.where(np.asarray(ck.host(y)) > 0, _f64(dy), 0.0)
+            dx, dw, db = be.linear_relu_backward(X, Wd, y, be.asarray(dy), True, bias)
+        else:
+            dz = _f64(dy)
+            dx, dw, db = be.linear_backward(X, Wd, be.asarray(dy), True, bias)
+        dx_ref, dw_ref, db_ref = ref.linear_backward(_f64(x), _f64(wt), dz, True, bias)
+        ck.close(f"{op}.dx", dx, dx_ref, tag)
+        ck.close(f"{op}.dw", dw, dw_ref, tag)
         if bias:
-            ck.close("linear.db", db, db_ref, tag)
+            ck.close(f"{op}.db", db, db_ref, tag)
     except Exception as exc:  # noqa: BLE001
-        ck.fail("linear.y", tag, exc)
+        ck.fail(f"{op}.y", tag, exc)
 
 
 def _check_linear_relu(ck, ref, rng, case):
-    n, f, g, bias = case
-    be = ck.be
-    x = _f32(rng, n, f)
-    wt = _f32(rng, g, f, scale=1 / math.sqrt(f))
-    b = _f32(rng, g) if bias else None
-    tag = f"x{(n, f)} w{(g, f)}{'' if bias else ' nobias'}"
-    try:
-        X, Wd = be.asarray(x), be.asarray(wt)
-        y = be.linear_relu_forward(X, Wd, be.asarray(b) if bias else None)
-        z_ref = ref.linear_forward(_f64(x), _f64(wt), _f64(b))
-        ck.close("linear_relu.y", y, np.maximum(z_ref, 0), tag)
-        dy = _f32(rng, n, g)
-        # masked by the backend's own output, so an element rounding to the other side of 0 agrees
-        dz = np.where(np.asarray(ck.host(y)) > 0, _f64(dy), 0.0)
-        dx, dw, db = be.linear_relu_backward(X, Wd, y, be.asarray(dy), True, bias)
-        dx_ref, dw_ref, db_ref = ref.linear_backward(_f64(x), _f64(wt), dz, True, bias)
-        ck.close("linear_relu.dx", dx, dx_ref, tag)
-        ck.close("linear_relu.dw", dw, dw_ref, tag)
-        if bias:
-            ck.close("linear_relu.db", db, db_ref, tag)
-    except Exception as exc:  # noqa: BLE001
-        ck.fail("linear_relu.y", tag, exc)
+    _check_linear(ck, ref, rng, case, relu=True)
 
 
 def _check_activations(ck, ref, rng, shape):
