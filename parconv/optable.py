@@ -449,6 +449,17 @@ def _check_conv2d_general(ck, ref, rng, case):
     _run_pair(ck, "conv2d_general", run_be, run_ref, tag)
 
 
+def _check_conv2d_general_relu(ck, ref, rng, case):
+    x, wt, b, _, y_ref, tag = _conv_general_data(ref, rng, case, _f64)
+    stride, pads, dil, groups, bias = case[6:]
+    be = ck.be
+    _run_pair(ck, "conv2d_general_relu",
+              lambda: {"y": be.conv2d_general_relu_forward(be.asarray(x), be.asarray(wt),
+                                                           be.asarray(b) if bias else None, stride, pads, dil,
+                                                           groups)},
+              lambda: {"y": np.maximum(y_ref, 0.0)}, tag)
+
+
 def _random_conv_general(rng):
     while True:
         groups = int(rng.choice([1, 2, 3]))
@@ -879,6 +890,10 @@ OPS: tuple = (
     OpSpec("conv2d_general", "grouped/depthwise, dilated, rectangular, asymmetrically padded convolution",
            ("conv2d_general_forward", "conv2d_general_backward"), ("Conv2d",), _check_conv2d_general,
            tuple(_FIXED_CONV_GENERAL), _random_conv_general),
+    OpSpec("conv2d_general_relu", "the general convolution with the ReLU applied as it stores (eval-mode "
+           "Conv2d+BatchNorm2d+ReLU with the batch norm folded into the weights)",
+           ("conv2d_general_relu_forward",), ("Conv2d+BatchNorm2d+ReLU in eval mode (grouped, depthwise)",),
+           _check_conv2d_general_relu, tuple(_FIXED_CONV_GENERAL), _random_conv_general),
     OpSpec("conv2d_bf16", "the convolution with bf16 inputs and float32 accumulation (autocast); bf16 rounding",
            ("conv2d_forward_bf16", "conv2d_backward_bf16", "round_to_bf16"), ("Conv2d under autocast",),
            _check_conv2d_bf16, tuple(_FIXED_CONV), _random_conv),

@@ -45,6 +45,27 @@ cdef extern from "pc_conv_general.h":
     void pcg_dw_flat_weight_plane(const float *x, const float *dy, int H, int W, int KH, int KW, int SH, int SW,
                                   int DH, int DW, int PT, int PL, int P, int Q, float *scratch,
                                   double *dw) noexcept nogil
+    Py_ssize_t pcg_dw3_fwd_scratch(int P, int Q, int SH, int SW) noexcept nogil
+    void pcg_dw3_forward_plane(const float *x, int H, int W, const float *k, float bias, int relu, int SH, int SW,
+                               int PT, int PL, int P, int Q, float *scratch, float *out) noexcept nogil
+    Py_ssize_t pcg_dw3_dx_scratch(int H, int W, int P, int Q, int SH, int SW) noexcept nogil
+    void pcg_dw3_dx_plane(const float *dy, int P, int Q, const float *k, int H, int W, int SH, int SW, int PT,
+                          int PL, float *scratch, float *dx) noexcept nogil
+    Py_ssize_t pcg_dw3_dw_scratch(int P, int Q, int SH, int SW) noexcept nogil
+    void pcg_dw3_dw_plane(const float *x, const float *dy, int H, int W, int SH, int SW, int PT, int PL, int P,
+                          int Q, float *scratch, double *dw) noexcept nogil
+
+
+cdef inline bint _direct3(int KH, int KW, int SH, int SW, int DH, int DW) noexcept nogil:
+    """The direct 3x3 kernels' case: dilation 1, strides 1 or 2."""
+    return KH == 3 and KW == 3 and DH == 1 and DW == 1 and (SH == 1 or SH == 2) and (SW == 1 or SW == 2)
+
+
+def depthwise_path(int KH, int KW, int SH, int SW, int DH, int DW):
+    """Which kernels a depthwise convolution of these filter sizes, strides and dilations runs on:
+    ``"direct3x3"`` (row loops on the padded plane) or ``"planes"`` (taps on the padded plane's
+    stride phases, every other shape)."""
+    return "direct3x3" if _direct3(KH, KW, SH, SW, DH, DW) else "planes"
 
 
 cdef void _bias_sum(const float *dyp, int N, int O, Py_ssize_t PQ, float *dbp, int nt) noexcept nogil:
@@ -62,8 +83,9 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                       const float[:, :, :, ::1] w,  # IN  (O, 1, KH, KW), O = C * M
                       const float[::1] b,           # IN  (O,) or None
                       float[:, :, :, ::1] y,        # OUT (N, O, P, Q), overwritten
-                      int SH, int SW, int PT, int PL, int DH, int DW, int num_threads):
-    """Depthwise convolution (groups == C): filter o reads channel o // (O / C)."""
+                      int SH, int SW, int PT, int PL, int DH, int DW, int num_threads, bint relu=False):
+    """Depthwise convolution (groups == C): filter o reads channel o // (O / C); ``relu`` applies the
+    ReLU as it stores (an eval-mode BatchNorm is folded into w and b by the caller)."""
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], KH = w.shape[2], KW = w.shape[3], P = y.shape[2], Q = y.shape[3]
     cdef int M = O // C
@@ -78,7 +100,22 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef float *scratch = NULL
     cdef int failed[1]
     failed[0] = 0
-    # every stride: whole-plane taps on the padded plane's phases (pc_conv_general.h)
+    if _direct3(KH, KW, SH, SW, DH, DW):
+        with nogil, parallel(num_threads=nt):
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_fwd_scratch(P, Q, SH, SW))
+            for i in prange(planes, schedule="guided"):
+                if scratch == NULL:
+                    failed[0] = 1
+                    continue
+                n = i // O
+                o = i - n * O
+                pcg_dw3_forward_plane(xp + (n * C + o // M) * HW, H, W, wp + o * KK, 0.0 if bp == NULL else bp[o],
+                                      relu, SH, SW, PT, PL, P, Q, scratch, yp + i * PQ)
+            free(scratch)
+        if failed[0]:
+            raise MemoryError("depthwise_forward: could not allocate scratch")
+        return
+    # every other shape: whole-plane taps on the padded plane's phases (pc_conv_general.h)
     with nogil, parallel(num_threads=nt):
         scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
         for i in prange(planes, schedule="guided"):
@@ -92,6 +129,11 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         free(scratch)
     if failed[0]:
         raise MemoryError("depthwise_forward: could not allocate scratch")
+    if relu:
+        with nogil:
+            for i in prange(planes * PQ, schedule="static", num_threads=nt):
+                if yp[i] < 0.0:
+                    yp[i] = 0.0
 
 
 def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
@@ -121,25 +163,47 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     # dx as the stride-1 correlation of dy with the flipped kernels needs these paddings >= 0
     cdef int TT = DH * (KH - 1) - PT, TB = DH * (KH - 1) - PB, TL = DW * (KW - 1) - PL, TR = DW * (KW - 1) - PR
     cdef bint flat_dx = SH == 1 and SW == 1 and TT >= 0 and TB >= 0 and TL >= 0 and TR >= 0
+    cdef bint direct = _direct3(KH, KW, SH, SW, DH, DW)
     cdef float *scratch = NULL
     with nogil, parallel(num_threads=nt):
         acc = <double *>malloc(sizeof(double) * KK)
-        scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
+        if direct:
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dw_scratch(P, Q, SH, SW))
+        else:
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
         for o in prange(O, schedule="guided"):
             if acc == NULL or scratch == NULL:
                 failed[0] = 1
                 continue
             memset(acc, 0, sizeof(double) * KK)
             for n in range(N):
-                pcg_dw_flat_weight_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, KH, KW, SH, SW,
-                                         DH, DW, PT, PL, P, Q, scratch, acc)
+                if direct:
+                    pcg_dw3_dw_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, SH, SW, PT, PL, P,
+                                     Q, scratch, acc)
+                else:
+                    pcg_dw_flat_weight_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, KH, KW, SH,
+                                             SW, DH, DW, PT, PL, P, Q, scratch, acc)
             for k in range(KK):
                 dwp[o * KK + k] = <float>acc[k]
         free(acc)
         free(scratch)
     if failed[0]:
         raise MemoryError("depthwise_backward: could not allocate scratch")
-    if dxp != NULL and flat_dx:
+    if dxp != NULL and direct and M == 1 and PT <= 2 and PL <= 2:
+        # dx: dy (dilated by the strides) correlated with the flipped filters, on the direct kernel
+        nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
+        with nogil, parallel(num_threads=nt):
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dx_scratch(H, W, P, Q, SH, SW))
+            for i in prange(<Py_ssize_t>N * C, schedule="guided"):
+                if scratch == NULL:
+                    failed[0] = 1
+                    continue
+                c = i - (i // C) * C
+                pcg_dw3_dx_plane(dyp + i * PQ, P, Q, wp + c * KK, H, W, SH, SW, PT, PL, scratch, dxp + i * HW)
+            free(scratch)
+        if failed[0]:
+            raise MemoryError("depthwise_backward: could not allocate scratch")
+    elif dxp != NULL and flat_dx:
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
         with nogil, parallel(num_threads=nt):
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(H, W, KH, KW, 1, 1, DH, DW))

@@ -250,4 +250,246 @@ static inline void pcg_dw_flat_weight_plane(const float *restrict x, const float
             dw[kh * KW + kw] += (double)pcg_dot32(dyg, X + pcg_tap_offset(kh, kw, DH, DW, SH, SW, Hh, Wh), L);
 }
 
+/* ------------------------------------------------------------------ direct 3x3 depthwise
+ * 3x3 filters, dilation 1, strides 1 or 2 on each axis, one filter per channel: the plane is
+ * copied once into zero-padded scratch, then row loops along the width (the vector axis) with
+ * all nine taps in registers and no edge cases. Indices are pc_idx: the extension is built with
+ * -fwrapv, and a wrapping 32-bit index keeps the vectoriser from striding the loads (it gathers). */
+
+/* xp (Hp, Wp) = x (H, W) shifted down by PT and right by PL, zeros around (rows and columns past
+ * Hp, Wp cut). */
+static inline void pcg_dw3_pad(const float *restrict x, int H, int W, int PT, int PL, pc_idx Hp, pc_idx Wp,
+                               float *restrict xp)
+{
+    /* plain loops, not memcpy/memset: the rows are short and the library calls cost more than them */
+    const pc_idx j0 = PL < Wp ? PL : Wp, j1 = (pc_idx)PL + W < Wp ? (pc_idx)PL + W : Wp;
+    for (pc_idx i = 0; i < Hp; i++) {
+        float *restrict row = xp + i * Wp;
+        const pc_idx h = i - PT;
+        if (h < 0 || h >= H || j1 <= j0) {
+            PC_SIMD
+            for (pc_idx j = 0; j < Wp; j++) row[j] = 0.0f;
+            continue;
+        }
+        const float *restrict xr = x + h * W - PL;
+        for (pc_idx j = 0; j < j0; j++) row[j] = 0.0f;
+        PC_SIMD
+        for (pc_idx j = j0; j < j1; j++) row[j] = xr[j];
+        for (pc_idx j = j1; j < Wp; j++) row[j] = 0.0f;
+    }
+}
+
+/* Scratch floats of pcg_dw3_forward_plane: the padded plane and the grid of stride 1. */
+static inline pc_idx pcg_dw3_fwd_scratch(int P, int Q, int SH, int SW)
+{
+    return ((pc_idx)(P - 1) * SH + 3) * ((pc_idx)(Q - 1) * SW + 3) + (pc_idx)P * (Q + 2);
+}
+
+/* out (P, Q) = bias + the 3x3 correlation of x (H, W) with k at strides SH, SW, padded by PT above
+ * and PL to the left (then the ReLU when relu). Each filter row is its own sum (the bias starts the
+ * first), then the three add in order: three short dependency chains instead of one of nine. */
+static inline void pcg_dw3_forward_plane(const float *restrict x, int H, int W, const float *restrict k, float bias,
+                                         int relu, int SH, int SW, int PT, int PL, int P, int Q,
+                                         float *restrict scratch, float *restrict out)
+{
+    const pc_idx Hp = (pc_idx)(P - 1) * SH + 3, Wp = (pc_idx)(Q - 1) * SW + 3, Qn = Q;
+    const float k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3], k4 = k[4], k5 = k[5], k6 = k[6], k7 = k[7], k8 = k[8];
+    pcg_dw3_pad(x, H, W, PT, PL, Hp, Wp, scratch);
+    if (SH == 1 && SW == 1) {
+        /* one loop over the plane on the padded grid (Wp wide: position p Wp + q), the Wp - Q
+         * columns past each row computed and dropped, then the rows stored */
+        const float *restrict a = scratch, *restrict b = scratch + Wp, *restrict c = scratch + 2 * Wp;
+        float *restrict g = scratch + Hp * Wp;
+        const pc_idx L = (pc_idx)(P - 1) * Wp + Qn;
+        PC_SIMD
+        for (pc_idx q = 0; q < L; q++) {
+            const float u = PC_FMAF(k2, a[q + 2], PC_FMAF(k1, a[q + 1], PC_FMAF(k0, a[q], bias)));
+            const float v = PC_FMAF(k5, b[q + 2], PC_FMAF(k4, b[q + 1], b[q] * k3));
+            const float w = PC_FMAF(k8, c[q + 2], PC_FMAF(k7, c[q + 1], c[q] * k6));
+            g[q] = (u + v) + w;
+        }
+        for (pc_idx p = 0; p < P; p++) {
+            const float *restrict gr = g + p * Wp;
+            float *restrict o = out + p * Qn;
+            if (relu) {
+                PC_SIMD
+                for (pc_idx q = 0; q < Qn; q++) o[q] = gr[q] < 0.0f ? 0.0f : gr[q];
+            } else {
+                PC_SIMD
+                for (pc_idx q = 0; q < Qn; q++) o[q] = gr[q];
+            }
+        }
+        return;
+    }
+    for (pc_idx p = 0; p < P; p++) {
+        const float *restrict a = scratch + p * SH * Wp;
+        const float *restrict b = a + Wp;
+        const float *restrict c = b + Wp;
+        float *restrict o = out + p * Qn;
+        if (SW == 1) {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) {
+                const float u = PC_FMAF(k2, a[q + 2], PC_FMAF(k1, a[q + 1], PC_FMAF(k0, a[q], bias)));
+                const float v = PC_FMAF(k5, b[q + 2], PC_FMAF(k4, b[q + 1], b[q] * k3));
+                const float w = PC_FMAF(k8, c[q + 2], PC_FMAF(k7, c[q + 1], c[q] * k6));
+                o[q] = (u + v) + w;
+            }
+        } else {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) {
+                const float u = PC_FMAF(k2, a[2 * q + 2], PC_FMAF(k1, a[2 * q + 1], PC_FMAF(k0, a[2 * q], bias)));
+                const float v = PC_FMAF(k5, b[2 * q + 2], PC_FMAF(k4, b[2 * q + 1], b[2 * q] * k3));
+                const float w = PC_FMAF(k8, c[2 * q + 2], PC_FMAF(k7, c[2 * q + 1], c[2 * q] * k6));
+                o[q] = (u + v) + w;
+            }
+        }
+        if (relu) {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) o[q] = o[q] < 0.0f ? 0.0f : o[q];
+        }
+    }
+}
+
+/* Scratch floats of pcg_dw3_dx_plane: the flipped filter, the dilated dy plane of a strided
+ * layer and the forward's scratch. */
+static inline pc_idx pcg_dw3_dx_scratch(int H, int W, int P, int Q, int SH, int SW)
+{
+    const pc_idx dil = SH == 1 && SW == 1 ? 0 : ((pc_idx)(P - 1) * SH + 1) * ((pc_idx)(Q - 1) * SW + 1);
+    return 16 + dil + pcg_dw3_fwd_scratch(H, W, 1, 1);
+}
+
+/* dx (H, W) = the input gradient of pcg_dw3_forward_plane (no bias, no ReLU) from dy (P, Q): the
+ * stride-1 correlation of dy, dilated by the strides (zeros between its samples), with the filter
+ * rotated by 180 degrees, padded by 2 - PT and 2 - PL. Needs PT, PL <= 2. */
+static inline void pcg_dw3_dx_plane(const float *restrict dy, int P, int Q, const float *restrict k, int H, int W,
+                                    int SH, int SW, int PT, int PL, float *restrict scratch, float *restrict dx)
+{
+    float *kf = scratch, *rest = scratch + 16;
+    const float *src = dy;
+    int Hd = P, Wd = Q;
+    for (int t = 0; t < 9; t++) kf[t] = k[8 - t];
+    if (SH != 1 || SW != 1) {
+        Hd = (P - 1) * SH + 1;
+        Wd = (Q - 1) * SW + 1;
+        float *restrict U = rest;
+        rest += (pc_idx)Hd * Wd;
+        const pc_idx n = (pc_idx)Hd * Wd;
+        PC_SIMD
+        for (pc_idx i = 0; i < n; i++) U[i] = 0.0f;
+        for (pc_idx p = 0; p < P; p++) {
+            float *restrict u = U + p * SH * Wd;
+            const float *restrict g = dy + p * Q;
+            for (pc_idx q = 0; q < Q; q++) u[q * SW] = g[q];
+        }
+        src = U;
+    }
+    pcg_dw3_forward_plane(src, Hd, Wd, kf, 0.0f, 0, 1, 1, 2 - PT, 2 - PL, H, W, rest, dx);
+}
+
+#define PCG_DW3_LANES 16
+
+/* dy rows are padded to whole 16-lane blocks (Qr floats), x rows to every tap of them (Wd). */
+static inline void pcg_dw3_dw_dims(int P, int Q, int SH, int SW, pc_idx *Qr, pc_idx *Hp, pc_idx *Wd)
+{
+    *Qr = ((pc_idx)Q + PCG_DW3_LANES - 1) / PCG_DW3_LANES * PCG_DW3_LANES;
+    *Hp = (pc_idx)(P - 1) * SH + 3;
+    *Wd = (*Qr - 1) * SW + 3 + (SW == 2 ? PCG_DW3_LANES : 0);
+}
+
+/* Scratch floats of pcg_dw3_dw_plane: the padded x plane and the padded dy plane. */
+static inline pc_idx pcg_dw3_dw_scratch(int P, int Q, int SH, int SW)
+{
+    pc_idx Qr, Hp, Wd;
+    pcg_dw3_dw_dims(P, Q, SH, SW, &Qr, &Hp, &Wd);
+    return Hp * Wd + (pc_idx)P * Qr;
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+typedef float pcg_v16 __attribute__((vector_size(64)));
+typedef int pcg_v16i __attribute__((vector_size(64)));
+
+static inline pcg_v16 pcg_ld16(const float *p)
+{
+    pcg_v16 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* p[0], p[2], ..., p[30] */
+static inline pcg_v16 pcg_ld16_even(const float *p)
+{
+    const pcg_v16 lo = pcg_ld16(p), hi = pcg_ld16(p + 16);
+#if defined(__clang__)
+    return __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+#else
+    const pcg_v16i even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    return __builtin_shuffle(lo, hi, even);
+#endif
+}
+
+static inline float pcg_hsum16(pcg_v16 v)
+{
+    float s = 0.0f;
+    for (int l = 0; l < 16; l += 4) s += (v[l] + v[l + 1]) + (v[l + 2] + v[l + 3]);
+    return s;
+}
+#endif
+
+/* dw (3, 3) += the correlation of dy (P, Q) with x (H, W) at strides SH, SW: per filter row kh,
+ * the three taps in 16-lane accumulators (two per tap, even and odd output rows), added in a
+ * fixed order: the same bits for a given shape. */
+static inline void pcg_dw3_dw_plane(const float *restrict x, const float *restrict dy, int H, int W, int SH, int SW,
+                                    int PT, int PL, int P, int Q, float *restrict scratch, double *restrict dw)
+{
+    pc_idx Qr, Hp, Wd;
+    pcg_dw3_dw_dims(P, Q, SH, SW, &Qr, &Hp, &Wd);
+    float *X = scratch, *D = scratch + Hp * Wd;
+    pcg_dw3_pad(x, H, W, PT, PL, Hp, Wd, X);
+    for (pc_idx p = 0; p < P; p++) {
+        memcpy(D + p * Qr, dy + p * Q, sizeof(float) * (size_t)Q);
+        memset(D + p * Qr + Q, 0, sizeof(float) * (size_t)(Qr - Q));
+    }
+#if defined(__GNUC__) || defined(__clang__)
+    for (int kh = 0; kh < 3; kh++) {
+        pcg_v16 a0 = {0}, a1 = {0}, a2 = {0}, b0 = {0}, b1 = {0}, b2 = {0};
+        for (pc_idx p = 0; p < P; p++) {
+            const float *g = D + p * Qr, *r = X + (p * SH + kh) * Wd;
+            for (pc_idx q0 = 0; q0 < Qr; q0 += PCG_DW3_LANES) {
+                const pcg_v16 gv = pcg_ld16(g + q0);
+                pcg_v16 x0, x1, x2;
+                if (SW == 1) {
+                    x0 = pcg_ld16(r + q0);
+                    x1 = pcg_ld16(r + q0 + 1);
+                    x2 = pcg_ld16(r + q0 + 2);
+                } else {
+                    x0 = pcg_ld16_even(r + 2 * q0);
+                    x1 = pcg_ld16_even(r + 2 * q0 + 1);
+                    x2 = pcg_ld16_even(r + 2 * q0 + 2);
+                }
+                if (p & 1) {
+                    b0 += gv * x0;
+                    b1 += gv * x1;
+                    b2 += gv * x2;
+                } else {
+                    a0 += gv * x0;
+                    a1 += gv * x1;
+                    a2 += gv * x2;
+                }
+            }
+        }
+        dw[kh * 3] += (double)pcg_hsum16(a0 + b0);
+        dw[kh * 3 + 1] += (double)pcg_hsum16(a1 + b1);
+        dw[kh * 3 + 2] += (double)pcg_hsum16(a2 + b2);
+    }
+#else
+    for (int t = 0; t < 9; t++) {
+        const int kh = t / 3, kw = t % 3;
+        float s = 0.0f;
+        for (pc_idx p = 0; p < P; p++)
+            for (pc_idx q = 0; q < Q; q++) s += D[p * Qr + q] * X[(p * SH + kh) * Wd + q * SW + kw];
+        dw[t] += (double)s;
+    }
+#endif
+}
+
 #endif /* PARCONV_PC_CONV_GENERAL_H */

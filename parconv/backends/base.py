@@ -537,6 +537,12 @@ class Backend:
         """
         raise self._missing("conv2d_general_backward")
 
+    def conv2d_general_relu_forward(self, x, w, b, stride: tuple, pads: tuple, dilation: tuple, groups: int):
+        """``max(conv2d_general_forward(x, w, b, ...), 0)``: what an eval-mode ``Conv2d -> BatchNorm2d
+        -> ReLU`` runs once the batch norm is folded into ``w`` and ``b``. A backend may apply the ReLU
+        as the convolution stores; the default composes the two ops."""
+        return self.relu_forward(self.conv2d_general_forward(x, w, b, stride, pads, dilation, groups))
+
     def maxpool2d_general_forward(self, x, kernel: tuple, stride: tuple, pads: tuple):
         """Max pooling with ``kernel=(kh, kw)``, ``stride=(sh, sw)`` and symmetric ``pads=(ph, pw)``.
 

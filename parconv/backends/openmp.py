@@ -919,6 +919,21 @@ class OpenMPBackend(HostArrays, Backend):
                 _conv_general.conv2d_general_forward(x, w, b, y, *args, groups, get_num_threads())
         return y
 
+    def conv2d_general_relu_forward(self, x, w, b, stride, pads, dilation, groups):
+        """Depthwise: the ReLU applied by the kernel as it stores (no second pass over y)."""
+        if w.shape[1] != 1:
+            return super().conv2d_general_relu_forward(x, w, b, stride, pads, dilation, groups)
+        x, w = _f32(x), _f32(w)
+        b = None if b is None else _f32(b)
+        N, C, H, W = x.shape
+        O, _, KH, KW = w.shape
+        P = _out_size(H, KH, stride[0], pads[0], pads[1], dilation[0])
+        Q = _out_size(W, KW, stride[1], pads[2], pads[3], dilation[1])
+        y = self._empty((N, O, P, Q))
+        _conv_general.depthwise_forward(x, w, b, y, stride[0], stride[1], pads[0], pads[2], dilation[0], dilation[1],
+                                        get_num_threads(), relu=True)
+        return y
+
     def conv2d_general_backward(self, x, w, dy, stride, pads, dilation, groups, need_dx=True, need_db=True):
         x, w, dy = _f32(x), _f32(w), _f32(dy)
         O, Cg, KH, KW = w.shape
