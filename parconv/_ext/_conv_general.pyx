@@ -54,6 +54,8 @@ cdef extern from "pc_conv_general.h":
     Py_ssize_t pcg_dw3_dw_scratch(int P, int Q, int SH, int SW) noexcept nogil
     void pcg_dw3_dw_plane(const float *x, const float *dy, int H, int W, int SH, int SW, int PT, int PL, int P,
                           int Q, float *scratch, double *dw) noexcept nogil
+    void pcg_pw_cols(const float *w, const float *x, int C, int O, Py_ssize_t S, Py_ssize_t s0, Py_ssize_t s1,
+                     const float *b, const float *scale, int relu, float *pack, float *y) noexcept nogil
 
 
 cdef inline bint _direct3(int KH, int KW, int SH, int SW, int DH, int DW) noexcept nogil:
@@ -376,3 +378,76 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if db is not None:
         with nogil:
             _bias_sum(dyp, N, O, PQ, &db[0], num_threads)
+
+
+# ------------------------------------------------------------------ pointwise (1x1, stride 1, no padding)
+DEF PW_COLS = 256  # positions per chunk: a multiple of the 32-column register block
+
+
+cdef int _pointwise(const float *xp, const float *wp, const float *bp, const float *sp, bint relu, int N, int C,
+                    int O, Py_ssize_t S, float *yp, int num_threads) noexcept nogil:
+    """y[n] = epilogue(w @ x[n]) per (image, 256-position chunk); 1 when scratch ran out."""
+    cdef Py_ssize_t chunks = (S + PW_COLS - 1) // PW_COLS, items = <Py_ssize_t>N * chunks, it, n, s0, s1
+    cdef int nt = pc_threads_for(items * S * C * O // chunks, items, num_threads)
+    cdef float *pack = NULL
+    cdef int failed[1]
+    failed[0] = 0
+    with parallel(num_threads=nt):
+        pack = <float *>malloc(sizeof(float) * 32 * <size_t>C)
+        for it in prange(items, schedule="guided"):
+            if pack == NULL:
+                failed[0] = 1
+                continue
+            n = it // chunks
+            s0 = (it - n * chunks) * PW_COLS
+            s1 = s0 + PW_COLS if s0 + PW_COLS < S else S
+            pcg_pw_cols(wp, xp + n * C * S, C, O, S, s0, s1, bp, sp, relu, pack, yp + n * O * S)
+        free(pack)
+    return failed[0]
+
+
+def pointwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                      const float[:, :, :, ::1] w,  # IN  (O, C, 1, 1)
+                      const float[::1] b,           # IN  (O,) or None
+                      float[:, :, :, ::1] y,        # OUT (N, O, H, W), overwritten
+                      int num_threads, const float[::1] scale=None, bint relu=False):
+    """A 1x1 convolution (stride 1, no padding) as one GEMM per image: ``y = w @ x`` (times ``scale``
+    per filter when given), plus ``b``, then the ReLU when ``relu``, applied as it stores."""
+    cdef int N = x.shape[0], C = x.shape[1], O = w.shape[0]
+    cdef Py_ssize_t S = <Py_ssize_t>x.shape[2] * x.shape[3]
+    if (w.shape[1] != C or w.shape[2] != 1 or w.shape[3] != 1 or y.shape[0] != N or y.shape[1] != O
+            or y.shape[2] != x.shape[2] or y.shape[3] != x.shape[3] or (b is not None and b.shape[0] != O)
+            or (scale is not None and scale.shape[0] != O)):
+        raise ValueError("pointwise_forward: shapes do not match a 1x1 convolution")
+    cdef const float *bp = NULL if b is None else &b[0]
+    cdef const float *sp = NULL if scale is None else &scale[0]
+    cdef int failed
+    with nogil:
+        failed = _pointwise(&x[0, 0, 0, 0], &w[0, 0, 0, 0], bp, sp, relu, N, C, O, S, &y[0, 0, 0, 0], num_threads)
+    if failed:
+        raise MemoryError("pointwise_forward: could not allocate scratch")
+
+
+def pointwise_backward_input(const float[:, :, :, ::1] dy,  # IN  (N, O, H, W)
+                             const float[:, :, :, ::1] w,   # IN  (O, C, 1, 1)
+                             float[:, :, :, ::1] dx,        # OUT (N, C, H, W), overwritten
+                             int num_threads):
+    """dx of :func:`pointwise_forward` (no scale, no ReLU): ``dx[n] = w^T @ dy[n]`` on the forward's GEMM."""
+    cdef int N = dy.shape[0], O = dy.shape[1], C = w.shape[1]
+    cdef Py_ssize_t S = <Py_ssize_t>dy.shape[2] * dy.shape[3], o, c
+    if (w.shape[0] != O or w.shape[2] != 1 or w.shape[3] != 1 or dx.shape[0] != N or dx.shape[1] != C
+            or dx.shape[2] != dy.shape[2] or dx.shape[3] != dy.shape[3]):
+        raise ValueError("pointwise_backward_input: shapes do not match a 1x1 convolution")
+    cdef const float *wp = &w[0, 0, 0, 0]
+    cdef float *wt = <float *>malloc(sizeof(float) * <size_t>O * C)
+    cdef int failed
+    if wt == NULL:
+        raise MemoryError("pointwise_backward_input: could not allocate scratch")
+    with nogil:
+        for o in range(O):
+            for c in range(C):
+                wt[c * O + o] = wp[o * C + c]
+        failed = _pointwise(&dy[0, 0, 0, 0], wt, NULL, NULL, False, N, O, C, S, &dx[0, 0, 0, 0], num_threads)
+    free(wt)
+    if failed:
+        raise MemoryError("pointwise_backward_input: could not allocate scratch")

@@ -492,4 +492,113 @@ static inline void pcg_dw3_dw_plane(const float *restrict x, const float *restri
 #endif
 }
 
+/* ------------------------------------------------------------------ pointwise (1x1) convolution
+ * Per image, y (O, S) = w (O, C) x (C, S) with S = H W: a GEMM whose register block is 8 filters by
+ * 32 positions (sixteen 16-lane accumulators), the positions' 32-column slab of x (C rows) staying
+ * in L1 while the filter blocks pass over it. Each output is one sum over c in order: the same bits
+ * whatever the thread count. The multiply-adds contract to FMA where the ISA level has it. */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define PCG_CONTRACT __attribute__((optimize("fp-contract=fast")))
+#else
+#define PCG_CONTRACT
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+static inline void pcg_st16(float *p, pcg_v16 v) { memcpy(p, &v, sizeof(v)); }
+
+/* v * scale + bias (scale optional), then max(., 0) when relu: the store's epilogue */
+static inline pcg_v16 pcg_pw_epilogue(pcg_v16 v, float sc, float bi, int has_scale, int relu)
+{
+    if (has_scale) v = v * sc;
+    v = v + bi;
+    if (relu) {
+        const pcg_v16 z = {0};
+        const pcg_v16i neg = v < z;  /* NaN stays, as the scalar x < 0 ? 0 : x */
+        v = (pcg_v16)((pcg_v16i)v & ~neg);
+    }
+    return v;
+}
+#endif
+
+/* y columns [s0, s1) of one image: y[o][s] = epilogue(sum_c w[o][c] x[c][s]) with x rows S apart,
+ * w rows C apart, y rows S apart. b, scale: per filter, NULL for none. */
+PCG_CONTRACT static void pcg_pw_cols(const float *restrict w, const float *restrict x, int C, int O, pc_idx S,
+                                     pc_idx s0, pc_idx s1, const float *restrict b, const float *restrict scale,
+                                     int relu, float *restrict pack, float *restrict y)
+{
+    pc_idx s = s0;
+#if defined(__GNUC__) || defined(__clang__)
+    const int hs = scale != NULL;
+    for (; s + 16 <= s1;) {
+        /* the slab's columns packed contiguously (rows of a wide image are a page apart) */
+        const int wide = s + 32 <= s1;
+        const pc_idx L = wide ? 32 : 16;
+        for (pc_idx c = 0; c < C; c++) {
+            pcg_st16(pack + c * L, pcg_ld16(x + c * S + s));
+            if (wide) pcg_st16(pack + c * L + 16, pcg_ld16(x + c * S + s + 16));
+        }
+        int o = 0;
+        for (; o + 8 <= O; o += 8) {
+            pcg_v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+            pcg_v16 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, c4 = {0}, c5 = {0}, c6 = {0}, c7 = {0};
+            const float *wo = w + (pc_idx)o * C;
+            if (wide) {
+                for (pc_idx c = 0; c < C; c++) {
+                    const pcg_v16 x0 = pcg_ld16(pack + 32 * c), x1 = pcg_ld16(pack + 32 * c + 16);
+                    float v;
+                    v = wo[c]; a0 += v * x0; c0 += v * x1;
+                    v = wo[C + c]; a1 += v * x0; c1 += v * x1;
+                    v = wo[2 * (pc_idx)C + c]; a2 += v * x0; c2 += v * x1;
+                    v = wo[3 * (pc_idx)C + c]; a3 += v * x0; c3 += v * x1;
+                    v = wo[4 * (pc_idx)C + c]; a4 += v * x0; c4 += v * x1;
+                    v = wo[5 * (pc_idx)C + c]; a5 += v * x0; c5 += v * x1;
+                    v = wo[6 * (pc_idx)C + c]; a6 += v * x0; c6 += v * x1;
+                    v = wo[7 * (pc_idx)C + c]; a7 += v * x0; c7 += v * x1;
+                }
+            } else {
+                for (pc_idx c = 0; c < C; c++) {
+                    const pcg_v16 x0 = pcg_ld16(pack + 16 * c);
+                    a0 += wo[c] * x0;
+                    a1 += wo[C + c] * x0;
+                    a2 += wo[2 * (pc_idx)C + c] * x0;
+                    a3 += wo[3 * (pc_idx)C + c] * x0;
+                    a4 += wo[4 * (pc_idx)C + c] * x0;
+                    a5 += wo[5 * (pc_idx)C + c] * x0;
+                    a6 += wo[6 * (pc_idx)C + c] * x0;
+                    a7 += wo[7 * (pc_idx)C + c] * x0;
+                }
+            }
+            const pcg_v16 *acc[16] = {&a0, &c0, &a1, &c1, &a2, &c2, &a3, &c3, &a4, &c4, &a5, &c5, &a6, &c6, &a7, &c7};
+            for (int r = 0; r < 8; r++) {
+                const float sc = hs ? scale[o + r] : 1.0f, bi = b ? b[o + r] : 0.0f;
+                float *yr = y + (pc_idx)(o + r) * S + s;
+                pcg_st16(yr, pcg_pw_epilogue(*acc[2 * r], sc, bi, hs, relu));
+                if (wide) pcg_st16(yr + 16, pcg_pw_epilogue(*acc[2 * r + 1], sc, bi, hs, relu));
+            }
+        }
+        for (; o < O; o++) {
+            const float *wo = w + (pc_idx)o * C;
+            const float sc = hs ? scale[o] : 1.0f, bi = b ? b[o] : 0.0f;
+            for (pc_idx h = 0; h < L; h += 16) {
+                pcg_v16 a0 = {0};
+                for (pc_idx c = 0; c < C; c++) a0 += wo[c] * pcg_ld16(pack + L * c + h);
+                pcg_st16(y + (pc_idx)o * S + s + h, pcg_pw_epilogue(a0, sc, bi, hs, relu));
+            }
+        }
+        s += L;
+    }
+#endif
+    for (; s < s1; s++) {
+        for (int o = 0; o < O; o++) {
+            const float *wo = w + (pc_idx)o * C;
+            float a = 0.0f;
+            for (pc_idx c = 0; c < C; c++) a += wo[c] * x[c * S + s];
+            if (scale) a *= scale[o];
+            a += b ? b[o] : 0.0f;
+            y[(pc_idx)o * S + s] = relu && a < 0.0f ? 0.0f : a;
+        }
+    }
+}
+
 #endif /* PARCONV_PC_CONV_GENERAL_H */

@@ -402,6 +402,9 @@ class OpenMPBackend(HostArrays, Backend):
     def _conv2d_forward_into(self, x, w, b, y, stride, padding, grad=False):
         # Winograd where _winograd says so (the kernel checks the same rule); micro-kernels only, no BLAS.
         # ``grad``: y is dx, the transposed convolution of a backward
+        if w.shape[2] == 1 and stride == 1 and padding == 0:
+            _conv_general.pointwise_forward(x, w, b, y, get_num_threads())
+            return
         _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
                              winograd=self._winograd_allowed(), winograd4=self._winograd4(grad))
 
@@ -420,6 +423,9 @@ class OpenMPBackend(HostArrays, Backend):
         _conv.fold_batch_norm(self._opt32(b), self._opt32(weight), self._opt32(bias), _f32(running_mean),
                               _f32(running_var), float(eps), scale, shift)
         y = self._empty((N, O, P, Q))
+        if K == 1 and stride == 1 and padding == 0:
+            _conv_general.pointwise_forward(x, w, shift, y, get_num_threads(), scale=scale, relu=bool(relu))
+            return y
         _conv.conv2d_forward(x, w, shift, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
                              winograd=self._winograd_allowed(), scale=scale, relu=bool(relu),
                              winograd4=self._winograd4(False))
@@ -434,6 +440,12 @@ class OpenMPBackend(HostArrays, Backend):
         dw = self._empty(w.shape)
         db = np.empty(O, dtype=np.float32) if need_db else None
         K = w.shape[2]
+        if K == 1 and stride == 1 and padding == 0:
+            # 1x1: dx on the pointwise GEMM (_conv_general), dw and db on the micro-kernels
+            _conv.conv2d_backward(x, w, dy, None, dw, db, 1, 0, get_num_threads(), CONV_BACKWARD_TILE_BYTES)
+            if need_dx:
+                _conv_general.pointwise_backward_input(dy, w, dx, get_num_threads())
+            return dx, dw, db
         shape = (x.shape[0], x.shape[1], O, K, stride, dy.shape[2], dy.shape[3])
         f4 = self._winograd4(True)
         winograd_dw = (self._winograd_allowed() and padding <= K - 1
