@@ -167,6 +167,45 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef bint flat_dx = SH == 1 and SW == 1 and TT >= 0 and TB >= 0 and TL >= 0 and TR >= 0
     cdef bint direct = _direct3(KH, KW, SH, SW, DH, DW)
     cdef float *scratch = NULL
+    cdef float *scratch2 = NULL
+    cdef double *part = NULL
+    cdef double sacc
+    if direct and M == 1 and dxp != NULL and PT <= 2 and PL <= 2:
+        # dx and dw of each plane together while it is in cache, parallel over planes; each plane's
+        # dw sums kept apart and added over the images in order (the bits of the per-filter loop)
+        part = <double *>malloc(sizeof(double) * <size_t>(N * C * KK))
+        if part == NULL:
+            raise MemoryError("depthwise_backward: could not allocate scratch")
+        nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
+        with nogil, parallel(num_threads=nt):
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dw_scratch(P, Q, SH, SW))
+            scratch2 = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dx_scratch(H, W, P, Q, SH, SW))
+            for i in prange(<Py_ssize_t>N * C, schedule="guided"):
+                if scratch == NULL or scratch2 == NULL:
+                    failed[0] = 1
+                    continue
+                c = i - (i // C) * C
+                for k in range(KK):
+                    part[i * KK + k] = 0.0
+                pcg_dw3_dw_plane(xp + i * HW, dyp + i * PQ, H, W, SH, SW, PT, PL, P, Q, scratch, part + i * KK)
+                pcg_dw3_dx_plane(dyp + i * PQ, P, Q, wp + c * KK, H, W, SH, SW, PT, PL, scratch2, dxp + i * HW)
+            free(scratch)
+            free(scratch2)
+        if failed[0]:
+            free(part)
+            raise MemoryError("depthwise_backward: could not allocate scratch")
+        with nogil:
+            for k in prange(<Py_ssize_t>C * KK, schedule="static", num_threads=nt):
+                c = k // KK
+                sacc = 0.0
+                for n in range(N):
+                    sacc = sacc + part[(n * C + c) * KK + (k - c * KK)]
+                dwp[k] = <float>sacc
+        free(part)
+        if db is not None:
+            with nogil:
+                _bias_sum(dyp, N, O, PQ, &db[0], num_threads)
+        return
     with nogil, parallel(num_threads=nt):
         acc = <double *>malloc(sizeof(double) * KK)
         if direct:

@@ -285,6 +285,35 @@ static inline pc_idx pcg_dw3_fwd_scratch(int P, int Q, int SH, int SW)
     return ((pc_idx)(P - 1) * SH + 3) * ((pc_idx)(Q - 1) * SW + 3) + (pc_idx)P * (Q + 2);
 }
 
+/* out (P, Q) = bias + the stride-1 3x3 correlation of the padded plane xp (rows Wp = Q + 2 wide),
+ * then the ReLU when relu: one loop over the plane on the padded grid (position p Wp + q), the two
+ * columns past each row computed and dropped, then the rows stored. g: (P - 1) Wp + Q floats. */
+static inline void pcg_dw3_grid1(const float *restrict xp, pc_idx Wp, const float *restrict k, float bias, int relu,
+                                 int P, int Q, float *restrict g, float *restrict out)
+{
+    const float k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3], k4 = k[4], k5 = k[5], k6 = k[6], k7 = k[7], k8 = k[8];
+    const float *restrict a = xp, *restrict b = xp + Wp, *restrict c = xp + 2 * Wp;
+    const pc_idx L = (pc_idx)(P - 1) * Wp + Q, Qn = Q;
+    PC_SIMD
+    for (pc_idx q = 0; q < L; q++) {
+        const float u = PC_FMAF(k2, a[q + 2], PC_FMAF(k1, a[q + 1], PC_FMAF(k0, a[q], bias)));
+        const float v = PC_FMAF(k5, b[q + 2], PC_FMAF(k4, b[q + 1], b[q] * k3));
+        const float w = PC_FMAF(k8, c[q + 2], PC_FMAF(k7, c[q + 1], c[q] * k6));
+        g[q] = (u + v) + w;
+    }
+    for (pc_idx p = 0; p < P; p++) {
+        const float *restrict gr = g + p * Wp;
+        float *restrict o = out + p * Qn;
+        if (relu) {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) o[q] = gr[q] < 0.0f ? 0.0f : gr[q];
+        } else {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) o[q] = gr[q];
+        }
+    }
+}
+
 /* out (P, Q) = bias + the 3x3 correlation of x (H, W) with k at strides SH, SW, padded by PT above
  * and PL to the left (then the ReLU when relu). Each filter row is its own sum (the bias starts the
  * first), then the three add in order: three short dependency chains instead of one of nine. */
@@ -296,29 +325,7 @@ static inline void pcg_dw3_forward_plane(const float *restrict x, int H, int W, 
     const float k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3], k4 = k[4], k5 = k[5], k6 = k[6], k7 = k[7], k8 = k[8];
     pcg_dw3_pad(x, H, W, PT, PL, Hp, Wp, scratch);
     if (SH == 1 && SW == 1) {
-        /* one loop over the plane on the padded grid (Wp wide: position p Wp + q), the Wp - Q
-         * columns past each row computed and dropped, then the rows stored */
-        const float *restrict a = scratch, *restrict b = scratch + Wp, *restrict c = scratch + 2 * Wp;
-        float *restrict g = scratch + Hp * Wp;
-        const pc_idx L = (pc_idx)(P - 1) * Wp + Qn;
-        PC_SIMD
-        for (pc_idx q = 0; q < L; q++) {
-            const float u = PC_FMAF(k2, a[q + 2], PC_FMAF(k1, a[q + 1], PC_FMAF(k0, a[q], bias)));
-            const float v = PC_FMAF(k5, b[q + 2], PC_FMAF(k4, b[q + 1], b[q] * k3));
-            const float w = PC_FMAF(k8, c[q + 2], PC_FMAF(k7, c[q + 1], c[q] * k6));
-            g[q] = (u + v) + w;
-        }
-        for (pc_idx p = 0; p < P; p++) {
-            const float *restrict gr = g + p * Wp;
-            float *restrict o = out + p * Qn;
-            if (relu) {
-                PC_SIMD
-                for (pc_idx q = 0; q < Qn; q++) o[q] = gr[q] < 0.0f ? 0.0f : gr[q];
-            } else {
-                PC_SIMD
-                for (pc_idx q = 0; q < Qn; q++) o[q] = gr[q];
-            }
-        }
+        pcg_dw3_grid1(scratch, Wp, k, bias, relu, P, Q, scratch + Hp * Wp, out);
         return;
     }
     for (pc_idx p = 0; p < P; p++) {
@@ -350,40 +357,42 @@ static inline void pcg_dw3_forward_plane(const float *restrict x, int H, int W, 
     }
 }
 
-/* Scratch floats of pcg_dw3_dx_plane: the flipped filter, the dilated dy plane of a strided
- * layer and the forward's scratch. */
+/* Scratch floats of pcg_dw3_dx_plane: the flipped filter, the padded plane and the grid. */
 static inline pc_idx pcg_dw3_dx_scratch(int H, int W, int P, int Q, int SH, int SW)
 {
-    const pc_idx dil = SH == 1 && SW == 1 ? 0 : ((pc_idx)(P - 1) * SH + 1) * ((pc_idx)(Q - 1) * SW + 1);
-    return 16 + dil + pcg_dw3_fwd_scratch(H, W, 1, 1);
+    (void)P; (void)Q; (void)SH; (void)SW;
+    return 16 + ((pc_idx)H + 2) * ((pc_idx)W + 2) + (pc_idx)H * (W + 2);
 }
 
 /* dx (H, W) = the input gradient of pcg_dw3_forward_plane (no bias, no ReLU) from dy (P, Q): the
  * stride-1 correlation of dy, dilated by the strides (zeros between its samples), with the filter
- * rotated by 180 degrees, padded by 2 - PT and 2 - PL. Needs PT, PL <= 2. */
+ * rotated by 180 degrees, padded by 2 - PT and 2 - PL: dy is written straight into that padded,
+ * dilated plane. Needs PT, PL <= 2. */
 static inline void pcg_dw3_dx_plane(const float *restrict dy, int P, int Q, const float *restrict k, int H, int W,
                                     int SH, int SW, int PT, int PL, float *restrict scratch, float *restrict dx)
 {
-    float *kf = scratch, *rest = scratch + 16;
-    const float *src = dy;
-    int Hd = P, Wd = Q;
+    float *kf = scratch, *restrict U = scratch + 16;
+    const pc_idx Hp = (pc_idx)H + 2, Wp = (pc_idx)W + 2, n = Hp * Wp;
     for (int t = 0; t < 9; t++) kf[t] = k[8 - t];
-    if (SH != 1 || SW != 1) {
-        Hd = (P - 1) * SH + 1;
-        Wd = (Q - 1) * SW + 1;
-        float *restrict U = rest;
-        rest += (pc_idx)Hd * Wd;
-        const pc_idx n = (pc_idx)Hd * Wd;
-        PC_SIMD
-        for (pc_idx i = 0; i < n; i++) U[i] = 0.0f;
-        for (pc_idx p = 0; p < P; p++) {
-            float *restrict u = U + p * SH * Wd;
-            const float *restrict g = dy + p * Q;
-            for (pc_idx q = 0; q < Q; q++) u[q * SW] = g[q];
+    PC_SIMD
+    for (pc_idx i = 0; i < n; i++) U[i] = 0.0f;
+    /* dy (p, q) lands on (p SH + 2 - PT, q SW + 2 - PL); what falls past the plane reaches no dx */
+    const pc_idx r0 = 2 - PT, c0 = 2 - PL;
+    pc_idx qn = Q;
+    if (c0 + (qn - 1) * SW >= Wp) qn = (Wp - 1 - c0) / SW + 1;
+    for (pc_idx p = 0; p < P; p++) {
+        const pc_idx r = p * SH + r0;
+        if (r >= Hp) break;
+        float *restrict u = U + r * Wp + c0;
+        const float *restrict g = dy + p * Q;
+        if (SW == 1) {
+            PC_SIMD
+            for (pc_idx q = 0; q < qn; q++) u[q] = g[q];
+        } else {
+            for (pc_idx q = 0; q < qn; q++) u[q * SW] = g[q];
         }
-        src = U;
     }
-    pcg_dw3_forward_plane(src, Hd, Wd, kf, 0.0f, 0, 1, 1, 2 - PT, 2 - PL, H, W, rest, dx);
+    pcg_dw3_grid1(U, Wp, kf, 0.0f, 0, H, W, U + n, dx);
 }
 
 #define PCG_DW3_LANES 16
