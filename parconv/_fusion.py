@@ -20,13 +20,13 @@ Fusions:
 * quantized layers (:mod:`parconv.quantization`) that feed each other through
   placeholders: each native int8 kernel stores the next one's uint8 input;
 * ``Conv2d -> BatchNorm2d (-> ReLU)`` in eval mode: the running statistics
-  folded into the convolution. Square kernel, int stride/padding, one group:
-  a per-filter scale and shift applied with the ReLU as the convolution stores
-  its output (:func:`parconv.functional.conv2d_batch_norm_eval`). Every other
-  convolution (depthwise, grouped, dilated, rectangular): the scale folded into
-  the filters and the shift into the bias once, rebuilt only when the weights
-  or statistics change (:func:`parconv.weights_changed`), the ReLU applied as
-  the convolution stores (``conv2d_general_relu_forward``).
+  folded into the convolution once, rebuilt only when parconv changed a weight
+  or statistic (:func:`parconv.weights_changed`). Square kernel, int
+  stride/padding, one group: a per-filter scale and shift applied with the
+  ReLU as the convolution stores its output (``conv2d_scale_shift_forward``).
+  Every other convolution (depthwise, grouped, dilated, rectangular): the
+  scale folded into the filters and the shift into the bias, the ReLU applied
+  as the convolution stores (``conv2d_general_relu_forward``).
 
 Nested containers plan their own runs.
 """
@@ -214,9 +214,11 @@ class ConvBatchNormEval(_Fused):
                 bn.running_mean, bn.running_var)
 
     def folded(self):
-        """``(weight * scale, shift)``: the batch norm folded into a general convolution's filters and
-        bias, built once and rebuilt when parconv changed a weight or statistic since (the count of
-        :func:`parconv.weights_changed`, and the arrays themselves, must be the ones it was built from)."""
+        """The batch norm folded into the convolution, built once and rebuilt when parconv changed a
+        weight or statistic since (the count of :func:`parconv.weights_changed`, and the arrays
+        themselves, must be the ones it was built from): ``(weight * scale, shift)`` for a general
+        convolution (the scale in its filters), ``(scale, shift)`` for a square one-group one (applied
+        by the convolution's store, ``Backend.conv2d_scale_shift_forward``)."""
         key, fold = self._fold_key(), self._fold
         if fold is not None and fold[0][:2] == key[:2] and all(a is b for a, b in zip(fold[0][2:], key[2:])):
             return fold[1], fold[2]
@@ -229,7 +231,10 @@ class ConvBatchNormEval(_Fused):
         shift = ((0.0 if conv.bias is None else host(conv.bias.data)) - rm) * scale
         if bn.bias is not None:
             shift = shift + host(bn.bias.data)
-        wf = be.asarray(np.ascontiguousarray((w * scale[:, None, None, None]).astype(np.float32)))
+        if conv.simple:
+            wf = be.asarray(scale.astype(np.float32))
+        else:
+            wf = be.asarray(np.ascontiguousarray((w * scale[:, None, None, None]).astype(np.float32)))
         bf = be.asarray(shift.astype(np.float32))
         self._fold = (key, wf, bf)
         return wf, bf
@@ -271,8 +276,9 @@ class ConvBatchNormEval(_Fused):
                                          relu=self.relu, precision="bf16", backend=self.backend)
         else:
             # the layers' own arrays, shapes fixed by their constructors: straight to the backend
-            y = self.backend.conv2d_batch_norm_eval_forward(*args, bn.eps, conv._fargs["stride"],
-                                                            conv._fargs["padding"], self.relu)
+            scale, shift = self.folded()
+            y = self.backend.conv2d_scale_shift_forward(x, conv.weight.data, scale, shift, conv._fargs["stride"],
+                                                        conv._fargs["padding"], self.relu)
         self._cache = (x, precision)
         return y
 

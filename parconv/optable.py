@@ -606,6 +606,23 @@ def _check_conv_bn_eval(ck, ref, rng, case):
               run_ref, tag)
 
 
+def _check_conv_scale_shift(ck, ref, rng, case):
+    n, c, o, h, w, k, s, p, _, _, relu = case
+    be = ck.be
+    x, wt, _ = _conv_inputs(rng, n, c, o, h, w, k, False)
+    scale, shift = _f32(rng, o) + 1.0, _f32(rng, o)
+    tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p}{' +relu' if relu else ''}"
+
+    def run_ref():
+        z = ref.conv2d_forward(_f64(x), _f64(wt), None, s, p) * _f64(scale)[:, None, None] + _f64(shift)[:, None, None]
+        return {"y": np.maximum(z, 0.0) if relu else z}
+
+    _run_pair(ck, "conv_scale_shift",
+              lambda: {"y": be.conv2d_scale_shift_forward(be.asarray(x), be.asarray(wt), be.asarray(scale),
+                                                          be.asarray(shift), s, p, relu)},
+              run_ref, tag)
+
+
 def _random_conv_bn_eval(rng):
     return _random_conv(rng) + (bool(rng.integers(0, 2)), bool(rng.integers(0, 2)))
 
@@ -933,6 +950,9 @@ OPS: tuple = (
     OpSpec("conv2d_batch_norm_eval", "convolution with an eval-mode batch norm (and ReLU) folded into its store",
            ("conv2d_batch_norm_eval_forward",), ("Conv2d+BatchNorm2d(+ReLU) in eval mode",), _check_conv_bn_eval,
            _FIXED_CONV_BN, _random_conv_bn_eval),
+    OpSpec("conv2d_scale_shift", "convolution with a per-filter scale and shift (and ReLU) applied as it stores "
+           "(an eval-mode batch norm folded once)", ("conv2d_scale_shift_forward",),
+           ("Conv2d+BatchNorm2d(+ReLU) in eval mode",), _check_conv_scale_shift, _FIXED_CONV_BN, _random_conv_bn_eval),
     OpSpec("normalize", "input normalisation (x - mean) / std, per channel or one for all: forward, dx",
            ("batch_norm_forward_eval", "batch_norm_backward"), ("Normalize",), _check_normalize,
            (((2, 3, 5, 4), True), ((2, 3, 5, 4), False), ((4, 7), True), ((3, 2, 6), False)), _random_normalize),

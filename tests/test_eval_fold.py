@@ -63,11 +63,13 @@ def test_grouped_dilated_conv_without_relu_folds_too():
     assert_close(fused(x), pc.to_numpy(plain(x)), rtol=1e-5, atol=1e-5)
 
 
-def test_the_fold_is_built_once_and_rebuilt_after_each_weight_change():
+@pytest.mark.parametrize("kind", ["depthwise", "pointwise"])
+def test_the_fold_is_built_once_and_rebuilt_after_each_weight_change(kind):
     fused, plain = _pair()
     rng = np.random.default_rng(3)
     x = rand(rng, 2, 3, 32, 32)
-    step = _general_folds(fused)[0]
+    folds = [s.step for s in fused.plan() if isinstance(s.step, _fusion.ConvBatchNormEval)]
+    step = [f for f in folds if (f.conv.groups > 1) == (kind == "depthwise")][1]
     with pc.no_grad():
         fused(x)
         first = step.folded()

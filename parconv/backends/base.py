@@ -279,6 +279,17 @@ class Backend:
         y, _, _ = self.batch_norm_forward_eval(z, weight, bias, running_mean, running_var, eps, relu)
         return y
 
+    def conv2d_scale_shift_forward(self, x, w, scale, shift, stride: int, padding: int, relu: bool):
+        """``conv2d_forward(x, w, None) * scale + shift`` per filter, then ``max(., 0)`` when ``relu``:
+        :meth:`conv2d_batch_norm_eval_forward` with the batch norm already folded into ``scale`` and
+        ``shift`` (O,) (what an eval-mode ``Sequential`` keeps between calls). The default composes
+        the convolution and an eval-mode batch norm of mean 0, variance 1 and eps 0 (exact)."""
+        z = self.conv2d_forward(x, w, None, stride, padding)
+        O = w.shape[0]
+        y, _, _ = self.batch_norm_forward_eval(z, scale, shift, self.zeros((O,)),
+                                               self.asarray(np.ones(O, np.float32)), 0.0, relu)
+        return y
+
     # ------------------------------- fused conv+relu+maxpool -> flatten -> linear
     def fuses_linear_head(self, in_features: int, out_features: int) -> bool:
         """Whether the ``conv2d_relu_maxpool2d_linear_*`` pair beats the composition here.

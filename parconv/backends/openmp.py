@@ -422,8 +422,21 @@ class OpenMPBackend(HostArrays, Backend):
         scale, shift = np.empty(O, np.float32), np.empty(O, np.float32)
         _conv.fold_batch_norm(self._opt32(b), self._opt32(weight), self._opt32(bias), _f32(running_mean),
                               _f32(running_var), float(eps), scale, shift)
-        y = self._empty((N, O, P, Q))
-        if K == 1 and stride == 1 and padding == 0:
+        return self._conv_scale_shift(x, w, scale, shift, stride, padding, relu, (N, O, P, Q))
+
+    def conv2d_scale_shift_forward(self, x, w, scale, shift, stride, padding, relu):
+        x, w = _f32(x), _f32(w)
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
+        if min(N, C, O, P, Q) <= 0:
+            return super().conv2d_scale_shift_forward(x, w, scale, shift, stride, padding, relu)
+        return self._conv_scale_shift(x, w, _f32(scale), _f32(shift), stride, padding, relu, (N, O, P, Q))
+
+    def _conv_scale_shift(self, x, w, scale, shift, stride, padding, relu, out_shape):
+        """The scale, shift and ReLU applied as the convolution stores (1x1: the pointwise GEMM)."""
+        y = self._empty(out_shape)
+        if w.shape[2] == 1 and stride == 1 and padding == 0:
             _conv_general.pointwise_forward(x, w, shift, y, get_num_threads(), scale=scale, relu=bool(relu))
             return y
         _conv.conv2d_forward(x, w, shift, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
