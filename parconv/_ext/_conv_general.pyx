@@ -1,17 +1,28 @@
 # Shape legend: N batch, C in-channels, O out-channels, G groups (Cg = C / G, Og = O / G),
 # H, W input, P, Q output, KH x KW kernel, SH, SW strides, DH, DW dilation, PT, PL the
 # top/left padding; KK = KH * KW, CgKK = Cg * KK the GEMM depth of one group.
-"""General conv2d kernels (conv2d_general, depthwise): groups, dilation, rectangular kernels, (h, w)
-strides, asymmetric padding. Square kernels with one stride and symmetric padding run in ``_conv``.
+"""General conv2d kernels (conv2d_general, depthwise, pointwise): groups, dilation, rectangular kernels,
+(h, w) strides, asymmetric padding, and the 1x1 GEMM. Square kernels with one stride and symmetric
+padding otherwise run in ``_conv``.
 
-Two paths (``pc_conv_general.h``):
+The paths (``pc_conv_general.h``):
 
-* depthwise (``Cg == 1``: every filter reads one channel, O = C * multiplier): no
-  im2col. Each plane is zero-padded (and split into its stride phases) in thread-private
-  scratch, so every tap is one contiguous vector loop over the plane. Forward and dx run
-  one plane per chunk (dx of a strided layer on direct row loops); dw runs one filter per
-  chunk and adds the images in order, in double, so its bits do not depend on the thread
-  count.
+* depthwise 3x3 (``Cg == 1``), dilation 1, strides 1 or 2 (:func:`depthwise_path` says
+  ``"direct3x3"``): each plane copied once into zero-padded thread-private scratch, then
+  stride 1 as one loop over the padded grid and stride 2 as row loops, the nine taps in
+  registers; the ReLU optionally applied as it stores. The backward (multiplier 1, padding
+  <= 2) does dx and dw of each plane together: dx is the same kernel on dy, dilated by the
+  strides, with the flipped filter; dw sums three taps at a time in 16-lane vectors, and
+  each plane's sums are added over the images in order in double afterwards.
+* other depthwise shapes: no im2col. Each plane is zero-padded (and split into its stride
+  phases) in thread-private scratch, so every tap is one contiguous vector loop over the
+  plane. Forward and dx run one plane per chunk (dx of a strided layer on direct row
+  loops); dw runs one filter per chunk and adds the images in order, in double, so its bits
+  do not depend on the thread count.
+* pointwise (1x1, stride 1, no padding; :func:`pointwise_forward`,
+  :func:`pointwise_backward_input`): one GEMM per image on 8 filters x 32 positions of
+  16-lane accumulators, the per-filter scale, bias and ReLU applied as it stores; each output
+  one in-order sum over the channels.
 * everything else: per (image, group) an im2col matrix in thread-private scratch and
   ``scipy.linalg.cython_blas.sgemm`` (row-major matrices go to the column-major BLAS as
   their transposes); dx is the col2im of ``w^T @ dy``. dw partial sums live in per-thread
