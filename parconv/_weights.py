@@ -4,10 +4,11 @@ Caches derived from the weights (the eval-mode BatchNorm folds of
 ``parconv._fusion``) remember the count they were built at and rebuild when it
 moved. It moves on every write parconv makes: assigning ``Parameter.data``,
 ``load_state_dict`` (and what loads through it), an optimizer step, a mode
-change (``train()``/``eval()``), the trainer's restore of the last finite
-weights and the distributed broadcasts. Writing into a parameter's array in
-place from outside parconv does not move it: call :func:`weights_changed`
-(``parconv.weights_changed``) or ``model.eval()`` again afterwards.
+change (``train()``/``eval()``) and ``Backend.copy_into`` (the trainer's
+restore of the last finite weights, the distributed broadcasts). Writing into
+a parameter's array in place from outside parconv does not move it: call
+:func:`weights_changed` (``parconv.weights_changed``) or ``model.eval()``
+again afterwards.
 """
 
 from __future__ import annotations

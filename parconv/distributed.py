@@ -42,7 +42,6 @@ from .amp import current_precision
 from .layers import Conv2d, Layer, Parameter
 from .training import register_reducer_factory
 from ._validation import check_float, check_int, shape_of, state_array
-from ._weights import weights_changed
 
 __all__ = [
     "MPI",
@@ -634,7 +633,6 @@ class DataParallel:
                     else:
                         be = owner.backend
                         be.copy_into(v, be.asarray(part.astype(np.float32).reshape(shape_of(v))))
-                weights_changed()
 
     def _broadcast(self, params, root):
         be = self.model.backend
@@ -650,7 +648,6 @@ class DataParallel:
             for p in params:
                 p.backend.copy_into(p.data, p.backend.asarray(flat[off:off + p.size].reshape(p.shape)))
                 off += p.size
-            weights_changed()
         be.synchronize()
 
     # ----------------------------------------------------------- buckets

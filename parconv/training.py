@@ -20,7 +20,6 @@ import numpy as np
 from ._grad import is_grad_enabled, no_grad
 from .amp import autocast, check_precision, current_precision
 from ._validation import check_int, to_host_labels
-from ._weights import weights_changed
 from .losses import Loss, SoftmaxCrossEntropy
 
 __all__ = ["fit", "evaluate", "predict", "History", "TrainingDivergedError", "register_reducer_factory",
@@ -801,4 +800,3 @@ class _FitRun:
     def _restore(self, params, snapshot):
         for p, s in zip(params, snapshot):
             self.model.backend.copy_into(p.data, s)
-        weights_changed()

@@ -78,7 +78,9 @@ class Backend:
         raise self._missing("copy")
 
     def copy_into(self, dst, src) -> None:
-        """``dst[...] = src`` for two arrays of this backend with equal shapes."""
+        """``dst[...] = src`` for two arrays of this backend with equal shapes. A write into a
+        parameter or buffer: implementations call :func:`parconv.weights_changed` so that caches
+        derived from the weights (eval-mode BatchNorm folds) rebuild."""
         raise self._missing("copy_into")
 
     def synchronize(self) -> None:
