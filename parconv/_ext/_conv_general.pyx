@@ -109,7 +109,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
     cdef float *yp = &y[0, 0, 0, 0]
-    cdef Py_ssize_t i, n, o
+    cdef Py_ssize_t i, n, o, k
     cdef float *scratch = NULL
     cdef int failed[1]
     failed[0] = 0
@@ -144,9 +144,10 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         raise MemoryError("depthwise_forward: could not allocate scratch")
     if relu:
         with nogil:
-            for i in prange(planes * PQ, schedule="static", num_threads=nt):
-                if yp[i] < 0.0:
-                    yp[i] = 0.0
+            for i in prange(planes, schedule="guided", num_threads=nt):
+                for k in range(PQ):
+                    if yp[i * PQ + k] < 0.0:
+                        yp[i * PQ + k] = 0.0
 
 
 def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
@@ -206,7 +207,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
             free(part)
             raise MemoryError("depthwise_backward: could not allocate scratch")
         with nogil:
-            for k in prange(<Py_ssize_t>C * KK, schedule="static", num_threads=nt):
+            for k in prange(<Py_ssize_t>C * KK, schedule="guided", num_threads=nt):
                 c = k // KK
                 sacc = 0.0
                 for n in range(N):
