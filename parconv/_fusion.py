@@ -204,7 +204,7 @@ class ConvBatchNormEval(_Fused):
     def __init__(self, start, conv, bn, relu=None):
         super().__init__(start, [conv, bn] if relu is None else [conv, bn, relu])
         self.conv, self.bn, self.relu = conv, bn, relu is not None
-        self._fold = None  # a general convolution's (key, folded weight, folded bias)
+        self._fold = None  # (key, folded filters or scale, shift): see folded()
         self._args = None  # (input shape, its (stride, pads, dilation, groups))
 
     def _fold_key(self) -> tuple:
