@@ -30,6 +30,7 @@ from .model import History, Sequential, TrainingDivergedError, load  # noqa: E40
 from . import models  # noqa: E402  (the zoo builds on Sequential)
 from . import quantization  # noqa: E402  (its layers register for pc.load and onnx)
 from ._buildinfo import show_config  # noqa: E402
+from ._weights import weights_changed  # noqa: E402
 
 
 def get_backend():
@@ -84,6 +85,7 @@ __all__ = [
     "conv_precision",
     "to_numpy",
     "show_config",
+    "weights_changed",
     "Sequential",
     "History",
     "load",

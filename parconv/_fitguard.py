@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._weights import weights_changed
 from .losses import BCELoss, MSELoss, SoftmaxCrossEntropy
 
 
@@ -98,6 +99,7 @@ class _Kept:
                     value[...] = copy
                 else:
                     self.be.copy_into(value, copy)
+        weights_changed()  # statistics written back in place: eval-mode folds rebuild
         release = getattr(self.model, "release_caches", None)
         if release is not None:
             release()

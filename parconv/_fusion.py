@@ -25,20 +25,27 @@ Fusions:
   placeholders: each native int8 kernel stores the next one's uint8 input; residual
   blocks of them (and the ReLU after each, nested Sequentials included) run inside
   such a chain, the block's last convolution adding the shortcut as it stores;
-* ``Conv2d -> BatchNorm2d (-> ReLU)`` in eval mode (square kernel, int
-  stride/padding, one group): the running statistics folded into the
-  convolution's per-filter scale and shift, applied with the ReLU as the
-  convolution stores its output (:func:`parconv.functional.conv2d_batch_norm_eval`).
+* ``Conv2d -> BatchNorm2d (-> ReLU)`` in eval mode: the running statistics
+  folded into the convolution once, rebuilt only when parconv changed a weight
+  or statistic (:func:`parconv.weights_changed`). Square kernel, int
+  stride/padding, one group: a per-filter scale and shift applied with the
+  ReLU as the convolution stores its output (``conv2d_scale_shift_forward``).
+  Every other convolution (depthwise, grouped, dilated, rectangular): the
+  scale folded into the filters and the shift into the bias, the ReLU applied
+  as the convolution stores (``conv2d_general_relu_forward``).
 
 Nested containers plan their own runs.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import functional as F
 from ._grad import NOT_SAVED, SavedForBackward, enable_grad, no_grad_error
 from .amp import autocast, current_precision
 from ._validation import shape_of, to_backend_array
+from ._weights import weights_epoch
 from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Residual, SyncBatchNorm
 
 __all__ = ["plan", "PlanStep"]
@@ -203,11 +210,69 @@ class ConvBatchNormEval(_Fused):
     def __init__(self, start, conv, bn, relu=None):
         super().__init__(start, [conv, bn] if relu is None else [conv, bn, relu])
         self.conv, self.bn, self.relu = conv, bn, relu is not None
+        self._fold = None  # (key, folded filters or scale, shift): see folded()
+        self._args = None  # (input shape, its (stride, pads, dilation, groups))
+
+    def _fold_key(self) -> tuple:
+        conv, bn = self.conv, self.bn
+        return (weights_epoch(), bn.eps, conv.weight.data, None if conv.bias is None else conv.bias.data,
+                None if bn.weight is None else bn.weight.data, None if bn.bias is None else bn.bias.data,
+                bn.running_mean, bn.running_var)
+
+    def folded(self):
+        """The batch norm folded into the convolution, built once and rebuilt when parconv changed a
+        weight or statistic since (the count of :func:`parconv.weights_changed`, and the arrays
+        themselves, must be the ones it was built from): ``(weight * scale, shift)`` for a general
+        convolution (the scale in its filters), ``(scale, shift)`` for a square one-group one (applied
+        by the convolution's store, ``Backend.conv2d_scale_shift_forward``)."""
+        key, fold = self._fold_key(), self._fold
+        if fold is not None and fold[0][:2] == key[:2] and all(a is b for a, b in zip(fold[0][2:], key[2:])):
+            return fold[1], fold[2]
+        conv, bn, be = self.conv, self.bn, self.backend
+        host = lambda a: None if a is None else np.asarray(be.to_numpy(a), dtype=np.float64)  # noqa: E731
+        w, rm, rv = host(conv.weight.data), host(bn.running_mean), host(bn.running_var)
+        scale = 1.0 / np.sqrt(rv + float(bn.eps))
+        if bn.weight is not None:
+            scale = scale * host(bn.weight.data)
+        shift = ((0.0 if conv.bias is None else host(conv.bias.data)) - rm) * scale
+        if bn.bias is not None:
+            shift = shift + host(bn.bias.data)
+        if conv.simple:
+            wf = be.asarray(scale.astype(np.float32))
+        else:
+            wf = be.asarray(np.ascontiguousarray((w * scale[:, None, None, None]).astype(np.float32)))
+        bf = be.asarray(shift.astype(np.float32))
+        self._fold = (key, wf, bf)
+        return wf, bf
+
+    def _general_args(self, x) -> tuple:
+        shape = shape_of(x)
+        if self._args is None or self._args[0] != shape:
+            f = self.conv._fargs
+            args = F._conv_args(shape, self.conv.weight.shape, f.get("stride", 1), f.get("padding", 0),
+                                f.get("dilation", 1), f.get("groups", 1), "Conv2d")[1:]
+            self._args = (shape, args)
+        return self._args[1]
 
     def forward(self, x):
         conv, bn = self.conv, self.bn
         self._check_input(x)
         precision = current_precision()
+        if not conv.simple:
+            be = self.backend
+            if precision == "bf16":
+                # bf16 rounds the layer's own filters: the bf16 convolution, then the float32 batch norm
+                z = F.conv2d(x, conv.weight.data, conv.bias.data if conv.bias is not None else None, **conv._fargs,
+                             precision="bf16", backend=be)
+                y = be.batch_norm_forward_eval(z, bn.weight.data if bn.weight is not None else None,
+                                               bn.bias.data if bn.bias is not None else None, bn.running_mean,
+                                               bn.running_var, bn.eps, self.relu)[0]
+            else:
+                wf, bf = self.folded()
+                args = self._general_args(x)
+                y = (be.conv2d_general_relu_forward if self.relu else be.conv2d_general_forward)(x, wf, bf, *args)
+            self._cache = (x, precision)
+            return y
         args = (x, conv.weight.data, conv.bias.data if conv.bias is not None else None,
                 bn.weight.data if bn.weight is not None else None, bn.bias.data if bn.bias is not None else None,
                 bn.running_mean, bn.running_var)
@@ -217,8 +282,9 @@ class ConvBatchNormEval(_Fused):
                                          relu=self.relu, precision="bf16", backend=self.backend)
         else:
             # the layers' own arrays, shapes fixed by their constructors: straight to the backend
-            y = self.backend.conv2d_batch_norm_eval_forward(*args, bn.eps, conv._fargs["stride"],
-                                                            conv._fargs["padding"], self.relu)
+            scale, shift = self.folded()
+            y = self.backend.conv2d_scale_shift_forward(x, conv.weight.data, scale, shift, conv._fargs["stride"],
+                                                        conv._fargs["padding"], self.relu)
         self._cache = (x, precision)
         return y
 
@@ -290,8 +356,8 @@ def _conv_bn_eval(layers, i) -> bool:
     if i + 2 > len(layers):
         return False
     conv, bn = layers[i:i + 2]
-    return (type(conv) is Conv2d and type(bn) in (BatchNorm2d, SyncBatchNorm) and conv.simple
-            and not bn._uses_batch_stats() and bn.num_features == conv.out_channels)
+    return (type(conv) is Conv2d and type(bn) in (BatchNorm2d, SyncBatchNorm) and not bn._uses_batch_stats()
+            and bn.num_features == conv.out_channels)
 
 
 def _conv_pool(layers, i) -> bool:

@@ -27,6 +27,7 @@ from . import functional as F
 from ._grad import NOT_SAVED, SavedForBackward, no_grad_error
 from .amp import current_precision
 from ._shapes import check_geometry
+from ._weights import weights_changed
 from ._validation import Where, check_float, check_int, shape_of, state_array, to_backend_array
 
 __all__ = [
@@ -88,12 +89,24 @@ class Parameter:
     ``grad`` is None until the first backward; each backward overwrites it.
     """
 
-    __slots__ = ("data", "grad", "backend")
+    __slots__ = ("_data", "grad", "backend")
 
     def __init__(self, data, backend):
         self.backend = _backends.get(backend)
         self.data = self.backend.asarray(np.array(data, dtype=np.float32, copy=True))  # never alias caller data
         self.grad = None
+
+    @property
+    def data(self):
+        """The values (an array of ``backend``). Assigning a new array tells the caches derived from
+        the weights (eval-mode BatchNorm folds) to rebuild; after writing into the array in place,
+        call :func:`parconv.weights_changed`."""
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:
+        self._data = value
+        weights_changed()
 
     @property
     def shape(self) -> tuple:
@@ -222,6 +235,7 @@ class Layer:
         mode = _check_bool(mode, "mode", f"{type(self).__name__}.train")
         for layer in self.modules():
             layer.training = mode
+        weights_changed()  # entering eval mode folds the BatchNorm statistics afresh
         return self
 
     def eval(self) -> "Layer":
@@ -350,6 +364,7 @@ class Layer:
             staged.append((owner, attr, np.array(value, copy=True)))  # never alias caller data
         for owner, attr, value in staged:
             owner._set_state(attr, value)
+        weights_changed()
         return IncompatibleKeys(missing, unexpected)
 
     def _check_state(self, attr: str, value: np.ndarray, key: str, where: str) -> None:

@@ -462,6 +462,17 @@ def _check_conv2d_general(ck, ref, rng, case):
     _run_pair(ck, "conv2d_general", run_be, run_ref, tag)
 
 
+def _check_conv2d_general_relu(ck, ref, rng, case):
+    x, wt, b, _, y_ref, tag = _conv_general_data(ref, rng, case, _f64)
+    stride, pads, dil, groups, bias = case[6:]
+    be = ck.be
+    _run_pair(ck, "conv2d_general_relu",
+              lambda: {"y": be.conv2d_general_relu_forward(be.asarray(x), be.asarray(wt),
+                                                           be.asarray(b) if bias else None, stride, pads, dil,
+                                                           groups)},
+              lambda: {"y": np.maximum(y_ref, 0.0)}, tag)
+
+
 def _random_conv_general(rng):
     while True:
         groups = int(rng.choice([1, 2, 3]))
@@ -605,6 +616,23 @@ def _check_conv_bn_eval(ck, ref, rng, case):
     _run_pair(ck, "conv_bn_eval",
               lambda: {"y": be.conv2d_batch_norm_eval_forward(be.asarray(x), be.asarray(wt), B(b), B(g), B(beta),
                                                               be.asarray(rm), be.asarray(rv), 1e-5, s, p, relu)},
+              run_ref, tag)
+
+
+def _check_conv_scale_shift(ck, ref, rng, case):
+    n, c, o, h, w, k, s, p, _, _, relu = case
+    be = ck.be
+    x, wt, _ = _conv_inputs(rng, n, c, o, h, w, k, False)
+    scale, shift = _f32(rng, o) + 1.0, _f32(rng, o)
+    tag = f"x{(n, c, h, w)} w{(o, c, k, k)} s{s} p{p}{' +relu' if relu else ''}"
+
+    def run_ref():
+        z = ref.conv2d_forward(_f64(x), _f64(wt), None, s, p) * _f64(scale)[:, None, None] + _f64(shift)[:, None, None]
+        return {"y": np.maximum(z, 0.0) if relu else z}
+
+    _run_pair(ck, "conv_scale_shift",
+              lambda: {"y": be.conv2d_scale_shift_forward(be.asarray(x), be.asarray(wt), be.asarray(scale),
+                                                          be.asarray(shift), s, p, relu)},
               run_ref, tag)
 
 
@@ -892,6 +920,10 @@ OPS: tuple = (
     OpSpec("conv2d_general", "grouped/depthwise, dilated, rectangular, asymmetrically padded convolution",
            ("conv2d_general_forward", "conv2d_general_backward"), ("Conv2d",), _check_conv2d_general,
            tuple(_FIXED_CONV_GENERAL), _random_conv_general),
+    OpSpec("conv2d_general_relu", "the general convolution with the ReLU applied as it stores (eval-mode "
+           "Conv2d+BatchNorm2d+ReLU with the batch norm folded into the weights)",
+           ("conv2d_general_relu_forward",), ("Conv2d+BatchNorm2d+ReLU in eval mode (grouped, depthwise)",),
+           _check_conv2d_general_relu, tuple(_FIXED_CONV_GENERAL), _random_conv_general),
     OpSpec("conv2d_bf16", "the convolution with bf16 inputs and float32 accumulation (autocast); bf16 rounding",
            ("conv2d_forward_bf16", "conv2d_backward_bf16", "round_to_bf16"), ("Conv2d under autocast",),
            _check_conv2d_bf16, tuple(_FIXED_CONV), _random_conv),
@@ -934,6 +966,9 @@ OPS: tuple = (
     OpSpec("conv2d_batch_norm_eval", "convolution with an eval-mode batch norm (and ReLU) folded into its store",
            ("conv2d_batch_norm_eval_forward",), ("Conv2d+BatchNorm2d(+ReLU) in eval mode",), _check_conv_bn_eval,
            _FIXED_CONV_BN, _random_conv_bn_eval),
+    OpSpec("conv2d_scale_shift", "convolution with a per-filter scale and shift (and ReLU) applied as it stores "
+           "(an eval-mode batch norm folded once)", ("conv2d_scale_shift_forward",),
+           ("Conv2d+BatchNorm2d(+ReLU) in eval mode",), _check_conv_scale_shift, _FIXED_CONV_BN, _random_conv_bn_eval),
     OpSpec("normalize", "input normalisation (x - mean) / std, per channel or one for all: forward, dx",
            ("batch_norm_forward_eval", "batch_norm_backward"), ("Normalize",), _check_normalize,
            (((2, 3, 5, 4), True), ((2, 3, 5, 4), False), ((4, 7), True), ((3, 2, 6), False)), _random_normalize),

@@ -201,8 +201,8 @@ def test_the_probe_covers_the_last_smaller_batch_and_the_validation_batches(fres
     assert sorted(set(seen)) == [8, 16, 40]  # 40 = 2 x 16 + 8; validation: one batch of max(16, 256)
     # without validation data, eval mode's own fused ops (Conv2d -> BatchNorm2d folded) at the training batch
     folded = []
-    real_bn = type(fresh).conv2d_batch_norm_eval_forward
-    monkeypatch.setattr(fresh, "conv2d_batch_norm_eval_forward",
+    real_bn = type(fresh).conv2d_scale_shift_forward
+    monkeypatch.setattr(fresh, "conv2d_scale_shift_forward",
                         lambda x, *a: folded.append(x.shape[0]) or real_bn(fresh, x, *a))
     bn_net = pc.Sequential(pc.Conv2d(3, 4, 3, padding=1), pc.BatchNorm2d(4), pc.ReLU(), pc.Flatten(),
                            pc.Linear(4 * 9 * 9, 3), backend="opencl")

@@ -1,17 +1,28 @@
 # Shape legend: N batch, C in-channels, O out-channels, G groups (Cg = C / G, Og = O / G),
 # H, W input, P, Q output, KH x KW kernel, SH, SW strides, DH, DW dilation, PT, PL the
 # top/left padding; KK = KH * KW, CgKK = Cg * KK the GEMM depth of one group.
-"""General conv2d kernels (conv2d_general, depthwise): groups, dilation, rectangular kernels, (h, w)
-strides, asymmetric padding. Square kernels with one stride and symmetric padding run in ``_conv``.
+"""General conv2d kernels (conv2d_general, depthwise, pointwise): groups, dilation, rectangular kernels,
+(h, w) strides, asymmetric padding, and the 1x1 GEMM. Square kernels with one stride and symmetric
+padding otherwise run in ``_conv``.
 
-Two paths (``pc_conv_general.h``):
+The paths (``pc_conv_general.h``):
 
-* depthwise (``Cg == 1``: every filter reads one channel, O = C * multiplier): no
-  im2col. Each plane is zero-padded (and split into its stride phases) in thread-private
-  scratch, so every tap is one contiguous vector loop over the plane. Forward and dx run
-  one plane per chunk (dx of a strided layer on direct row loops); dw runs one filter per
-  chunk and adds the images in order, in double, so its bits do not depend on the thread
-  count.
+* depthwise 3x3 (``Cg == 1``), dilation 1, strides 1 or 2 (:func:`depthwise_path` says
+  ``"direct3x3"``): each plane copied once into zero-padded thread-private scratch, then
+  stride 1 as one loop over the padded grid and stride 2 as row loops, the nine taps in
+  registers; the ReLU optionally applied as it stores. The backward (multiplier 1, padding
+  <= 2) does dx and dw of each plane together: dx is the same kernel on dy, dilated by the
+  strides, with the flipped filter; dw sums three taps at a time in 16-lane vectors, and
+  each plane's sums are added over the images in order in double afterwards.
+* other depthwise shapes: no im2col. Each plane is zero-padded (and split into its stride
+  phases) in thread-private scratch, so every tap is one contiguous vector loop over the
+  plane. Forward and dx run one plane per chunk (dx of a strided layer on direct row
+  loops); dw runs one filter per chunk and adds the images in order, in double, so its bits
+  do not depend on the thread count.
+* pointwise (1x1, stride 1, no padding; :func:`pointwise_forward`,
+  :func:`pointwise_backward_input`): one GEMM per image on 8 filters x 32 positions of
+  16-lane accumulators, the per-filter scale, bias and ReLU applied as it stores; each output
+  one in-order sum over the channels.
 * everything else: per (image, group) an im2col matrix in thread-private scratch and
   ``scipy.linalg.cython_blas.sgemm`` (row-major matrices go to the column-major BLAS as
   their transposes); dx is the col2im of ``w^T @ dy``. dw partial sums live in per-thread
@@ -45,6 +56,29 @@ cdef extern from "pc_conv_general.h":
     void pcg_dw_flat_weight_plane(const float *x, const float *dy, int H, int W, int KH, int KW, int SH, int SW,
                                   int DH, int DW, int PT, int PL, int P, int Q, float *scratch,
                                   double *dw) noexcept nogil
+    Py_ssize_t pcg_dw3_fwd_scratch(int P, int Q, int SH, int SW) noexcept nogil
+    void pcg_dw3_forward_plane(const float *x, int H, int W, const float *k, float bias, int relu, int SH, int SW,
+                               int PT, int PL, int P, int Q, float *scratch, float *out) noexcept nogil
+    Py_ssize_t pcg_dw3_dx_scratch(int H, int W, int P, int Q, int SH, int SW) noexcept nogil
+    void pcg_dw3_dx_plane(const float *dy, int P, int Q, const float *k, int H, int W, int SH, int SW, int PT,
+                          int PL, float *scratch, float *dx) noexcept nogil
+    Py_ssize_t pcg_dw3_dw_scratch(int P, int Q, int SH, int SW) noexcept nogil
+    void pcg_dw3_dw_plane(const float *x, const float *dy, int H, int W, int SH, int SW, int PT, int PL, int P,
+                          int Q, float *scratch, double *dw) noexcept nogil
+    void pcg_pw_cols(const float *w, const float *x, int C, int O, Py_ssize_t S, Py_ssize_t s0, Py_ssize_t s1,
+                     const float *b, const float *scale, int relu, float *pack, float *y) noexcept nogil
+
+
+cdef inline bint _direct3(int KH, int KW, int SH, int SW, int DH, int DW) noexcept nogil:
+    """The direct 3x3 kernels' case: dilation 1, strides 1 or 2."""
+    return KH == 3 and KW == 3 and DH == 1 and DW == 1 and (SH == 1 or SH == 2) and (SW == 1 or SW == 2)
+
+
+def depthwise_path(int KH, int KW, int SH, int SW, int DH, int DW):
+    """Which kernels a depthwise convolution of these filter sizes, strides and dilations runs on:
+    ``"direct3x3"`` (row loops on the padded plane) or ``"planes"`` (taps on the padded plane's
+    stride phases, every other shape)."""
+    return "direct3x3" if _direct3(KH, KW, SH, SW, DH, DW) else "planes"
 
 
 cdef void _bias_sum(const float *dyp, int N, int O, Py_ssize_t PQ, float *dbp, int nt) noexcept nogil:
@@ -62,8 +96,9 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                       const float[:, :, :, ::1] w,  # IN  (O, 1, KH, KW), O = C * M
                       const float[::1] b,           # IN  (O,) or None
                       float[:, :, :, ::1] y,        # OUT (N, O, P, Q), overwritten
-                      int SH, int SW, int PT, int PL, int DH, int DW, int num_threads):
-    """Depthwise convolution (groups == C): filter o reads channel o // (O / C)."""
+                      int SH, int SW, int PT, int PL, int DH, int DW, int num_threads, bint relu=False):
+    """Depthwise convolution (groups == C): filter o reads channel o // (O / C); ``relu`` applies the
+    ReLU as it stores (an eval-mode BatchNorm is folded into w and b by the caller)."""
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], KH = w.shape[2], KW = w.shape[3], P = y.shape[2], Q = y.shape[3]
     cdef int M = O // C
@@ -74,11 +109,26 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
     cdef float *yp = &y[0, 0, 0, 0]
-    cdef Py_ssize_t i, n, o
+    cdef Py_ssize_t i, n, o, k
     cdef float *scratch = NULL
     cdef int failed[1]
     failed[0] = 0
-    # every stride: whole-plane taps on the padded plane's phases (pc_conv_general.h)
+    if _direct3(KH, KW, SH, SW, DH, DW):
+        with nogil, parallel(num_threads=nt):
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_fwd_scratch(P, Q, SH, SW))
+            for i in prange(planes, schedule="guided"):
+                if scratch == NULL:
+                    failed[0] = 1
+                    continue
+                n = i // O
+                o = i - n * O
+                pcg_dw3_forward_plane(xp + (n * C + o // M) * HW, H, W, wp + o * KK, 0.0 if bp == NULL else bp[o],
+                                      relu, SH, SW, PT, PL, P, Q, scratch, yp + i * PQ)
+            free(scratch)
+        if failed[0]:
+            raise MemoryError("depthwise_forward: could not allocate scratch")
+        return
+    # every other shape: whole-plane taps on the padded plane's phases (pc_conv_general.h)
     with nogil, parallel(num_threads=nt):
         scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
         for i in prange(planes, schedule="guided"):
@@ -92,6 +142,12 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         free(scratch)
     if failed[0]:
         raise MemoryError("depthwise_forward: could not allocate scratch")
+    if relu:
+        with nogil:
+            for i in prange(planes, schedule="guided", num_threads=nt):
+                for k in range(PQ):
+                    if yp[i * PQ + k] < 0.0:
+                        yp[i * PQ + k] = 0.0
 
 
 def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
@@ -121,25 +177,86 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     # dx as the stride-1 correlation of dy with the flipped kernels needs these paddings >= 0
     cdef int TT = DH * (KH - 1) - PT, TB = DH * (KH - 1) - PB, TL = DW * (KW - 1) - PL, TR = DW * (KW - 1) - PR
     cdef bint flat_dx = SH == 1 and SW == 1 and TT >= 0 and TB >= 0 and TL >= 0 and TR >= 0
+    cdef bint direct = _direct3(KH, KW, SH, SW, DH, DW)
     cdef float *scratch = NULL
+    cdef float *scratch2 = NULL
+    cdef double *part = NULL
+    cdef double sacc
+    if direct and M == 1 and dxp != NULL and PT <= 2 and PL <= 2:
+        # dx and dw of each plane together while it is in cache, parallel over planes; each plane's
+        # dw sums kept apart and added over the images in order (the bits of the per-filter loop)
+        part = <double *>malloc(sizeof(double) * <size_t>(N * C * KK))
+        if part == NULL:
+            raise MemoryError("depthwise_backward: could not allocate scratch")
+        nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
+        with nogil, parallel(num_threads=nt):
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dw_scratch(P, Q, SH, SW))
+            scratch2 = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dx_scratch(H, W, P, Q, SH, SW))
+            for i in prange(<Py_ssize_t>N * C, schedule="guided"):
+                if scratch == NULL or scratch2 == NULL:
+                    failed[0] = 1
+                    continue
+                c = i - (i // C) * C
+                for k in range(KK):
+                    part[i * KK + k] = 0.0
+                pcg_dw3_dw_plane(xp + i * HW, dyp + i * PQ, H, W, SH, SW, PT, PL, P, Q, scratch, part + i * KK)
+                pcg_dw3_dx_plane(dyp + i * PQ, P, Q, wp + c * KK, H, W, SH, SW, PT, PL, scratch2, dxp + i * HW)
+            free(scratch)
+            free(scratch2)
+        if failed[0]:
+            free(part)
+            raise MemoryError("depthwise_backward: could not allocate scratch")
+        with nogil:
+            for k in prange(<Py_ssize_t>C * KK, schedule="guided", num_threads=nt):
+                c = k // KK
+                sacc = 0.0
+                for n in range(N):
+                    sacc = sacc + part[(n * C + c) * KK + (k - c * KK)]
+                dwp[k] = <float>sacc
+        free(part)
+        if db is not None:
+            with nogil:
+                _bias_sum(dyp, N, O, PQ, &db[0], num_threads)
+        return
     with nogil, parallel(num_threads=nt):
         acc = <double *>malloc(sizeof(double) * KK)
-        scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
+        if direct:
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dw_scratch(P, Q, SH, SW))
+        else:
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
         for o in prange(O, schedule="guided"):
             if acc == NULL or scratch == NULL:
                 failed[0] = 1
                 continue
             memset(acc, 0, sizeof(double) * KK)
             for n in range(N):
-                pcg_dw_flat_weight_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, KH, KW, SH, SW,
-                                         DH, DW, PT, PL, P, Q, scratch, acc)
+                if direct:
+                    pcg_dw3_dw_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, SH, SW, PT, PL, P,
+                                     Q, scratch, acc)
+                else:
+                    pcg_dw_flat_weight_plane(xp + (n * C + o // M) * HW, dyp + (n * O + o) * PQ, H, W, KH, KW, SH,
+                                             SW, DH, DW, PT, PL, P, Q, scratch, acc)
             for k in range(KK):
                 dwp[o * KK + k] = <float>acc[k]
         free(acc)
         free(scratch)
     if failed[0]:
         raise MemoryError("depthwise_backward: could not allocate scratch")
-    if dxp != NULL and flat_dx:
+    if dxp != NULL and direct and M == 1 and PT <= 2 and PL <= 2:
+        # dx: dy (dilated by the strides) correlated with the flipped filters, on the direct kernel
+        nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
+        with nogil, parallel(num_threads=nt):
+            scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dx_scratch(H, W, P, Q, SH, SW))
+            for i in prange(<Py_ssize_t>N * C, schedule="guided"):
+                if scratch == NULL:
+                    failed[0] = 1
+                    continue
+                c = i - (i // C) * C
+                pcg_dw3_dx_plane(dyp + i * PQ, P, Q, wp + c * KK, H, W, SH, SW, PT, PL, scratch, dxp + i * HW)
+            free(scratch)
+        if failed[0]:
+            raise MemoryError("depthwise_backward: could not allocate scratch")
+    elif dxp != NULL and flat_dx:
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
         with nogil, parallel(num_threads=nt):
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(H, W, KH, KW, 1, 1, DH, DW))
@@ -312,3 +429,76 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if db is not None:
         with nogil:
             _bias_sum(dyp, N, O, PQ, &db[0], num_threads)
+
+
+# ------------------------------------------------------------------ pointwise (1x1, stride 1, no padding)
+DEF PW_COLS = 256  # positions per chunk: a multiple of the 32-column register block
+
+
+cdef int _pointwise(const float *xp, const float *wp, const float *bp, const float *sp, bint relu, int N, int C,
+                    int O, Py_ssize_t S, float *yp, int num_threads) noexcept nogil:
+    """y[n] = epilogue(w @ x[n]) per (image, 256-position chunk); 1 when scratch ran out."""
+    cdef Py_ssize_t chunks = (S + PW_COLS - 1) // PW_COLS, items = <Py_ssize_t>N * chunks, it, n, s0, s1
+    cdef int nt = pc_threads_for(items * S * C * O // chunks, items, num_threads)
+    cdef float *pack = NULL
+    cdef int failed[1]
+    failed[0] = 0
+    with parallel(num_threads=nt):
+        pack = <float *>malloc(sizeof(float) * 32 * <size_t>C)
+        for it in prange(items, schedule="guided"):
+            if pack == NULL:
+                failed[0] = 1
+                continue
+            n = it // chunks
+            s0 = (it - n * chunks) * PW_COLS
+            s1 = s0 + PW_COLS if s0 + PW_COLS < S else S
+            pcg_pw_cols(wp, xp + n * C * S, C, O, S, s0, s1, bp, sp, relu, pack, yp + n * O * S)
+        free(pack)
+    return failed[0]
+
+
+def pointwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
+                      const float[:, :, :, ::1] w,  # IN  (O, C, 1, 1)
+                      const float[::1] b,           # IN  (O,) or None
+                      float[:, :, :, ::1] y,        # OUT (N, O, H, W), overwritten
+                      int num_threads, const float[::1] scale=None, bint relu=False):
+    """A 1x1 convolution (stride 1, no padding) as one GEMM per image: ``y = w @ x`` (times ``scale``
+    per filter when given), plus ``b``, then the ReLU when ``relu``, applied as it stores."""
+    cdef int N = x.shape[0], C = x.shape[1], O = w.shape[0]
+    cdef Py_ssize_t S = <Py_ssize_t>x.shape[2] * x.shape[3]
+    if (w.shape[1] != C or w.shape[2] != 1 or w.shape[3] != 1 or y.shape[0] != N or y.shape[1] != O
+            or y.shape[2] != x.shape[2] or y.shape[3] != x.shape[3] or (b is not None and b.shape[0] != O)
+            or (scale is not None and scale.shape[0] != O)):
+        raise ValueError("pointwise_forward: shapes do not match a 1x1 convolution")
+    cdef const float *bp = NULL if b is None else &b[0]
+    cdef const float *sp = NULL if scale is None else &scale[0]
+    cdef int failed
+    with nogil:
+        failed = _pointwise(&x[0, 0, 0, 0], &w[0, 0, 0, 0], bp, sp, relu, N, C, O, S, &y[0, 0, 0, 0], num_threads)
+    if failed:
+        raise MemoryError("pointwise_forward: could not allocate scratch")
+
+
+def pointwise_backward_input(const float[:, :, :, ::1] dy,  # IN  (N, O, H, W)
+                             const float[:, :, :, ::1] w,   # IN  (O, C, 1, 1)
+                             float[:, :, :, ::1] dx,        # OUT (N, C, H, W), overwritten
+                             int num_threads):
+    """dx of :func:`pointwise_forward` (no scale, no ReLU): ``dx[n] = w^T @ dy[n]`` on the forward's GEMM."""
+    cdef int N = dy.shape[0], O = dy.shape[1], C = w.shape[1]
+    cdef Py_ssize_t S = <Py_ssize_t>dy.shape[2] * dy.shape[3], o, c
+    if (w.shape[0] != O or w.shape[2] != 1 or w.shape[3] != 1 or dx.shape[0] != N or dx.shape[1] != C
+            or dx.shape[2] != dy.shape[2] or dx.shape[3] != dy.shape[3]):
+        raise ValueError("pointwise_backward_input: shapes do not match a 1x1 convolution")
+    cdef const float *wp = &w[0, 0, 0, 0]
+    cdef float *wt = <float *>malloc(sizeof(float) * <size_t>O * C)
+    cdef int failed
+    if wt == NULL:
+        raise MemoryError("pointwise_backward_input: could not allocate scratch")
+    with nogil:
+        for o in range(O):
+            for c in range(C):
+                wt[c * O + o] = wp[o * C + c]
+        failed = _pointwise(&dy[0, 0, 0, 0], wt, NULL, NULL, False, N, O, C, S, &dx[0, 0, 0, 0], num_threads)
+    free(wt)
+    if failed:
+        raise MemoryError("pointwise_backward_input: could not allocate scratch")

@@ -250,4 +250,364 @@ static inline void pcg_dw_flat_weight_plane(const float *restrict x, const float
             dw[kh * KW + kw] += (double)pcg_dot32(dyg, X + pcg_tap_offset(kh, kw, DH, DW, SH, SW, Hh, Wh), L);
 }
 
+/* ------------------------------------------------------------------ direct 3x3 depthwise
+ * 3x3 filters, dilation 1, strides 1 or 2 on each axis, one filter per channel: the plane is
+ * copied once into zero-padded scratch, then row loops along the width (the vector axis) with
+ * all nine taps in registers and no edge cases. Indices are pc_idx: the extension is built with
+ * -fwrapv, and a wrapping 32-bit index keeps the vectoriser from striding the loads (it gathers). */
+
+/* xp (Hp, Wp) = x (H, W) shifted down by PT and right by PL, zeros around (rows and columns past
+ * Hp, Wp cut). */
+static inline void pcg_dw3_pad(const float *restrict x, int H, int W, int PT, int PL, pc_idx Hp, pc_idx Wp,
+                               float *restrict xp)
+{
+    /* plain loops, not memcpy/memset: the rows are short and the library calls cost more than them */
+    const pc_idx j0 = PL < Wp ? PL : Wp, j1 = (pc_idx)PL + W < Wp ? (pc_idx)PL + W : Wp;
+    for (pc_idx i = 0; i < Hp; i++) {
+        float *restrict row = xp + i * Wp;
+        const pc_idx h = i - PT;
+        if (h < 0 || h >= H || j1 <= j0) {
+            PC_SIMD
+            for (pc_idx j = 0; j < Wp; j++) row[j] = 0.0f;
+            continue;
+        }
+        const float *restrict xr = x + h * W - PL;
+        for (pc_idx j = 0; j < j0; j++) row[j] = 0.0f;
+        PC_SIMD
+        for (pc_idx j = j0; j < j1; j++) row[j] = xr[j];
+        for (pc_idx j = j1; j < Wp; j++) row[j] = 0.0f;
+    }
+}
+
+/* Scratch floats of pcg_dw3_forward_plane: the padded plane and the grid of stride 1. */
+static inline pc_idx pcg_dw3_fwd_scratch(int P, int Q, int SH, int SW)
+{
+    return ((pc_idx)(P - 1) * SH + 3) * ((pc_idx)(Q - 1) * SW + 3) + (pc_idx)P * (Q + 2);
+}
+
+/* out (P, Q) = bias + the stride-1 3x3 correlation of the padded plane xp (rows Wp = Q + 2 wide),
+ * then the ReLU when relu: one loop over the plane on the padded grid (position p Wp + q), the two
+ * columns past each row computed and dropped, then the rows stored. g: (P - 1) Wp + Q floats. */
+static inline void pcg_dw3_grid1(const float *restrict xp, pc_idx Wp, const float *restrict k, float bias, int relu,
+                                 int P, int Q, float *restrict g, float *restrict out)
+{
+    const float k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3], k4 = k[4], k5 = k[5], k6 = k[6], k7 = k[7], k8 = k[8];
+    const float *restrict a = xp, *restrict b = xp + Wp, *restrict c = xp + 2 * Wp;
+    const pc_idx L = (pc_idx)(P - 1) * Wp + Q, Qn = Q;
+    PC_SIMD
+    for (pc_idx q = 0; q < L; q++) {
+        const float u = PC_FMAF(k2, a[q + 2], PC_FMAF(k1, a[q + 1], PC_FMAF(k0, a[q], bias)));
+        const float v = PC_FMAF(k5, b[q + 2], PC_FMAF(k4, b[q + 1], b[q] * k3));
+        const float w = PC_FMAF(k8, c[q + 2], PC_FMAF(k7, c[q + 1], c[q] * k6));
+        g[q] = (u + v) + w;
+    }
+    for (pc_idx p = 0; p < P; p++) {
+        const float *restrict gr = g + p * Wp;
+        float *restrict o = out + p * Qn;
+        if (relu) {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) o[q] = gr[q] < 0.0f ? 0.0f : gr[q];
+        } else {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) o[q] = gr[q];
+        }
+    }
+}
+
+/* out (P, Q) = bias + the 3x3 correlation of x (H, W) with k at strides SH, SW, padded by PT above
+ * and PL to the left (then the ReLU when relu). Each filter row is its own sum (the bias starts the
+ * first), then the three add in order: three short dependency chains instead of one of nine. */
+static inline void pcg_dw3_forward_plane(const float *restrict x, int H, int W, const float *restrict k, float bias,
+                                         int relu, int SH, int SW, int PT, int PL, int P, int Q,
+                                         float *restrict scratch, float *restrict out)
+{
+    const pc_idx Hp = (pc_idx)(P - 1) * SH + 3, Wp = (pc_idx)(Q - 1) * SW + 3, Qn = Q;
+    const float k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3], k4 = k[4], k5 = k[5], k6 = k[6], k7 = k[7], k8 = k[8];
+    pcg_dw3_pad(x, H, W, PT, PL, Hp, Wp, scratch);
+    if (SH == 1 && SW == 1) {
+        pcg_dw3_grid1(scratch, Wp, k, bias, relu, P, Q, scratch + Hp * Wp, out);
+        return;
+    }
+    for (pc_idx p = 0; p < P; p++) {
+        const float *restrict a = scratch + p * SH * Wp;
+        const float *restrict b = a + Wp;
+        const float *restrict c = b + Wp;
+        float *restrict o = out + p * Qn;
+        if (SW == 1) {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) {
+                const float u = PC_FMAF(k2, a[q + 2], PC_FMAF(k1, a[q + 1], PC_FMAF(k0, a[q], bias)));
+                const float v = PC_FMAF(k5, b[q + 2], PC_FMAF(k4, b[q + 1], b[q] * k3));
+                const float w = PC_FMAF(k8, c[q + 2], PC_FMAF(k7, c[q + 1], c[q] * k6));
+                o[q] = (u + v) + w;
+            }
+        } else {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) {
+                const float u = PC_FMAF(k2, a[2 * q + 2], PC_FMAF(k1, a[2 * q + 1], PC_FMAF(k0, a[2 * q], bias)));
+                const float v = PC_FMAF(k5, b[2 * q + 2], PC_FMAF(k4, b[2 * q + 1], b[2 * q] * k3));
+                const float w = PC_FMAF(k8, c[2 * q + 2], PC_FMAF(k7, c[2 * q + 1], c[2 * q] * k6));
+                o[q] = (u + v) + w;
+            }
+        }
+        if (relu) {
+            PC_SIMD
+            for (pc_idx q = 0; q < Qn; q++) o[q] = o[q] < 0.0f ? 0.0f : o[q];
+        }
+    }
+}
+
+/* Scratch floats of pcg_dw3_dx_plane: the flipped filter, the padded plane and the grid. */
+static inline pc_idx pcg_dw3_dx_scratch(int H, int W, int P, int Q, int SH, int SW)
+{
+    (void)P; (void)Q; (void)SH; (void)SW;
+    return 16 + ((pc_idx)H + 2) * ((pc_idx)W + 2) + (pc_idx)H * (W + 2);
+}
+
+/* dx (H, W) = the input gradient of pcg_dw3_forward_plane (no bias, no ReLU) from dy (P, Q): the
+ * stride-1 correlation of dy, dilated by the strides (zeros between its samples), with the filter
+ * rotated by 180 degrees, padded by 2 - PT and 2 - PL: dy is written straight into that padded,
+ * dilated plane. Needs PT, PL <= 2. */
+static inline void pcg_dw3_dx_plane(const float *restrict dy, int P, int Q, const float *restrict k, int H, int W,
+                                    int SH, int SW, int PT, int PL, float *restrict scratch, float *restrict dx)
+{
+    float *kf = scratch, *restrict U = scratch + 16;
+    const pc_idx Hp = (pc_idx)H + 2, Wp = (pc_idx)W + 2, n = Hp * Wp;
+    for (int t = 0; t < 9; t++) kf[t] = k[8 - t];
+    PC_SIMD
+    for (pc_idx i = 0; i < n; i++) U[i] = 0.0f;
+    /* dy (p, q) lands on (p SH + 2 - PT, q SW + 2 - PL); what falls past the plane reaches no dx */
+    const pc_idx r0 = 2 - PT, c0 = 2 - PL;
+    pc_idx qn = Q;
+    if (c0 + (qn - 1) * SW >= Wp) qn = (Wp - 1 - c0) / SW + 1;
+    for (pc_idx p = 0; p < P; p++) {
+        const pc_idx r = p * SH + r0;
+        if (r >= Hp) break;
+        float *restrict u = U + r * Wp + c0;
+        const float *restrict g = dy + p * Q;
+        if (SW == 1) {
+            PC_SIMD
+            for (pc_idx q = 0; q < qn; q++) u[q] = g[q];
+        } else {
+            for (pc_idx q = 0; q < qn; q++) u[q * SW] = g[q];
+        }
+    }
+    pcg_dw3_grid1(U, Wp, kf, 0.0f, 0, H, W, U + n, dx);
+}
+
+#define PCG_DW3_LANES 16
+
+/* dy rows are padded to whole 16-lane blocks (Qr floats), x rows to every tap of them (Wd). */
+static inline void pcg_dw3_dw_dims(int P, int Q, int SH, int SW, pc_idx *Qr, pc_idx *Hp, pc_idx *Wd)
+{
+    *Qr = ((pc_idx)Q + PCG_DW3_LANES - 1) / PCG_DW3_LANES * PCG_DW3_LANES;
+    *Hp = (pc_idx)(P - 1) * SH + 3;
+    *Wd = (*Qr - 1) * SW + 3 + (SW == 2 ? PCG_DW3_LANES : 0);
+}
+
+/* Scratch floats of pcg_dw3_dw_plane: the padded x plane and the padded dy plane. */
+static inline pc_idx pcg_dw3_dw_scratch(int P, int Q, int SH, int SW)
+{
+    pc_idx Qr, Hp, Wd;
+    pcg_dw3_dw_dims(P, Q, SH, SW, &Qr, &Hp, &Wd);
+    return Hp * Wd + (pc_idx)P * Qr;
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+typedef float pcg_v16 __attribute__((vector_size(64)));
+typedef int pcg_v16i __attribute__((vector_size(64)));
+
+static inline pcg_v16 pcg_ld16(const float *p)
+{
+    pcg_v16 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* p[0], p[2], ..., p[30] */
+static inline pcg_v16 pcg_ld16_even(const float *p)
+{
+    const pcg_v16 lo = pcg_ld16(p), hi = pcg_ld16(p + 16);
+#if defined(__clang__)
+    return __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+#else
+    const pcg_v16i even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    return __builtin_shuffle(lo, hi, even);
+#endif
+}
+
+static inline float pcg_hsum16(pcg_v16 v)
+{
+    float s = 0.0f;
+    for (int l = 0; l < 16; l += 4) s += (v[l] + v[l + 1]) + (v[l + 2] + v[l + 3]);
+    return s;
+}
+#endif
+
+/* dw (3, 3) += the correlation of dy (P, Q) with x (H, W) at strides SH, SW: per filter row kh,
+ * the three taps in 16-lane accumulators (two per tap, even and odd output rows), added in a
+ * fixed order: the same bits for a given shape. */
+static inline void pcg_dw3_dw_plane(const float *restrict x, const float *restrict dy, int H, int W, int SH, int SW,
+                                    int PT, int PL, int P, int Q, float *restrict scratch, double *restrict dw)
+{
+    pc_idx Qr, Hp, Wd;
+    pcg_dw3_dw_dims(P, Q, SH, SW, &Qr, &Hp, &Wd);
+    float *X = scratch, *D = scratch + Hp * Wd;
+    pcg_dw3_pad(x, H, W, PT, PL, Hp, Wd, X);
+    for (pc_idx p = 0; p < P; p++) {
+        memcpy(D + p * Qr, dy + p * Q, sizeof(float) * (size_t)Q);
+        memset(D + p * Qr + Q, 0, sizeof(float) * (size_t)(Qr - Q));
+    }
+#if defined(__GNUC__) || defined(__clang__)
+    for (int kh = 0; kh < 3; kh++) {
+        pcg_v16 a0 = {0}, a1 = {0}, a2 = {0}, b0 = {0}, b1 = {0}, b2 = {0};
+        for (pc_idx p = 0; p < P; p++) {
+            const float *g = D + p * Qr, *r = X + (p * SH + kh) * Wd;
+            for (pc_idx q0 = 0; q0 < Qr; q0 += PCG_DW3_LANES) {
+                const pcg_v16 gv = pcg_ld16(g + q0);
+                pcg_v16 x0, x1, x2;
+                if (SW == 1) {
+                    x0 = pcg_ld16(r + q0);
+                    x1 = pcg_ld16(r + q0 + 1);
+                    x2 = pcg_ld16(r + q0 + 2);
+                } else {
+                    x0 = pcg_ld16_even(r + 2 * q0);
+                    x1 = pcg_ld16_even(r + 2 * q0 + 1);
+                    x2 = pcg_ld16_even(r + 2 * q0 + 2);
+                }
+                if (p & 1) {
+                    b0 += gv * x0;
+                    b1 += gv * x1;
+                    b2 += gv * x2;
+                } else {
+                    a0 += gv * x0;
+                    a1 += gv * x1;
+                    a2 += gv * x2;
+                }
+            }
+        }
+        dw[kh * 3] += (double)pcg_hsum16(a0 + b0);
+        dw[kh * 3 + 1] += (double)pcg_hsum16(a1 + b1);
+        dw[kh * 3 + 2] += (double)pcg_hsum16(a2 + b2);
+    }
+#else
+    for (int t = 0; t < 9; t++) {
+        const int kh = t / 3, kw = t % 3;
+        float s = 0.0f;
+        for (pc_idx p = 0; p < P; p++)
+            for (pc_idx q = 0; q < Q; q++) s += D[p * Qr + q] * X[(p * SH + kh) * Wd + q * SW + kw];
+        dw[t] += (double)s;
+    }
+#endif
+}
+
+/* ------------------------------------------------------------------ pointwise (1x1) convolution
+ * Per image, y (O, S) = w (O, C) x (C, S) with S = H W: a GEMM whose register block is 8 filters by
+ * 32 positions (sixteen 16-lane accumulators), the positions' 32-column slab of x (C rows) staying
+ * in L1 while the filter blocks pass over it. Each output is one sum over c in order: the same bits
+ * whatever the thread count. The multiply-adds contract to FMA where the ISA level has it. */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define PCG_CONTRACT __attribute__((optimize("fp-contract=fast")))
+#else
+#define PCG_CONTRACT
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+static inline void pcg_st16(float *p, pcg_v16 v) { memcpy(p, &v, sizeof(v)); }
+
+/* v * scale + bias (scale optional), then max(., 0) when relu: the store's epilogue */
+static inline pcg_v16 pcg_pw_epilogue(pcg_v16 v, float sc, float bi, int has_scale, int relu)
+{
+    if (has_scale) v = v * sc;
+    v = v + bi;
+    if (relu) {
+        const pcg_v16 z = {0};
+        const pcg_v16i neg = v < z;  /* NaN stays, as the scalar x < 0 ? 0 : x */
+        v = (pcg_v16)((pcg_v16i)v & ~neg);
+    }
+    return v;
+}
+#endif
+
+/* y columns [s0, s1) of one image: y[o][s] = epilogue(sum_c w[o][c] x[c][s]) with x rows S apart,
+ * w rows C apart, y rows S apart. b, scale: per filter, NULL for none. */
+PCG_CONTRACT static void pcg_pw_cols(const float *restrict w, const float *restrict x, int C, int O, pc_idx S,
+                                     pc_idx s0, pc_idx s1, const float *restrict b, const float *restrict scale,
+                                     int relu, float *restrict pack, float *restrict y)
+{
+    pc_idx s = s0;
+#if defined(__GNUC__) || defined(__clang__)
+    const int hs = scale != NULL;
+    for (; s + 16 <= s1;) {
+        /* the slab's columns packed contiguously (rows of a wide image are a page apart) */
+        const int wide = s + 32 <= s1;
+        const pc_idx L = wide ? 32 : 16;
+        for (pc_idx c = 0; c < C; c++) {
+            pcg_st16(pack + c * L, pcg_ld16(x + c * S + s));
+            if (wide) pcg_st16(pack + c * L + 16, pcg_ld16(x + c * S + s + 16));
+        }
+        int o = 0;
+        for (; o + 8 <= O; o += 8) {
+            pcg_v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+            pcg_v16 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, c4 = {0}, c5 = {0}, c6 = {0}, c7 = {0};
+            const float *wo = w + (pc_idx)o * C;
+            if (wide) {
+                for (pc_idx c = 0; c < C; c++) {
+                    const pcg_v16 x0 = pcg_ld16(pack + 32 * c), x1 = pcg_ld16(pack + 32 * c + 16);
+                    float v;
+                    v = wo[c]; a0 += v * x0; c0 += v * x1;
+                    v = wo[C + c]; a1 += v * x0; c1 += v * x1;
+                    v = wo[2 * (pc_idx)C + c]; a2 += v * x0; c2 += v * x1;
+                    v = wo[3 * (pc_idx)C + c]; a3 += v * x0; c3 += v * x1;
+                    v = wo[4 * (pc_idx)C + c]; a4 += v * x0; c4 += v * x1;
+                    v = wo[5 * (pc_idx)C + c]; a5 += v * x0; c5 += v * x1;
+                    v = wo[6 * (pc_idx)C + c]; a6 += v * x0; c6 += v * x1;
+                    v = wo[7 * (pc_idx)C + c]; a7 += v * x0; c7 += v * x1;
+                }
+            } else {
+                for (pc_idx c = 0; c < C; c++) {
+                    const pcg_v16 x0 = pcg_ld16(pack + 16 * c);
+                    a0 += wo[c] * x0;
+                    a1 += wo[C + c] * x0;
+                    a2 += wo[2 * (pc_idx)C + c] * x0;
+                    a3 += wo[3 * (pc_idx)C + c] * x0;
+                    a4 += wo[4 * (pc_idx)C + c] * x0;
+                    a5 += wo[5 * (pc_idx)C + c] * x0;
+                    a6 += wo[6 * (pc_idx)C + c] * x0;
+                    a7 += wo[7 * (pc_idx)C + c] * x0;
+                }
+            }
+            const pcg_v16 *acc[16] = {&a0, &c0, &a1, &c1, &a2, &c2, &a3, &c3, &a4, &c4, &a5, &c5, &a6, &c6, &a7, &c7};
+            for (int r = 0; r < 8; r++) {
+                const float sc = hs ? scale[o + r] : 1.0f, bi = b ? b[o + r] : 0.0f;
+                float *yr = y + (pc_idx)(o + r) * S + s;
+                pcg_st16(yr, pcg_pw_epilogue(*acc[2 * r], sc, bi, hs, relu));
+                if (wide) pcg_st16(yr + 16, pcg_pw_epilogue(*acc[2 * r + 1], sc, bi, hs, relu));
+            }
+        }
+        for (; o < O; o++) {
+            const float *wo = w + (pc_idx)o * C;
+            const float sc = hs ? scale[o] : 1.0f, bi = b ? b[o] : 0.0f;
+            for (pc_idx h = 0; h < L; h += 16) {
+                pcg_v16 a0 = {0};
+                for (pc_idx c = 0; c < C; c++) a0 += wo[c] * pcg_ld16(pack + L * c + h);
+                pcg_st16(y + (pc_idx)o * S + s + h, pcg_pw_epilogue(a0, sc, bi, hs, relu));
+            }
+        }
+        s += L;
+    }
+#endif
+    for (; s < s1; s++) {
+        for (int o = 0; o < O; o++) {
+            const float *wo = w + (pc_idx)o * C;
+            float a = 0.0f;
+            for (pc_idx c = 0; c < C; c++) a += wo[c] * x[c * S + s];
+            if (scale) a *= scale[o];
+            a += b ? b[o] : 0.0f;
+            y[(pc_idx)o * S + s] = relu && a < 0.0f ? 0.0f : a;
+        }
+    }
+}
+
 #endif /* PARCONV_PC_CONV_GENERAL_H */

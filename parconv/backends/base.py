@@ -78,7 +78,9 @@ class Backend:
         raise self._missing("copy")
 
     def copy_into(self, dst, src) -> None:
-        """``dst[...] = src`` for two arrays of this backend with equal shapes."""
+        """``dst[...] = src`` for two arrays of this backend with equal shapes. A write into a
+        parameter or buffer: implementations call :func:`parconv.weights_changed` so that caches
+        derived from the weights (eval-mode BatchNorm folds) rebuild."""
         raise self._missing("copy_into")
 
     def synchronize(self) -> None:
@@ -290,6 +292,17 @@ class Backend:
         """
         z = self.conv2d_forward(x, w, b, stride, padding)
         y, _, _ = self.batch_norm_forward_eval(z, weight, bias, running_mean, running_var, eps, relu)
+        return y
+
+    def conv2d_scale_shift_forward(self, x, w, scale, shift, stride: int, padding: int, relu: bool):
+        """``conv2d_forward(x, w, None) * scale + shift`` per filter, then ``max(., 0)`` when ``relu``:
+        :meth:`conv2d_batch_norm_eval_forward` with the batch norm already folded into ``scale`` and
+        ``shift`` (O,) (what an eval-mode ``Sequential`` keeps between calls). The default composes
+        the convolution and an eval-mode batch norm of mean 0, variance 1 and eps 0 (exact)."""
+        z = self.conv2d_forward(x, w, None, stride, padding)
+        O = w.shape[0]
+        y, _, _ = self.batch_norm_forward_eval(z, scale, shift, self.zeros((O,)),
+                                               self.asarray(np.ones(O, np.float32)), 0.0, relu)
         return y
 
     # ------------------------------- fused conv+relu+maxpool -> flatten -> linear
@@ -549,6 +562,12 @@ class Backend:
         or None when not ``need_db``.
         """
         raise self._missing("conv2d_general_backward")
+
+    def conv2d_general_relu_forward(self, x, w, b, stride: tuple, pads: tuple, dilation: tuple, groups: int):
+        """``max(conv2d_general_forward(x, w, b, ...), 0)``: what an eval-mode ``Conv2d -> BatchNorm2d
+        -> ReLU`` runs once the batch norm is folded into ``w`` and ``b``. A backend may apply the ReLU
+        as the convolution stores; the default composes the two ops."""
+        return self.relu_forward(self.conv2d_general_forward(x, w, b, stride, pads, dilation, groups))
 
     def maxpool2d_general_forward(self, x, kernel: tuple, stride: tuple, pads: tuple):
         """Max pooling with ``kernel=(kh, kw)``, ``stride=(sh, sw)`` and symmetric ``pads=(ph, pw)``.

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from .._shapes import out_size as _out_size
+from .._weights import weights_changed
 from .base import Backend
 
 
@@ -54,6 +55,7 @@ class HostArrays:
 
     def copy_into(self, dst, src):
         dst[...] = src
+        weights_changed()  # dst may be a parameter or buffer: caches derived from them rebuild
 
     def fill(self, a, value):
         a.fill(value)

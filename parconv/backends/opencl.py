@@ -63,6 +63,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._shapes import out_size as _out_size
+from .._weights import weights_changed
 from .base import Backend
 from .numpy_ref import dropout_scale, dropout_threshold, smoothed_targets
 
@@ -834,10 +835,14 @@ class OpenCLBackend(Backend):
 
     def copy(self, a):
         out = self.empty(a.shape, a.dtype)
-        self.copy_into(out, a)
+        self._copy(out, a)
         return out
 
     def copy_into(self, dst, src) -> None:
+        self._copy(dst, src)
+        weights_changed()  # dst may be a parameter or buffer: caches derived from them rebuild
+
+    def _copy(self, dst, src) -> None:
         if dst.nbytes:
             self._cl.enqueue_copy(self.queue, dst.base_data, src.base_data, byte_count=dst.nbytes,
                                   dst_offset=dst.offset, src_offset=src.offset)

@@ -409,6 +409,9 @@ class OpenMPBackend(HostArrays, Backend):
     def _conv2d_forward_into(self, x, w, b, y, stride, padding, grad=False):
         # Winograd where _winograd says so (the kernel checks the same rule); micro-kernels only, no BLAS.
         # ``grad``: y is dx, the transposed convolution of a backward
+        if w.shape[2] == 1 and stride == 1 and padding == 0:
+            _conv_general.pointwise_forward(x, w, b, y, get_num_threads())
+            return
         _conv.conv2d_forward(x, w, b, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
                              winograd=self._winograd_allowed(), winograd4=self._winograd4(grad))
 
@@ -426,7 +429,23 @@ class OpenMPBackend(HostArrays, Backend):
         scale, shift = np.empty(O, np.float32), np.empty(O, np.float32)
         _conv.fold_batch_norm(self._opt32(b), self._opt32(weight), self._opt32(bias), _f32(running_mean),
                               _f32(running_var), float(eps), scale, shift)
-        y = self._empty((N, O, P, Q))
+        return self._conv_scale_shift(x, w, scale, shift, stride, padding, relu, (N, O, P, Q))
+
+    def conv2d_scale_shift_forward(self, x, w, scale, shift, stride, padding, relu):
+        x, w = _f32(x), _f32(w)
+        N, C, H, W = x.shape
+        O, _, K, _ = w.shape
+        P, Q = _out_size(H, K, stride, padding), _out_size(W, K, stride, padding)
+        if min(N, C, O, P, Q) <= 0:
+            return super().conv2d_scale_shift_forward(x, w, scale, shift, stride, padding, relu)
+        return self._conv_scale_shift(x, w, _f32(scale), _f32(shift), stride, padding, relu, (N, O, P, Q))
+
+    def _conv_scale_shift(self, x, w, scale, shift, stride, padding, relu, out_shape):
+        """The scale, shift and ReLU applied as the convolution stores (1x1: the pointwise GEMM)."""
+        y = self._empty(out_shape)
+        if w.shape[2] == 1 and stride == 1 and padding == 0:
+            _conv_general.pointwise_forward(x, w, shift, y, get_num_threads(), scale=scale, relu=bool(relu))
+            return y
         _conv.conv2d_forward(x, w, shift, y, stride, padding, get_num_threads(), CONV_FORWARD_TILE_BYTES,
                              winograd=self._winograd_allowed(), scale=scale, relu=bool(relu),
                              winograd4=self._winograd4(False))
@@ -441,6 +460,12 @@ class OpenMPBackend(HostArrays, Backend):
         dw = self._empty(w.shape)
         db = np.empty(O, dtype=np.float32) if need_db else None
         K = w.shape[2]
+        if K == 1 and stride == 1 and padding == 0:
+            # 1x1: dx on the pointwise GEMM (_conv_general), dw and db on the micro-kernels
+            _conv.conv2d_backward(x, w, dy, None, dw, db, 1, 0, get_num_threads(), CONV_BACKWARD_TILE_BYTES)
+            if need_dx:
+                _conv_general.pointwise_backward_input(dy, w, dx, get_num_threads())
+            return dx, dw, db
         shape = (x.shape[0], x.shape[1], O, K, stride, dy.shape[2], dy.shape[3])
         f4 = self._winograd4(True)
         winograd_dw = (self._winograd_allowed() and padding <= K - 1
@@ -954,6 +979,21 @@ class OpenMPBackend(HostArrays, Backend):
         else:
             with _blas_limit(N * O * P * Q * Cg * KH * KW):
                 _conv_general.conv2d_general_forward(x, w, b, y, *args, groups, get_num_threads())
+        return y
+
+    def conv2d_general_relu_forward(self, x, w, b, stride, pads, dilation, groups):
+        """Depthwise: the ReLU applied by the kernel as it stores (no second pass over y)."""
+        if w.shape[1] != 1:
+            return super().conv2d_general_relu_forward(x, w, b, stride, pads, dilation, groups)
+        x, w = _f32(x), _f32(w)
+        b = None if b is None else _f32(b)
+        N, C, H, W = x.shape
+        O, _, KH, KW = w.shape
+        P = _out_size(H, KH, stride[0], pads[0], pads[1], dilation[0])
+        Q = _out_size(W, KW, stride[1], pads[2], pads[3], dilation[1])
+        y = self._empty((N, O, P, Q))
+        _conv_general.depthwise_forward(x, w, b, y, stride[0], stride[1], pads[0], pads[2], dilation[0], dilation[1],
+                                        get_num_threads(), relu=True)
         return y
 
     def conv2d_general_backward(self, x, w, dy, stride, pads, dilation, groups, need_dx=True, need_db=True):

@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from .._validation import check_float
+from .._weights import weights_changed
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "clip_grad_norm_", "lr_scheduler"]
 
@@ -106,6 +107,7 @@ class Optimizer:
             todo.append(i)
         self.step_count += 1
         self._apply(todo)
+        weights_changed()
 
     def _apply(self, todo: list) -> None:  # pragma: no cover - abstract
         """Update the parameters at indices ``todo`` (their gradients checked)."""
