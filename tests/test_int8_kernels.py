@@ -195,6 +195,42 @@ def test_conv2d_realistic_layers_every_path():
 
 
 @st.composite
+def pointwise_cases(draw):
+    # 1x1 stride-1 layers lay each 4-channel group out as one row of H*W pixels: channel counts off
+    # multiples of 4 and 16, pixel counts off multiples of 16 (the vector loop's tail), 1 and 2 images
+    # (runs of one image over threads) and 9 (an image per job)
+    return dict(N=draw(st.sampled_from([1, 2, 9])), C=draw(st.sampled_from([1, 3, 4, 7, 16, 17, 33, 64])),
+                O=draw(st.sampled_from([1, 5, 16, 24, 40])), H=draw(st.integers(1, 9)), W=draw(st.integers(1, 23)),
+                z=draw(ZPS), zq=draw(ZPS), relu=draw(st.booleans()), extreme=draw(st.booleans()),
+                bias=draw(st.sampled_from(["none", "small", "huge"])), seed=draw(st.integers(0, 2 ** 31)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=pointwise_cases())
+def test_conv2d_pointwise_layers_are_exact(case):
+    rng = np.random.default_rng(case["seed"])
+    N, C, O, H, W = (case[k] for k in ("N", "C", "O", "H", "W"))
+    xq = _uint8(rng, (N, C, H, W), case["extreme"])
+    wq = _int8w(rng, (O, C, 1, 1), case["extreme"])
+    scale, bias = _epilogue_args(rng, O, case["bias"])
+    packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+    ref = conv_model(xq, case["z"], wq, bias, scale, 1, 0, case["relu"])
+    want = quantize_model(ref, np.float32(0.0173), case["zq"])
+    for path in PATHS:
+        for nt in (1, 2):
+            y, yq = np.full(ref.shape, np.nan, np.float32), np.full(ref.shape, 7, np.uint8)
+            old = _int8._use_path(path)
+            try:
+                _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, 1, 1, 0, scale, bias, y, case["relu"], nt)
+                _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, 1, 1, 0, scale, bias, None, case["relu"],
+                                     nt, yq=yq, yq_scale=0.0173, yq_zero_point=case["zq"])
+            finally:
+                _int8._use_path(old)
+            np.testing.assert_array_equal(y, ref, err_msg=f"path {path}, {nt} threads, {case}")
+            np.testing.assert_array_equal(yq, want, err_msg=f"yq: path {path}, {nt} threads, {case}")
+
+
+@st.composite
 def dw_cases(draw):
     KH, KW = draw(st.sampled_from([1, 3, 5])), draw(st.sampled_from([1, 3, 5]))
     ph, pw = draw(st.integers(0, KH - 1)), draw(st.integers(0, KW - 1))
@@ -703,7 +739,8 @@ def _child_code():
         fails = []
         for N, C, O, H, W, K, S, pad, z in ((2, 5, 17, 9, 7, 3, 2, 1, 255), (1, 16, 70, 8, 8, 3, 1, 1, 0),
                                             (3, 3, 8, 6, 11, 5, 1, 2, 128), (1, 9, 16, 7, 7, 1, 2, 0, 77),
-                                            (1, 2, 4, 9, 9, 7, 3, 3, 5)):
+                                            (1, 2, 4, 9, 9, 7, 3, 3, 5), (2, 7, 20, 5, 7, 1, 1, 0, 33),
+                                            (9, 17, 24, 8, 8, 1, 1, 0, 200)):
             for extreme in (False, True):
                 xq = rng.choice(np.array([0, 255], np.uint8), (N, C, H, W)) if extreme else \\
                     rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)

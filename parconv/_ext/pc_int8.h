@@ -227,6 +227,32 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
 {
     const uint8_t *src[4];
     int nc = C - 4 * cg < 4 ? C - 4 * cg : 4;
+    if (S == 1 && pad == 0) {
+        /* one phase, rows unpadded (Wg == W): the group's planes are interleaved as one row, so
+         * narrow maps (a pointwise layer's 8x8) still reach the 16-pixel vector loop */
+        pc_idx n = (pc_idx)H * W, i = 0;
+        for (int j = 0; j < nc; j++) src[j] = x + (pc_idx)(4 * cg + j) * n;
+        if (nc == 4) {
+#if defined(__SSE2__)
+            for (; i + 16 <= n; i += 16)
+                pci8_interleave4(_mm_loadu_si128((const __m128i *)(src[0] + i)),
+                                 _mm_loadu_si128((const __m128i *)(src[1] + i)),
+                                 _mm_loadu_si128((const __m128i *)(src[2] + i)),
+                                 _mm_loadu_si128((const __m128i *)(src[3] + i)), dst + i * 4);
+#endif
+            for (; i < n; i++) {
+                dst[i * 4] = src[0][i];
+                dst[i * 4 + 1] = src[1][i];
+                dst[i * 4 + 2] = src[2][i];
+                dst[i * 4 + 3] = src[3][i];
+            }
+        } else {
+            memset(dst, z, (size_t)n * 4);
+            for (int j = 0; j < nc; j++)
+                for (pc_idx k = 0; k < n; k++) dst[k * 4 + j] = src[j][k];
+        }
+        return;
+    }
     for (int a = 0; a < nph; a++) {
         for (int b = 0; b < nph; b++) {
             int lo, hi, off = pci8_phase_cols(b, pad, S, W, Wg, &lo, &hi);
