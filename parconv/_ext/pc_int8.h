@@ -275,6 +275,15 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
                         __m128i r3 = _mm_loadu_si128((const __m128i *)(s3 + gw));
                         pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
                     }
+                    /* 8 at a time: rows of an 8x8 map (Wg 10 with padding) never reach the loop above */
+                    for (; gw + 8 <= hi; gw += 8) {
+                        __m128i l01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(s0 + gw)),
+                                                        _mm_loadl_epi64((const __m128i *)(s1 + gw)));
+                        __m128i l23 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(s2 + gw)),
+                                                        _mm_loadl_epi64((const __m128i *)(s3 + gw)));
+                        _mm_storeu_si128((__m128i *)(d + (pc_idx)gw * 4), _mm_unpacklo_epi16(l01, l23));
+                        _mm_storeu_si128((__m128i *)(d + (pc_idx)gw * 4 + 16), _mm_unpackhi_epi16(l01, l23));
+                    }
 #endif
                     for (; gw < hi; gw++) {
                         d[gw * 4] = s0[gw];
