@@ -231,6 +231,56 @@ def test_conv2d_pointwise_layers_are_exact(case):
 
 
 @st.composite
+def row_tile_cases(draw):
+    # output rows of 8 or 16 pixels: with an image per job (N=9), VNNI tiles take whole rows from the grid
+    # (8 rows: P a multiple of 4, 16 rows: P even; other P and N=1, runs of one image, take the usual tiles)
+    H, W, K, S = draw(st.sampled_from([(8, 8, 3, 1), (12, 8, 3, 1), (10, 8, 3, 1), (8, 8, 1, 1), (16, 16, 3, 1),
+                                       (6, 16, 3, 1), (7, 16, 3, 1), (32, 32, 3, 2), (16, 16, 3, 2), (4, 16, 1, 1)]))
+    return dict(N=draw(st.sampled_from([1, 9])), C=draw(st.sampled_from([3, 5, 16, 17])),
+                O=draw(st.sampled_from([5, 8, 13, 24])), H=H, W=W, K=K, S=S, z=draw(ZPS), zq=draw(ZPS),
+                relu=draw(st.booleans()), out=draw(st.sampled_from(["y", "yq", "both"])),
+                shortcut=draw(st.sampled_from(["none", "float", "uint8"])), seed=draw(st.integers(0, 2 ** 31)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=row_tile_cases())
+def test_conv2d_whole_row_tiles_are_exact(case):
+    rng = np.random.default_rng(case["seed"])
+    N, C, O, H, W, K, S = (case[k] for k in ("N", "C", "O", "H", "W", "K", "S"))
+    pad = K // 2
+    xq = _uint8(rng, (N, C, H, W), False)
+    wq = _int8w(rng, (O, C, K, K), False)
+    scale, bias = _epilogue_args(rng, O, "small")
+    packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+    y0 = conv_model(xq, case["z"], wq, bias, scale, S, pad, False)
+    rf = rq = None
+    if case["shortcut"] == "float":
+        rf = (rng.standard_normal(y0.shape) * np.abs(y0).max()).astype(np.float32)
+    elif case["shortcut"] == "uint8":
+        rq = rng.integers(0, 256, y0.shape, dtype=np.uint8)
+    if case["shortcut"] == "none":
+        ref = conv_model(xq, case["z"], wq, bias, scale, S, pad, case["relu"])
+    else:
+        ref = residual_model(y0, rf, rq, 0.031, 17, case["relu"])
+    for path in PATHS:
+        for nt in (1, 2):
+            y = np.full(ref.shape, np.nan, np.float32) if case["out"] != "yq" else None
+            yq = np.full(ref.shape, 7, np.uint8) if case["out"] != "y" else None
+            old = _int8._use_path(path)
+            try:
+                _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, K, S, pad, scale, bias, y, case["relu"], nt,
+                                     yq=yq, yq_scale=0.0173, yq_zero_point=case["zq"], residual=rf, residual_q=rq,
+                                     residual_scale=0.031, residual_zero_point=17)
+            finally:
+                _int8._use_path(old)
+            msg = f"path {path}, {nt} threads, {case}"
+            if y is not None:
+                np.testing.assert_array_equal(y, ref, err_msg=msg)
+            if yq is not None:
+                np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(0.0173), case["zq"]), err_msg=msg)
+
+
+@st.composite
 def dw_cases(draw):
     KH, KW = draw(st.sampled_from([1, 3, 5])), draw(st.sampled_from([1, 3, 5]))
     ph, pw = draw(st.integers(0, KH - 1)), draw(st.integers(0, KW - 1))
@@ -740,7 +790,8 @@ def _child_code():
         for N, C, O, H, W, K, S, pad, z in ((2, 5, 17, 9, 7, 3, 2, 1, 255), (1, 16, 70, 8, 8, 3, 1, 1, 0),
                                             (3, 3, 8, 6, 11, 5, 1, 2, 128), (1, 9, 16, 7, 7, 1, 2, 0, 77),
                                             (1, 2, 4, 9, 9, 7, 3, 3, 5), (2, 7, 20, 5, 7, 1, 1, 0, 33),
-                                            (9, 17, 24, 8, 8, 1, 1, 0, 200)):
+                                            (9, 17, 24, 8, 8, 1, 1, 0, 200), (9, 5, 13, 8, 8, 3, 1, 1, 40),
+                                            (8, 6, 10, 32, 32, 3, 2, 1, 90)):
             for extreme in (False, True):
                 xq = rng.choice(np.array([0, 255], np.uint8), (N, C, H, W)) if extreme else \\
                     rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)

@@ -486,14 +486,26 @@ static void pci8_px_avx2(const uint8_t *restrict xg, const int *restrict off, in
 /* Declares the 16 accumulators a00..a71 (8 channels x 32 pixels) in the caller and sums the Kg
  * groups of xg (at off[]) x w into them; a macro, not a function, so that every variant keeps
  * them in registers for its own epilogue. */
-#define PCI8_VNNI_ACCUMULATE()                                                                          \
+#define PCI8_VNNI_ACCUMULATE() PCI8_VNNI_ACCUMULATE_ROWS(64, 0)
+/* The same with the tile's lanes taken from grid rows RS bytes apart: Q8 0, lanes 0-15 and 16-31 from
+ * two rows (16-pixel outputs rows); Q8 1, four 8-pixel quarters from four rows (8-pixel output rows).
+ * The tile then covers whole output rows and no padding column (PCI8_ROWS_OK). */
+#define PCI8_VNNI_ACCUMULATE_ROWS(RS, Q8)                                                               \
     __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, \
             a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00; \
     for (int g = 0; g < Kg; g++) {                                                                      \
         const uint8_t *p = xg + (pc_idx)off[g] * 4;                                                     \
         const int8_t *wg = w + (pc_idx)g * 64;                                                          \
-        __m512i x0 = _mm512_loadu_si512((const void *)p);                                               \
-        __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));                                        \
+        __m512i x0, x1;                                                                                 \
+        if (Q8) {                                                                                       \
+            x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),     \
+                                    _mm256_loadu_si256((const __m256i *)(p + (RS))), 1);                \
+            x1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2 * (RS)))), \
+                                    _mm256_loadu_si256((const __m256i *)(p + 3 * (RS))), 1);            \
+        } else {                                                                                        \
+            x0 = _mm512_loadu_si512((const void *)p);                                                   \
+            x1 = _mm512_loadu_si512((const void *)(p + (RS)));                                          \
+        }                                                                                               \
         PCI8_VNNI_STEP(0);                                                                              \
         PCI8_VNNI_STEP(1);                                                                              \
         PCI8_VNNI_STEP(2);                                                                              \
@@ -566,24 +578,30 @@ typedef struct {
 /* pci8_px_vnni with the epilogue on the registers (sums that fit int32 only): oe of the 8
  * channels are real; y points at the first one's output plane (PQ floats per channel), or is
  * NULL; yq (or NULL) likewise receives the values quantized with (qs, qz) for the next layer. */
-PCI8_VNNI_TARGET
-static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
-                             int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,
-                             const pci8_runs *restrict runs, float *y, pc_idx PQ, uint8_t *yq, float qs, int qz)
-{
-    const int qfast = qs > 1e-37f && qs < 1e37f;
-    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);
-    const __m512i vz = _mm512_set1_epi32(qz);
-    PCI8_VNNI_ACCUMULATE();
-    PCI8_VNNI_EPI(0);
-    PCI8_VNNI_EPI(1);
-    PCI8_VNNI_EPI(2);
-    PCI8_VNNI_EPI(3);
-    PCI8_VNNI_EPI(4);
-    PCI8_VNNI_EPI(5);
-    PCI8_VNNI_EPI(6);
-    PCI8_VNNI_EPI(7);
-}
+#define PCI8_DEF_VNNI_EPI(NAME, RS, Q8)                                                                     \
+    PCI8_VNNI_TARGET                                                                                        \
+    static void NAME(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,   \
+                     int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,              \
+                     const pci8_runs *restrict runs, float *y, pc_idx PQ, uint8_t *yq, float qs, int qz,       \
+                     pc_idx rs)                                                                             \
+    {                                                                                                       \
+        const int qfast = qs > 1e-37f && qs < 1e37f;                                                        \
+        const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);                              \
+        const __m512i vz = _mm512_set1_epi32(qz);                                                          \
+        (void)rs;                                                                                           \
+        PCI8_VNNI_ACCUMULATE_ROWS(RS, Q8);                                                                  \
+        PCI8_VNNI_EPI(0);                                                                                   \
+        PCI8_VNNI_EPI(1);                                                                                   \
+        PCI8_VNNI_EPI(2);                                                                                   \
+        PCI8_VNNI_EPI(3);                                                                                   \
+        PCI8_VNNI_EPI(4);                                                                                   \
+        PCI8_VNNI_EPI(5);                                                                                   \
+        PCI8_VNNI_EPI(6);                                                                                   \
+        PCI8_VNNI_EPI(7);                                                                                   \
+    }
+PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi, 64, 0)
+PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows, rs, 0)
+PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows8, rs, 1)
 
 /* PCI8_VNNI_EPI with the residual block's shortcut added before the ReLU (pci8_epi_run_res's arithmetic):
  * the shortcut's lanes come from the same runs of output pixels as the stores go to. */
@@ -637,28 +655,32 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
 
 /* pci8_px_vnni_epi for the last convolution of a residual block: the shortcut, rf (float32) or rq (uint8
  * with scale rs and zero point rz), at the first channel's plane as y, is added before the ReLU. */
-PCI8_VNNI_TARGET
-static void pci8_px_vnni_epi_res(const uint8_t *restrict xg, const int *restrict off, int Kg,
-                                 const int8_t *restrict w, int oe, const int32_t *restrict zb32,
-                                 const float *restrict scale, int relu, const pci8_runs *restrict runs, float *y,
-                                 pc_idx PQ, uint8_t *yq, float qs, int qz, const float *rf, const uint8_t *rq,
-                                 float rs, int rz)
-{
-    const int qfast = qs > 1e-37f && qs < 1e37f;
-    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);
-    const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);
-    __mmask32 m32[PCI8_TILE];
-    for (int k = 0; k < runs->n; k++) m32[k] = (__mmask32)runs->m0[k] | (__mmask32)runs->m1[k] << 16;
-    PCI8_VNNI_ACCUMULATE();
-    PCI8_VNNI_EPI_RES(0);
-    PCI8_VNNI_EPI_RES(1);
-    PCI8_VNNI_EPI_RES(2);
-    PCI8_VNNI_EPI_RES(3);
-    PCI8_VNNI_EPI_RES(4);
-    PCI8_VNNI_EPI_RES(5);
-    PCI8_VNNI_EPI_RES(6);
-    PCI8_VNNI_EPI_RES(7);
-}
+#define PCI8_DEF_VNNI_EPI_RES(NAME, RS, Q8)                                                                 \
+    PCI8_VNNI_TARGET                                                                                        \
+    static void NAME(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,   \
+                     int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,              \
+                     const pci8_runs *restrict runs, float *y, pc_idx PQ, uint8_t *yq, float qs, int qz,       \
+                     const float *rf, const uint8_t *rq, float rs, int rz, pc_idx rstride)                  \
+    {                                                                                                       \
+        const int qfast = qs > 1e-37f && qs < 1e37f;                                                        \
+        const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);    \
+        const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);                             \
+        __mmask32 m32[PCI8_TILE];                                                                           \
+        (void)rstride;                                                                                      \
+        for (int k = 0; k < runs->n; k++) m32[k] = (__mmask32)runs->m0[k] | (__mmask32)runs->m1[k] << 16;  \
+        PCI8_VNNI_ACCUMULATE_ROWS(RS, Q8);                                                                  \
+        PCI8_VNNI_EPI_RES(0);                                                                               \
+        PCI8_VNNI_EPI_RES(1);                                                                               \
+        PCI8_VNNI_EPI_RES(2);                                                                               \
+        PCI8_VNNI_EPI_RES(3);                                                                               \
+        PCI8_VNNI_EPI_RES(4);                                                                               \
+        PCI8_VNNI_EPI_RES(5);                                                                               \
+        PCI8_VNNI_EPI_RES(6);                                                                               \
+        PCI8_VNNI_EPI_RES(7);                                                                               \
+    }
+PCI8_DEF_VNNI_EPI_RES(pci8_px_vnni_epi_res, 64, 0)
+PCI8_DEF_VNNI_EPI_RES(pci8_px_vnni_epi_res_rows, rstride, 0)
+PCI8_DEF_VNNI_EPI_RES(pci8_px_vnni_epi_res_rows8, rstride, 1)
 #endif
 
 #if defined(PCI8_VNNI_CODE)
@@ -762,6 +784,51 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
     int seg_lane[PCI8_TILE], seg_len[PCI8_TILE];
     pc_idx seg_dst[PCI8_TILE];
     (void)w16;
+#if defined(PCI8_VNNI_CODE)
+    /* Output rows of 16 or 8 pixels: a tile takes whole rows from the grid (2 or 4, Wg * 4 bytes apart), so
+     * no lane is spent on a padding column (an 8x8 map with padding 1: 64 lanes instead of 80). */
+    if (path == PCI8_VNNI && !wide && s0 == 0 && s1 >= s_end && ((Q == 16 && P % 2 == 0) || (Q == 8 && P % 4 == 0))) {
+        const int rpt = PCI8_TILE / Q;
+        pci8_runs runs;
+        runs.n = 1;
+        runs.m0[0] = runs.m1[0] = (__mmask16)0xFFFF;
+        for (int p0 = 0; p0 < P; p0 += rpt) {
+            const uint8_t *xt = grid + (pc_idx)p0 * Wg * 4;
+            runs.base[0] = (pc_idx)p0 * Q; /* the tile's 32 lanes are outputs p0 * Q .. p0 * Q + 31 */
+            if (res && p0 + rpt < P)
+                for (int o = 0; o < O; o++) {
+                    if (rf != NULL) {
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + runs.base[0] + PCI8_TILE);
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + runs.base[0] + PCI8_TILE + 16);
+                    } else {
+                        __builtin_prefetch(rq + (pc_idx)o * PQ + runs.base[0] + PCI8_TILE);
+                    }
+                }
+            for (int o0 = 0; o0 < O; o0 += PCI8_OB) {
+                const int8_t *wp = w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4;
+                int oe = O - o0 < PCI8_OB ? O - o0 : PCI8_OB;
+                float *yo = y != NULL ? y + (pc_idx)o0 * PQ : NULL;
+                uint8_t *qo = yq != NULL ? yq + (pc_idx)o0 * PQ : NULL;
+                const float *ro = rf != NULL ? rf + (pc_idx)o0 * PQ : NULL;
+                const uint8_t *rqo = rq != NULL ? rq + (pc_idx)o0 * PQ : NULL;
+                pc_idx rsb = (pc_idx)Wg * 4;
+                if (res && Q == 8)
+                    pci8_px_vnni_epi_res_rows8(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs,
+                                               qz, ro, rqo, rs, rz, rsb);
+                else if (res)
+                    pci8_px_vnni_epi_res_rows(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs,
+                                              qz, ro, rqo, rs, rz, rsb);
+                else if (Q == 8)
+                    pci8_px_vnni_epi_rows8(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs, qz,
+                                           rsb);
+                else
+                    pci8_px_vnni_epi_rows(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs, qz,
+                                          rsb);
+            }
+        }
+        return;
+    }
+#endif
     for (pc_idx s = s0; s < s1 && s < s_end; s += PCI8_TILE) {
         if (res) {
             /* the next tile's shortcut, one stream per channel plane (too many for the hardware prefetchers):
@@ -819,10 +886,10 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
                 else if (res)
                     pci8_px_vnni_epi_res(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ,
                                          qo, qs, qz, rf != NULL ? rf + (pc_idx)o0 * PQ : NULL,
-                                         rq != NULL ? rq + (pc_idx)o0 * PQ : NULL, rs, rz);
+                                         rq != NULL ? rq + (pc_idx)o0 * PQ : NULL, rs, rz, 64);
                 else
                     pci8_px_vnni_epi(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo,
-                                     qs, qz);
+                                     qs, qz, 64);
             }
             continue;
         }
