@@ -232,10 +232,11 @@ def test_conv2d_pointwise_layers_are_exact(case):
 
 @st.composite
 def row_tile_cases(draw):
-    # output rows of 8 or 16 pixels: with an image per job (N=9), VNNI tiles take whole rows from the grid
-    # (8 rows: P a multiple of 4, 16 rows: P even; other P and N=1, runs of one image, take the usual tiles)
+    # output rows of 8, 16 or 32 pixels: with an image per job (N=9), VNNI tiles take whole rows from the grid
+    # (8: P a multiple of 4, 16: P even, 32: any P; other P and N=1, runs of one image, take the usual tiles)
     H, W, K, S = draw(st.sampled_from([(8, 8, 3, 1), (12, 8, 3, 1), (10, 8, 3, 1), (8, 8, 1, 1), (16, 16, 3, 1),
-                                       (6, 16, 3, 1), (7, 16, 3, 1), (32, 32, 3, 2), (16, 16, 3, 2), (4, 16, 1, 1)]))
+                                       (6, 16, 3, 1), (7, 16, 3, 1), (32, 32, 3, 2), (16, 16, 3, 2), (4, 16, 1, 1), (3, 32, 3, 1),
+                                       (2, 32, 1, 1), (5, 64, 3, 2)]))
     return dict(N=draw(st.sampled_from([1, 9])), C=draw(st.sampled_from([3, 5, 16, 17])),
                 O=draw(st.sampled_from([5, 8, 13, 24])), H=H, W=W, K=K, S=S, z=draw(ZPS), zq=draw(ZPS),
                 relu=draw(st.booleans()), out=draw(st.sampled_from(["y", "yq", "both"])),

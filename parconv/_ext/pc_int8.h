@@ -785,9 +785,11 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
     pc_idx seg_dst[PCI8_TILE];
     (void)w16;
 #if defined(PCI8_VNNI_CODE)
-    /* Output rows of 16 or 8 pixels: a tile takes whole rows from the grid (2 or 4, Wg * 4 bytes apart), so
-     * no lane is spent on a padding column (an 8x8 map with padding 1: 64 lanes instead of 80). */
-    if (path == PCI8_VNNI && !wide && s0 == 0 && s1 >= s_end && ((Q == 16 && P % 2 == 0) || (Q == 8 && P % 4 == 0))) {
+    /* Output rows of 32, 16 or 8 pixels: a tile takes whole rows from the grid (1, 2 or 4, Wg * 4 bytes apart),
+     * so no lane is spent on a padding column (an 8x8 map with padding 1: 64 lanes instead of 80). Without
+     * padding columns (Wg == Q) the plain tiles are already dense. */
+    if (path == PCI8_VNNI && !wide && s0 == 0 && s1 >= s_end && Wg != Q &&
+        (Q == 32 || (Q == 16 && P % 2 == 0) || (Q == 8 && P % 4 == 0))) {
         const int rpt = PCI8_TILE / Q;
         pci8_runs runs;
         runs.n = 1;
@@ -811,7 +813,7 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
                 uint8_t *qo = yq != NULL ? yq + (pc_idx)o0 * PQ : NULL;
                 const float *ro = rf != NULL ? rf + (pc_idx)o0 * PQ : NULL;
                 const uint8_t *rqo = rq != NULL ? rq + (pc_idx)o0 * PQ : NULL;
-                pc_idx rsb = (pc_idx)Wg * 4;
+                pc_idx rsb = Q == 32 ? 64 : (pc_idx)Wg * 4; /* the second vector: the row's next 16, or the next row */
                 if (res && Q == 8)
                     pci8_px_vnni_epi_res_rows8(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs,
                                                qz, ro, rqo, rs, rz, rsb);
