@@ -281,6 +281,29 @@ def test_conv2d_whole_row_tiles_are_exact(case):
                 np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(0.0173), case["zq"]), err_msg=msg)
 
 
+def test_conv2d_stride2_grid_rows_of_every_width_and_phase():
+    # stride-2 grids take 16 columns of a phase from 32 bytes of the row: the even bytes, or the odd ones of the
+    # window one byte earlier where the even window would pass the row's end; widths about 32 and 64 with
+    # every padding meet both windows and the scalar tail (the last image's last row ends the input buffer)
+    rng = np.random.default_rng(3)
+    for W in (30, 31, 32, 33, 34, 63, 64, 65):
+        for K, pad in ((3, 0), (3, 1), (3, 2), (5, 2), (2, 0), (1, 0)):
+            for N, C in ((1, 4), (6, 8), (2, 5)):
+                xq = rng.integers(0, 256, (N, C, 5, W), dtype=np.uint8)
+                wq = rng.integers(-127, 128, (9, C, K, K), dtype=np.int8)
+                scale, bias = _epilogue_args(rng, 9, "small")
+                packed, row_sums = _int8.pack_weights(wq.reshape(9, -1))
+                ref = conv_model(xq, 99, wq, bias, scale, 2, pad, False)
+                for path in PATHS:
+                    y = np.full(ref.shape, np.nan, np.float32)
+                    old = _int8._use_path(path)
+                    try:
+                        _int8.conv2d_forward(xq, 99, packed, row_sums, 9, K, 2, pad, scale, bias, y, False, 1)
+                    finally:
+                        _int8._use_path(old)
+                    np.testing.assert_array_equal(y, ref, err_msg=f"{path} W={W} K={K} pad={pad} N={N} C={C}")
+
+
 @st.composite
 def dw_cases(draw):
     KH, KW = draw(st.sampled_from([1, 3, 5])), draw(st.sampled_from([1, 3, 5]))

@@ -298,14 +298,26 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
                     if (S == 2) {
                         /* even bytes of 32 (this phase's columns) from each row, then interleaved */
                         const __m128i even = _mm_set1_epi16(0x00FF);
-                        /* gw + 17 <= hi: the odd byte after the last even one is still in the row */
-                        for (; gw + 17 <= hi; gw += 16) {
+                        /* the 32 bytes read stay in the row: from the first column when the odd byte
+                         * after the last even one is in it, else from the byte before (the odd bytes) */
+                        for (; gw + 16 <= hi; gw += 16) {
                             pc_idx w = (pc_idx)gw * 2;
+                            if (2 * gw + off + 32 <= W) {
 #define PCI8_EVEN(p) _mm_packus_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w)), even), \
                                       _mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w + 16)), even))
-                            __m128i r0 = PCI8_EVEN(s0), r1 = PCI8_EVEN(s1), r2 = PCI8_EVEN(s2), r3 = PCI8_EVEN(s3);
+                                __m128i r0 = PCI8_EVEN(s0), r1 = PCI8_EVEN(s1), r2 = PCI8_EVEN(s2),
+                                        r3 = PCI8_EVEN(s3);
 #undef PCI8_EVEN
-                            pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
+                                pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
+                            } else if (2 * gw + off >= 1) {
+#define PCI8_ODD(p) _mm_packus_epi16(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)((p) + w - 1)), 8), \
+                                     _mm_srli_epi16(_mm_loadu_si128((const __m128i *)((p) + w + 15)), 8))
+                                __m128i r0 = PCI8_ODD(s0), r1 = PCI8_ODD(s1), r2 = PCI8_ODD(s2), r3 = PCI8_ODD(s3);
+#undef PCI8_ODD
+                                pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
+                            } else {
+                                break;
+                            }
                         }
                     }
 #endif
