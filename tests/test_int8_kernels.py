@@ -281,6 +281,28 @@ def test_conv2d_whole_row_tiles_are_exact(case):
                 np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(0.0173), case["zq"]), err_msg=msg)
 
 
+def test_conv2d_partial_channel_groups_on_narrow_and_wide_rows():
+    # a group of 1-3 channels (a first layer's RGB) fills the missing ones from a row of the zero point, up to
+    # rows of 512 pixels; wider rows take the per-channel loop
+    rng = np.random.default_rng(5)
+    for W in (5, 37, 512, 513, 600):
+        for C in (1, 2, 3, 6):
+            for K, S, pad in ((3, 1, 1), (3, 2, 1), (2, 2, 0), (5, 1, 2)):
+                xq = rng.integers(0, 256, (2, C, 3, W), dtype=np.uint8)
+                wq = rng.integers(-127, 128, (5, C, K, K), dtype=np.int8)
+                scale, bias = _epilogue_args(rng, 5, "small")
+                packed, row_sums = _int8.pack_weights(wq.reshape(5, -1))
+                ref = conv_model(xq, 201, wq, bias, scale, S, pad, True)
+                for path in PATHS:
+                    y = np.full(ref.shape, np.nan, np.float32)
+                    old = _int8._use_path(path)
+                    try:
+                        _int8.conv2d_forward(xq, 201, packed, row_sums, 5, K, S, pad, scale, bias, y, True, 2)
+                    finally:
+                        _int8._use_path(old)
+                    np.testing.assert_array_equal(y, ref, err_msg=f"{path} W={W} C={C} K={K} S={S} pad={pad}")
+
+
 def test_conv2d_stride2_grid_rows_of_every_width_and_phase():
     # stride-2 grids take 16 columns of a phase from 32 bytes of the row: the even bytes, or the odd ones of the
     # window one byte earlier where the even window would pass the row's end; widths about 32 and 64 with

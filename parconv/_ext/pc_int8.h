@@ -219,6 +219,8 @@ static inline int pci8_phase_cols(int b, int pad, int S, int W, int Wg, int *lo,
     return off;
 }
 
+#define PCI8_ZROW 512 /* widest row a group of fewer than 4 channels pads with a row of z */
+
 /* One channel group of one image's grid: channels 4cg..4cg+3 of x (C, H, W), padded by pad
  * with z, split into nph x nph stride phases of Hg x Wg, channels interleaved:
  * dst[((a * nph + b) * Hg + gh) * Wg + gw][j] = x[4cg + j][gh * S + a - pad][gw * S + b - pad]. */
@@ -253,17 +255,23 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
         }
         return;
     }
+    /* a group of fewer than 4 channels (a first layer's 3) reads a row of z for the missing ones, so it
+     * takes the vector loops too */
+    uint8_t zrow[PCI8_ZROW];
+    const int nv = nc < 4 && W <= PCI8_ZROW ? 4 : nc;
+    if (nv != nc) memset(zrow, z, (size_t)W);
     for (int a = 0; a < nph; a++) {
         for (int b = 0; b < nph; b++) {
             int lo, hi, off = pci8_phase_cols(b, pad, S, W, Wg, &lo, &hi);
             for (int gh = 0; gh < Hg; gh++) {
                 uint8_t *d = dst + (((pc_idx)a * nph + b) * Hg + gh) * Wg * 4;
                 int h = gh * S + a - pad;
-                if (h < 0 || h >= H || nc < 4) memset(d, z, (size_t)Wg * 4);
+                if (h < 0 || h >= H || nv < 4) memset(d, z, (size_t)Wg * 4);
                 if (h < 0 || h >= H) continue;
                 for (int j = 0; j < nc; j++) src[j] = x + ((pc_idx)(4 * cg + j) * H + h) * W + off;
+                for (int j = nc; j < nv; j++) src[j] = zrow + off; /* read at [off + lo, off + hi): inside */
                 memset(d, z, (size_t)lo * 4);
-                if (nc == 4 && S == 1) {
+                if (nv == 4 && S == 1) {
                     const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
                     int gw = lo;
 #if defined(__SSE2__)
@@ -291,7 +299,7 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
                         d[gw * 4 + 2] = s2[gw];
                         d[gw * 4 + 3] = s3[gw];
                     }
-                } else if (nc == 4) {
+                } else if (nv == 4) {
                     const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
                     int gw = lo;
 #if defined(__SSE2__)
