@@ -281,6 +281,32 @@ def test_conv2d_whole_row_tiles_are_exact(case):
                 np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(0.0173), case["zq"]), err_msg=msg)
 
 
+def test_conv2d_requantizes_ties_exactly():
+    # outputs on and next to half-integers of the next layer's scale: the epilogue's product by the reciprocal
+    # is redone as a division for the pair of vectors holding such a lane, as the quantize pass does
+    rng = np.random.default_rng(9)
+    for sq, sc in ((2.0, 1.0), (0.1, 0.05), (0.3, 0.15), (1 / 3, 1 / 6)):
+        for shortcut in (False, True):
+            xq = rng.integers(0, 256, (9, 4, 8, 8), dtype=np.uint8)
+            wq = rng.integers(-3, 4, (11, 4, 3, 3), dtype=np.int8)
+            scale = np.full(11, sc, np.float32)
+            packed, row_sums = _int8.pack_weights(wq.reshape(11, -1))
+            y0 = conv_model(xq, 128, wq, None, scale, 1, 1, False)
+            rq = rng.integers(0, 256, y0.shape, dtype=np.uint8) if shortcut else None
+            ref = residual_model(y0, None, rq, sc, 100, True) if shortcut else np.maximum(y0, np.float32(0))
+            want = quantize_model(ref, np.float32(sq), 3)
+            for path in PATHS:
+                yq = np.empty(ref.shape, np.uint8)
+                old = _int8._use_path(path)
+                try:
+                    _int8.conv2d_forward(xq, 128, packed, row_sums, 11, 3, 1, 1, scale, None, None, True, 1, yq=yq,
+                                         yq_scale=sq, yq_zero_point=3, residual_q=rq, residual_scale=sc,
+                                         residual_zero_point=100)
+                finally:
+                    _int8._use_path(old)
+                np.testing.assert_array_equal(yq, want, err_msg=f"{path} sq={sq} shortcut={shortcut}")
+
+
 def test_conv2d_partial_channel_groups_on_narrow_and_wide_rows():
     # a group of 1-3 channels (a first layer's RGB) fills the missing ones from a row of the zero point, up to
     # rows of 512 pixels; wider rows take the per-channel loop

@@ -112,6 +112,33 @@ static inline __m512i pci8_q16(__m512 xv, __m512 vr, __m512 vs, int fast, __m512
     k = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(k, vz), _mm512_setzero_si512()), _mm512_set1_epi32(255));
     return _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), vz);
 }
+
+/* pci8_q16 on two vectors with one near-tie test and branch for both (a vector redone with the division
+ * gives the same integers where the product was not near a tie, so redoing both changes no bit). */
+static inline void pci8_q16x2(__m512 x0, __m512 x1, __m512 vr, __m512 vs, int fast, __m512i vz, __m512i *k0,
+                              __m512i *k1)
+{
+    const __m512 lo = _mm512_set1_ps(-1024.0f), hi = _mm512_set1_ps(1024.0f), tie = _mm512_set1_ps(0.499f);
+    __m512 v0 = fast ? _mm512_mul_ps(x0, vr) : _mm512_div_ps(x0, vs);
+    __m512 v1 = fast ? _mm512_mul_ps(x1, vr) : _mm512_div_ps(x1, vs);
+    __m512 c0 = _mm512_min_ps(_mm512_max_ps(v0, lo), hi), c1 = _mm512_min_ps(_mm512_max_ps(v1, lo), hi);
+    __m512i i0 = _mm512_cvtps_epi32(c0), i1 = _mm512_cvtps_epi32(c1);
+    if (fast) {
+        __mmask16 m0 = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(c0, _mm512_cvtepi32_ps(i0))), tie, _CMP_GT_OQ);
+        __mmask16 m1 = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(c1, _mm512_cvtepi32_ps(i1))), tie, _CMP_GT_OQ);
+        if (m0 | m1) {
+            v0 = _mm512_div_ps(x0, vs);
+            v1 = _mm512_div_ps(x1, vs);
+            i0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v0, lo), hi));
+            i1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v1, lo), hi));
+        }
+    }
+    const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
+    i0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(i0, vz), zero), top);
+    i1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(i1, vz), zero), top);
+    *k0 = _mm512_mask_mov_epi32(i0, _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q), vz);
+    *k1 = _mm512_mask_mov_epi32(i1, _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q), vz);
+}
 #endif
 
 /* out = clamp(rint(x / scale) + zp, 0, 255), NaN -> zp, x / scale rounded in float32.
@@ -584,8 +611,10 @@ typedef struct {
                 }                                                                                 \
             }                                                                                     \
             if (yq != NULL) { /* the next layer's input: pci8_quantize's arithmetic (pci8_q16) */ \
-                const __m128i b0 = _mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz));         \
-                const __m128i b1 = _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz));         \
+                __m512i k0, k1;                                                                   \
+                pci8_q16x2(v0, v1, vr, vs, qfast, vz, &k0, &k1);                                  \
+                const __m128i b0 = _mm512_cvtepi32_epi8(k0);                                      \
+                const __m128i b1 = _mm512_cvtepi32_epi8(k1);                                      \
                 uint8_t *qj = yq + (j) * PQ;                                                      \
                 for (int k = 0; k < runs->n; k++) {                                               \
                     _mm_mask_storeu_epi8(qj + runs->base[k], runs->m0[k], b0);                    \
@@ -663,9 +692,10 @@ PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows8, rs, 1)
                 }                                                                                 \
             }                                                                                     \
             if (yq != NULL) {                                                                     \
+                __m512i k0, k1;                                                                   \
+                pci8_q16x2(v0, v1, vr, vs, qfast, vz, &k0, &k1);                                  \
                 const __m256i q = _mm256_inserti128_si256(                                        \
-                    _mm256_castsi128_si256(_mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz))),    \
-                    _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz)), 1);                    \
+                    _mm256_castsi128_si256(_mm512_cvtepi32_epi8(k0)), _mm512_cvtepi32_epi8(k1), 1); \
                 uint8_t *qj = yq + (j) * PQ;                                                      \
                 for (int k = 0; k < runs->n; k++)                                                 \
                     _mm256_mask_storeu_epi8(qj + runs->base[k], m32[k], q);                       \
