@@ -195,6 +195,164 @@ def test_conv2d_realistic_layers_every_path():
 
 
 @st.composite
+def pointwise_cases(draw):
+    # 1x1 stride-1 layers lay each 4-channel group out as one row of H*W pixels: channel counts off
+    # multiples of 4 and 16, pixel counts off multiples of 16 (the vector loop's tail), 1 and 2 images
+    # (runs of one image over threads) and 9 (an image per job)
+    return dict(N=draw(st.sampled_from([1, 2, 9])), C=draw(st.sampled_from([1, 3, 4, 7, 16, 17, 33, 64])),
+                O=draw(st.sampled_from([1, 5, 16, 24, 40])), H=draw(st.integers(1, 9)), W=draw(st.integers(1, 23)),
+                z=draw(ZPS), zq=draw(ZPS), relu=draw(st.booleans()), extreme=draw(st.booleans()),
+                bias=draw(st.sampled_from(["none", "small", "huge"])), seed=draw(st.integers(0, 2 ** 31)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=pointwise_cases())
+def test_conv2d_pointwise_layers_are_exact(case):
+    rng = np.random.default_rng(case["seed"])
+    N, C, O, H, W = (case[k] for k in ("N", "C", "O", "H", "W"))
+    xq = _uint8(rng, (N, C, H, W), case["extreme"])
+    wq = _int8w(rng, (O, C, 1, 1), case["extreme"])
+    scale, bias = _epilogue_args(rng, O, case["bias"])
+    packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+    ref = conv_model(xq, case["z"], wq, bias, scale, 1, 0, case["relu"])
+    want = quantize_model(ref, np.float32(0.0173), case["zq"])
+    for path in PATHS:
+        for nt in (1, 2):
+            y, yq = np.full(ref.shape, np.nan, np.float32), np.full(ref.shape, 7, np.uint8)
+            old = _int8._use_path(path)
+            try:
+                _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, 1, 1, 0, scale, bias, y, case["relu"], nt)
+                _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, 1, 1, 0, scale, bias, None, case["relu"],
+                                     nt, yq=yq, yq_scale=0.0173, yq_zero_point=case["zq"])
+            finally:
+                _int8._use_path(old)
+            np.testing.assert_array_equal(y, ref, err_msg=f"path {path}, {nt} threads, {case}")
+            np.testing.assert_array_equal(yq, want, err_msg=f"yq: path {path}, {nt} threads, {case}")
+
+
+@st.composite
+def row_tile_cases(draw):
+    # output rows of 8, 16 or 32 pixels: with an image per job (N=9), VNNI tiles take whole rows from the grid
+    # (8: P a multiple of 4, 16: P even, 32: any P; other P and N=1, runs of one image, take the usual tiles)
+    H, W, K, S = draw(st.sampled_from([(8, 8, 3, 1), (12, 8, 3, 1), (10, 8, 3, 1), (8, 8, 1, 1), (16, 16, 3, 1),
+                                       (6, 16, 3, 1), (7, 16, 3, 1), (32, 32, 3, 2), (16, 16, 3, 2), (4, 16, 1, 1), (3, 32, 3, 1),
+                                       (2, 32, 1, 1), (5, 64, 3, 2)]))
+    return dict(N=draw(st.sampled_from([1, 9])), C=draw(st.sampled_from([3, 5, 16, 17])),
+                O=draw(st.sampled_from([5, 8, 13, 24])), H=H, W=W, K=K, S=S, z=draw(ZPS), zq=draw(ZPS),
+                relu=draw(st.booleans()), out=draw(st.sampled_from(["y", "yq", "both"])),
+                shortcut=draw(st.sampled_from(["none", "float", "uint8"])), seed=draw(st.integers(0, 2 ** 31)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=row_tile_cases())
+def test_conv2d_whole_row_tiles_are_exact(case):
+    rng = np.random.default_rng(case["seed"])
+    N, C, O, H, W, K, S = (case[k] for k in ("N", "C", "O", "H", "W", "K", "S"))
+    pad = K // 2
+    xq = _uint8(rng, (N, C, H, W), False)
+    wq = _int8w(rng, (O, C, K, K), False)
+    scale, bias = _epilogue_args(rng, O, "small")
+    packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+    y0 = conv_model(xq, case["z"], wq, bias, scale, S, pad, False)
+    rf = rq = None
+    if case["shortcut"] == "float":
+        rf = (rng.standard_normal(y0.shape) * np.abs(y0).max()).astype(np.float32)
+    elif case["shortcut"] == "uint8":
+        rq = rng.integers(0, 256, y0.shape, dtype=np.uint8)
+    if case["shortcut"] == "none":
+        ref = conv_model(xq, case["z"], wq, bias, scale, S, pad, case["relu"])
+    else:
+        ref = residual_model(y0, rf, rq, 0.031, 17, case["relu"])
+    for path in PATHS:
+        for nt in (1, 2):
+            y = np.full(ref.shape, np.nan, np.float32) if case["out"] != "yq" else None
+            yq = np.full(ref.shape, 7, np.uint8) if case["out"] != "y" else None
+            old = _int8._use_path(path)
+            try:
+                _int8.conv2d_forward(xq, case["z"], packed, row_sums, O, K, S, pad, scale, bias, y, case["relu"], nt,
+                                     yq=yq, yq_scale=0.0173, yq_zero_point=case["zq"], residual=rf, residual_q=rq,
+                                     residual_scale=0.031, residual_zero_point=17)
+            finally:
+                _int8._use_path(old)
+            msg = f"path {path}, {nt} threads, {case}"
+            if y is not None:
+                np.testing.assert_array_equal(y, ref, err_msg=msg)
+            if yq is not None:
+                np.testing.assert_array_equal(yq, quantize_model(ref, np.float32(0.0173), case["zq"]), err_msg=msg)
+
+
+def test_conv2d_requantizes_ties_exactly():
+    # outputs on and next to half-integers of the next layer's scale: the epilogue's product by the reciprocal
+    # is redone as a division for the pair of vectors holding such a lane, as the quantize pass does
+    rng = np.random.default_rng(9)
+    for sq, sc in ((2.0, 1.0), (0.1, 0.05), (0.3, 0.15), (1 / 3, 1 / 6)):
+        for shortcut in (False, True):
+            xq = rng.integers(0, 256, (9, 4, 8, 8), dtype=np.uint8)
+            wq = rng.integers(-3, 4, (11, 4, 3, 3), dtype=np.int8)
+            scale = np.full(11, sc, np.float32)
+            packed, row_sums = _int8.pack_weights(wq.reshape(11, -1))
+            y0 = conv_model(xq, 128, wq, None, scale, 1, 1, False)
+            rq = rng.integers(0, 256, y0.shape, dtype=np.uint8) if shortcut else None
+            ref = residual_model(y0, None, rq, sc, 100, True) if shortcut else np.maximum(y0, np.float32(0))
+            want = quantize_model(ref, np.float32(sq), 3)
+            for path in PATHS:
+                yq = np.empty(ref.shape, np.uint8)
+                old = _int8._use_path(path)
+                try:
+                    _int8.conv2d_forward(xq, 128, packed, row_sums, 11, 3, 1, 1, scale, None, None, True, 1, yq=yq,
+                                         yq_scale=sq, yq_zero_point=3, residual_q=rq, residual_scale=sc,
+                                         residual_zero_point=100)
+                finally:
+                    _int8._use_path(old)
+                np.testing.assert_array_equal(yq, want, err_msg=f"{path} sq={sq} shortcut={shortcut}")
+
+
+def test_conv2d_partial_channel_groups_on_narrow_and_wide_rows():
+    # a group of 1-3 channels (a first layer's RGB) fills the missing ones from a row of the zero point, up to
+    # rows of 512 pixels; wider rows take the per-channel loop
+    rng = np.random.default_rng(5)
+    for W in (5, 37, 512, 513, 600):
+        for C in (1, 2, 3, 6):
+            for K, S, pad in ((3, 1, 1), (3, 2, 1), (2, 2, 0), (5, 1, 2)):
+                xq = rng.integers(0, 256, (2, C, 3, W), dtype=np.uint8)
+                wq = rng.integers(-127, 128, (5, C, K, K), dtype=np.int8)
+                scale, bias = _epilogue_args(rng, 5, "small")
+                packed, row_sums = _int8.pack_weights(wq.reshape(5, -1))
+                ref = conv_model(xq, 201, wq, bias, scale, S, pad, True)
+                for path in PATHS:
+                    y = np.full(ref.shape, np.nan, np.float32)
+                    old = _int8._use_path(path)
+                    try:
+                        _int8.conv2d_forward(xq, 201, packed, row_sums, 5, K, S, pad, scale, bias, y, True, 2)
+                    finally:
+                        _int8._use_path(old)
+                    np.testing.assert_array_equal(y, ref, err_msg=f"{path} W={W} C={C} K={K} S={S} pad={pad}")
+
+
+def test_conv2d_stride2_grid_rows_of_every_width_and_phase():
+    # stride-2 grids take 16 columns of a phase from 32 bytes of the row: the even bytes, or the odd ones of the
+    # window one byte earlier where the even window would pass the row's end; widths about 32 and 64 with
+    # every padding meet both windows and the scalar tail (the last image's last row ends the input buffer)
+    rng = np.random.default_rng(3)
+    for W in (30, 31, 32, 33, 34, 63, 64, 65):
+        for K, pad in ((3, 0), (3, 1), (3, 2), (5, 2), (2, 0), (1, 0)):
+            for N, C in ((1, 4), (6, 8), (2, 5)):
+                xq = rng.integers(0, 256, (N, C, 5, W), dtype=np.uint8)
+                wq = rng.integers(-127, 128, (9, C, K, K), dtype=np.int8)
+                scale, bias = _epilogue_args(rng, 9, "small")
+                packed, row_sums = _int8.pack_weights(wq.reshape(9, -1))
+                ref = conv_model(xq, 99, wq, bias, scale, 2, pad, False)
+                for path in PATHS:
+                    y = np.full(ref.shape, np.nan, np.float32)
+                    old = _int8._use_path(path)
+                    try:
+                        _int8.conv2d_forward(xq, 99, packed, row_sums, 9, K, 2, pad, scale, bias, y, False, 1)
+                    finally:
+                        _int8._use_path(old)
+                    np.testing.assert_array_equal(y, ref, err_msg=f"{path} W={W} K={K} pad={pad} N={N} C={C}")
+
+
+@st.composite
 def dw_cases(draw):
     KH, KW = draw(st.sampled_from([1, 3, 5])), draw(st.sampled_from([1, 3, 5]))
     ph, pw = draw(st.integers(0, KH - 1)), draw(st.integers(0, KW - 1))
@@ -703,7 +861,9 @@ def _child_code():
         fails = []
         for N, C, O, H, W, K, S, pad, z in ((2, 5, 17, 9, 7, 3, 2, 1, 255), (1, 16, 70, 8, 8, 3, 1, 1, 0),
                                             (3, 3, 8, 6, 11, 5, 1, 2, 128), (1, 9, 16, 7, 7, 1, 2, 0, 77),
-                                            (1, 2, 4, 9, 9, 7, 3, 3, 5)):
+                                            (1, 2, 4, 9, 9, 7, 3, 3, 5), (2, 7, 20, 5, 7, 1, 1, 0, 33),
+                                            (9, 17, 24, 8, 8, 1, 1, 0, 200), (9, 5, 13, 8, 8, 3, 1, 1, 40),
+                                            (8, 6, 10, 32, 32, 3, 2, 1, 90)):
             for extreme in (False, True):
                 xq = rng.choice(np.array([0, 255], np.uint8), (N, C, H, W)) if extreme else \\
                     rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)

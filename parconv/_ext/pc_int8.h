@@ -112,6 +112,33 @@ static inline __m512i pci8_q16(__m512 xv, __m512 vr, __m512 vs, int fast, __m512
     k = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(k, vz), _mm512_setzero_si512()), _mm512_set1_epi32(255));
     return _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), vz);
 }
+
+/* pci8_q16 on two vectors with one near-tie test and branch for both (a vector redone with the division
+ * gives the same integers where the product was not near a tie, so redoing both changes no bit). */
+static inline void pci8_q16x2(__m512 x0, __m512 x1, __m512 vr, __m512 vs, int fast, __m512i vz, __m512i *k0,
+                              __m512i *k1)
+{
+    const __m512 lo = _mm512_set1_ps(-1024.0f), hi = _mm512_set1_ps(1024.0f), tie = _mm512_set1_ps(0.499f);
+    __m512 v0 = fast ? _mm512_mul_ps(x0, vr) : _mm512_div_ps(x0, vs);
+    __m512 v1 = fast ? _mm512_mul_ps(x1, vr) : _mm512_div_ps(x1, vs);
+    __m512 c0 = _mm512_min_ps(_mm512_max_ps(v0, lo), hi), c1 = _mm512_min_ps(_mm512_max_ps(v1, lo), hi);
+    __m512i i0 = _mm512_cvtps_epi32(c0), i1 = _mm512_cvtps_epi32(c1);
+    if (fast) {
+        __mmask16 m0 = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(c0, _mm512_cvtepi32_ps(i0))), tie, _CMP_GT_OQ);
+        __mmask16 m1 = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(c1, _mm512_cvtepi32_ps(i1))), tie, _CMP_GT_OQ);
+        if (m0 | m1) {
+            v0 = _mm512_div_ps(x0, vs);
+            v1 = _mm512_div_ps(x1, vs);
+            i0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v0, lo), hi));
+            i1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v1, lo), hi));
+        }
+    }
+    const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
+    i0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(i0, vz), zero), top);
+    i1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(i1, vz), zero), top);
+    *k0 = _mm512_mask_mov_epi32(i0, _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q), vz);
+    *k1 = _mm512_mask_mov_epi32(i1, _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q), vz);
+}
 #endif
 
 /* out = clamp(rint(x / scale) + zp, 0, 255), NaN -> zp, x / scale rounded in float32.
@@ -219,6 +246,8 @@ static inline int pci8_phase_cols(int b, int pad, int S, int W, int Wg, int *lo,
     return off;
 }
 
+#define PCI8_ZROW 512 /* widest row a group of fewer than 4 channels pads with a row of z */
+
 /* One channel group of one image's grid: channels 4cg..4cg+3 of x (C, H, W), padded by pad
  * with z, split into nph x nph stride phases of Hg x Wg, channels interleaved:
  * dst[((a * nph + b) * Hg + gh) * Wg + gw][j] = x[4cg + j][gh * S + a - pad][gw * S + b - pad]. */
@@ -227,17 +256,49 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
 {
     const uint8_t *src[4];
     int nc = C - 4 * cg < 4 ? C - 4 * cg : 4;
+    if (S == 1 && pad == 0) {
+        /* one phase, rows unpadded (Wg == W): the group's planes are interleaved as one row, so
+         * narrow maps (a pointwise layer's 8x8) still reach the 16-pixel vector loop */
+        pc_idx n = (pc_idx)H * W, i = 0;
+        for (int j = 0; j < nc; j++) src[j] = x + (pc_idx)(4 * cg + j) * n;
+        if (nc == 4) {
+#if defined(__SSE2__)
+            for (; i + 16 <= n; i += 16)
+                pci8_interleave4(_mm_loadu_si128((const __m128i *)(src[0] + i)),
+                                 _mm_loadu_si128((const __m128i *)(src[1] + i)),
+                                 _mm_loadu_si128((const __m128i *)(src[2] + i)),
+                                 _mm_loadu_si128((const __m128i *)(src[3] + i)), dst + i * 4);
+#endif
+            for (; i < n; i++) {
+                dst[i * 4] = src[0][i];
+                dst[i * 4 + 1] = src[1][i];
+                dst[i * 4 + 2] = src[2][i];
+                dst[i * 4 + 3] = src[3][i];
+            }
+        } else {
+            memset(dst, z, (size_t)n * 4);
+            for (int j = 0; j < nc; j++)
+                for (pc_idx k = 0; k < n; k++) dst[k * 4 + j] = src[j][k];
+        }
+        return;
+    }
+    /* a group of fewer than 4 channels (a first layer's 3) reads a row of z for the missing ones, so it
+     * takes the vector loops too */
+    uint8_t zrow[PCI8_ZROW];
+    const int nv = nc < 4 && W <= PCI8_ZROW ? 4 : nc;
+    if (nv != nc) memset(zrow, z, (size_t)W);
     for (int a = 0; a < nph; a++) {
         for (int b = 0; b < nph; b++) {
             int lo, hi, off = pci8_phase_cols(b, pad, S, W, Wg, &lo, &hi);
             for (int gh = 0; gh < Hg; gh++) {
                 uint8_t *d = dst + (((pc_idx)a * nph + b) * Hg + gh) * Wg * 4;
                 int h = gh * S + a - pad;
-                if (h < 0 || h >= H || nc < 4) memset(d, z, (size_t)Wg * 4);
+                if (h < 0 || h >= H || nv < 4) memset(d, z, (size_t)Wg * 4);
                 if (h < 0 || h >= H) continue;
                 for (int j = 0; j < nc; j++) src[j] = x + ((pc_idx)(4 * cg + j) * H + h) * W + off;
+                for (int j = nc; j < nv; j++) src[j] = zrow + off; /* read at [off + lo, off + hi): inside */
                 memset(d, z, (size_t)lo * 4);
-                if (nc == 4 && S == 1) {
+                if (nv == 4 && S == 1) {
                     const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
                     int gw = lo;
 #if defined(__SSE2__)
@@ -249,6 +310,15 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
                         __m128i r3 = _mm_loadu_si128((const __m128i *)(s3 + gw));
                         pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
                     }
+                    /* 8 at a time: rows of an 8x8 map (Wg 10 with padding) never reach the loop above */
+                    for (; gw + 8 <= hi; gw += 8) {
+                        __m128i l01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(s0 + gw)),
+                                                        _mm_loadl_epi64((const __m128i *)(s1 + gw)));
+                        __m128i l23 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(s2 + gw)),
+                                                        _mm_loadl_epi64((const __m128i *)(s3 + gw)));
+                        _mm_storeu_si128((__m128i *)(d + (pc_idx)gw * 4), _mm_unpacklo_epi16(l01, l23));
+                        _mm_storeu_si128((__m128i *)(d + (pc_idx)gw * 4 + 16), _mm_unpackhi_epi16(l01, l23));
+                    }
 #endif
                     for (; gw < hi; gw++) {
                         d[gw * 4] = s0[gw];
@@ -256,21 +326,33 @@ static inline void pci8_grid_group(const uint8_t *restrict x, int C, int H, int 
                         d[gw * 4 + 2] = s2[gw];
                         d[gw * 4 + 3] = s3[gw];
                     }
-                } else if (nc == 4) {
+                } else if (nv == 4) {
                     const uint8_t *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
                     int gw = lo;
 #if defined(__SSE2__)
                     if (S == 2) {
                         /* even bytes of 32 (this phase's columns) from each row, then interleaved */
                         const __m128i even = _mm_set1_epi16(0x00FF);
-                        /* gw + 17 <= hi: the odd byte after the last even one is still in the row */
-                        for (; gw + 17 <= hi; gw += 16) {
+                        /* the 32 bytes read stay in the row: from the first column when the odd byte
+                         * after the last even one is in it, else from the byte before (the odd bytes) */
+                        for (; gw + 16 <= hi; gw += 16) {
                             pc_idx w = (pc_idx)gw * 2;
+                            if (2 * gw + off + 32 <= W) {
 #define PCI8_EVEN(p) _mm_packus_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w)), even), \
                                       _mm_and_si128(_mm_loadu_si128((const __m128i *)((p) + w + 16)), even))
-                            __m128i r0 = PCI8_EVEN(s0), r1 = PCI8_EVEN(s1), r2 = PCI8_EVEN(s2), r3 = PCI8_EVEN(s3);
+                                __m128i r0 = PCI8_EVEN(s0), r1 = PCI8_EVEN(s1), r2 = PCI8_EVEN(s2),
+                                        r3 = PCI8_EVEN(s3);
 #undef PCI8_EVEN
-                            pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
+                                pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
+                            } else if (2 * gw + off >= 1) {
+#define PCI8_ODD(p) _mm_packus_epi16(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)((p) + w - 1)), 8), \
+                                     _mm_srli_epi16(_mm_loadu_si128((const __m128i *)((p) + w + 15)), 8))
+                                __m128i r0 = PCI8_ODD(s0), r1 = PCI8_ODD(s1), r2 = PCI8_ODD(s2), r3 = PCI8_ODD(s3);
+#undef PCI8_ODD
+                                pci8_interleave4(r0, r1, r2, r3, d + (pc_idx)gw * 4);
+                            } else {
+                                break;
+                            }
                         }
                     }
 #endif
@@ -451,14 +533,26 @@ static void pci8_px_avx2(const uint8_t *restrict xg, const int *restrict off, in
 /* Declares the 16 accumulators a00..a71 (8 channels x 32 pixels) in the caller and sums the Kg
  * groups of xg (at off[]) x w into them; a macro, not a function, so that every variant keeps
  * them in registers for its own epilogue. */
-#define PCI8_VNNI_ACCUMULATE()                                                                          \
+#define PCI8_VNNI_ACCUMULATE() PCI8_VNNI_ACCUMULATE_ROWS(64, 0)
+/* The same with the tile's lanes taken from grid rows RS bytes apart: Q8 0, lanes 0-15 and 16-31 from
+ * two rows (16-pixel outputs rows); Q8 1, four 8-pixel quarters from four rows (8-pixel output rows).
+ * The tile then covers whole output rows and no padding column (PCI8_ROWS_OK). */
+#define PCI8_VNNI_ACCUMULATE_ROWS(RS, Q8)                                                               \
     __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, \
             a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00; \
     for (int g = 0; g < Kg; g++) {                                                                      \
         const uint8_t *p = xg + (pc_idx)off[g] * 4;                                                     \
         const int8_t *wg = w + (pc_idx)g * 64;                                                          \
-        __m512i x0 = _mm512_loadu_si512((const void *)p);                                               \
-        __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));                                        \
+        __m512i x0, x1;                                                                                 \
+        if (Q8) {                                                                                       \
+            x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),     \
+                                    _mm256_loadu_si256((const __m256i *)(p + (RS))), 1);                \
+            x1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2 * (RS)))), \
+                                    _mm256_loadu_si256((const __m256i *)(p + 3 * (RS))), 1);            \
+        } else {                                                                                        \
+            x0 = _mm512_loadu_si512((const void *)p);                                                   \
+            x1 = _mm512_loadu_si512((const void *)(p + (RS)));                                          \
+        }                                                                                               \
         PCI8_VNNI_STEP(0);                                                                              \
         PCI8_VNNI_STEP(1);                                                                              \
         PCI8_VNNI_STEP(2);                                                                              \
@@ -517,8 +611,10 @@ typedef struct {
                 }                                                                                 \
             }                                                                                     \
             if (yq != NULL) { /* the next layer's input: pci8_quantize's arithmetic (pci8_q16) */ \
-                const __m128i b0 = _mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz));         \
-                const __m128i b1 = _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz));         \
+                __m512i k0, k1;                                                                   \
+                pci8_q16x2(v0, v1, vr, vs, qfast, vz, &k0, &k1);                                  \
+                const __m128i b0 = _mm512_cvtepi32_epi8(k0);                                      \
+                const __m128i b1 = _mm512_cvtepi32_epi8(k1);                                      \
                 uint8_t *qj = yq + (j) * PQ;                                                      \
                 for (int k = 0; k < runs->n; k++) {                                               \
                     _mm_mask_storeu_epi8(qj + runs->base[k], runs->m0[k], b0);                    \
@@ -531,24 +627,30 @@ typedef struct {
 /* pci8_px_vnni with the epilogue on the registers (sums that fit int32 only): oe of the 8
  * channels are real; y points at the first one's output plane (PQ floats per channel), or is
  * NULL; yq (or NULL) likewise receives the values quantized with (qs, qz) for the next layer. */
-PCI8_VNNI_TARGET
-static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
-                             int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,
-                             const pci8_runs *restrict runs, float *y, pc_idx PQ, uint8_t *yq, float qs, int qz)
-{
-    const int qfast = qs > 1e-37f && qs < 1e37f;
-    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);
-    const __m512i vz = _mm512_set1_epi32(qz);
-    PCI8_VNNI_ACCUMULATE();
-    PCI8_VNNI_EPI(0);
-    PCI8_VNNI_EPI(1);
-    PCI8_VNNI_EPI(2);
-    PCI8_VNNI_EPI(3);
-    PCI8_VNNI_EPI(4);
-    PCI8_VNNI_EPI(5);
-    PCI8_VNNI_EPI(6);
-    PCI8_VNNI_EPI(7);
-}
+#define PCI8_DEF_VNNI_EPI(NAME, RS, Q8)                                                                     \
+    PCI8_VNNI_TARGET                                                                                        \
+    static void NAME(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,   \
+                     int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,              \
+                     const pci8_runs *restrict runs, float *y, pc_idx PQ, uint8_t *yq, float qs, int qz,       \
+                     pc_idx rs)                                                                             \
+    {                                                                                                       \
+        const int qfast = qs > 1e-37f && qs < 1e37f;                                                        \
+        const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);                              \
+        const __m512i vz = _mm512_set1_epi32(qz);                                                          \
+        (void)rs;                                                                                           \
+        PCI8_VNNI_ACCUMULATE_ROWS(RS, Q8);                                                                  \
+        PCI8_VNNI_EPI(0);                                                                                   \
+        PCI8_VNNI_EPI(1);                                                                                   \
+        PCI8_VNNI_EPI(2);                                                                                   \
+        PCI8_VNNI_EPI(3);                                                                                   \
+        PCI8_VNNI_EPI(4);                                                                                   \
+        PCI8_VNNI_EPI(5);                                                                                   \
+        PCI8_VNNI_EPI(6);                                                                                   \
+        PCI8_VNNI_EPI(7);                                                                                   \
+    }
+PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi, 64, 0)
+PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows, rs, 0)
+PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows8, rs, 1)
 
 /* PCI8_VNNI_EPI with the residual block's shortcut added before the ReLU (pci8_epi_run_res's arithmetic):
  * the shortcut's lanes come from the same runs of output pixels as the stores go to. */
@@ -590,9 +692,10 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
                 }                                                                                 \
             }                                                                                     \
             if (yq != NULL) {                                                                     \
+                __m512i k0, k1;                                                                   \
+                pci8_q16x2(v0, v1, vr, vs, qfast, vz, &k0, &k1);                                  \
                 const __m256i q = _mm256_inserti128_si256(                                        \
-                    _mm256_castsi128_si256(_mm512_cvtepi32_epi8(pci8_q16(v0, vr, vs, qfast, vz))),    \
-                    _mm512_cvtepi32_epi8(pci8_q16(v1, vr, vs, qfast, vz)), 1);                    \
+                    _mm256_castsi128_si256(_mm512_cvtepi32_epi8(k0)), _mm512_cvtepi32_epi8(k1), 1); \
                 uint8_t *qj = yq + (j) * PQ;                                                      \
                 for (int k = 0; k < runs->n; k++)                                                 \
                     _mm256_mask_storeu_epi8(qj + runs->base[k], m32[k], q);                       \
@@ -602,28 +705,32 @@ static void pci8_px_vnni_epi(const uint8_t *restrict xg, const int *restrict off
 
 /* pci8_px_vnni_epi for the last convolution of a residual block: the shortcut, rf (float32) or rq (uint8
  * with scale rs and zero point rz), at the first channel's plane as y, is added before the ReLU. */
-PCI8_VNNI_TARGET
-static void pci8_px_vnni_epi_res(const uint8_t *restrict xg, const int *restrict off, int Kg,
-                                 const int8_t *restrict w, int oe, const int32_t *restrict zb32,
-                                 const float *restrict scale, int relu, const pci8_runs *restrict runs, float *y,
-                                 pc_idx PQ, uint8_t *yq, float qs, int qz, const float *rf, const uint8_t *rq,
-                                 float rs, int rz)
-{
-    const int qfast = qs > 1e-37f && qs < 1e37f;
-    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);
-    const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);
-    __mmask32 m32[PCI8_TILE];
-    for (int k = 0; k < runs->n; k++) m32[k] = (__mmask32)runs->m0[k] | (__mmask32)runs->m1[k] << 16;
-    PCI8_VNNI_ACCUMULATE();
-    PCI8_VNNI_EPI_RES(0);
-    PCI8_VNNI_EPI_RES(1);
-    PCI8_VNNI_EPI_RES(2);
-    PCI8_VNNI_EPI_RES(3);
-    PCI8_VNNI_EPI_RES(4);
-    PCI8_VNNI_EPI_RES(5);
-    PCI8_VNNI_EPI_RES(6);
-    PCI8_VNNI_EPI_RES(7);
-}
+#define PCI8_DEF_VNNI_EPI_RES(NAME, RS, Q8)                                                                 \
+    PCI8_VNNI_TARGET                                                                                        \
+    static void NAME(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,   \
+                     int oe, const int32_t *restrict zb32, const float *restrict scale, int relu,              \
+                     const pci8_runs *restrict runs, float *y, pc_idx PQ, uint8_t *yq, float qs, int qz,       \
+                     const float *rf, const uint8_t *rq, float rs, int rz, pc_idx rstride)                  \
+    {                                                                                                       \
+        const int qfast = qs > 1e-37f && qs < 1e37f;                                                        \
+        const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);    \
+        const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);                             \
+        __mmask32 m32[PCI8_TILE];                                                                           \
+        (void)rstride;                                                                                      \
+        for (int k = 0; k < runs->n; k++) m32[k] = (__mmask32)runs->m0[k] | (__mmask32)runs->m1[k] << 16;  \
+        PCI8_VNNI_ACCUMULATE_ROWS(RS, Q8);                                                                  \
+        PCI8_VNNI_EPI_RES(0);                                                                               \
+        PCI8_VNNI_EPI_RES(1);                                                                               \
+        PCI8_VNNI_EPI_RES(2);                                                                               \
+        PCI8_VNNI_EPI_RES(3);                                                                               \
+        PCI8_VNNI_EPI_RES(4);                                                                               \
+        PCI8_VNNI_EPI_RES(5);                                                                               \
+        PCI8_VNNI_EPI_RES(6);                                                                               \
+        PCI8_VNNI_EPI_RES(7);                                                                               \
+    }
+PCI8_DEF_VNNI_EPI_RES(pci8_px_vnni_epi_res, 64, 0)
+PCI8_DEF_VNNI_EPI_RES(pci8_px_vnni_epi_res_rows, rstride, 0)
+PCI8_DEF_VNNI_EPI_RES(pci8_px_vnni_epi_res_rows8, rstride, 1)
 #endif
 
 #if defined(PCI8_VNNI_CODE)
@@ -727,6 +834,53 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
     int seg_lane[PCI8_TILE], seg_len[PCI8_TILE];
     pc_idx seg_dst[PCI8_TILE];
     (void)w16;
+#if defined(PCI8_VNNI_CODE)
+    /* Output rows of 32, 16 or 8 pixels: a tile takes whole rows from the grid (1, 2 or 4, Wg * 4 bytes apart),
+     * so no lane is spent on a padding column (an 8x8 map with padding 1: 64 lanes instead of 80). Without
+     * padding columns (Wg == Q) the plain tiles are already dense. */
+    if (path == PCI8_VNNI && !wide && s0 == 0 && s1 >= s_end && Wg != Q &&
+        (Q == 32 || (Q == 16 && P % 2 == 0) || (Q == 8 && P % 4 == 0))) {
+        const int rpt = PCI8_TILE / Q;
+        pci8_runs runs;
+        runs.n = 1;
+        runs.m0[0] = runs.m1[0] = (__mmask16)0xFFFF;
+        for (int p0 = 0; p0 < P; p0 += rpt) {
+            const uint8_t *xt = grid + (pc_idx)p0 * Wg * 4;
+            runs.base[0] = (pc_idx)p0 * Q; /* the tile's 32 lanes are outputs p0 * Q .. p0 * Q + 31 */
+            if (res && p0 + rpt < P)
+                for (int o = 0; o < O; o++) {
+                    if (rf != NULL) {
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + runs.base[0] + PCI8_TILE);
+                        __builtin_prefetch(rf + (pc_idx)o * PQ + runs.base[0] + PCI8_TILE + 16);
+                    } else {
+                        __builtin_prefetch(rq + (pc_idx)o * PQ + runs.base[0] + PCI8_TILE);
+                    }
+                }
+            for (int o0 = 0; o0 < O; o0 += PCI8_OB) {
+                const int8_t *wp = w8 + (pc_idx)(o0 / 16) * Kg * 64 + (o0 % 16) * 4;
+                int oe = O - o0 < PCI8_OB ? O - o0 : PCI8_OB;
+                float *yo = y != NULL ? y + (pc_idx)o0 * PQ : NULL;
+                uint8_t *qo = yq != NULL ? yq + (pc_idx)o0 * PQ : NULL;
+                const float *ro = rf != NULL ? rf + (pc_idx)o0 * PQ : NULL;
+                const uint8_t *rqo = rq != NULL ? rq + (pc_idx)o0 * PQ : NULL;
+                pc_idx rsb = Q == 32 ? 64 : (pc_idx)Wg * 4; /* the second vector: the row's next 16, or the next row */
+                if (res && Q == 8)
+                    pci8_px_vnni_epi_res_rows8(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs,
+                                               qz, ro, rqo, rs, rz, rsb);
+                else if (res)
+                    pci8_px_vnni_epi_res_rows(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs,
+                                              qz, ro, rqo, rs, rz, rsb);
+                else if (Q == 8)
+                    pci8_px_vnni_epi_rows8(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs, qz,
+                                           rsb);
+                else
+                    pci8_px_vnni_epi_rows(xt, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo, qs, qz,
+                                          rsb);
+            }
+        }
+        return;
+    }
+#endif
     for (pc_idx s = s0; s < s1 && s < s_end; s += PCI8_TILE) {
         if (res) {
             /* the next tile's shortcut, one stream per channel plane (too many for the hardware prefetchers):
@@ -784,10 +938,10 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
                 else if (res)
                     pci8_px_vnni_epi_res(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ,
                                          qo, qs, qz, rf != NULL ? rf + (pc_idx)o0 * PQ : NULL,
-                                         rq != NULL ? rq + (pc_idx)o0 * PQ : NULL, rs, rz);
+                                         rq != NULL ? rq + (pc_idx)o0 * PQ : NULL, rs, rz, 64);
                 else
                     pci8_px_vnni_epi(grid + s * 4, off, Kg, wp, oe, zb32 + o0, scale + o0, relu, &runs, yo, PQ, qo,
-                                     qs, qz);
+                                     qs, qz, 64);
             }
             continue;
         }
