@@ -26,6 +26,27 @@ DEVICE_BACKENDS = [b for b in BACKENDS if b != "numpy"]
 RTOL, ATOL = 1e-4, 1e-5
 
 
+def run_at_isa_level(level: str, code: str, timeout: int = 600) -> dict:
+    """Run ``code`` in a fresh interpreter with ``PARCONV_ISA=level`` (this tree's parconv first on the path)
+    and return the JSON object on the last line it prints; skips where the host or build cannot run ``level``."""
+    import json
+    import subprocess
+    import sys
+
+    from parconv import _ext
+
+    if level not in [lv for lv in _ext.STATE["built"] if lv in _ext.STATE["supported"]]:
+        pytest.skip(f"this host or build does not run the {level} level")
+    env = dict(os.environ)
+    env["PARCONV_ISA"] = level
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(pc.__file__))) + os.pathsep + \
+        env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="session", params=BACKENDS)
 def backend(request):
     """Every backend that loads on this machine (numpy, openmp, opencl, ...)."""

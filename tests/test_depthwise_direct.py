@@ -2,10 +2,7 @@
 as it stores), dx and dw against the NumPy oracle in float64, at every ISA level this host runs
 (each in its own process), bit-for-bit repeatable at a fixed thread count."""
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -14,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parconv as pc
+from conftest import run_at_isa_level
 
 ext = pytest.importorskip("parconv._ext")
 if not ext.STATE.get("built"):
@@ -22,8 +20,6 @@ if not ext.STATE.get("built"):
 from parconv._ext import _conv_general  # noqa: E402
 
 ORACLE = pc.backends.get("numpy")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
-RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
 
 
 def _out(n, k, s, lo, hi):
@@ -133,14 +129,6 @@ def _child_code():
 
 @pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
 def test_every_isa_level_matches_the_oracle(level):
-    if level not in RUNNABLE:
-        pytest.skip(f"this host or build does not run the {level} level")
-    env = dict(os.environ)
-    env["PARCONV_ISA"] = level
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-P", "-c", _child_code()], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_at_isa_level(level, _child_code())
     assert result["level"] == f"parconv._ext._isa_{level}._conv_general"
     assert result["fails"] == []

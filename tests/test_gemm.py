@@ -3,10 +3,6 @@ Linear -> ReLU step of a Sequential."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -15,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parconv as pc
-from conftest import assert_close, host, needs_torch, rand
+from conftest import assert_close, host, needs_torch, rand, run_at_isa_level
 
 ext = pytest.importorskip("parconv._ext")
 if not ext.STATE.get("built"):
@@ -23,8 +19,6 @@ if not ext.STATE.get("built"):
 
 from parconv._ext import _dense  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
-RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
 
 
 def _tol(k):
@@ -122,15 +116,7 @@ def _child_code():
 
 @pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
 def test_every_level_matches_float64_and_repeats_its_bits(level):
-    if level not in RUNNABLE:
-        pytest.skip(f"this host or build does not run the {level} level")
-    env = dict(os.environ)
-    env["PARCONV_ISA"] = level
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-P", "-c", _child_code()], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_at_isa_level(level, _child_code())
     assert result["level"] == level
     assert result["fails"] == []
     assert result["worst"] <= 1e-5, result

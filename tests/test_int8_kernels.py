@@ -10,9 +10,6 @@ they are drawn often.
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -25,9 +22,8 @@ if not ext.STATE.get("built"):
     pytest.skip("the compiled kernels are not built", allow_module_level=True)
 
 from parconv._ext import _int8  # noqa: E402
+from conftest import run_at_isa_level
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
-RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
 PATH_ORDER = ["portable", "avx2", "avx512_vnni"]
 # every path this process can run: the best and all below it
 PATHS = PATH_ORDER[:PATH_ORDER.index(_int8.path()) + 1]
@@ -969,17 +965,7 @@ def _child_code():
 
 @pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
 def test_every_level_is_exact(level):
-    if level not in RUNNABLE:
-        pytest.skip(f"this host or build does not run the {level} level")
-    env = dict(os.environ)
-    env["PARCONV_ISA"] = level
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-P", "-c", _child_code()], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_at_isa_level(level, _child_code())
     assert result["fails"] == []
     expected = {"generic": "portable", "avx2": "avx2"}.get(level)
     if expected is None:

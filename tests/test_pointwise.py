@@ -2,10 +2,7 @@
 bias and ReLU applied as it stores, and dx, against NumPy in float64 at every ISA level this host
 runs (each in its own process); the backend's 1x1 path against the oracle; bit-for-bit repeats."""
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -15,7 +12,7 @@ from hypothesis import strategies as st
 
 import parconv as pc
 import parconv.functional as F
-from conftest import assert_close, needs_torch
+from conftest import assert_close, needs_torch, run_at_isa_level
 
 ext = pytest.importorskip("parconv._ext")
 if not ext.STATE.get("built"):
@@ -23,8 +20,6 @@ if not ext.STATE.get("built"):
 
 from parconv._ext import _conv_general  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
-RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
 
 
 def _run_case(n, c, o, h, w, bias, scale, relu, seed, threads=1):
@@ -137,14 +132,6 @@ def _child_code():
 
 @pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
 def test_every_isa_level_matches_the_oracle(level):
-    if level not in RUNNABLE:
-        pytest.skip(f"this host or build does not run the {level} level")
-    env = dict(os.environ)
-    env["PARCONV_ISA"] = level
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-P", "-c", _child_code()], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_at_isa_level(level, _child_code())
     assert result["level"] == f"parconv._ext._isa_{level}._conv_general"
     assert result["fails"] == []

@@ -9,20 +9,19 @@ float32 rounding of the float64 result and repeat bit for bit at a fixed thread 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from conftest import run_at_isa_level
 
 ext = pytest.importorskip("parconv._ext")
 if not ext.STATE.get("built"):
     pytest.skip("the compiled kernels are not built", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__file__))))
-RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
 
 CHILD = textwrap.dedent("""
     import json, sys
@@ -147,15 +146,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
 def test_norm_sums_and_dot_gemm_agree_with_float64_at_every_level(level):
-    if level not in RUNNABLE:
-        pytest.skip(f"this host or build does not run the {level} level")
-    env = dict(os.environ)
-    env["PARCONV_ISA"] = level
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-P", "-c", CHILD], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_at_isa_level(level, CHILD)
     assert result["level"] == level
     assert result["fails"] == []
 
