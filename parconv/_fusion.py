@@ -237,6 +237,10 @@ class ConvBatchNormEval(_Fused):
         shift = ((0.0 if conv.bias is None else host(conv.bias.data)) - rm) * scale
         if bn.bias is not None:
             shift = shift + host(bn.bias.data)
+        o = conv.out_channels
+        if np.shape(scale) != (o,) or np.shape(shift) != (o,):  # the kernels read o of each
+            raise ValueError(f"{bn!r}: running_mean, running_var, weight and bias must have {o} entries "
+                             f"(the convolution's out_channels) to fold into it")
         if conv.simple:
             wf = be.asarray(scale.astype(np.float32))
         else:

@@ -105,6 +105,10 @@ class Parameter:
 
     @data.setter
     def data(self, value) -> None:
+        # fused steps read the layer's geometry from its parameters' arrays: a new array must keep the shape
+        if hasattr(self, "_data") and shape_of(value) != shape_of(self._data):
+            raise ValueError(f"Parameter.data: expected an array of shape {shape_of(self._data)}, got "
+                             f"{shape_of(value)}; assign an array of the same shape (or build a new layer)")
         self._data = value
         weights_changed()
 
@@ -501,6 +505,8 @@ class Conv2d(Layer):
         pad = "valid" if self.padding == "valid" else self.padding
         if pad == "valid":
             pad = (0, 0)
+        if pad == "same" and self.stride == (1, 1) and self.dilation == (1, 1) and all(k % 2 for k in self.kernel_size):
+            pad = ((self.kernel_size[0] - 1) // 2, (self.kernel_size[1] - 1) // 2)  # the same pads, as ints
         if (square and pad != "same" and self.stride[0] == self.stride[1] and pad[0] == pad[1]
                 and self.dilation == (1, 1) and self.groups == 1):
             return {"stride": self.stride[0], "padding": pad[0]}

@@ -81,6 +81,13 @@ def quantize_per_tensor(x, scale, zero_point) -> np.ndarray:
 def dequantize_per_tensor(q, scale, zero_point) -> np.ndarray:
     """ONNX ``DequantizeLinear`` from uint8: ``float32(q - zero_point) * float32(scale)`` (one rounding)."""
     q = np.asarray(q)
+    if q.dtype != np.uint8:
+        raise TypeError(f"dequantize_per_tensor: q must be uint8 (quantize_per_tensor's output), got {q.dtype}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+            or not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"dequantize_per_tensor: scale must be a finite number > 0, got {scale!r}")
+    if isinstance(zero_point, bool) or not isinstance(zero_point, (int, np.integer)) or not 0 <= zero_point <= 255:
+        raise ValueError(f"dequantize_per_tensor: zero_point must be an int in 0..255, got {zero_point!r}")
     return ((q.astype(np.int32) - int(zero_point)).astype(np.float32) * np.float32(scale)).astype(np.float32)
 
 
@@ -135,7 +142,13 @@ def requantize(acc, bias_q, scale, relu: bool = False, residual=None) -> np.ndar
         acc = acc + np.asarray(bias_q, dtype=np.int64).reshape(shape)
     y = acc.astype(np.float32) * np.asarray(scale, dtype=np.float32).reshape(shape)
     if residual is not None:
-        y = np.add(y, np.asarray(residual, dtype=np.float32), dtype=np.float32)
+        r = np.asarray(residual)
+        if r.dtype.kind != "f":
+            raise TypeError(f"requantize: residual must be float32 (dequantize a uint8 shortcut with "
+                            f"dequantize_per_tensor first), got {r.dtype}")
+        if r.shape != y.shape:
+            raise ValueError(f"requantize: residual must have the output's shape {y.shape}, got {r.shape}")
+        y = np.add(y, r.astype(np.float32, copy=False), dtype=np.float32)
     if relu:
         np.maximum(y, 0, out=y)
     return y

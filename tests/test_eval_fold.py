@@ -163,3 +163,36 @@ def test_folded_depthwise_block_matches_torch():
     with torch.no_grad():
         want = torch.relu(tbn(tconv(torch.from_numpy(x)))).numpy()
     assert_close(model(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_parameter_data_keeps_its_shape():
+    # fused steps size their kernels from the layer; a weight of another shape would be read out of bounds
+    lin = pc.Linear(64, 32, rng=0, backend="numpy")
+    with pytest.raises(ValueError, match=r"Parameter.data: expected an array of shape \(32, 64\), got \(32, 8\)"):
+        lin.weight.data = np.ones((32, 8), np.float32)
+    with pytest.raises(ValueError, match=r"expected an array of shape \(32,\), got \(3,\)"):
+        lin.bias.data = np.ones(3, np.float32)
+    lin.weight.data = np.ones((32, 64), np.float32)  # the same shape is fine
+
+
+def test_fold_refuses_statistics_of_another_length():
+    model = pc.Sequential(pc.Conv2d(3, 4, 3, padding=1, bias=False, rng=0), pc.BatchNorm2d(4, affine=False),
+                          backend="openmp" if "openmp" in pc.available_backends() else "numpy").eval()
+    model[1].running_mean = np.zeros(1, np.float32)
+    model[1].running_var = np.ones(1, np.float32)
+    step = [s.step for s in model.plan() if isinstance(s.step, _fusion.ConvBatchNormEval)]
+    if not step:
+        pytest.skip("this backend does not fold")
+    with pytest.raises(ValueError, match="must have 4 entries"):
+        step[0].folded()
+
+
+def test_same_padding_takes_the_square_kernels_path():
+    conv = pc.Conv2d(16, 16, 3, padding="same", rng=0)
+    assert conv.simple and conv._fargs == {"stride": 1, "padding": 1}
+    assert not pc.Conv2d(16, 16, (3, 5), padding="same", rng=0).simple
+    x = np.random.default_rng(0).standard_normal((2, 16, 7, 9)).astype(np.float32)
+    ref = pc.Conv2d(16, 16, 3, padding=1, rng=0, backend=conv.backend)
+    np.testing.assert_array_equal(pc.functional.conv2d(x, conv.weight.data, conv.bias.data, padding="same",
+                                                       backend=conv.backend), conv(x))
+    np.testing.assert_array_equal(ref(x), conv(x))

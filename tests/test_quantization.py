@@ -911,3 +911,20 @@ def test_qdq_load_refuses_malformed_quantization(tmp_path):
     with pytest.warns(UserWarning, match="-128"):
         loaded = pc.onnx.load(write(good, dict(base, w=np.full((3, 4), -128, np.int8)), "m128"), backend="numpy")
     assert [type(m).__name__ for m in loaded] == ["QuantDequant", "Linear"]
+
+
+def test_dequantize_and_requantize_refuse_what_they_would_misread():
+    q = np.array([0, 128, 255], np.uint8)
+    with pytest.raises(TypeError, match="q must be uint8"):
+        Q.dequantize_per_tensor(np.array([2.7, -5.0, 300.0]), 0.5, 128)
+    for scale in (-0.5, 0.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            Q.dequantize_per_tensor(q, scale, 3)
+    for zp in (3.9, -1, 256, True):
+        with pytest.raises(ValueError, match="zero_point must be an int in 0..255"):
+            Q.dequantize_per_tensor(q, 0.5, zp)
+    acc = np.zeros((1, 2, 3, 3), np.int64)
+    with pytest.raises(ValueError, match="residual must have the output's shape"):
+        Q.requantize(acc, None, np.ones(2, np.float32), residual=np.zeros((4, 2, 3, 3), np.float32))
+    with pytest.raises(TypeError, match="dequantize a uint8 shortcut"):
+        Q.requantize(acc, None, np.ones(2, np.float32), residual=np.full((1, 2, 3, 3), 200, np.uint8))

@@ -335,7 +335,7 @@ static void pcg_nn(const float *a, pc_idx rsa, pc_idx csa, const float *b, pc_id
 /* ------------------------------------------ C = act(A B^T + bias) as (B A^T)^T */
 
 /* The forward of a batch of at least PCG_T_MIN_ROWS rows runs in the broadcast form, whose tiles
- * are about twice as fast as the dot form's: x is transposed once into xt (F x ldt, ldt = N rounded
+ * are faster than the dot form's: x is transposed once into xt (F x ldt, ldt = N rounded
  * up to PCG_NN_NR, the extra columns zero), y^T = w xt is computed by tiles of PCG_NN_MR outputs x
  * PCG_NN_NR rows of the batch, and each tile is stored transposed, with the bias and the ReLU. */
 #define PCG_T_MIN_ROWS 32
