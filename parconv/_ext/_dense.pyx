@@ -1,7 +1,7 @@
 # Shape legend: N batch, F in-features, G out-features.
 # y = x @ w.T + b with x (N, F), w (G, F), b (G,), y (N, G).
 """linear (fully connected) kernels: the register-blocked GEMM of ``pc_gemm.h`` (``gemm=True``:
-the default where ``GEMM_PREFERRED``: the AVX-512 and AVX2 levels) or sgemm on blocks, one block
+the default where ``GEMM_PREFERRED``: the AVX-512 level) or sgemm on blocks, one block
 per thread; a layer with at most NARROW_MAX_G outputs (a classifier head) on the narrow kernels
 of ``pc_dense.h`` instead, which stream x once.
 

@@ -326,7 +326,7 @@ class OpenMPBackend(HostArrays, Backend):
 
     #: Run the other linear layers on the register-blocked GEMM of ``pc_gemm.h`` (bias and a
     #: fused ReLU applied as it stores) instead of the BLAS sgemm. None: where the kernels of the
-    #: ISA level in use beat or match the BLAS (``_dense.GEMM_PREFERRED``: the AVX-512 and AVX2 levels).
+    #: ISA level in use beat the BLAS (``_dense.GEMM_PREFERRED``: the AVX-512 level).
     gemm_linear: bool | None = None
 
     def __init__(self):
