@@ -41,15 +41,24 @@ DEFAULT_TOL = 1e-3
 BF16_TOL = 3e-2
 
 
+#: a Config's thread count meaning "none set": parconv's default (every core, each region's team
+#: capped at the cores other processes leave free) and PyTorch's own default
+DEFAULT_THREADS = -1
+_torch_default_threads = None
+
+
 @dataclass(frozen=True, order=True)
 class Config:
-    """One implementation at one thread count (0: a device backend that manages its own threads)."""
+    """One implementation at one thread count (0: a device backend that manages its own threads;
+    DEFAULT_THREADS: the library's own choice, no count set)."""
 
     impl: str
     threads: int
 
     @property
     def label(self) -> str:
+        if self.threads == DEFAULT_THREADS:
+            return f"{self.impl}@default"
         return f"{self.impl}@{self.threads if self.threads else 'device'}"
 
 
@@ -70,6 +79,27 @@ def thread_scope(impl_kind: str, n: int):
     if n == 0:
         yield
         return
+    if n == DEFAULT_THREADS:
+        if impl_kind == "torch":
+            import torch
+
+            global _torch_default_threads
+            if _torch_default_threads is None:
+                _torch_default_threads = torch.get_num_threads()  # before any config changed it
+            previous = torch.get_num_threads()
+            torch.set_num_threads(_torch_default_threads)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(previous)
+        else:
+            with pc.num_threads(None):
+                yield
+        return
+    if impl_kind == "torch" and _torch_default_threads is None:
+        import torch
+
+        _torch_default_threads = torch.get_num_threads()
     with threadpool_limits(limits=n, user_api="blas"):
         if impl_kind == "torch":
             import torch
@@ -464,7 +494,7 @@ def case_rows(timed: dict, flops: float | None, items: int | None) -> list[dict]
     for c, t in timed.items():
         by_impl.setdefault(c.impl, {})[c.threads] = t
     rows = []
-    for c in sorted(timed, key=lambda c: (c.impl, c.threads)):
+    for c in sorted(timed, key=lambda c: (c.impl, c.threads if c.threads >= 0 else 1 << 30)):
         t = timed[c]
         s = summarize(t.times)
         row = {"config": c.label, "impl": c.impl, "threads": c.threads, "times_s": t.times, "inner": t.inner, **s}

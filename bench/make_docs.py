@@ -53,7 +53,8 @@ def _configs(cases: list) -> list[str]:
     seen = {}
     for c in cases:
         for r in c["results"]:
-            seen[r["config"]] = (r["impl"] != "numpy", r["impl"] == "torch", r["impl"], r["threads"])
+            seen[r["config"]] = (r["impl"] != "numpy", r["impl"] == "torch", r["impl"],
+                                 r["threads"] if r["threads"] >= 0 else 1 << 30)  # @default last
     return sorted(seen, key=seen.get)
 
 

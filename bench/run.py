@@ -60,7 +60,7 @@ import harness  # noqa: E402
 from parconv._io import atomic_open  # noqa: E402
 import targets as targets_mod  # noqa: E402
 import workloads as W  # noqa: E402
-from harness import Config, compare_answers, thread_scope  # noqa: E402
+from harness import DEFAULT_THREADS, Config, compare_answers, thread_scope  # noqa: E402
 from machine import machine_info, physical_cores, reference_scaling, scaling_line, summary_line  # noqa: E402
 
 SCHEMA = 1
@@ -373,6 +373,8 @@ def configs_for(workload, impls, threads) -> list[Config]:
         serial = impl.name == "numpy" and not workload.numpy_all_threads
         for n in ([1] if serial else threads):
             out.append(Config(impl.name, n))
+        if workload.times_default_threads and not serial:
+            out.append(Config(impl.name, DEFAULT_THREADS))
     return out
 
 

@@ -132,7 +132,7 @@ def _contended(results: dict, backend: str) -> list[dict]:
         if not pr.get("busy"):
             continue
         dflt = pr.get("default_threads", THREADS)
-        cfg = f"{backend}@{dflt}"
+        cfg = f"{backend}@{'default' if dflt == -1 else dflt}"
         r = _row(case, backend, dflt)
         best = [x["median"] for x in (_row(case, backend, 1), _row(case, backend, 2)) if x and x.get("median")]
         value = min(best) / r["median"] if r and r.get("median") and best else None

@@ -26,6 +26,7 @@ import numpy as np
 import parconv as pc
 import parconv.functional as PF
 import twins  # torch is imported by its functions, when a twin is built
+from harness import DEFAULT_THREADS  # noqa: E402
 
 LOCAL_WORKLOADS = ("conv-small", "conv-large", "cnn-mnist", "cnn-5-50-100", "mlp-quadrants", "linear", "nets",
                    "contended")
@@ -511,6 +512,8 @@ class Workload:
     title = ""
     #: whether the NumPy backend is timed at every thread count (else at 1: the serial baseline)
     numpy_all_threads = False
+    #: also time each CPU implementation with no thread count set (Config DEFAULT_THREADS)
+    times_default_threads = False
     #: whether the NumPy backend is timed at all (else it is only the small-size oracle)
     numpy_timed = True
     per_layer = False
@@ -1027,8 +1030,10 @@ class Contended(Nets):
     name = "contended"
     precisions = ("fp32",)
     title = ("contended: cnn-mnist batch 100 and resnet20 batch 32 training steps with 0, 1 and 2 busy "
-             "processes (pure-Python loops) beside them; parconv at 1 and 2 threads and its default "
-             "(the core count) against PyTorch under the same load")
+             "processes (pure-Python loops) beside them; parconv at 1 and 2 threads and at its default "
+             "(no count set: every core, each parallel region's team capped at the cores the neighbours "
+             "leave free) against PyTorch (at 1, 2 and its default) under the same load")
+    times_default_threads = True
     # no wait for idle threads or for free cores (the neighbours take them on purpose): with
     # --wait-cores the core probe is still recorded before each multi-threaded sample
     harness_overrides = {"idle_wait": 0.0, "gap": 0.0, "wait_cores": 0.001}
@@ -1041,8 +1046,8 @@ class Contended(Nets):
             for k in busy:
                 c = self._case(net, "train", n, size)
                 c.name = f"{c.name}, {k} busy"
-                c.params = dict(c.params, busy=k, default_threads=pc._config._cpu_count())
-                c.note = f"{c.note}; default threads {pc._config._cpu_count()}"
+                c.params = dict(c.params, busy=k, default_threads=DEFAULT_THREADS)
+                c.note = f"{c.note}; default: {pc._config._cpu_count()} threads, teams capped under load"
                 out.append(c)
         return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 _lock = threading.Lock()
 _default_backend: str | None = None
@@ -197,11 +198,104 @@ def set_num_threads(n: int | None) -> None:
 
 
 def get_num_threads() -> int:
-    """Return the thread count the CPU backends use for the next call."""
+    """Return the thread count the CPU backends use for the next call.
+
+    With no count chosen (no :func:`set_num_threads`, no ``OMP_NUM_THREADS``)
+    this is every core the process may use, and each parallel region starts no
+    more threads than the cores other processes leave free (see
+    :func:`_watch_load`); the split of the work, and so every result, follows
+    the number returned here.
+    """
     n = _num_threads
+    if n is None:
+        n = _threads_from_env()
     if n is not None:
+        if _team_limit:
+            _set_team_limit(0)
         return n
-    return _threads_from_env() or _cpu_count()
+    n = _cpu_count()
+    if n > 1 and _adaptive and time.monotonic() >= _watch_next:
+        _watch_load(n)
+    return n
+
+
+# --- the team on a shared machine ---------------------------------------------------------------
+# A parallel region waits for its slowest thread. When other processes keep the cores busy, a
+# thread the OS has descheduled holds every region up by a time slice, and two threads on two
+# busy cores run slower than one. So with no thread count chosen, parconv reads how many tasks
+# are runnable besides its own (the run queue in /proc/loadavg, less this process's running
+# threads) and caps each region's team at the cores left free. The cap changes who takes the
+# chunks, never how the work is split: the results have the same bits whatever the load.
+
+_LOAD_EVERY_S = 0.03  # seconds between readings of the run queue
+_LOAD_READINGS = 3  # the cap follows the least busy of the last readings: a blip does not shrink the team
+_LOADAVG = "/proc/loadavg"  # tests point these at fakes
+_TASKS = "/proc/self/task"
+
+_adaptive = os.name == "posix"  # off for good once /proc cannot be read
+_watch_next = 0.0
+_readings: list = []
+_team_limit = 0  # the cap set on the kernel modules now (0: none)
+
+
+def _others_running() -> int | None:
+    """Runnable tasks on the machine that are not this process's threads; None without /proc."""
+    try:
+        with open(_LOADAVG, "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if running <= 1:  # only the thread reading
+        return 0
+    ours = 0
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        end = stat.rfind(b")")
+        if stat[end + 2:end + 3] == b"R":
+            ours += 1
+    return max(0, running - ours)
+
+
+def _watch_load(n: int) -> None:
+    """Read the run queue and set the regions' team cap for ``n`` default threads."""
+    global _adaptive, _watch_next
+    _watch_next = time.monotonic() + _LOAD_EVERY_S
+    others = _others_running()
+    if others is None:
+        _adaptive = False
+        if _team_limit:
+            _set_team_limit(0)
+        return
+    _readings.append(others)
+    del _readings[:-_LOAD_READINGS]
+    # busy tasks are spread over every online core; those left free are this process's to use
+    free = (os.cpu_count() or n) - min(_readings)
+    limit = 0 if free >= n else max(1, free)
+    if limit != _team_limit:
+        _set_team_limit(limit)
+
+
+def _set_team_limit(limit: int) -> None:
+    """Cap every chosen kernel module's parallel regions at ``limit`` threads (0: no cap)."""
+    global _team_limit
+    from ._ext import DISPATCH
+
+    for module in DISPATCH.values():
+        module._set_team_limit(limit)
+    _team_limit = limit
+
+
+def team_limit() -> int:
+    """The cap on the threads a parallel region starts now, 0 when there is none (for ``parconv info``)."""
+    return _team_limit
 
 
 @contextlib.contextmanager

@@ -434,6 +434,11 @@ def cmd_info(args) -> int:
     else:
         source = why
     print(f"cpu cores available: {cores} | threads: {pc.get_num_threads()} ({source})")
+    if source == why and cores > 1:
+        cap = pc._config.team_limit()
+        now = f"now at most {cap}, other processes are busy" if cap else "no cap now"
+        print(f"teams under load: each parallel region starts at most the cores other processes leave "
+              f"free ({now}); the results do not change; set a thread count to turn this off")
     try:
         from parconv._ext import WAIT_POLICY, _threads
 

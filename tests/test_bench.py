@@ -535,7 +535,9 @@ def test_contended_workload_checks_and_times_with_busy_neighbours(tmp_path):
     for case in cases:
         assert case["checks"] and all(c["ok"] for c in case["checks"]), case["name"]
         timed = {r["config"] for r in case["results"]}
-        assert {"openmp@1", "openmp@2"} <= timed and (not HAVE_TORCH or "torch@2" in timed), timed
+        # the default: no thread count set (parconv caps its teams under load), PyTorch's own default
+        assert {"openmp@1", "openmp@2", "openmp@default"} <= timed, timed
+        assert not HAVE_TORCH or {"torch@2", "torch@default"} <= timed, timed
     # quick mode evaluates no targets; their shape: one "default vs the better of 1 and 2" per loaded case
     entries = [e for e in _bench_module("targets").evaluate(results) if e["workload"] == "contended"]
     slack = [e for e in entries if e["target"].startswith("default threads")]
@@ -567,6 +569,19 @@ def test_contended_targets_compare_with_the_same_load_and_the_quiet_margin():
            for e in targets.evaluate(results) if e["workload"] == "contended"}
     assert got == {("resnet20 1 busy", "default"): (0.889, 0.8, True), ("resnet20 1 busy", "vs"): (2.0, 1.8, True),
                    ("resnet20 2 busy", "default"): (0.769, 0.8, False), ("resnet20 2 busy", "vs"): (1.5, 1.8, False)}
+
+    def case_default(busy, t1, t2, td, vs_torch):  # the run.py form: a row with no thread count set
+        c = case("resnet20", busy, t1, t2, None)
+        c["params"]["default_threads"] = -1
+        c["results"].append({"impl": "openmp", "threads": -1, "median": td, "vs_torch": vs_torch})
+        return c
+
+    results = {"workloads": {"contended": {"cases": [case_default(0, 60.0, 40.0, 41.0, 1.8),
+                                                     case_default(2, 100.0, 130.0, 110.0, 1.9)]}}}
+    got = {(e["case"], e["target"].split()[0]): (round(e["value"], 3), e["threshold"], e["ok"], e["config"])
+           for e in targets.evaluate(results) if e["workload"] == "contended"}
+    assert got == {("resnet20 2 busy", "default"): (0.909, 0.8, True, "openmp@default"),
+                   ("resnet20 2 busy", "vs"): (1.9, 1.8, True, "openmp@default")}
 
 
 def test_a_run_of_some_cases_merges_its_rows_into_the_page_table():

@@ -40,6 +40,9 @@ def test_info_lists_backends(capsys):
     out = capsys.readouterr().out
     assert "parconv" in out and "openmp build:" in out and "numpy    available" in out
     assert re.search(r"kernels: (avx512|avx2|generic)\b", out), out
+    default = pc._config._num_threads is None and pc._config._threads_from_env() is None
+    # with no count chosen, the team cap under load is shown
+    assert ("teams under load:" in out) == (default and pc._config._cpu_count() > 1), out
 
 
 def test_console_script_runs():

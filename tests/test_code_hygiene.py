@@ -87,7 +87,7 @@ def test_the_build_rebuilds_a_module_when_a_file_it_includes_changes():
     by_module = {pyx.stem: included(str(pyx)) for pyx in ext.glob("*.pyx")}  # any working directory
     conv = sorted(os.path.basename(f) for f in by_module["_conv"])
     assert conv == sorted(["_conv_direct.pxi", "_conv_winograd.pxi", "_conv_winograd4.pxi", "_conv_blas.pxi",
-                           "_conv_fused.pxi"])
+                           "_conv_fused.pxi", "_team.pxi"])
     every = {os.path.basename(f) for files in by_module.values() for f in files}
     assert {p.name for p in ext.glob("*.pxi")} <= every, "a .pxi no module includes"
     setup_text = (ROOT / "setup.py").read_text(encoding="utf-8")
@@ -162,8 +162,8 @@ def test_the_square_convolution_path_is_chosen_by_its_name(w_shape, stride, pads
 def test_every_parallel_loop_lets_a_free_thread_take_the_work():
     """A statically split loop waits at its barrier for the thread the OS descheduled, so on a
     shared machine it runs at the slowest thread's pace: every ``prange`` hands out its blocks
-    dynamically (``dynamic`` or ``guided``), unless the line above says why the split must be
-    fixed (``# static: ...``, e.g. per-thread partial sums whose order must not follow the load)."""
+    dynamically (``dynamic`` or ``guided``). Partial sums whose order must not follow the load take
+    fixed parts handed out dynamically, one buffer per part (conv2d_general_backward)."""
     bad = []
     for path, text in SOURCES.items():
         if path.suffix not in (".pyx", ".pxi"):
@@ -176,8 +176,28 @@ def test_every_parallel_loop_lets_a_free_thread_take_the_work():
             kind = m.group(1) if m else None
             if kind in ("dynamic", "guided"):
                 continue
-            above = [ln.strip() for ln in lines[max(0, i - 3):i]]
-            if kind == "static" and any(ln.startswith("# static:") for ln in above):
-                continue
             bad.append(f"{path.relative_to(ROOT)}:{i + 1}: schedule={kind!r}")
-    assert not bad, "parallel loops split statically without a reason:\n" + "\n".join(bad)
+    assert not bad, "parallel loops split statically:\n" + "\n".join(bad)
+
+
+def test_every_parallel_region_takes_the_team_cap():
+    """With other processes busy, parconv caps every region's team (pc_cap in pc_common.h): a region
+    that asks for its threads any other way would still wait for a descheduled one. The cap must not
+    change a result, so no region may split its work by the team it got (``threadid()`` indexing
+    partial sums, a static split of a sum)."""
+    bad = []
+    for path, text in SOURCES.items():
+        if path.suffix not in (".pyx", ".pxi"):
+            continue
+        for i, line in enumerate(text.splitlines()):
+            if line.lstrip().startswith("#"):
+                continue
+            for m in re.finditer(r"num_threads\s*=\s*(\w+)", line):
+                if m.group(1) != "pc_cap":
+                    bad.append(f"{path.relative_to(ROOT)}:{i + 1}: num_threads={m.group(1)}...")
+            if "threadid()" in line or 'schedule="static"' in line or "schedule='static'" in line:
+                bad.append(f"{path.relative_to(ROOT)}:{i + 1}: splits by the team it got")
+    assert not bad, "regions outside the team cap:\n" + "\n".join(bad)
+    for pyx in (PACKAGE / "_ext").glob("*.pyx"):
+        if "prange(" in _module_text(pyx):
+            assert 'include "_team.pxi"' in pyx.read_text(encoding="utf-8"), f"{pyx.name} cannot be capped"

@@ -1,9 +1,11 @@
 """Sequential end to end: training, fusion, determinism across threads, checkpoints, PyTorch interop."""
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -103,6 +105,39 @@ def test_runs_are_bit_identical_with_busy_neighbours(backend_name, busy):
         for got in runs:
             for k in want:
                 np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.skipif("openmp" not in pc.available_backends() or not os.path.exists("/proc/loadavg"),
+                    reason="needs the openmp backend and /proc")
+def test_default_threads_cap_their_teams_under_load_and_keep_the_bits(monkeypatch):
+    # no count chosen: with every core taken by a neighbour each region runs on fewer threads than
+    # the count, and the bits are those of that count on a quiet machine
+    from parconv import _config
+
+    n = _config._cpu_count()
+    if n < 2:
+        pytest.skip("one core: nothing to cap")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    nets = ((small_cnn, 8), (small_bn_cnn, 32))
+    with pc.num_threads(n):
+        quiet = [train_steps(build("openmp"), n=k) for build, k in nets]
+    caps = set()
+    with pc.num_threads(None), busy_neighbours(os.cpu_count() or n):
+        deadline = time.monotonic() + 20  # the cap follows readings 30 ms apart: a few steps
+        for i in itertools.count():
+            if i >= 3 and (caps - {0} or time.monotonic() > deadline):
+                break
+            loaded = []
+            for build, k in nets:
+                loaded.append(train_steps(build("openmp"), n=k))
+                caps.add(_config.team_limit())
+            for want, got in zip(quiet, loaded):
+                for key in want:
+                    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert caps & set(range(1, n)), caps  # the cap did engage
+    with pc.num_threads(n):
+        assert pc.get_num_threads() == n  # the next op under a chosen count ...
+        assert _config.team_limit() == 0  # ... lifts the cap
 
 
 def test_backward_returns_dx_and_grads_overwrite(backend):

@@ -15,7 +15,7 @@ calling thread: waking a team costs more than the loop.
 from cython.parallel cimport prange
 from libc.math cimport expm1f
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_sum_lanes, pc_team
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_sum_lanes, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit
 
 cdef extern from "pc_common.h":
     void pc_relu_fwd(const float *x, float *y, Py_ssize_t n) noexcept nogil
@@ -44,7 +44,7 @@ def relu_forward(const float[::1] x,  # IN  (n,)
     cdef Py_ssize_t n = x.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_relu_fwd(&x[a], &y[a], b - a)
@@ -58,7 +58,7 @@ def relu_backward(const float[::1] y,   # IN  (n,) forward output
     cdef Py_ssize_t n = y.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_relu_bwd(&y[a], &dy[a], &dx[a], b - a)
@@ -71,7 +71,7 @@ def sigmoid_forward(const float[::1] x,  # IN  (n,)
     cdef Py_ssize_t n = x.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_sigmoid_fwd(&x[a], &y[a], b - a)
@@ -85,7 +85,7 @@ def sigmoid_backward(const float[::1] y,   # IN  (n,) forward output
     cdef Py_ssize_t n = y.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_sigmoid_bwd(&y[a], &dy[a], &dx[a], b - a)
@@ -106,7 +106,7 @@ def leaky_relu_forward(const float[::1] x,  # IN  (n,)
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     cdef float v
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 v = x[k]
                 y[k] = v if v > 0 else v * negative_slope
@@ -120,7 +120,7 @@ def leaky_relu_backward(const float[::1] x,   # IN  (n,) forward input
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 dx[k] = dy[k] if x[k] > 0 else dy[k] * negative_slope
 
@@ -148,7 +148,7 @@ def tanh_forward(const float[::1] x,  # IN  (n,)
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 y[k] = _tanh(x[k])
 
@@ -161,7 +161,7 @@ def tanh_backward(const float[::1] y,   # IN  (n,) forward output
     cdef Py_ssize_t n = y.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 dx[k] = dy[k] * (<float>1.0 - y[k] * y[k])
 
@@ -174,7 +174,7 @@ def elu_forward(const float[::1] x,  # IN  (n,)
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 y[k] = x[k] if x[k] > 0 else alpha * expm1f(x[k])
 
@@ -188,7 +188,7 @@ def elu_backward(const float[::1] y,   # IN  (n,) forward output
     cdef Py_ssize_t n = y.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 dx[k] = dy[k] if y[k] > 0 else dy[k] * (y[k] + alpha)
 
@@ -201,7 +201,7 @@ def add(const float[::1] a,  # IN  (n,)
     cdef Py_ssize_t n = a.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 out[k] = a[k] + b[k]
 
@@ -309,7 +309,7 @@ def softmax_forward(const float[:, :, ::1] x,  # IN  (O, D, I)
     if nc > units:
         nc = <int>units
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for u in range(units * i // nc, units * (i + 1) // nc):
                 o = u // tiles
                 i0 = (u - o * tiles) * SOFTMAX_COLS
@@ -333,7 +333,7 @@ def softmax_backward(const float[:, :, ::1] y,   # IN  (O, D, I) forward output
     if nc > units:
         nc = <int>units
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for u in range(units * i // nc, units * (i + 1) // nc):
                 o = u // tiles
                 i0 = (u - o * tiles) * SOFTMAX_COLS
@@ -342,3 +342,6 @@ def softmax_backward(const float[:, :, ::1] y,   # IN  (O, D, I) forward output
                     _softmax_bwd_row(yp + at, dyp + at, dxp + at, D)
                 else:
                     _softmax_bwd_cols(yp + at, dyp + at, dxp + at, D, I, min(SOFTMAX_COLS, I - i0))
+
+
+include "_team.pxi"

@@ -31,7 +31,7 @@ from libc.stdint cimport uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team, pc_threads_for
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team, pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit
 
 cdef extern from "pc_bf16.h":
     ctypedef Py_ssize_t pc_idx
@@ -211,7 +211,7 @@ cdef void _pack(int kind, const float *src, Py_ssize_t lds, Py_ssize_t rows, Py_
     if nt <= 1 or nb <= 1:
         pcb_pack(kind, src, lds, rows, cols, dst, ldd, 0, nd)
         return
-    for i in prange(nb, schedule="dynamic", num_threads=nt):
+    for i in prange(nb, schedule="dynamic", num_threads=pc_cap(nt)):
         d0 = nd * i // nb
         d1 = nd * (i + 1) // nb
         pcb_pack(kind, src, lds, rows, cols, dst, ldd, d0, d1)
@@ -223,7 +223,7 @@ cdef void _bias_sums(const float *dy, Py_ssize_t N, Py_ssize_t O, Py_ssize_t pla
     cdef Py_ssize_t o, n
     cdef double s
     cdef int nt = pc_threads_for(N * O * plane, O, num_threads)
-    for o in prange(O, schedule="guided", num_threads=nt):
+    for o in prange(O, schedule="guided", num_threads=pc_cap(nt)):
         s = 0.0
         for n in range(N):
             s = s + pc_sum_f32(dy + (n * O + o) * plane, plane)
@@ -235,7 +235,7 @@ cdef void _bias_cols(const float *dy, Py_ssize_t N, Py_ssize_t G, float *db, int
     cdef Py_ssize_t g, n
     cdef double s
     cdef int nt = pc_threads_for(N * G, G, num_threads)
-    for g in prange(G, schedule="guided", num_threads=nt):
+    for g in prange(G, schedule="guided", num_threads=pc_cap(nt)):
         s = 0.0
         for n in range(N):
             s = s + dy[n * G + g]
@@ -277,7 +277,7 @@ def round_to_bf16(x, out, int num_threads):
         if nt <= 1:
             pcb_round(xp, op, n)
         else:
-            for i in prange(nb, schedule="dynamic", num_threads=nt):
+            for i in prange(nb, schedule="dynamic", num_threads=pc_cap(nt)):
                 s0 = i * ROUND_CHUNK
                 s1 = s0 + ROUND_CHUNK if s0 + ROUND_CHUNK < n else n
                 pcb_round(xp + s0, op + s0, s1 - s0)
@@ -308,7 +308,7 @@ cdef int _conv_fwd(const float *x, int N, int C, int H, int W, const float *w, i
     _pack(ALONG, w, Kd, O, Kd, wr, kp, O, num_threads)
     failed[0] = 0
     raw, panel = NULL, NULL  # private to each thread below; initialised for the firstprivate copy
-    with parallel(num_threads=nt):
+    with parallel(num_threads=pc_cap(nt)):
         raw = malloc(sizeof(uint32_t) * kp * ldb + sizeof(uint16_t) * xbn + 64)
         panel = <uint32_t *>pc_align64(raw)
         if raw == NULL:
@@ -353,7 +353,7 @@ cdef int _conv_fwd_s1(const float *x, int N, int C, int H, int W, const float *w
     pcb_s1_schedule(w, O, C, K, Wp, L, boff, ws)
     failed[0] = 0
     raw, img = NULL, NULL
-    with parallel(num_threads=nt):
+    with parallel(num_threads=pc_cap(nt)):
         raw = malloc(sizeof(uint32_t) * nimg + sizeof(float) * O * lda + sizeof(uint16_t) * C * L + 192)
         img = <uint32_t *>pc_align64(raw)
         if raw == NULL:
@@ -438,7 +438,7 @@ cdef int _conv_dx_gemm(const float *dy, int N, int O, int P, int Q, const uint32
     cdef uint32_t *panel
     failed[0] = 0
     raw, panel = NULL, NULL
-    with parallel(num_threads=nt):
+    with parallel(num_threads=pc_cap(nt)):
         raw = malloc(sizeof(uint32_t) * op * ldb + sizeof(float) * Kd * npix + 128)
         panel = <uint32_t *>pc_align64(raw)
         if raw == NULL:
@@ -489,7 +489,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
         return 1
     failed[0] = 0
     raw, cols, dyt, xb = NULL, NULL, NULL, NULL
-    with parallel(num_threads=nt):
+    with parallel(num_threads=pc_cap(nt)):
         raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2)) + sizeof(uint16_t) * xbn + 256)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
@@ -521,7 +521,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                     n = n + mm
         free(raw)
     if not failed[0]:
-        for k in prange(Kd, schedule="guided", num_threads=pc_threads_for(ng * Kd * O, Kd, num_threads)):
+        for k in prange(Kd, schedule="guided", num_threads=pc_cap(pc_threads_for(ng * Kd * O, Kd, num_threads))):
             for o in range(O):
                 s = part[k * ldo + o]
                 for gi in range(1, ng):
@@ -623,7 +623,7 @@ cdef void _lin_gemm(const uint32_t *A, Py_ssize_t lda, Py_ssize_t rows, const ui
     cdef Py_ssize_t rbk = (rows + LIN_ROWS - 1) // LIN_ROWS, cbk = (cols + LIN_COLS - 1) // LIN_COLS
     cdef Py_ssize_t nb = rbk * cbk, i, r0, c0
     cdef int nt = pc_threads_for(rows * cols * kp * 2, nb, num_threads)
-    for i in prange(nb, schedule="dynamic", num_threads=nt):
+    for i in prange(nb, schedule="dynamic", num_threads=pc_cap(nt)):
         r0 = (i // cbk) * LIN_ROWS
         c0 = (i % cbk) * LIN_COLS
         pcb_gemm(A + r0 * lda, lda, min(LIN_ROWS, rows - r0), B + c0, ldb, kp, Cm + r0 * cols + c0, cols,
@@ -756,3 +756,6 @@ def linear_backward(x, w, dy, dx, dw, db, int num_threads):
         dbv = db
         with nogil:
             _bias_cols(&dyv[0, 0], N, G, &dbv[0], num_threads)
+
+
+include "_team.pxi"

@@ -56,7 +56,7 @@ from libc.string cimport memset
 from libc.math cimport sqrt
 from scipy.linalg.cython_blas cimport sgemm
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit
 from .pc_pool cimport PC_POOL_U16_MAX, pc_pool_bases, pc_pool_plane, pc_pool_plane_u16
 from .pc_conv cimport *
 
@@ -112,7 +112,7 @@ cdef void _sum_planes(const float[:, :, :, ::1] dy, float[::1] db, int num_threa
         nt = 1
     nt = _min(nt, O)
     with nogil:
-        for o in prange(O, schedule="guided", num_threads=nt):
+        for o in prange(O, schedule="guided", num_threads=pc_cap(nt)):
             s = 0.0
             for n in range(N):
                 s = s + pc_sum_f32(dyp + (n * <Py_ssize_t>O + o) * PQ, PQ)
@@ -247,3 +247,6 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
         raise MemoryError("conv2d_backward: could not allocate scratch")
     if db is not None:
         _sum_planes(dy, db, num_threads)
+
+
+include "_team.pxi"

@@ -58,7 +58,7 @@ cdef int _backward_blas(const float *xp, int N, int C, int H, int W, const float
             acc = <float *>calloc(<size_t>(groups - 1) * wsize, sizeof(float))
             if acc == NULL:
                 return 1
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             cols = NULL
             dcols = NULL
             if not direct:
@@ -113,14 +113,14 @@ cdef int _backward_blas(const float *xp, int N, int C, int H, int W, const float
         if groups > 1 and need_dw and not failed[0]:
             # fixed block order: dw = ((dw_0 + dw_1) + dw_2) + ...
             with nogil:
-                for e in prange(wsize, schedule="guided", num_threads=nt):
+                for e in prange(wsize, schedule="guided", num_threads=pc_cap(nt)):
                     for j in range(groups - 1):
                         dwp[e] = dwp[e] + acc[j * wsize + e]
         free(acc)
     else:
         nt = _min(nt, C)
         nb = _min(C, nt * PC_BLOCKS_PER_THREAD)
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             cols = NULL
             dcols = NULL
             if not direct:

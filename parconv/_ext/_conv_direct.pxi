@@ -169,9 +169,9 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
         # whole images per chunk: each thread pads the image it works on into private scratch
         if flip_O > 0:
             with nogil:
-                for it in prange(O, schedule="guided", num_threads=_min(nt, O) if <Py_ssize_t>O * kdim > 16384 else 1):
+                for it in prange(O, schedule="guided", num_threads=pc_cap(_min(nt, O) if <Py_ssize_t>O * kdim > 16384 else 1)):
                     pcc_flip_filters(w, flip_O, O, K, it, it + 1, wt)
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             buf = <float *>malloc(sizeof(float) * (img + slack))
             ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
             z = NULL
@@ -235,13 +235,13 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
         nf = O if flip_O > 0 else 0
         with nogil:
             # one pass flips the filters (input gradient) and pads the planes
-            for i in prange(nf + <Py_ssize_t>N * C, schedule="guided", num_threads=nt):
+            for i in prange(nf + <Py_ssize_t>N * C, schedule="guided", num_threads=pc_cap(nt)):
                 if i < nf:
                     pcc_flip_filters(w, flip_O, O, K, <int>i, <int>i + 1, wt)
                 else:
                     pcc_pad_grid(x + ((i - nf) // C) * C * HW, H, W, pad, sd, Hg, Wg, <int>((i - nf) % C),
                                   <int>((i - nf) % C) + 1, shared + ((i - nf) // C) * img)
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
             if ct == NULL:
                 failed[0] = 1
@@ -291,7 +291,7 @@ cdef int _conv_tiled(const float *x, int N, int C, int H, int W, int S, int pad,
         return 1
     pcc_offsets_tile(kdim, ldb, off)
     nt = _min(nt, N * tiles)
-    with nogil, parallel(num_threads=nt):
+    with nogil, parallel(num_threads=pc_cap(nt)):
         cols = <float *>malloc(sizeof(float) * (<Py_ssize_t>kdim * ldb + PCC_NR + 16))
         ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
         if cols == NULL or ct == NULL:
@@ -365,7 +365,7 @@ cdef int _dw_dot(const float *x, int N, int C, int H, int W, int pad, int K,
         if acc == NULL:
             free(off)
             return 1
-    with nogil, parallel(num_threads=nt):
+    with nogil, parallel(num_threads=pc_cap(nt)):
         buf = <float *>malloc(sizeof(float) * (img + slack))
         dyw = <float *>malloc(sizeof(float) * dyw_size)
         if buf == NULL or dyw == NULL:
@@ -385,7 +385,7 @@ cdef int _dw_dot(const float *x, int N, int C, int H, int W, int pad, int K,
     if groups > 1 and not failed[0]:
         # fixed block order: dw = ((dw_0 + dw_1) + dw_2) + ...
         with nogil:
-            for e in prange(wsize, schedule="guided", num_threads=nt if wsize > 16384 else 1):
+            for e in prange(wsize, schedule="guided", num_threads=pc_cap(nt if wsize > 16384 else 1)):
                 for j in range(groups - 1):
                     dw[e] = dw[e] + acc[j * wsize + e]
     free(acc)
@@ -442,7 +442,7 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
         if acc == NULL:
             free(off)
             return 1
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             buf = <float *>malloc(sizeof(float) * (img + slack))
             dyT = <float *>malloc(sizeof(float) * dyt_size)
             if buf == NULL or dyT == NULL:
@@ -464,7 +464,7 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
             with nogil:
                 if groups > 1:
                     # fixed group order: dw^T = ((dw^T_0 + dw^T_1) + dw^T_2) + ...
-                    for e in prange(tsize, schedule="guided", num_threads=nt if tsize > 16384 else 1):
+                    for e in prange(tsize, schedule="guided", num_threads=pc_cap(nt if tsize > 16384 else 1)):
                         for j in range(1, groups):
                             acc[e] = acc[e] + acc[j * tsize + e]
                 pcc_dw_untranspose(acc, ldd, O, kdim, dw)
@@ -479,7 +479,7 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
         dwt = shared + N * (img + dyt_size)
         memset(dwt, 0, sizeof(float) * (tsize + slack))
         with nogil:
-            for pl in prange(<Py_ssize_t>N * (C + 1), schedule="guided", num_threads=nt):
+            for pl in prange(<Py_ssize_t>N * (C + 1), schedule="guided", num_threads=pc_cap(nt)):
                 n = <int>(pl // (C + 1))
                 i = <int>(pl % (C + 1))
                 if i < C:
@@ -488,7 +488,7 @@ cdef int _dw_shifted(const float *x, int N, int C, int H, int W, int pad, int K,
                     pcc_dy_transposed(dy + n * O * PQ, O, P, Q, Wg, ldd, shared + N * img + n * dyt_size)
             # blocks of dw^T rows, a few per thread, handed out as threads come free; every row sums
             # its images in order on whichever thread, so the blocks do not change the bits
-            for i in prange(kb, schedule="dynamic", num_threads=nt):
+            for i in prange(kb, schedule="dynamic", num_threads=pc_cap(nt)):
                 k0 = PCC_KR_MAX * <int>((<long>nkb * i) // kb)
                 k1 = _min(kdim, PCC_KR_MAX * <int>((<long>nkb * (i + 1)) // kb))
                 for n in range(N):

@@ -212,7 +212,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
         raise MemoryError("conv2d_relu_maxpool2d_backward: could not allocate the partial sums")
     dws = pcf_dw_scratch_floats(C, H, W, padding, P, Q, head_F)
     with nogil:
-        with parallel(num_threads=_min(nt, nitems)):
+        with parallel(num_threads=pc_cap(_min(nt, nitems))):
             scr = <float *>malloc(sizeof(float) * dws)
             if scr == NULL:
                 failed[0] = 1
@@ -238,7 +238,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
                 head_db[g] = pcd_bias_grad(hdyp, N, G, g)
         if dx is not None and not failed[0]:
             dws = pcf_dx_scratch_floats(C, H, W, padding, P, Q)
-            with parallel(num_threads=_min(nt, N)):
+            with parallel(num_threads=pc_cap(_min(nt, N))):
                 scr = <float *>malloc(sizeof(float) * dws)
                 if scr == NULL:
                     failed[0] = 1

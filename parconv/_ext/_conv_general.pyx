@@ -32,11 +32,11 @@ The paths (``pc_conv_general.h``):
 Inputs are trusted: shapes, dtypes and contiguity are validated in Python.
 """
 
-from cython.parallel cimport parallel, prange, threadid
+from cython.parallel cimport parallel, prange
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
 from scipy.linalg.cython_blas cimport sgemm
-from .pc_helpers cimport pc_threads_for
+from .pc_helpers cimport pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit
 
 cdef extern from "pc_common.h":
     double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
@@ -85,7 +85,7 @@ cdef void _bias_sum(const float *dyp, int N, int O, Py_ssize_t PQ, float *dbp, i
     """db[o] = sum over images of each dy plane's sum (double, images in order)."""
     cdef Py_ssize_t o, n
     cdef double s
-    for o in prange(O, schedule="guided", num_threads=pc_threads_for(<Py_ssize_t>N * O * PQ, O, nt)):
+    for o in prange(O, schedule="guided", num_threads=pc_cap(pc_threads_for(<Py_ssize_t>N * O * PQ, O, nt))):
         s = 0.0
         for n in range(N):
             s = s + pc_sum_f32(dyp + (n * O + o) * PQ, PQ)
@@ -114,7 +114,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int failed[1]
     failed[0] = 0
     if _direct3(KH, KW, SH, SW, DH, DW):
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_fwd_scratch(P, Q, SH, SW))
             for i in prange(planes, schedule="guided"):
                 if scratch == NULL:
@@ -129,7 +129,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
             raise MemoryError("depthwise_forward: could not allocate scratch")
         return
     # every other shape: whole-plane taps on the padded plane's phases (pc_conv_general.h)
-    with nogil, parallel(num_threads=nt):
+    with nogil, parallel(num_threads=pc_cap(nt)):
         scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(P, Q, KH, KW, SH, SW, DH, DW))
         for i in prange(planes, schedule="guided"):
             if scratch == NULL:
@@ -144,7 +144,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         raise MemoryError("depthwise_forward: could not allocate scratch")
     if relu:
         with nogil:
-            for i in prange(planes, schedule="guided", num_threads=nt):
+            for i in prange(planes, schedule="guided", num_threads=pc_cap(nt)):
                 for k in range(PQ):
                     if yp[i * PQ + k] < 0.0:
                         yp[i * PQ + k] = 0.0
@@ -189,7 +189,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
         if part == NULL:
             raise MemoryError("depthwise_backward: could not allocate scratch")
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dw_scratch(P, Q, SH, SW))
             scratch2 = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dx_scratch(H, W, P, Q, SH, SW))
             for i in prange(<Py_ssize_t>N * C, schedule="guided"):
@@ -207,7 +207,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
             free(part)
             raise MemoryError("depthwise_backward: could not allocate scratch")
         with nogil:
-            for k in prange(<Py_ssize_t>C * KK, schedule="guided", num_threads=nt):
+            for k in prange(<Py_ssize_t>C * KK, schedule="guided", num_threads=pc_cap(nt)):
                 c = k // KK
                 sacc = 0.0
                 for n in range(N):
@@ -218,7 +218,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
             with nogil:
                 _bias_sum(dyp, N, O, PQ, &db[0], num_threads)
         return
-    with nogil, parallel(num_threads=nt):
+    with nogil, parallel(num_threads=pc_cap(nt)):
         acc = <double *>malloc(sizeof(double) * KK)
         if direct:
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dw_scratch(P, Q, SH, SW))
@@ -245,7 +245,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if dxp != NULL and direct and M == 1 and PT <= 2 and PL <= 2:
         # dx: dy (dilated by the strides) correlated with the flipped filters, on the direct kernel
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_dw3_dx_scratch(H, W, P, Q, SH, SW))
             for i in prange(<Py_ssize_t>N * C, schedule="guided"):
                 if scratch == NULL:
@@ -258,7 +258,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
             raise MemoryError("depthwise_backward: could not allocate scratch")
     elif dxp != NULL and flat_dx:
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
-        with nogil, parallel(num_threads=nt):
+        with nogil, parallel(num_threads=pc_cap(nt)):
             scratch = <float *>malloc(sizeof(float) * <size_t>pcg_flat_scratch(H, W, KH, KW, 1, 1, DH, DW))
             for i in prange(<Py_ssize_t>N * C, schedule="guided"):
                 if scratch == NULL:
@@ -274,7 +274,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     elif dxp != NULL:
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
         with nogil:
-            for i in prange(<Py_ssize_t>N * C, schedule="guided", num_threads=nt):
+            for i in prange(<Py_ssize_t>N * C, schedule="guided", num_threads=pc_cap(nt)):
                 n = i // C
                 c = i - n * C
                 memset(dxp + i * HW, 0, sizeof(float) * HW)
@@ -311,7 +311,7 @@ def conv2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef Py_ssize_t it, n, g, o, s
     cdef int failed[1]
     failed[0] = 0
-    with nogil, parallel(num_threads=nt):
+    with nogil, parallel(num_threads=pc_cap(nt)):
         cols = NULL
         if not direct:
             cols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
@@ -346,7 +346,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                             float[:, :, :, ::1] dw,        # OUT (O, Cg, KH, KW), overwritten
                             float[::1] db,                 # OUT (O,) or None, overwritten
                             int SH, int SW, int PT, int PL, int DH, int DW, int groups, int num_threads):
-    """dw_g += dy_ng @ cols^T per (image, group) into per-thread buffers added in thread order;
+    """dw_g += dy_ng @ cols^T per (image, group) into one buffer per part of a fixed split, added in part order;
     dx[n, group g] = col2im(w_g^T @ dy_ng)."""
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int O = w.shape[0], Cg = w.shape[1], KH = w.shape[2], KW = w.shape[3], P = dy.shape[2], Q = dy.shape[3]
@@ -371,7 +371,8 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef char tN = b'N', tT = b'T'
     cdef float one = 1.0, zero = 0.0
     cdef Py_ssize_t it, n, g, e
-    cdef int j, tid = 0
+    cdef int j
+    cdef Py_ssize_t t, i0, i1
     cdef int failed[1]
     failed[0] = 0
     memset(dwp, 0, sizeof(float) * wsize)
@@ -379,41 +380,44 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
         acc = <float *>calloc(<size_t>(nt - 1) * wsize, sizeof(float))
         if acc == NULL:
             raise MemoryError("conv2d_general_backward: could not allocate dw buffers")
-    with nogil, parallel(num_threads=nt):
-        tid = threadid()
-        dwt = dwp if tid == 0 else acc + (tid - 1) * wsize
+    with nogil, parallel(num_threads=pc_cap(nt)):
         cols = NULL
         dcols = NULL
         if not direct:
             cols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
             if need_dx:
                 dcols = <float *>malloc(sizeof(float) * <size_t>CgKK * PQ)
-        # static: each thread sums into its own dw buffer, so the split must not depend on the load
-        for it in prange(items, schedule="static"):
-            if not direct and (cols == NULL or (need_dx and dcols == NULL)):
-                failed[0] = 1
-                continue
-            n = it // G
-            g = it - n * G
-            a = xp + (n * C + g * Cg) * HW
-            if not direct:
-                pcg_im2col(a, Cg, H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, cols)
-                a = cols
-            dyg = <float *>(dyp + (n * O + g * Og) * <Py_ssize_t>PQ)
-            # dw_g^T (CgKK x Og) += cols (CgKK x PQ) @ dy_ng^T (PQ x Og), column-major
-            sgemm(&tT, &tN, &CgKK, &Og, &PQ, &one, <float *>a, &PQ, dyg, &PQ, &one,
-                  dwt + g * Og * <Py_ssize_t>CgKK, &CgKK)
-            if need_dx:
-                dxg = dxp + (n * C + g * Cg) * HW
-                # dcols^T (PQ x CgKK) = dy_ng^T (PQ x Og) @ w_g (Og x CgKK), column-major
-                if direct:
-                    sgemm(&tN, &tT, &PQ, &CgKK, &Og, &one, dyg, &PQ,
-                          <float *>(wp + g * Og * <Py_ssize_t>CgKK), &CgKK, &zero, dxg, &PQ)
-                else:
-                    sgemm(&tN, &tT, &PQ, &CgKK, &Og, &one, dyg, &PQ,
-                          <float *>(wp + g * Og * <Py_ssize_t>CgKK), &CgKK, &zero, dcols, &PQ)
-                    memset(dxg, 0, sizeof(float) * Cg * HW)
-                    pcg_col2im(dcols, Cg, H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, dxg)
+        # part t sums its fixed run of items into dw buffer t (OpenMP's static split of nt), whichever
+        # thread takes it: a smaller team, or a busy core, changes no bit
+        for t in prange(nt, schedule="dynamic", chunksize=1):
+            dwt = dwp if t == 0 else acc + (t - 1) * wsize
+            i0 = (items // nt) * t + (t if t < items % nt else items % nt)
+            i1 = i0 + items // nt + (1 if t < items % nt else 0)
+            for it in range(i0, i1):
+                if not direct and (cols == NULL or (need_dx and dcols == NULL)):
+                    failed[0] = 1
+                    break
+                n = it // G
+                g = it - n * G
+                a = xp + (n * C + g * Cg) * HW
+                if not direct:
+                    pcg_im2col(a, Cg, H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, cols)
+                    a = cols
+                dyg = <float *>(dyp + (n * O + g * Og) * <Py_ssize_t>PQ)
+                # dw_g^T (CgKK x Og) += cols (CgKK x PQ) @ dy_ng^T (PQ x Og), column-major
+                sgemm(&tT, &tN, &CgKK, &Og, &PQ, &one, <float *>a, &PQ, dyg, &PQ, &one,
+                      dwt + g * Og * <Py_ssize_t>CgKK, &CgKK)
+                if need_dx:
+                    dxg = dxp + (n * C + g * Cg) * HW
+                    # dcols^T (PQ x CgKK) = dy_ng^T (PQ x Og) @ w_g (Og x CgKK), column-major
+                    if direct:
+                        sgemm(&tN, &tT, &PQ, &CgKK, &Og, &one, dyg, &PQ,
+                              <float *>(wp + g * Og * <Py_ssize_t>CgKK), &CgKK, &zero, dxg, &PQ)
+                    else:
+                        sgemm(&tN, &tT, &PQ, &CgKK, &Og, &one, dyg, &PQ,
+                              <float *>(wp + g * Og * <Py_ssize_t>CgKK), &CgKK, &zero, dcols, &PQ)
+                        memset(dxg, 0, sizeof(float) * Cg * HW)
+                        pcg_col2im(dcols, Cg, H, W, KH, KW, SH, SW, DH, DW, PT, PL, P, Q, dxg)
         free(cols)
         free(dcols)
     if failed[0]:
@@ -422,7 +426,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if nt > 1:
         # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
         with nogil:
-            for e in prange(wsize, schedule="guided", num_threads=pc_threads_for(wsize * nt, wsize, nt)):
+            for e in prange(wsize, schedule="guided", num_threads=pc_cap(pc_threads_for(wsize * nt, wsize, nt))):
                 for j in range(nt - 1):
                     dwp[e] = dwp[e] + acc[j * wsize + e]
         free(acc)
@@ -443,7 +447,7 @@ cdef int _pointwise(const float *xp, const float *wp, const float *bp, const flo
     cdef float *pack = NULL
     cdef int failed[1]
     failed[0] = 0
-    with parallel(num_threads=nt):
+    with parallel(num_threads=pc_cap(nt)):
         pack = <float *>malloc(sizeof(float) * 32 * <size_t>C)
         for it in prange(items, schedule="guided"):
             if pack == NULL:
@@ -502,3 +506,6 @@ def pointwise_backward_input(const float[:, :, :, ::1] dy,  # IN  (N, O, H, W)
     free(wt)
     if failed:
         raise MemoryError("pointwise_backward_input: could not allocate scratch")
+
+
+include "_team.pxi"

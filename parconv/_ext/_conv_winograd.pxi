@@ -180,7 +180,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     else:
         scratch = pcw_scratch_floats(tW, rb) + pcw_filter_scratch_floats(C)
     pcc_offsets_tile(C, <int>ldt, off)   # V[xi] row c: the micro-kernels' B(c, t) = V[xi][c * ldt + t]
-    with nogil, parallel(num_threads=nt):
+    with nogil, parallel(num_threads=pc_cap(nt)):
         # V, M and the scratch start on a cache line (ldxv, ldxm are multiples of 16 floats),
         # so no 16-float store of a transform splits across two lines
         Vraw = <float *>pcw_scratch_get(1, sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch
@@ -351,7 +351,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     dU = <float *>pcw_scratch_get(0, sizeof(float) * pts * <size_t>OC * groups)
     if dU == NULL:
         return 1
-    with nogil, parallel(num_threads=_min(nt, groups)):
+    with nogil, parallel(num_threads=pc_cap(_min(nt, groups))):
         Vraw = <float *>pcw_scratch_get(1, sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
@@ -400,10 +400,10 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
         return 1
     with nogil:
         # the groups' sums, added in group order (into group 0), then G^T dU G per filter
-        for e in prange(pts * OC, schedule="guided", num_threads=nt):
+        for e in prange(pts * OC, schedule="guided", num_threads=pc_cap(nt)):
             for g in range(1, groups):
                 dU[e] = dU[e] + dU[<Py_ssize_t>g * pts * OC + e]
-    with nogil, parallel(num_threads=_min(nt, O)):
+    with nogil, parallel(num_threads=pc_cap(_min(nt, O))):
         scr = <float *>pcw_scratch_get(2, sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
                                                               else pcw_filter_scratch_floats(C)))
         if scr == NULL:

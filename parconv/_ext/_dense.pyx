@@ -25,7 +25,7 @@ from cython.parallel cimport prange
 
 from numpy import ndarray
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit
 from scipy.linalg.cython_blas cimport sgemm, sgemv
 
 cdef extern from "pc_dense.h":
@@ -149,18 +149,18 @@ cdef void _gemm_nt(const float *a, const float *b, const float *bias, int relu, 
         # then blocks of GEMM_BM outputs x GEMM_NT_BN rows of the batch
         ldt = pcg_t_ld(M)
         kb = (K + 63) // 64
-        for t in prange(kb, schedule="dynamic", num_threads=_team(nt, <int>min(kb, <Py_ssize_t>1 << 30))):
+        for t in prange(kb, schedule="dynamic", num_threads=pc_cap(_team(nt, <int>min(kb, <Py_ssize_t>1 << 30)))):
             pcg_transpose(a, K, M, xt, ldt, t * 64, min(K, t * 64 + 64))
         mb = (N + bm - 1) // bm
         nbn = (M + bn - 1) // bn
-        for t in prange(mb * nbn, schedule="dynamic", num_threads=_team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))):
+        for t in prange(mb * nbn, schedule="dynamic", num_threads=pc_cap(_team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30)))):
             i0 = (t % mb) * bm
             j0 = (t // mb) * bn
             pcg_nnt(b, K, xt, ldt, bias, relu, c, N, i0, min(N, i0 + bm), j0, min(M, j0 + bn))
         return
     nt = _team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))
     # row blocks inner: threads that start together share a panel of B
-    for t in prange(mb * nbn, schedule="dynamic", num_threads=nt):
+    for t in prange(mb * nbn, schedule="dynamic", num_threads=pc_cap(nt)):
         i0 = (t % mb) * bm
         j0 = (t // mb) * bn
         pcg_nt(a, K, b, K, bias, relu, c, N, K, i0, min(M, i0 + bm), j0, min(N, j0 + bn))
@@ -175,7 +175,7 @@ cdef void _gemm_nn(const float *a, Py_ssize_t rsa, Py_ssize_t csa, const float *
     if <double>M * N * K < SERIAL_BELOW_MACS:
         nt = 1
     nt = _team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))
-    for t in prange(mb * nbn, schedule="dynamic", num_threads=nt):
+    for t in prange(mb * nbn, schedule="dynamic", num_threads=pc_cap(nt)):
         i0 = (t % mb) * bm
         j0 = (t // mb) * bn
         pcg_nn(a, rsa, csa, b, N, c, N, K, i0, min(M, i0 + bm), j0, min(N, j0 + bn))
@@ -358,7 +358,7 @@ cdef void _par_sgemm(char ta, char tb, int m, int n, int k, const float *A, int 
         return
     nt = _team(nt, extent)
     nb = _nblocks(extent, nt)
-    for i in prange(nb, schedule="dynamic", num_threads=nt):
+    for i in prange(nb, schedule="dynamic", num_threads=pc_cap(nt)):
         cnt = _block(extent, nb, i, &s0)
         if cnt <= 0:
             continue
@@ -394,7 +394,7 @@ cdef void _par_sgemv(char ta, char tb, int m, int n, int k, const float *A, int 
         vec, inc, incy = A, (lda if ta == b'N' else 1), ldc
     nt = _team(nt, extent)
     nb = _nblocks(extent, nt)
-    for i in prange(nb, schedule="dynamic", num_threads=nt):
+    for i in prange(nb, schedule="dynamic", num_threads=pc_cap(nt)):
         cnt = _block(extent, nb, i, &s0)
         if cnt <= 0:
             continue
@@ -413,7 +413,7 @@ cdef void _par_outer(int m, int n, const float *a, int inca, const float *b, int
     cdef float bj
     cdef float *c
     nt = _team(nt, n)
-    for j in prange(n, schedule="guided", num_threads=nt):
+    for j in prange(n, schedule="guided", num_threads=pc_cap(nt)):
         bj = b[<Py_ssize_t>j * incb]
         c = C + <Py_ssize_t>j * ldc
         if inca == 1:
@@ -465,7 +465,7 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
         # four at a time, but every row is summed alone, so any split gives the same bits
         nrun = 1 if nt == 1 else min(npairs, <Py_ssize_t>NARROW_RUNS_PER_THREAD * nt)
         with nogil:
-            for t in prange(nrun, schedule="dynamic", num_threads=nt):
+            for t in prange(nrun, schedule="dynamic", num_threads=pc_cap(nt)):
                 pcd_linear_fwd_rows(&x[0, 0], &w[0, 0], bp, yp, 2 * ((npairs * t) // nrun),
                                     min(N, 2 * ((npairs * (t + 1)) // nrun)), F, G)
         return
@@ -475,7 +475,7 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
         if bp != NULL or relu:
             if <Py_ssize_t>N * G < 32768:
                 nt = 1
-            for r in prange(N, schedule="guided", num_threads=nt):
+            for r in prange(N, schedule="guided", num_threads=pc_cap(nt)):
                 for j in range(G):
                     v = yp[r * G + j] + (bp[j] if bp != NULL else 0.0)
                     yp[r * G + j] = 0.0 if relu and v < 0.0 else v
@@ -520,7 +520,7 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
         if <Py_ssize_t>N * G < 32768:
             nt = 1
         with nogil:
-            for t in prange(nmask, schedule="dynamic", num_threads=_team(nt, <int>nmask)):
+            for t in prange(nmask, schedule="dynamic", num_threads=pc_cap(_team(nt, <int>nmask))):
                 pcg_relu_mask_db(&dy[0, 0], &y[0, 0], &dym[0, 0], dbp, N, G,
                                  t * PCG_MASK_GB, min(<Py_ssize_t>G, (t + 1) * PCG_MASK_GB))
         dyp = &dym[0, 0]
@@ -552,7 +552,7 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
             # runs of column blocks, a few per thread, handed out dynamically (a thread whose core
             # is shared takes fewer); a run's blocks are adjacent, so each thread streams its dx rows
             nrun = 1 if nt == 1 else min(nblk, <Py_ssize_t>(_dw_runs if dxp == NULL else NARROW_RUNS_PER_THREAD) * nt)
-            for t in prange(nrun, schedule="dynamic", num_threads=nt):
+            for t in prange(nrun, schedule="dynamic", num_threads=pc_cap(nt)):
                 pcd_linear_bwd_cols(&x[0, 0], &w[0, 0], dyp, dxp, &dw[0, 0], N, F, G,
                                     min(F, fb * ((nblk * t) // nrun)), min(F, fb * ((nblk * (t + 1)) // nrun)), fb)
             nt = num_threads if num_threads > 0 else 1
@@ -567,5 +567,8 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
                 nt = 1
             if nt > G:
                 nt = G
-            for g in prange(G, schedule="guided", num_threads=nt):
+            for g in prange(G, schedule="guided", num_threads=pc_cap(nt)):
                 dbp[g] = pcd_bias_grad(dyp, N, G, g)
+
+
+include "_team.pxi"

@@ -24,7 +24,7 @@ from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
 from libc.math cimport isfinite
-from .pc_helpers cimport pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD
+from .pc_helpers cimport pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit
 
 cdef extern from "pc_int8.h":
     int PCI8_PORTABLE, PCI8_AVX2, PCI8_VNNI, PCI8_TILE, PCI8_OB, PCI8_CB, PCI8_RB
@@ -264,7 +264,7 @@ cdef void _quantize_team(const float *x, Py_ssize_t n, float s, int z, uint8_t *
     """pci8_quantize over n values in blocks, on as many threads as pay."""
     cdef Py_ssize_t block = 1 << 16
     cdef Py_ssize_t nb = (n + block - 1) // block, b, lo, hi
-    for b in prange(nb, schedule="dynamic", num_threads=pc_team(nb, pc_threads_for(n, nb, nt))):
+    for b in prange(nb, schedule="dynamic", num_threads=pc_cap(pc_team(nb, pc_threads_for(n, nb, nt)))):
         lo = b * block
         hi = lo + block if lo + block < n else n
         pci8_quantize(x + lo, hi - lo, s, z, out + lo)
@@ -551,7 +551,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     if per_img == 1:
         # one image per job: the job lays out its image's grid in its own buffer (still in cache
         # when the tiles read it; no pass over the batch, no barrier)
-        with nogil, parallel(num_threads=team):
+        with nogil, parallel(num_threads=pc_cap(team)):
             acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
             own = <uint8_t *>malloc(img * 4 + slack)
             # without y, one image's float32 result lives in this thread's buffer until it is quantized
@@ -581,12 +581,12 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
         jobs = <Py_ssize_t>N * CG
         with nogil:
             for i in prange(jobs, schedule="dynamic",
-                            num_threads=pc_team(jobs, pc_threads_for(N * img * 4 // 32, jobs, nt))):
+                            num_threads=pc_cap(pc_team(jobs, pc_threads_for(N * img * 4 // 32, jobs, nt)))):
                 n = i // CG
                 pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, <int>(i - n * CG), <uint8_t>z,
                                 gp + (n * img + (i - n * CG) * plane) * 4)
         jobs = <Py_ssize_t>N * per_img
-        with nogil, parallel(num_threads=team):
+        with nogil, parallel(num_threads=pc_cap(team)):
             acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
             for i in prange(jobs, schedule="dynamic"):
                 if acc == NULL:
@@ -687,7 +687,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef float *dst = NULL
     cdef int failed[1]
     failed[0] = 0
-    with nogil, parallel(num_threads=team):
+    with nogil, parallel(num_threads=pc_cap(team)):
         scratch = <int16_t *>malloc(sizeof(int16_t) * scratch_n + 64)
         ybuf = <float *>malloc(sizeof(float) * PQ + 64) if yp == NULL else NULL
         for i in prange(planes, schedule="dynamic", chunksize=chunk):
@@ -753,7 +753,7 @@ cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int 
     cdef void *scratch = NULL
     cdef int failed[1]
     failed[0] = 0
-    with nogil, parallel(num_threads=team):
+    with nogil, parallel(num_threads=pc_cap(team)):
         scratch = malloc(scratch_n + 64)
         for i in prange(jobs, schedule="dynamic"):
             if scratch == NULL:
@@ -841,7 +841,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     cdef int32_t *acc = NULL
     cdef int failed[1]
     failed[0] = 0
-    with nogil, parallel(num_threads=team):
+    with nogil, parallel(num_threads=pc_cap(team)):
         acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_RB * PCI8_CB + 64)
         for i in prange(jobs, schedule="dynamic"):
             if acc == NULL:
@@ -903,5 +903,8 @@ def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KH * KW // 8, planes, nt))
     cdef Py_ssize_t chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
     with nogil:
-        for i in prange(planes, schedule="dynamic", chunksize=chunk, num_threads=team):
+        for i in prange(planes, schedule="dynamic", chunksize=chunk, num_threads=pc_cap(team)):
             pci8_maxpool_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ)
+
+
+include "_team.pxi"

@@ -22,7 +22,7 @@ from libc.float cimport FLT_MIN
 from libc.math cimport expf, logf, log
 from libc.stdlib cimport malloc, free
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements
@@ -98,7 +98,7 @@ def softmax_cross_entropy_forward(const float[:, ::1] logits,  # IN  (N, G)
     if part == NULL:
         raise MemoryError()
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             part[i] = _xent_rows(&logits[0, 0], &labels[0], &probs[0, 0], N * i // nc, N * (i + 1) // nc, G)
     for i in range(nc):
         total += part[i]
@@ -116,7 +116,7 @@ def softmax_cross_entropy_backward(const float[:, ::1] probs,  # IN  (N, G)
     cdef float fn = <float>N
     cdef float v
     with nogil:
-        for r in prange(N, schedule="guided", num_threads=nt):
+        for r in prange(N, schedule="guided", num_threads=pc_cap(nt)):
             for j in range(G):
                 v = probs[r, j] / fn
                 dlogits[r, j] = <float>0.0 if v < FLT_MIN else v
@@ -147,7 +147,7 @@ def bce_forward(const float[::1] p,  # IN  (n,) probabilities
     if part == NULL:
         raise MemoryError()
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             part[i] = _bce_sum(&p[0], &t[0], n * i // nc, n * (i + 1) // nc, lo, hi)
     for i in range(nc):
         total += part[i]
@@ -165,7 +165,7 @@ def bce_backward(const float[::1] p,  # IN  (n,)
     cdef float lo = <float>eps, hi = <float>(1.0 - eps), fn = <float>n
     cdef float pc, pi
     with nogil:
-        for i in prange(n, schedule="guided", num_threads=nt):
+        for i in prange(n, schedule="guided", num_threads=pc_cap(nt)):
             pi = p[i]
             if pi < lo or pi > hi:
                 dp[i] = <float>0.0
@@ -182,7 +182,7 @@ def count_correct(const float[:, ::1] logits,  # IN (N, G)
     cdef int nt = _chunks(N, N * G, num_threads)
     cdef long correct = 0
     with nogil:
-        for r in prange(N, schedule="guided", num_threads=nt):
+        for r in prange(N, schedule="guided", num_threads=pc_cap(nt)):
             if _row_argmax(&logits[r, 0], G) == labels[r]:
                 correct += 1
     return int(correct)
@@ -195,7 +195,7 @@ def argmax_rows(const float[:, ::1] logits,  # IN  (N, G)
     cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1], r
     cdef int nt = _chunks(N, N * G, num_threads)
     with nogil:
-        for r in prange(N, schedule="guided", num_threads=nt):
+        for r in prange(N, schedule="guided", num_threads=pc_cap(nt)):
             out[r] = <int>_row_argmax(&logits[r, 0], G)
 
 
@@ -224,7 +224,7 @@ def mse_forward(const float[::1] p,  # IN  (n,) predictions
     if part == NULL:
         raise MemoryError()
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             part[i] = _sq_sum(&p[0], &t[0], n * i // nc, n * (i + 1) // nc)
     for i in range(nc):
         total += part[i]
@@ -241,7 +241,7 @@ def mse_backward(const float[::1] p,  # IN  (n,)
     cdef int nt = _chunks(n, n, num_threads)
     cdef float k = <float>(2.0 / n)
     with nogil:
-        for i in prange(n, schedule="guided", num_threads=nt):
+        for i in prange(n, schedule="guided", num_threads=pc_cap(nt)):
             dp[i] = (p[i] - t[i]) * k
 
 
@@ -291,7 +291,7 @@ def softmax_cross_entropy_smoothed_forward(const float[:, ::1] logits,  # IN  (N
     if part == NULL:
         raise MemoryError()
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             part[i] = _xent_smooth_rows(&logits[0, 0], &labels[0], &probs[0, 0], N * i // nc, N * (i + 1) // nc,
                                         G, on, off)
     for i in range(nc):
@@ -310,7 +310,10 @@ def softmax_cross_entropy_smoothed_backward(const float[:, ::1] probs,  # IN  (N
     cdef float fn = <float>N
     cdef float v
     with nogil:
-        for r in prange(N, schedule="guided", num_threads=nt):
+        for r in prange(N, schedule="guided", num_threads=pc_cap(nt)):
             for j in range(G):
                 v = (probs[r, j] - (on if j == labels[r] else off)) / fn
                 dlogits[r, j] = <float>0.0 if (v < FLT_MIN and v > -FLT_MIN) else v
+
+
+include "_team.pxi"

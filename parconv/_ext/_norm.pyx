@@ -21,7 +21,7 @@ from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit
 
 cdef extern from "pc_norm.h":
     double pcn_sum(const float *p, Py_ssize_t n) noexcept nogil
@@ -93,14 +93,14 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     scale = <float *>(v64 + C)       # C floats in the last C doubles' room
     shift = scale + C
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, NULL, part + i * C)
         _merge(part, m64, nc, C)
         for c in range(C):
             m64[c] = m64[c] / M
         for c in range(nc * C):
             part[c] = 0.0
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, m64, part + i * C)
         _merge(part, v64, nc, C)
         for c in range(C):
@@ -112,7 +112,7 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
             if running_mean is not None:
                 running_mean[c] = <float>((1.0 - momentum) * running_mean[c] + momentum * m64[c])
                 running_var[c] = <float>((1.0 - momentum) * running_var[c] + momentum * (v64[c] * M / (M - 1)))
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu,
                          rp)
     free(part)
@@ -176,7 +176,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
             invstd[c] = <float>1.0 / sqrtf(running_var[c] + feps)
             scale[c] = invstd[c] * weight[c] if weight is not None else invstd[c]
             shift[c] = bias[c] if bias is not None else <float>0.0
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu,
                          rp)
     free(scale)
@@ -217,7 +217,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
         raise MemoryError()
     with nogil:
         if sums:
-            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 _grad_chunk(xp, dyp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
                             part + 2 * i * C, part + (2 * i + 1) * C)
             for c in range(C):
@@ -235,7 +235,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
                 coef[c] = invstd[c] * weight[c] if weight is not None else invstd[c]
                 coef[C + c] = <float>(sg[c] / M)
                 coef[2 * C + c] = <float>(sgx[c] / M)
-            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 _dx_chunk(xp, dyp, yp, dxp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0],
                           &invstd[0], coef, training)
     free(coef)
@@ -361,7 +361,7 @@ def dropout_apply(const float[::1] x,   # IN  (n,) x (forward) or dy (backward)
     cdef Py_ssize_t n = x.shape[0], i
     cdef int nc = _chunks(n, n, num_threads)
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             _dropout_range(&x[0], &y[0], n * i // nc, n * (i + 1) // nc, seed, threshold, scale)
 
 
@@ -374,3 +374,6 @@ cdef void _dropout_range(const float *x, float *y, Py_ssize_t a, Py_ssize_t b, u
     for k in range(a, b):
         v = x[k] * scale
         y[k] = v if _keep(seed, <uint64_t>k, threshold) else <float>0.0
+
+
+include "_team.pxi"

@@ -12,7 +12,7 @@ import math
 
 from cython.parallel cimport prange
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit
 from libc.math cimport INFINITY, isnan, pow as c_pow
 from libc.stdlib cimport malloc, free
 
@@ -45,7 +45,7 @@ def sgd_update(float[::1] p,        # IN/OUT (n,) parameter
     if v is not None:
         vp = &v[0]
     with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
             b = n * (i + 1) // nc
             pc_sgd(&p[a], &g[a], vp + a if vp != NULL else NULL, b - a, lr32, mom32, wd32, use_wd, nesterov)
@@ -94,7 +94,7 @@ def sgd_update_many(list ps,   # IN/OUT parameters, each (n_i,) float32
         start[k] = total
         nc = _chunks(total, num_threads)
         with nogil:
-            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 a = total * i // nc
                 b = total * (i + 1) // nc
                 for j in range(k):
@@ -226,7 +226,7 @@ def adam_update_many(list ps,   # IN/OUT parameters, each (n_i,) float32
         total = f.start[f.k]
         nc = _chunks(total, num_threads)
         with nogil:
-            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 a = total * i // nc
                 b = total * (i + 1) // nc
                 for j in range(f.k):
@@ -260,7 +260,7 @@ def rmsprop_update_many(list ps,    # IN/OUT parameters, each (n_i,) float32
         total = f.start[f.k]
         nc = _chunks(total, num_threads)
         with nogil:
-            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 a = total * i // nc
                 b = total * (i + 1) // nc
                 for j in range(f.k):
@@ -297,7 +297,7 @@ def norm_many(list xs,  # IN arrays, each (n_i,) float32
         if part == NULL:
             raise MemoryError()
         with nogil:
-            for blk in prange(nb, schedule="dynamic", num_threads=pc_team(nb, num_threads)):
+            for blk in prange(nb, schedule="dynamic", num_threads=pc_cap(pc_team(nb, num_threads))):
                 a = blk * NORM_BLOCK
                 b = min(total, a + NORM_BLOCK)
                 s = 0.0
@@ -345,7 +345,7 @@ def scale_many(list xs,  # IN/OUT arrays, each (n_i,) float32
         total = f.start[f.k]
         nc = _chunks(total, num_threads)
         with nogil:
-            for i in prange(nc, schedule="dynamic", num_threads=pc_team(nc, num_threads)):
+            for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 a = total * i // nc
                 b = total * (i + 1) // nc
                 for j in range(f.k):
@@ -355,3 +355,6 @@ def scale_many(list xs,  # IN/OUT arrays, each (n_i,) float32
                         pc_scale(f.a[j] + (lo - f.start[j]), hi - lo, f32)
     finally:
         _flat_free(&f)
+
+
+include "_team.pxi"

@@ -19,7 +19,7 @@ from cython.parallel cimport prange
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
-from .pc_helpers cimport pc_threads_for
+from .pc_helpers cimport pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit
 from .pc_pool cimport (
     PC_POOL_U16_MAX,
     pc_adaptive_avgpool_backward_plane,
@@ -61,7 +61,7 @@ def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         raise MemoryError("maxpool2d_forward: could not allocate window table")
     with nogil:
         pc_pool_bases(W, stride, P, Q, base)
-        for i in prange(planes, schedule="guided", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=pc_cap(nt)):
             if pool_index_t is cython.ushort:
                 pc_pool_plane_u16(xp + i * HW, base, W, kernel_size, stride, P, Q, yp + i * PQ, ap + i * PQ, 0)
             else:
@@ -86,7 +86,7 @@ def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     cdef const pool_index_t *ai
     cdef Py_ssize_t i, j
     with nogil:
-        for i in prange(planes, schedule="guided", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=pc_cap(nt)):
             dxi = dxp + i * HW
             dyi = dyp + i * PQ
             ai = ap + i * PQ
@@ -110,7 +110,7 @@ def maxpool2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int *ap = &argmax[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="guided", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=pc_cap(nt)):
             pc_maxpool_general_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ, ap + i * PQ)
 
 
@@ -125,7 +125,7 @@ def avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="guided", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=pc_cap(nt)):
             pc_avgpool_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ)
 
 
@@ -140,7 +140,7 @@ def avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="guided", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=pc_cap(nt)):
             pc_avgpool_backward_plane(dyp + i * PQ, H, W, KH, KW, SH, SW, PH, PW, P, Q, dxp + i * HW)
 
 
@@ -155,7 +155,7 @@ def adaptive_avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="guided", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=pc_cap(nt)):
             pc_adaptive_avgpool_plane(xp + i * HW, H, W, P, Q, yp + i * PQ)
 
 
@@ -170,5 +170,8 @@ def adaptive_avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef Py_ssize_t i
     with nogil:
-        for i in prange(planes, schedule="guided", num_threads=nt):
+        for i in prange(planes, schedule="guided", num_threads=pc_cap(nt)):
             pc_adaptive_avgpool_backward_plane(dyp + i * PQ, H, W, P, Q, dxp + i * HW)
+
+
+include "_team.pxi"

@@ -44,6 +44,22 @@ typedef ptrdiff_t pc_idx;
 
 #define PC_COMMA ,
 
+/* The most threads a parallel region of this module starts; 0: no cap. A region's split of its
+ * work, and so every result's bits, comes from its thread-count argument alone: the cap only
+ * shrinks the team that takes the chunks, so parconv can keep to the cores that other processes
+ * leave free without changing an answer (parconv._config adapts it). Set with the GIL held. */
+static int pc_team_limit = 0;
+
+static inline int pc_cap(ptrdiff_t n)
+{
+    int limit = pc_team_limit;
+    if (n < 1) return 1;
+    return (limit > 0 && n > limit) ? limit : (int)n;
+}
+
+static inline void pc_set_team_limit(int n) { pc_team_limit = n > 0 ? n : 0; }
+static inline int pc_get_team_limit(void) { return pc_team_limit; }
+
 /* p rounded up to the next 64-byte boundary (NULL stays NULL): for a buffer malloc'ed
  * 64 bytes larger than needed; free the original pointer. */
 static inline void *pc_align64(void *p)

@@ -1,5 +1,11 @@
 # Inline helpers shared by the .pyx kernels (compiled into each module that cimports them).
 
+cdef extern from "pc_common.h":
+    # every parallel region's team: num_threads=pc_cap(n) (see pc_common.h and _team.pxi)
+    int pc_cap(Py_ssize_t n) noexcept nogil
+    void pc_set_team_limit(int n) noexcept nogil
+    int pc_get_team_limit() noexcept nogil
+
 cdef enum:
     # below this much work (multiply-adds or elements touched) one thread is faster than waking a team
     PC_SERIAL_BELOW_WORK = 32768
