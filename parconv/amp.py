@@ -29,6 +29,7 @@ False
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 
@@ -145,6 +146,8 @@ class autocast(_GradModeContext):
         return autocast(self.dtype, self.enabled)
 
     def __enter__(self):
+        if self.enabled and not _checked_speed:
+            _warn_if_slow()
         self._prev.append(_mode.enabled)
         _mode.enabled = self.enabled
         return self
@@ -226,6 +229,36 @@ def native_bf16() -> bool:
         return False
 
 
+#: below this ratio of VDPBF16PS's multiply-adds per second to an FMA's, bf16 convolutions lose to
+#: float32 Winograd (a quarter or 4/9 of the multiplies) and a bf16 training step runs slower
+SLOW_DOT_RATE = 1.5
+_rate: list = []  # the probe's result, measured once per process
+
+
+def _dot_rate():
+    """VDPBF16PS over FMA multiply-adds per second on this core (``_bf16.dot_rate_vs_fma``), or None."""
+    if not _rate:
+        module = _bf16_module()
+        try:
+            _rate.append(module.dot_rate_vs_fma() if module is not None else None)
+        except Exception:  # a build without the probe
+            _rate.append(None)
+    return _rate[0]
+
+
+_checked_speed = False
+
+
+def _warn_if_slow() -> None:
+    """Once per process: a UserWarning where this CPU's bf16 products are no faster than float32's."""
+    global _checked_speed
+    _checked_speed = True
+    info = bf16_support()
+    if info.get("mode") == "native" and not info.get("faster_than_fp32", True):
+        warnings.warn(f"autocast('bf16'): {info['why']} (parconv.amp.bf16_support(); `parconv info`)",
+                      UserWarning, stacklevel=3)
+
+
 def bf16_support() -> dict:
     """How bf16 convolution and linear run here: ``{"mode": "native"|"emulated", "why": str, ...}``.
 
@@ -233,7 +266,11 @@ def bf16_support() -> dict:
     ``emulated``: inputs are rounded to bf16 and the float32 direct kernels
     compute (the same results to accumulation order; no speed-up). ``why`` says
     what decided it: the CPU's flags, the kernel level chosen (``PARCONV_ISA``),
-    or the build.
+    or the build. In native mode ``dot_rate`` is VDPBF16PS's multiply-adds per
+    second over an FMA's, measured once (about 0.1 ms), and
+    ``faster_than_fp32`` is False where that rate is under
+    :data:`SLOW_DOT_RATE`: such a core gains nothing from bf16 products and
+    loses float32's Winograd, so bf16 training runs slower there.
 
     Examples
     --------
@@ -251,7 +288,14 @@ def bf16_support() -> dict:
     info = {"cpu_avx512_bf16": cpu, "kernel_level": level,
             "compiled_rounding": _compiled_round() is not None}
     if native_bf16():
-        info.update(mode="native", why=f"the CPU has AVX512_BF16 and the {level} kernels use it")
+        rate = _dot_rate()
+        why = f"the CPU has AVX512_BF16 and the {level} kernels use it"
+        if rate is not None:
+            why += f"; VDPBF16PS does {rate:.1f}x the multiply-adds per second of an FMA here"
+            if rate < SLOW_DOT_RATE:
+                why += (" (2x where the core issues both at one rate): at this rate bf16 training runs slower "
+                        "than float32, whose 3x3 convolutions are Winograd; train in fp32 on this CPU")
+        info.update(mode="native", why=why, dot_rate=rate, faster_than_fp32=rate is None or rate >= SLOW_DOT_RATE)
         return info
     info["mode"] = "emulated"
     if module is None:

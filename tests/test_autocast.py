@@ -559,3 +559,48 @@ def test_round_to_bf16_names_a_bad_argument(bad, exc):
     with pytest.raises(exc, match="round_to_bf16: x must be"):
         pc.amp.round_to_bf16(bad)
     assert pc.amp.round_to_bf16([1.0, 2.0]).dtype == np.float32  # array-likes of numbers are taken
+
+
+def test_the_dot_rate_probe_measures_where_the_kernels_are_native():
+    from parconv._ext import _bf16
+
+    with pytest.raises(ValueError, match="rounds and iters"):
+        _bf16.dot_rate_vs_fma(0)
+    rate = _bf16.dot_rate_vs_fma()
+    if not _bf16.native():
+        assert rate is None
+        assert "dot_rate" not in pc.amp.bf16_support()
+    else:
+        assert 0.2 < rate < 8.0, rate  # 32 against 16 multiply-adds per instruction, at whatever issue rates
+        info = pc.amp.bf16_support()
+        assert info["dot_rate"] > 0 and "multiply-adds per second of an FMA" in info["why"]
+
+
+@pytest.mark.parametrize("rate, slow", [(1.0, True), (2.0, False)])
+def test_autocast_warns_once_where_bf16_products_are_no_faster_than_float32(monkeypatch, rate, slow):
+    # a core that issues VDPBF16PS at half an FMA's rate gains nothing from bf16 and loses Winograd
+    import warnings
+
+    from parconv import amp
+
+    monkeypatch.setattr(amp, "native_bf16", lambda: True)
+    monkeypatch.setattr(amp, "_rate", [rate])
+    monkeypatch.setattr(amp, "_checked_speed", False)
+    info = amp.bf16_support()
+    assert info["faster_than_fp32"] is (not slow)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pc.autocast("bf16"):
+            pass
+        with pc.autocast("bf16"):
+            pass
+    got = [w for w in caught if "bf16 training runs slower than float32" in str(w.message)]
+    assert len(got) == (1 if slow else 0), [str(w.message) for w in caught]
+    if slow:
+        assert got[0].filename == __file__  # points at the user's with-statement
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monkeypatch.setattr(amp, "_checked_speed", False)
+        with pc.autocast("bf16", enabled=False):  # a disabled block checks nothing
+            pass
+    assert not caught

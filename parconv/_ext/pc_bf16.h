@@ -238,6 +238,7 @@ static inline void pcb_im2col_pairs(const uint16_t *restrict xb, int R, int Wp, 
 #if defined(__AVX512F__) && defined(__GNUC__)
 #define PCB_NATIVE 1
 #include <immintrin.h>
+#include <time.h>
 
 #define PCB_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
 
@@ -390,9 +391,39 @@ static inline void pcb_gemm(const uint32_t *A, pc_idx lda, pc_idx rows, const ui
     pcb_gemm_x(A, lda, NULL, rows, B, NULL, ldb, kp, Cm, ldc, cols, brow, bcol, accumulate);
 }
 
+/* Seconds of `iters` rounds of 12 independent VDPBF16PS (dot = 1) or VFMADD231PS (dot = 0) on zmm
+ * registers: their issue rate, not their latency. The operands are zero, so no value is denormal. */
+PCB_TARGET static double pcb_issue_seconds(int dot, long iters)
+{
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m512 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+    const __m512 x = _mm512_setzero_ps();
+    const __m512bh h = (__m512bh)_mm512_setzero_si512();
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (dot) {
+        for (long i = 0; i < iters; i++) {
+#define PCB_D(a) a = _mm512_dpbf16_ps(a, h, h); __asm__ volatile("" : "+v"(a));
+            PCB_D(a0) PCB_D(a1) PCB_D(a2) PCB_D(a3) PCB_D(a4) PCB_D(a5)
+            PCB_D(a6) PCB_D(a7) PCB_D(a8) PCB_D(a9) PCB_D(a10) PCB_D(a11)
+#undef PCB_D
+        }
+    } else {
+        for (long i = 0; i < iters; i++) {
+#define PCB_F(a) a = _mm512_fmadd_ps(a, x, x); __asm__ volatile("" : "+v"(a));
+            PCB_F(a0) PCB_F(a1) PCB_F(a2) PCB_F(a3) PCB_F(a4) PCB_F(a5)
+            PCB_F(a6) PCB_F(a7) PCB_F(a8) PCB_F(a9) PCB_F(a10) PCB_F(a11)
+#undef PCB_F
+        }
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}
+
 #else
 #define PCB_NATIVE 0
 static int pcb_cpu_native(void) { return 0; }
+static double pcb_issue_seconds(int dot, long iters) { (void)dot; (void)iters; return 0.0; }
 
 /* this level has no VDPBF16PS: _bf16.pyx raises before any caller gets here */
 static void pcb_gemm_o(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx rows,
