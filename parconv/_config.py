@@ -276,11 +276,32 @@ def _watch_load(n: int) -> None:
         return
     _readings.append(others)
     del _readings[:-_LOAD_READINGS]
-    # busy tasks are spread over every online core; those left free are this process's to use
-    free = (os.cpu_count() or n) - min(_readings)
+    # busy tasks are spread over every online core; those left free are this process's to use.
+    # Sleeping idle threads cost nothing while the cap is lifted too early, so the least busy reading
+    # decides; spinning ones (the user's choice, or a runtime that torch loaded first) burn a core
+    # after every region, so there the busiest reading decides.
+    free = (os.cpu_count() or n) - (max(_readings) if _threads_spin() else min(_readings))
     limit = 0 if free >= n else max(1, free)
     if limit != _team_limit:
         _set_team_limit(limit)
+
+
+_spin: list = []  # whether idle OpenMP threads spin in this process, decided once
+
+
+def _threads_spin() -> bool:
+    """Whether this process's idle OpenMP threads spin between regions (not parconv's passive default)."""
+    if not _spin:
+        from ._ext import WAIT_POLICY
+
+        spins = WAIT_POLICY.get("policy") != "PASSIVE"  # parconv's default sleeps
+        if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
+            spins = False
+        count = os.environ.get("GOMP_SPINCOUNT", "").strip()
+        if count.isdigit() and int(count) == 0:
+            spins = False
+        _spin.append(spins)
+    return _spin[0]
 
 
 def _set_team_limit(limit: int) -> None:

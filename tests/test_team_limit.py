@@ -121,6 +121,7 @@ def fake_proc(tmp_path, monkeypatch):
     monkeypatch.setattr(_config, "_LOADAVG", str(loadavg))
     monkeypatch.setattr(_config, "_TASKS", str(tasks))
     monkeypatch.setattr(_config, "_adaptive", True)
+    monkeypatch.setattr(_config, "_spin", [False])  # parconv's passive default, whatever loaded libgomp here
     monkeypatch.setattr(_config, "_readings", [])
     monkeypatch.setattr(_config, "_num_threads", None)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -187,3 +188,34 @@ def test_without_proc_the_team_is_left_alone(fake_proc, monkeypatch):
     _read(1)
     assert _config.team_limit() == 0
     assert _config._adaptive is False
+
+
+def test_with_spinning_idle_threads_the_busiest_reading_decides(fake_proc, monkeypatch):
+    # spinning threads burn a core after every region: engage at the first busy reading, lift only
+    # when every recent reading is quiet
+    monkeypatch.setattr(_config, "_spin", [True])
+    fake_proc(running=1)
+    _read()
+    fake_proc(running=9)
+    _read(1)
+    assert _config.team_limit() == 1
+    fake_proc(running=1)
+    _read(_config._LOAD_READINGS - 1)
+    assert _config.team_limit() == 1
+    _read(1)
+    assert _config.team_limit() == 0
+
+
+@pytest.mark.parametrize("env, spins", [({}, False), ({"OMP_WAIT_POLICY": "ACTIVE"}, True),
+                                        ({"GOMP_SPINCOUNT": "5000"}, True), ({"GOMP_SPINCOUNT": "0"}, False),
+                                        ({"OMP_WAIT_POLICY": "passive"}, False)])
+def test_the_watcher_knows_whether_idle_threads_spin(env, spins):
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import parconv\nfrom parconv import _config\nprint(_config._threads_spin())"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pc.__file__)))
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=dict(base, **env, PYTHONPATH=root),
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(spins), (env, out.stdout, out.stderr)
