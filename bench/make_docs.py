@@ -223,12 +223,22 @@ def nets_targets(entries: list, workload: str = "nets") -> list[str]:
     return ["", "Targets of this workload:", ""] + target_table(mine) if mine else []
 
 
+NETS_NOTE = (
+    "PyTorch runs in the same process, on the same libgomp as parconv, so it waits for work as parconv's "
+    "runtime does (passively, unless the environment says otherwise; `env` in results.json records it). "
+    "Where PyTorch runs alone its idle threads spin, and some of its times are shorter: performance "
+    "internals, \"Idle threads wait passively\", has this table's main rows under both policies.")
+
+
 CONTENDED_NOTE = (
     "Each case starts its busy processes (pure-Python loops, each bounded to 15 minutes and killed when the "
     "case's timing ends) before its timed samples, and times without the suite's wait for idle threads, as "
     "a user's loop runs. \"other load\" counts every process but this one, the busy ones included; the core "
     "probe is the BLAS's matmul on two threads against one just before each two-thread sample (2.00: two "
-    "free cores). The default thread count is the core count, so on a two-core machine it is the @2 column.")
+    "free cores). The @default columns set no thread count: parconv splits the work for every core and caps "
+    "each parallel region's team at the cores the neighbours leave free (the same bits as @2); PyTorch runs "
+    "its own default. The targets compare parconv's default with the better of @1 and @2 under the same load, "
+    "and its margin over PyTorch's default with the quiet one.")
 
 
 def render(results: dict, plots: list[str]) -> str:
@@ -352,6 +362,8 @@ def render(results: dict, plots: list[str]) -> str:
         lines += layer_table(wl)
         if name == "contended":
             lines += ["", CONTENDED_NOTE]
+        if name == "nets":
+            lines += ["", NETS_NOTE]
         if name in ("nets", "contended"):
             lines += nets_targets(results.get("targets") or [], name)
         for p in plots:
