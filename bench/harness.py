@@ -80,39 +80,28 @@ def thread_scope(impl_kind: str, n: int):
         yield
         return
     if n == DEFAULT_THREADS:
-        if impl_kind == "torch":
-            import torch
-
-            global _torch_default_threads
-            if _torch_default_threads is None:
-                _torch_default_threads = torch.get_num_threads()  # before any config changed it
-            previous = torch.get_num_threads()
-            torch.set_num_threads(_torch_default_threads)
-            try:
-                yield
-            finally:
-                torch.set_num_threads(previous)
-        else:
-            with pc.num_threads(None):
-                yield
+        with (_torch_threads(None) if impl_kind == "torch" else pc.num_threads(None)):
+            yield
         return
-    if impl_kind == "torch" and _torch_default_threads is None:
-        import torch
-
-        _torch_default_threads = torch.get_num_threads()
     with threadpool_limits(limits=n, user_api="blas"):
-        if impl_kind == "torch":
-            import torch
+        with (_torch_threads(n) if impl_kind == "torch" else pc.num_threads(n)):
+            yield
 
-            previous = torch.get_num_threads()
-            torch.set_num_threads(n)
-            try:
-                yield
-            finally:
-                torch.set_num_threads(previous)
-        else:
-            with pc.num_threads(n):
-                yield
+
+@contextlib.contextmanager
+def _torch_threads(n):
+    """PyTorch on ``n`` threads inside the block (None: its default, read before any config changed it)."""
+    import torch
+
+    global _torch_default_threads
+    if _torch_default_threads is None:
+        _torch_default_threads = torch.get_num_threads()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(_torch_default_threads if n is None else n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 # ----------------------------------------------------------------------------- answers
