@@ -21,7 +21,7 @@ result does not depend on the thread count beyond BLAS kernel edge effects.
 The caller limits the BLAS library to one thread around these calls.
 """
 
-from cython.parallel cimport parallel, prange
+from cython.parallel cimport prange
 
 from numpy import ndarray
 
@@ -149,16 +149,14 @@ cdef void _gemm_nt(const float *a, const float *b, const float *bias, int relu, 
         # then blocks of GEMM_BM outputs x GEMM_NT_BN rows of the batch
         ldt = pcg_t_ld(M)
         kb = (K + 63) // 64
+        for t in prange(kb, schedule="dynamic", num_threads=pc_cap(_team(nt, <int>min(kb, <Py_ssize_t>1 << 30)))):
+            pcg_transpose(a, K, M, xt, ldt, t * 64, min(K, t * 64 + 64))
         mb = (N + bm - 1) // bm
         nbn = (M + bn - 1) // bn
-        # one team for both loops: a sleeping thread is woken once per product, not twice
-        with parallel(num_threads=pc_cap(_team(nt, <int>min(max(kb, mb * nbn), <Py_ssize_t>1 << 30)))):
-            for t in prange(kb, schedule="dynamic"):
-                pcg_transpose(a, K, M, xt, ldt, t * 64, min(K, t * 64 + 64))
-            for t in prange(mb * nbn, schedule="dynamic"):
-                i0 = (t % mb) * bm
-                j0 = (t // mb) * bn
-                pcg_nnt(b, K, xt, ldt, bias, relu, c, N, i0, min(N, i0 + bm), j0, min(M, j0 + bn))
+        for t in prange(mb * nbn, schedule="dynamic", num_threads=pc_cap(_team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30)))):
+            i0 = (t % mb) * bm
+            j0 = (t // mb) * bn
+            pcg_nnt(b, K, xt, ldt, bias, relu, c, N, i0, min(N, i0 + bm), j0, min(M, j0 + bn))
         return
     nt = _team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30))
     # row blocks inner: threads that start together share a panel of B
