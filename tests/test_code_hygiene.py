@@ -180,6 +180,38 @@ def test_every_parallel_loop_lets_a_free_thread_take_the_work():
     assert not bad, "parallel loops split statically:\n" + "\n".join(bad)
 
 
+def test_loops_of_one_parallel_block_are_separated_by_a_barrier():
+    """Cython ends each prange inside ``with parallel()`` with ``omp for nowait``: a thread done with
+    its share of one loop starts the next while others still write what it may read. Two pranges of
+    one block need ``pc_barrier()`` between them, at the block's own level (every thread calls it)."""
+    bad = []
+    for path, text in SOURCES.items():
+        if path.suffix not in (".pyx", ".pxi"):
+            continue
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if "parallel(" not in line or not line.lstrip().startswith("with ") or line.lstrip().startswith("#"):
+                continue
+            indent = len(line) - len(line.lstrip())
+            body = None
+            seen_loop = barrier = False
+            for j in range(i + 1, len(lines)):
+                lj = lines[j]
+                if not lj.strip() or lj.lstrip().startswith("#"):
+                    continue
+                ind = len(lj) - len(lj.lstrip())
+                if ind <= indent:
+                    break
+                body = ind if body is None else body
+                if ind == body and "pc_barrier()" in lj:
+                    barrier = True
+                if ind == body and "prange(" in lj:
+                    if seen_loop and not barrier:
+                        bad.append(f"{path.relative_to(ROOT)}:{j + 1}")
+                    seen_loop, barrier = True, False
+    assert not bad, "a prange after another in one parallel block, with no pc_barrier() between:\n" + "\n".join(bad)
+
+
 def test_every_parallel_region_takes_the_team_cap():
     """With other processes busy, parconv caps every region's team (pc_cap in pc_common.h): a region
     that asks for its threads any other way would still wait for a descheduled one. The cap must not

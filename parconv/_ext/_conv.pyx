@@ -56,7 +56,7 @@ from libc.string cimport memset
 from libc.math cimport sqrt
 from scipy.linalg.cython_blas cimport sgemm
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_barrier, pc_cap, pc_get_team_limit, pc_set_team_limit
 from .pc_pool cimport PC_POOL_U16_MAX, pc_pool_bases, pc_pool_plane, pc_pool_plane_u16
 from .pc_conv cimport *
 

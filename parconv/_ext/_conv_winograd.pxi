@@ -201,6 +201,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
             M = V + pts * ldxv
             ct = M + pts * ldxm
             scr = ct + PCC_MR_MAX * PCC_NR
+        pc_barrier()  # every filter's transform in U before any block reads U
         for blk in prange(nblocks, schedule="dynamic"):
             if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
                 n0 = <int>((<long>N * (blk // bpi)) // ng)

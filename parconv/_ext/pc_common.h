@@ -60,6 +60,16 @@ static inline int pc_cap(ptrdiff_t n)
 static inline void pc_set_team_limit(int n) { pc_team_limit = n > 0 ? n : 0; }
 static inline int pc_get_team_limit(void) { return pc_team_limit; }
 
+/* A barrier for the team of the enclosing parallel region. Cython ends every prange inside a
+ * `with parallel()` block with `omp for nowait`: where a later loop reads what an earlier one
+ * wrote, every thread of the team must call this between them (not inside a branch). */
+static inline void pc_barrier(void)
+{
+#if defined(_OPENMP)
+    _Pragma("omp barrier")
+#endif
+}
+
 /* p rounded up to the next 64-byte boundary (NULL stays NULL): for a buffer malloc'ed
  * 64 bytes larger than needed; free the original pointer. */
 static inline void *pc_align64(void *p)

@@ -5,6 +5,7 @@ cdef extern from "pc_common.h":
     int pc_cap(Py_ssize_t n) noexcept nogil
     void pc_set_team_limit(int n) noexcept nogil
     int pc_get_team_limit() noexcept nogil
+    void pc_barrier() noexcept nogil  # between two pranges of one parallel block (see pc_common.h)
 
 cdef enum:
     # below this much work (multiply-adds or elements touched) one thread is faster than waking a team
