@@ -238,14 +238,19 @@ _readings: list = []
 _team_limit = 0  # the cap set on the kernel modules now (0: none)
 
 
-def _others_running() -> int | None:
-    """Runnable tasks on the machine that are not this process's threads; None without /proc."""
+def _others_running(n: int = 1) -> int | None:
+    """Runnable tasks on the machine that are not this process's threads; None without /proc.
+
+    Where even counting every runnable task but the caller as another's would leave ``n`` cores
+    free, returns 0 without reading this process's threads (a reading of each costs ~1 us, and a
+    process that imported torch has dozens).
+    """
     try:
         with open(_LOADAVG, "rb") as f:
             running = int(f.read().split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return None
-    if running <= 1:  # only the thread reading
+    if running <= 1 or (os.cpu_count() or 1) - (running - 1) >= n:  # no cap could follow
         return 0
     ours = 0
     try:
@@ -268,7 +273,7 @@ def _watch_load(n: int) -> None:
     """Read the run queue and set the regions' team cap for ``n`` default threads."""
     global _adaptive, _watch_next
     _watch_next = time.monotonic() + _LOAD_EVERY_S
-    others = _others_running()
+    others = _others_running(n)
     if others is None:
         _adaptive = False
         if _team_limit:
@@ -310,7 +315,9 @@ def _set_team_limit(limit: int) -> None:
     from ._ext import DISPATCH
 
     for module in DISPATCH.values():
-        module._set_team_limit(limit)
+        setter = getattr(module, "_set_team_limit", None)
+        if setter is not None:  # a build from before the cap: its regions keep their full team
+            setter(limit)
     _team_limit = limit
 
 

@@ -173,9 +173,13 @@ def test_a_chosen_thread_count_is_never_capped(fake_proc, monkeypatch):
     fake_proc(running=9)
     _read()
     assert _config.team_limit() == 1
+    from parconv._ext import DISPATCH
+
+    assert {m._get_team_limit() for m in DISPATCH.values()} == {1}
     with pc.num_threads(2):
         assert pc.get_num_threads() == 2
         assert _config.team_limit() == 0
+        assert {m._get_team_limit() for m in DISPATCH.values()} == {0}  # the kernels' caps, not only the record
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     _config._set_team_limit(1)
     assert pc.get_num_threads() == 3

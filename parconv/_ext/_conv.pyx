@@ -43,8 +43,8 @@ once in ``pc_conv.pxd``:
 Work is split into chunks (images, rows or panels of output positions,
 channel or tap blocks), never more threads than chunks, and every chunk
 writes its own part of the output; weight-gradient partial sums live in
-per-thread buffers added in thread order, so a thread count always gives the
-same bits. Inputs are trusted: shapes, dtypes and contiguity are validated in
+one buffer per block of a split fixed by the shape and the thread count,
+added in block order, so a thread count always gives the same bits. Inputs are trusted: shapes, dtypes and contiguity are validated in
 Python.
 """
 

@@ -25,8 +25,9 @@ The paths (``pc_conv_general.h``):
   one in-order sum over the channels.
 * everything else: per (image, group) an im2col matrix in thread-private scratch and
   ``scipy.linalg.cython_blas.sgemm`` (row-major matrices go to the column-major BLAS as
-  their transposes); dx is the col2im of ``w^T @ dy``. dw partial sums live in per-thread
-  buffers added in thread order (a thread count always gives the same bits). The caller
+  their transposes); dx is the col2im of ``w^T @ dy``. dw partial sums live in one buffer
+  per part of a fixed split of the items, added in part order (a thread count always gives
+  the same bits, whichever thread takes a part). The caller
   limits the BLAS to one thread: every sgemm here runs inside an OpenMP parallel region.
 
 Inputs are trusted: shapes, dtypes and contiguity are validated in Python.
@@ -361,7 +362,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef const float *dyp = &dy[0, 0, 0, 0]
     cdef float *dxp = NULL if dx is None else &dx[0, 0, 0, 0]
     cdef float *dwp = &dw[0, 0, 0, 0]
-    cdef float *acc = NULL   # (nt - 1) private dw buffers; thread 0 accumulates into dw
+    cdef float *acc = NULL   # dw buffers of parts 1 .. nt - 1; part 0 accumulates into dw
     cdef float *cols = NULL
     cdef float *dcols = NULL
     cdef float *dwt = NULL
@@ -424,7 +425,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
         free(acc)
         raise MemoryError("conv2d_general_backward: could not allocate im2col scratch")
     if nt > 1:
-        # fixed thread order: dw = ((dw_0 + dw_1) + dw_2) + ...
+        # fixed part order: dw = ((dw_0 + dw_1) + dw_2) + ...
         with nogil:
             for e in prange(wsize, schedule="guided", num_threads=pc_cap(pc_threads_for(wsize * nt, wsize, nt))):
                 for j in range(nt - 1):
