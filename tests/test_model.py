@@ -126,7 +126,7 @@ def test_default_threads_cap_their_teams_under_load_and_keep_the_bits(monkeypatc
     with pc.num_threads(None), busy_neighbours(2):
         deadline = time.monotonic() + 20  # the cap follows readings 30 ms apart: a few steps
         for i in itertools.count():
-            if i >= 3 and (caps - {0} or time.monotonic() > deadline):
+            if i >= 3 and (caps - {0} or time.monotonic() > deadline or (os.cpu_count() or n) != n):
                 break
             loaded = []
             for build, k in nets:
@@ -135,7 +135,8 @@ def test_default_threads_cap_their_teams_under_load_and_keep_the_bits(monkeypatc
             for want, got in zip(quiet, loaded):
                 for key in want:
                     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-    assert caps & set(range(1, n)), caps  # the cap did engage
+    if (os.cpu_count() or n) == n:  # two busy tasks leave fewer than n of the online cores free
+        assert caps & set(range(1, n)), caps  # the cap did engage
     with pc.num_threads(n):
         assert pc.get_num_threads() == n  # the next op under a chosen count ...
         assert _config.team_limit() == 0  # ... lifts the cap
