@@ -228,7 +228,7 @@ def get_num_threads() -> int:
 # chunks, never how the work is split: the results have the same bits whatever the load.
 
 _LOAD_EVERY_S = 0.03  # seconds between readings of the run queue
-_LOAD_READINGS = 3  # the cap follows the least busy of the last readings: a blip does not shrink the team
+_LOAD_READINGS = 3  # the cap follows the least (where idle threads spin: the most) busy of the last readings
 _LOADAVG = "/proc/loadavg"  # tests point these at fakes
 _TASKS = "/proc/self/task"
 
