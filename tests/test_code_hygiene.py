@@ -159,16 +159,20 @@ def test_the_square_convolution_path_is_chosen_by_its_name(w_shape, stride, pads
     assert F._conv_is_square(w_shape, stride, pads, dilation, groups) is square
 
 
+def _kernel_sources():
+    """(path, lines) of every Cython kernel source (.pyx and .pxi)."""
+    for path, text in SOURCES.items():
+        if path.suffix in (".pyx", ".pxi"):
+            yield path, text.splitlines()
+
+
 def test_every_parallel_loop_lets_a_free_thread_take_the_work():
     """A statically split loop waits at its barrier for the thread the OS descheduled, so on a
     shared machine it runs at the slowest thread's pace: every ``prange`` hands out its blocks
     dynamically (``dynamic`` or ``guided``). Partial sums whose order must not follow the load take
     fixed parts handed out dynamically, one buffer per part (conv2d_general_backward)."""
     bad = []
-    for path, text in SOURCES.items():
-        if path.suffix not in (".pyx", ".pxi"):
-            continue
-        lines = text.splitlines()
+    for path, lines in _kernel_sources():
         for i, line in enumerate(lines):
             if "prange(" not in line or line.lstrip().startswith("#"):
                 continue
@@ -185,10 +189,7 @@ def test_loops_of_one_parallel_block_are_separated_by_a_barrier():
     its share of one loop starts the next while others still write what it may read. Two pranges of
     one block need ``pc_barrier()`` between them, at the block's own level (every thread calls it)."""
     bad = []
-    for path, text in SOURCES.items():
-        if path.suffix not in (".pyx", ".pxi"):
-            continue
-        lines = text.splitlines()
+    for path, lines in _kernel_sources():
         for i, line in enumerate(lines):
             if "parallel(" not in line or not line.lstrip().startswith("with ") or line.lstrip().startswith("#"):
                 continue
@@ -218,10 +219,8 @@ def test_every_parallel_region_takes_the_team_cap():
     change a result, so no region may split its work by the team it got (``threadid()`` indexing
     partial sums, a static split of a sum)."""
     bad = []
-    for path, text in SOURCES.items():
-        if path.suffix not in (".pyx", ".pxi"):
-            continue
-        for i, line in enumerate(text.splitlines()):
+    for path, lines in _kernel_sources():
+        for i, line in enumerate(lines):
             if line.lstrip().startswith("#"):
                 continue
             for m in re.finditer(r"num_threads\s*=\s*(\w+)", line):
