@@ -592,35 +592,44 @@ typedef struct {
     __mmask16 m0[PCI8_TILE], m1[PCI8_TILE];
 } pci8_runs;
 
+/* The parts of one channel's epilogue on the registers: its two vectors of sums scaled ... */
+#define PCI8_VNNI_SCALED(j)                                                                       \
+    const __m512 sc = _mm512_set1_ps(scale[j]);                                                   \
+    const __m512i zb = _mm512_set1_epi32(zb32[j]);                                                \
+    __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##0, zb)), sc);             \
+    __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##1, zb)), sc);
+
+/* ... then the ReLU and the stores to the runs of output pixels: y (float32) and yq (the next
+ * layer's input, pci8_quantize's arithmetic through pci8_q16x2) where given. */
+#define PCI8_VNNI_FINISH(j)                                                                       \
+    if (relu) { /* max(0, v): NaN and -0 pass as with v < 0 ? 0 : v */                           \
+        v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                              \
+        v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                              \
+    }                                                                                             \
+    if (y != NULL) {                                                                              \
+        float *yj = y + (j) * PQ;                                                                 \
+        for (int k = 0; k < runs->n; k++) {                                                       \
+            _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                           \
+            _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);                      \
+        }                                                                                         \
+    }                                                                                             \
+    if (yq != NULL) {                                                                             \
+        __m512i k0, k1;                                                                           \
+        pci8_q16x2(v0, v1, vr, vs, qfast, vz, &k0, &k1);                                          \
+        const __m128i b0 = _mm512_cvtepi32_epi8(k0);                                              \
+        const __m128i b1 = _mm512_cvtepi32_epi8(k1);                                              \
+        uint8_t *qj = yq + (j) * PQ;                                                              \
+        for (int k = 0; k < runs->n; k++) {                                                       \
+            _mm_mask_storeu_epi8(qj + runs->base[k], runs->m0[k], b0);                            \
+            _mm_mask_storeu_epi8(qj + runs->base[k] + 16, runs->m1[k], b1);                       \
+        }                                                                                         \
+    }
+
 #define PCI8_VNNI_EPI(j)                                                                          \
     do {                                                                                          \
         if ((j) < oe) {                                                                           \
-            const __m512 sc = _mm512_set1_ps(scale[j]);                                           \
-            const __m512i zb = _mm512_set1_epi32(zb32[j]);                                        \
-            __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##0, zb)), sc);     \
-            __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##1, zb)), sc);     \
-            if (relu) { /* max(0, v): NaN and -0 pass as with v < 0 ? 0 : v */                   \
-                v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                      \
-                v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                      \
-            }                                                                                     \
-            if (y != NULL) {                                                                      \
-                float *yj = y + (j) * PQ;                                                         \
-                for (int k = 0; k < runs->n; k++) {                                               \
-                    _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                   \
-                    _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);              \
-                }                                                                                 \
-            }                                                                                     \
-            if (yq != NULL) { /* the next layer's input: pci8_quantize's arithmetic (pci8_q16) */ \
-                __m512i k0, k1;                                                                   \
-                pci8_q16x2(v0, v1, vr, vs, qfast, vz, &k0, &k1);                                  \
-                const __m128i b0 = _mm512_cvtepi32_epi8(k0);                                      \
-                const __m128i b1 = _mm512_cvtepi32_epi8(k1);                                      \
-                uint8_t *qj = yq + (j) * PQ;                                                      \
-                for (int k = 0; k < runs->n; k++) {                                               \
-                    _mm_mask_storeu_epi8(qj + runs->base[k], runs->m0[k], b0);                    \
-                    _mm_mask_storeu_epi8(qj + runs->base[k] + 16, runs->m1[k], b1);               \
-                }                                                                                 \
-            }                                                                                     \
+            PCI8_VNNI_SCALED(j)                                                                   \
+            PCI8_VNNI_FINISH(j)                                                                   \
         }                                                                                         \
     } while (0)
 
@@ -657,10 +666,7 @@ PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows8, rs, 1)
 #define PCI8_VNNI_EPI_RES(j)                                                                      \
     do {                                                                                          \
         if ((j) < oe) {                                                                           \
-            const __m512 sc = _mm512_set1_ps(scale[j]);                                           \
-            const __m512i zb = _mm512_set1_epi32(zb32[j]);                                        \
-            __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##0, zb)), sc);     \
-            __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##1, zb)), sc);     \
+            PCI8_VNNI_SCALED(j)                                                                   \
             __m512 r0 = _mm512_setzero_ps(), r1 = r0;                                             \
             if (rf != NULL) {                                                                     \
                 const float *rj = rf + (j) * PQ;                                                  \
@@ -680,26 +686,7 @@ PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows8, rs, 1)
             }                                                                                     \
             v0 = _mm512_add_ps(v0, r0);                                                           \
             v1 = _mm512_add_ps(v1, r1);                                                           \
-            if (relu) {                                                                           \
-                v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                      \
-                v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                      \
-            }                                                                                     \
-            if (y != NULL) {                                                                      \
-                float *yj = y + (j) * PQ;                                                         \
-                for (int k = 0; k < runs->n; k++) {                                               \
-                    _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                   \
-                    _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);              \
-                }                                                                                 \
-            }                                                                                     \
-            if (yq != NULL) {                                                                     \
-                __m512i k0, k1;                                                                   \
-                pci8_q16x2(v0, v1, vr, vs, qfast, vz, &k0, &k1);                                  \
-                const __m256i q = _mm256_inserti128_si256(                                        \
-                    _mm256_castsi128_si256(_mm512_cvtepi32_epi8(k0)), _mm512_cvtepi32_epi8(k1), 1); \
-                uint8_t *qj = yq + (j) * PQ;                                                      \
-                for (int k = 0; k < runs->n; k++)                                                 \
-                    _mm256_mask_storeu_epi8(qj + runs->base[k], m32[k], q);                       \
-            }                                                                                     \
+            PCI8_VNNI_FINISH(j)                                                                   \
         }                                                                                         \
     } while (0)
 
