@@ -966,6 +966,15 @@ class OpenMPBackend(HostArrays, Backend):
     def conv2d_general_forward(self, x, w, b, stride, pads, dilation, groups):
         """Depthwise (one channel per filter) on the direct kernels, the rest im2col + sgemm per
         (image, group) (``_conv_general``)."""
+        return self._conv_general_forward(x, w, b, stride, pads, dilation, groups, False)
+
+    def conv2d_general_relu_forward(self, x, w, b, stride, pads, dilation, groups):
+        """Depthwise: the ReLU applied by the kernel as it stores (no second pass over y)."""
+        if w.shape[1] != 1:
+            return super().conv2d_general_relu_forward(x, w, b, stride, pads, dilation, groups)
+        return self._conv_general_forward(x, w, b, stride, pads, dilation, groups, True)
+
+    def _conv_general_forward(self, x, w, b, stride, pads, dilation, groups, relu):
         x, w = _f32(x), _f32(w)
         b = None if b is None else _f32(b)
         N, C, H, W = x.shape
@@ -975,25 +984,10 @@ class OpenMPBackend(HostArrays, Backend):
         y = self._empty((N, O, P, Q))
         args = (stride[0], stride[1], pads[0], pads[2], dilation[0], dilation[1])
         if Cg == 1:
-            _conv_general.depthwise_forward(x, w, b, y, *args, get_num_threads())
-        else:
+            _conv_general.depthwise_forward(x, w, b, y, *args, get_num_threads(), relu=relu)
+        else:  # relu is False here: the general kernels store no ReLU
             with _blas_limit(N * O * P * Q * Cg * KH * KW):
                 _conv_general.conv2d_general_forward(x, w, b, y, *args, groups, get_num_threads())
-        return y
-
-    def conv2d_general_relu_forward(self, x, w, b, stride, pads, dilation, groups):
-        """Depthwise: the ReLU applied by the kernel as it stores (no second pass over y)."""
-        if w.shape[1] != 1:
-            return super().conv2d_general_relu_forward(x, w, b, stride, pads, dilation, groups)
-        x, w = _f32(x), _f32(w)
-        b = None if b is None else _f32(b)
-        N, C, H, W = x.shape
-        O, _, KH, KW = w.shape
-        P = _out_size(H, KH, stride[0], pads[0], pads[1], dilation[0])
-        Q = _out_size(W, KW, stride[1], pads[2], pads[3], dilation[1])
-        y = self._empty((N, O, P, Q))
-        _conv_general.depthwise_forward(x, w, b, y, stride[0], stride[1], pads[0], pads[2], dilation[0], dilation[1],
-                                        get_num_threads(), relu=True)
         return y
 
     def conv2d_general_backward(self, x, w, dy, stride, pads, dilation, groups, need_dx=True, need_db=True):
