@@ -47,6 +47,23 @@ def run_at_isa_level(level: str, code: str, timeout: int = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def case_failures(run_case, close, cases) -> list:
+    """Each case run twice (``run_case(*case)`` -> (got, want) dicts): a line per case whose result is
+    not ``close`` to the oracle's or whose two runs differ in a bit (for the children of run_at_isa_level)."""
+    fails = []
+    for case in cases:
+        try:
+            got, want = run_case(*case)
+            close(got, want)
+            again, _ = run_case(*case)
+            for key in got:
+                if got[key] is not None and not np.array_equal(got[key], again[key]):
+                    raise AssertionError(key + " differs between two runs")
+        except AssertionError as exc:
+            fails.append(repr(case) + ": " + str(exc)[:300])
+    return fails
+
+
 @pytest.fixture(scope="session", params=BACKENDS)
 def backend(request):
     """Every backend that loads on this machine (numpy, openmp, opencl, ...)."""

@@ -359,16 +359,22 @@ def dw_cases(draw):
                 bias=draw(st.sampled_from(["none", "small", "huge"])), seed=draw(st.integers(0, 2 ** 31)))
 
 
-@settings(max_examples=60)
-@given(case=dw_cases())
-def test_depthwise_forward_is_exact(case):
+def _depthwise_case(case):
+    """(xq, wq, scale, bias, the model's float32 output) of a drawn depthwise case."""
     rng = np.random.default_rng(case["seed"])
     N, C, H, W, KH, KW = (case[k] for k in ("N", "C", "H", "W", "KH", "KW"))
-    sh, sw, ph, pw = (case[k] for k in ("sh", "sw", "ph", "pw"))
     xq = _uint8(rng, (N, C, H, W), case["extreme"])
     wq = _int8w(rng, (C, 1, KH, KW), case["extreme"])
     scale, bias = _epilogue_args(rng, C, case["bias"])
-    ref = depthwise_model(xq, case["z"], wq, sh, sw, ph, pw, bias, scale, case["relu"])
+    ref = depthwise_model(xq, case["z"], wq, *(case[k] for k in ("sh", "sw", "ph", "pw")), bias, scale, case["relu"])
+    return xq, wq, scale, bias, ref
+
+
+@settings(max_examples=60)
+@given(case=dw_cases())
+def test_depthwise_forward_is_exact(case):
+    xq, wq, scale, bias, ref = _depthwise_case(case)
+    sh, sw, ph, pw = (case[k] for k in ("sh", "sw", "ph", "pw"))
     for nt in (1, 2):
         y = np.full(ref.shape, np.nan, np.float32)
         _int8.depthwise_forward(xq, case["z"], wq, sh, sw, ph, pw, scale, bias, y, case["relu"], nt)
@@ -410,13 +416,8 @@ def dw_block_cases(draw):
 def test_depthwise_channel_blocks_and_planes_are_exact(case):
     # both layouts (16-channel blocks with the channels on the lanes, and one plane at a time) on full and
     # partial blocks, odd widths, padding and strides: the model's float32 outputs and their uint8 quantization
-    rng = np.random.default_rng(case["seed"])
-    N, C, H, W, KH, KW = (case[k] for k in ("N", "C", "H", "W", "KH", "KW"))
+    xq, wq, scale, bias, ref = _depthwise_case(case)
     sh, sw, ph, pw = (case[k] for k in ("sh", "sw", "ph", "pw"))
-    xq = _uint8(rng, (N, C, H, W), case["extreme"])
-    wq = _int8w(rng, (C, 1, KH, KW), case["extreme"])
-    scale, bias = _epilogue_args(rng, C, case["bias"])
-    ref = depthwise_model(xq, case["z"], wq, sh, sw, ph, pw, bias, scale, case["relu"])
     want_q = quantize_model(ref, np.float32(case["sq"]), case["zq"])
     for mode in ("blocks", "planes"):
         old = _int8._use_depthwise(mode)

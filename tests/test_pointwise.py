@@ -111,21 +111,15 @@ def _child_code():
         import numpy as np
         sys.path.insert(0, %r)
         import test_pointwise as t
+        from conftest import case_failures
         from parconv._ext import _conv_general
         rng = np.random.default_rng(12)
-        fails = []
+        cases = []
         for i in range(30):
             case = tuple(int(v) for v in rng.integers(1, [3, 40, 40, 12, 12])) + (bool(i %% 2), bool(i %% 3 == 0),
                                                                                 bool(i %% 4 < 2), i)
-            try:
-                got, want = t._run_case(*case)
-                t._close(got, want)
-                again, _ = t._run_case(*case)
-                for key in got:
-                    if not np.array_equal(got[key], again[key]):
-                        raise AssertionError(key + " differs between two runs")
-            except AssertionError as exc:
-                fails.append(repr(case) + ": " + str(exc)[:300])
+            cases.append(case)
+        fails = case_failures(t._run_case, t._close, cases)
         print(json.dumps({"level": _conv_general.__name__, "fails": fails}))
     """ % os.path.dirname(os.path.abspath(__file__)))
 
