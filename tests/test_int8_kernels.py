@@ -495,16 +495,23 @@ def _check_yq(y, yq, ref, case, msg):
         np.testing.assert_array_equal(y, ref, err_msg=msg)
 
 
-@settings(max_examples=40, deadline=None)
-@given(case=yq_cases())
-def test_conv2d_forward_requantizes_for_the_next_layer_exactly(case):
+def _conv_case(case):
+    """(its generator, xq, wq, scale, bias, packed weights, row sums) of a drawn convolution case."""
     rng = np.random.default_rng(case["seed"])
-    N, C, O, HW, K, S = (case[k] for k in ("N", "C", "O", "HW", "K", "S"))
-    pad = K // 2
+    N, C, O, HW, K = (case[k] for k in ("N", "C", "O", "HW", "K"))
     xq = _uint8(rng, (N, C, HW, HW), False)
     wq = _int8w(rng, (O, C, K, K), False)
     scale, bias = _epilogue_args(rng, O, case["bias"])
     packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
+    return rng, xq, wq, scale, bias, packed, row_sums
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=yq_cases())
+def test_conv2d_forward_requantizes_for_the_next_layer_exactly(case):
+    rng, xq, wq, scale, bias, packed, row_sums = _conv_case(case)
+    O, K, S = (case[k] for k in ("O", "K", "S"))
+    pad = K // 2
     ref = conv_model(xq, case["z"], wq, bias, scale, S, pad, case["relu"])
     for path in PATHS:
         for nt in (1, 2):
@@ -530,13 +537,9 @@ def residual_model(y, rf, rq, rs, rz, relu):
 @given(case=yq_cases(), kind=st.sampled_from(["float", "uint8"]), out=st.sampled_from(["y", "y+yq", "yq"]),
        rs=st.sampled_from([1e-3, 0.02, 0.7]), rz=ZPS)
 def test_conv2d_forward_adds_the_residual_shortcut_exactly(case, kind, out, rs, rz):
-    rng = np.random.default_rng(case["seed"])
-    N, C, O, HW, K, S = (case[k] for k in ("N", "C", "O", "HW", "K", "S"))
+    rng, xq, wq, scale, bias, packed, row_sums = _conv_case(case)
+    O, K, S = (case[k] for k in ("O", "K", "S"))
     pad = K // 2
-    xq = _uint8(rng, (N, C, HW, HW), False)
-    wq = _int8w(rng, (O, C, K, K), False)
-    scale, bias = _epilogue_args(rng, O, case["bias"])
-    packed, row_sums = _int8.pack_weights(wq.reshape(O, -1))
     y2 = conv_model(xq, case["z"], wq, bias, scale, S, pad, False)
     rf = rq = None
     if kind == "float":  # of y2's size, and now and then its exact negation (a zero sum)
