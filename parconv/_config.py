@@ -242,8 +242,8 @@ def _others_running(n: int = 1) -> int | None:
     """Runnable tasks on the machine that are not this process's threads; None without /proc.
 
     Where even counting every runnable task but the caller as another's would leave ``n`` cores
-    free, returns 0 without reading this process's threads (a reading of each costs ~1 us, and a
-    process that imported torch has dozens).
+    free, returns 0 without reading this process's threads (one file each, and a process that
+    imported torch has dozens).
     """
     try:
         with open(_LOADAVG, "rb") as f:

@@ -267,7 +267,7 @@ def bf16_support() -> dict:
     compute (the same results to accumulation order; no speed-up). ``why`` says
     what decided it: the CPU's flags, the kernel level chosen (``PARCONV_ISA``),
     or the build. In native mode ``dot_rate`` is VDPBF16PS's multiply-adds per
-    second over an FMA's, measured once (about 0.1 ms), and
+    second over an FMA's, measured once per process, and
     ``faster_than_fp32`` is False where that rate is under
     :data:`SLOW_DOT_RATE`: such a core gains nothing from bf16 products and
     loses float32's Winograd, so bf16 training runs slower there.

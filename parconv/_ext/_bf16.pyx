@@ -115,8 +115,8 @@ def dot_rate_vs_fma(int rounds=5, long iters=4000):
     VDPBF16PS does 32 multiply-adds per instruction, an FMA 16; where the core issues both at one
     rate this is 2 and bf16 products run twice as fast as float32 ones, where it issues VDPBF16PS at
     half the rate it is 1 and float32's Winograd convolutions beat every bf16 one. The better of
-    ``rounds`` timings of ``iters`` rounds of 12 independent instructions each (about 0.1 ms in
-    all); None where :func:`native` is False.
+    ``rounds`` timings of ``iters`` rounds of 12 independent instructions each; None where
+    :func:`native` is False.
     """
     if rounds < 1 or iters < 1:
         raise ValueError(f"dot_rate_vs_fma: rounds and iters must be >= 1, got {rounds} and {iters}")
