@@ -169,14 +169,13 @@ static inline void pci8_quantize(const float *restrict x, pc_idx n, float scale,
         int near = 1;
         if (fast) {
             near = 0;
-#if defined(_OPENMP)
-#pragma omp simd reduction(|:near)
-#endif
+            /* a count, not an `omp simd reduction(|:...)` of the comparisons: GCC's AVX2 code for
+             * that reduction lost lanes (a near-tie in one lane of a block went undetected) */
             for (int i = 0; i < m; i++) {
                 float v = xb[i] * rcp;
                 float c = v != v ? 0.0f : (v < -1024.0f ? -1024.0f : (v > 1024.0f ? 1024.0f : v));
                 float d = c - ((c + 12582912.0f) - 12582912.0f);
-                near |= (d > 0.499f) | (d < -0.499f);
+                near += d > 0.499f || d < -0.499f;
                 ob[i] = pci8_q1(v, zp);
             }
         }
