@@ -212,10 +212,15 @@ def get_num_threads() -> int:
     if n is not None:
         if _team_limit:
             _set_team_limit(0)
+        if n != _region_threads and n > 1:
+            _measure_region(n)
         return n
     n = _cpu_count()
-    if n > 1 and _adaptive and time.monotonic() >= _watch_next:
-        _watch_load(n)
+    if n > 1:
+        if _adaptive and time.monotonic() >= _watch_next:
+            _watch_load(n)
+        if n != _region_threads:
+            _measure_region(n)
     return n
 
 
@@ -309,16 +314,63 @@ def _threads_spin() -> bool:
     return _spin[0]
 
 
-def _set_team_limit(limit: int) -> None:
-    """Cap every chosen kernel module's parallel regions at ``limit`` threads (0: no cap)."""
-    global _team_limit
+def _set_on_modules(setter: str, value) -> None:
+    """Call ``setter(value)`` on every chosen kernel module that has it (a build from before a
+    setter keeps its full teams)."""
     from ._ext import DISPATCH
 
     for module in DISPATCH.values():
-        setter = getattr(module, "_set_team_limit", None)
-        if setter is not None:  # a build from before the cap: its regions keep their full team
-            setter(limit)
+        f = getattr(module, setter, None)
+        if f is not None:
+            f(value)
+
+
+def _set_team_limit(limit: int) -> None:
+    """Cap every chosen kernel module's parallel regions at ``limit`` threads (0: no cap)."""
+    global _team_limit
+    _set_on_modules("_set_team_limit", limit)
     _team_limit = limit
+
+
+# --- calls too small for a team ----------------------------------------------------------------
+# Starting a parallel region wakes the idle threads (they sleep under parconv's passive wait
+# policy) and joins them: tens of microseconds on a virtual machine, where a layer at batch 1
+# takes as long in all. parconv measures that cost once per thread count, on free cores, and each
+# kernel call starts only as many threads as its estimated work pays for (pc_common.h's pc_cap).
+# Like the cap above this changes who takes the chunks, never the split: the bits stay the same.
+
+_REGION_REPEAT = 15  # empty regions timed; the median counts
+REGION_PAYBACK = 2.5  # pc_common.h's PC_REGION_PAYBACK: region starts a thread's share must be worth
+_region_threads = 0  # the thread count the kernel modules' region cost was measured for
+_region_ns = 0.0
+_region_next = 0.0
+
+
+def _measure_region(n: int) -> None:
+    """Measure what a region of ``n`` threads costs to start and tell the kernel modules; where other
+    processes keep cores busy now (the wake-up would count their time slices), try again later."""
+    global _region_threads, _region_ns, _region_next
+    now = time.monotonic()
+    if now < _region_next:
+        return
+    _region_next = now + _LOAD_EVERY_S
+    others = _others_running(n) if _adaptive else 0
+    if others:
+        return
+    from ._ext import _threads
+
+    if not hasattr(_threads, "region_start_ns"):  # a build from before the probe
+        _region_threads = n
+        return
+    ns = float(_threads.region_start_ns(n, _REGION_REPEAT))
+    _set_on_modules("_set_region_ns", ns)
+    _region_threads, _region_ns = n, ns
+
+
+def region_start_ns() -> float:
+    """What starting a parallel region of the current thread count was measured to cost (ns; 0 before
+    the first parallel call, and with one thread)."""
+    return _region_ns if _region_threads == get_num_threads() else 0.0
 
 
 def team_limit() -> int:

@@ -444,6 +444,12 @@ def cmd_info(args) -> int:
 
         print(f"openmp build: {'yes' if _threads.openmp_enabled() else 'NO (serial kernels)'}")
         print(f"openmp wait policy: {WAIT_POLICY['policy']} ({WAIT_POLICY['source']})")
+        if pc.get_num_threads() > 1:
+            start = pc._config.region_start_ns()
+            if start:
+                print(f"small calls: starting a parallel region costs {start / 1e3:.1f} us here, so a call "
+                      f"starts one more thread per {pc._config.REGION_PAYBACK * start / 1e3:.0f} us of its "
+                      f"estimated work; the results do not change")
     except ImportError as exc:
         print(f"openmp build: compiled kernels missing ({exc})")
     from parconv._buildinfo import build_info, format_config

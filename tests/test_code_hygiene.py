@@ -232,3 +232,19 @@ def test_every_parallel_region_takes_the_team_cap():
     for pyx in (PACKAGE / "_ext").glob("*.pyx"):
         if "prange(" in _module_text(pyx):
             assert 'include "_team.pxi"' in pyx.read_text(encoding="utf-8"), f"{pyx.name} cannot be capped"
+
+
+def test_every_threaded_entry_point_estimates_its_work():
+    """A kernel entry that takes a thread count tells pc_cap what its call costs on one thread
+    (``pc_work``), so a call too small to pay for waking the team runs on fewer threads; an entry
+    without an estimate would run its regions on the previous call's."""
+    bad = []
+    for path, lines in _kernel_sources():
+        text = "\n".join(lines)
+        for m in re.finditer(r"^def (\w+)\((.*?)\):[^\n]*\n(.*?)(?=^\S)", text + "\nEND", re.S | re.M):
+            name, args, body = m.groups()
+            if name.startswith("_") or "num_threads" not in args or path.name == "_threads.pyx":
+                continue
+            if "pc_work(" not in body:
+                bad.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not bad, "threaded kernel entries without a pc_work estimate:\n" + "\n".join(bad)

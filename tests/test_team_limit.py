@@ -83,6 +83,99 @@ def test_a_capped_team_gives_the_uncapped_bits(net, n, threads, limit):
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+@contextlib.contextmanager
+def region_cost(ns):
+    """Every chosen kernel module told that starting a region costs ``ns`` (restored after)."""
+    from parconv._ext import DISPATCH
+
+    old = {name: module._get_region_ns() for name, module in DISPATCH.items()}
+    for module in DISPATCH.values():
+        module._set_region_ns(ns)
+    try:
+        yield
+    finally:
+        for name, module in DISPATCH.items():
+            module._set_region_ns(old[name])
+
+
+@pytest.mark.parametrize("net, n", [("cnn-mnist", 32), ("lenet5", 16), ("vgg-small", 8), ("resnet20", 8),
+                                    ("mobilenet-small", 16), ("mlp", 64), ("general", 16)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_calls_too_small_for_a_team_give_the_full_team_bits(net, n, threads):
+    # a region cost of 1 s sends every call to one thread, 0 gives every call its whole team
+    with pc.num_threads(threads):
+        with region_cost(0):
+            want = _steps(net, n)
+        with region_cost(1e9):
+            got = _steps(net, n)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_a_call_starts_one_thread_per_payback_of_its_work():
+    from parconv._ext import DISPATCH
+
+    payback = _config.REGION_PAYBACK
+    for name, module in DISPATCH.items():
+        with region_cost(10_000):
+            assert module._team_for(4, 0) == 4, name  # no estimate: the whole team
+            assert module._team_for(4, 1_000) == 1, name
+            assert module._team_for(4, payback * 10_000 * 1.99) == 1, name
+            assert module._team_for(4, payback * 10_000 * 2.01) == 2, name
+            assert module._team_for(4, payback * 10_000 * 3.5) == 3, name
+            assert module._team_for(4, 1e12) == 4, name
+            assert module._team_for(1, 1e12) == 1, name
+            with capped(2):
+                assert module._team_for(4, 1e12) == 2, name  # the load cap still bounds it
+        with region_cost(0):
+            assert module._team_for(4, 1_000) == 4, name  # cost unknown: the whole team
+
+
+def test_the_region_cost_is_measured_once_per_thread_count(fake_proc, monkeypatch):
+    from parconv._ext import DISPATCH, _threads
+
+    calls = []
+    real = _threads.region_start_ns
+
+    def probe(n, repeat):
+        calls.append(n)
+        return real(n, repeat)
+
+    monkeypatch.setattr(_threads, "region_start_ns", probe)
+    monkeypatch.setattr(_config, "_region_threads", 0)
+    monkeypatch.setattr(_config, "_region_next", 0.0)
+    with region_cost(0):
+        fake_proc(running=9)  # busy neighbours: a wake-up would count their time slices
+        _read(1)
+        assert calls == []
+        fake_proc(running=1)
+        _config._region_next = 0.0
+        _read(3)
+        assert calls == [4]
+        cost = _config.region_start_ns()
+        assert 0 < cost < 1e9
+        assert {m._get_region_ns() for m in DISPATCH.values()} == {cost}
+        with pc.num_threads(1):
+            assert _config.region_start_ns() == 0.0  # one thread starts no team
+            assert calls == [4]
+
+
+def test_region_start_ns_checks_its_arguments():
+    from parconv._ext import _threads
+
+    assert _threads.region_start_ns(1) == 0.0
+    assert _threads.region_start_ns(2, 3, 0.0) >= 0.0
+    for bad in [dict(num_threads=0), dict(num_threads=2, repeat=0), dict(num_threads=2, repeat=5000),
+                dict(num_threads=2, gap_ns=-1.0), dict(num_threads=2, gap_ns=float("nan"))]:
+        with pytest.raises(ValueError, match=next(k for k in bad if k != "num_threads" or len(bad) == 1)):
+            _threads.region_start_ns(**bad)
+    from parconv._ext import DISPATCH
+
+    for module in DISPATCH.values():
+        with pytest.raises(ValueError, match="ns"):
+            module._set_region_ns(-1.0)
+
+
 def test_int8_and_bf16_kernels_give_the_uncapped_bits_under_a_cap():
     x, _ = _batch("resnet20", 8, 0)
     with pc.num_threads(2):

@@ -15,7 +15,8 @@ calling thread: waking a team costs more than the loop.
 from cython.parallel cimport prange
 from libc.math cimport expm1f
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_sum_lanes, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_sum_lanes, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_common.h":
     void pc_relu_fwd(const float *x, float *y, Py_ssize_t n) noexcept nogil
@@ -26,6 +27,7 @@ cdef extern from "pc_common.h":
 cdef enum:
     SERIAL_BELOW = 32768          # elements, for the cheap ops
     SERIAL_BELOW_EXP = 16384      # elements, for sigmoid (a vectorised exp each)
+    EXP_ELEMS = 4                 # an exp costs about this many elements of a cheap pass (pc_work)
 
 
 cdef inline int _chunks(Py_ssize_t n, Py_ssize_t serial_below, int num_threads) noexcept nogil:
@@ -43,6 +45,7 @@ def relu_forward(const float[::1] x,  # IN  (n,)
     """``y = max(x, 0)``."""
     cdef Py_ssize_t n = x.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
@@ -57,6 +60,7 @@ def relu_backward(const float[::1] y,   # IN  (n,) forward output
     """``dx = dy * (y > 0)``."""
     cdef Py_ssize_t n = y.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
@@ -70,6 +74,7 @@ def sigmoid_forward(const float[::1] x,  # IN  (n,)
     """``y = 1 / (1 + exp(-x))`` without overflow for large ``|x|``."""
     cdef Py_ssize_t n = x.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
+    pc_work(pc_elems_ns(<double>n * EXP_ELEMS))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
@@ -84,6 +89,7 @@ def sigmoid_backward(const float[::1] y,   # IN  (n,) forward output
     """``dx = dy * y * (1 - y)``."""
     cdef Py_ssize_t n = y.shape[0], i, a, b
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             a = n * i // nc
@@ -104,6 +110,7 @@ def leaky_relu_forward(const float[::1] x,  # IN  (n,)
     """``y = x if x > 0 else negative_slope * x`` (NaN propagates)."""
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     cdef float v
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
@@ -119,6 +126,7 @@ def leaky_relu_backward(const float[::1] x,   # IN  (n,) forward input
     """``dx = dy if x > 0 else negative_slope * dy``."""
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
@@ -147,6 +155,7 @@ def tanh_forward(const float[::1] x,  # IN  (n,)
     """``y = tanh(x)``."""
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
+    pc_work(pc_elems_ns(<double>n * EXP_ELEMS))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
@@ -160,6 +169,7 @@ def tanh_backward(const float[::1] y,   # IN  (n,) forward output
     """``dx = dy * (1 - y * y)``."""
     cdef Py_ssize_t n = y.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
@@ -173,6 +183,7 @@ def elu_forward(const float[::1] x,  # IN  (n,)
     """``y = x`` where ``x > 0``, else ``alpha * (exp(x) - 1)``."""
     cdef Py_ssize_t n = x.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW_EXP, num_threads)
+    pc_work(pc_elems_ns(<double>n * EXP_ELEMS))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
@@ -187,6 +198,7 @@ def elu_backward(const float[::1] y,   # IN  (n,) forward output
     """``dx = dy`` where ``y > 0``, else ``dy * (y + alpha)`` (the derivative from the output)."""
     cdef Py_ssize_t n = y.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
@@ -200,6 +212,7 @@ def add(const float[::1] a,  # IN  (n,)
     """``out = a + b``."""
     cdef Py_ssize_t n = a.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
@@ -304,6 +317,7 @@ def softmax_forward(const float[:, :, ::1] x,  # IN  (O, D, I)
     cdef Py_ssize_t O = x.shape[0], D = x.shape[1], I = x.shape[2], u, i, o, i0
     cdef Py_ssize_t tiles = (I + SOFTMAX_COLS - 1) // SOFTMAX_COLS, units = O * tiles
     cdef int nc = _chunks(O * D * I, SERIAL_BELOW_EXP, num_threads)
+    pc_work(pc_elems_ns(<double>O * D * I * EXP_ELEMS))
     cdef const float *xp = &x[0, 0, 0]
     cdef float *yp = &y[0, 0, 0]
     if nc > units:
@@ -327,6 +341,7 @@ def softmax_backward(const float[:, :, ::1] y,   # IN  (O, D, I) forward output
     cdef Py_ssize_t O = y.shape[0], D = y.shape[1], I = y.shape[2], u, i, o, i0, at
     cdef Py_ssize_t tiles = (I + SOFTMAX_COLS - 1) // SOFTMAX_COLS, units = O * tiles
     cdef int nc = _chunks(O * D * I, SERIAL_BELOW, num_threads)
+    pc_work(pc_elems_ns(<double>O * D * I))
     cdef const float *yp = &y[0, 0, 0]
     cdef const float *dyp = &dy[0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0]

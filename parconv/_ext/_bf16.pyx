@@ -31,7 +31,8 @@ from libc.stdint cimport uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team, pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_bf16.h":
     ctypedef Py_ssize_t pc_idx
@@ -302,6 +303,7 @@ def round_to_bf16(x, out, int num_threads):
     cdef float *op = &ov[0]
     cdef Py_ssize_t nb = (n + ROUND_CHUNK - 1) // ROUND_CHUNK, i, s0, s1
     cdef int nt = pc_threads_for(n, nb, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         if nt <= 1:
             pcb_round(xp, op, n)
@@ -447,6 +449,7 @@ def conv2d_forward(x, w, b, y, int stride, int padding, int num_threads):
         bv = b
         bp = &bv[0]
     cdef int failed = 1
+    pc_work(pc_macs_ns(<double>N * O * P * Q * C * K * K))
     with nogil:
         failed = _conv_fwd(&xv[0, 0, 0, 0], N, C, H, W, &wv[0, 0, 0, 0], O, K, stride, padding, bp,
                            &yv[0, 0, 0, 0], P, Q, num_threads)
@@ -613,6 +616,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
     cdef uint32_t *wp = NULL
     cdef int failed = 0
     cdef float[:, :, :, ::1] wf
+    pc_work(pc_macs_ns(<double>N * O * P * Q * Kd))  # dx, then dw: each the forward's multiply-adds
     if dx is not None:
         dxv = dx
         if by_conv:
@@ -697,6 +701,7 @@ def linear_forward(x, w, b, y, int num_threads):
     cdef const float[:, ::1] xv = x
     cdef const float[:, ::1] wv = w
     cdef float[:, ::1] yv = y
+    pc_work(pc_macs_ns(<double>N * F * G))
     cdef const float[::1] bv
     cdef const float *bp = NULL
     if b is not None:
@@ -757,6 +762,7 @@ def linear_backward(x, w, dy, dx, dw, db, int num_threads):
     cdef const float[:, ::1] xv = x
     cdef const float[:, ::1] wv = w
     cdef const float[:, ::1] dyv = dy
+    pc_work(pc_macs_ns(<double>N * F * G * (1 + (dx is not None))))
     cdef float[:, ::1] dxv
     cdef float[:, ::1] dwv = dw
     cdef float[::1] dbv

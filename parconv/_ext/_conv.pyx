@@ -56,7 +56,8 @@ from libc.string cimport memset
 from libc.math cimport sqrt
 from scipy.linalg.cython_blas cimport sgemm
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_barrier, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_barrier, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 from .pc_pool cimport PC_POOL_U16_MAX, pc_pool_bases, pc_pool_plane, pc_pool_plane_u16
 from .pc_conv cimport *
 
@@ -67,6 +68,11 @@ def kernel_isa():
 
 
 # ------------------------------------------------------------ helpers shared by the families
+
+cdef enum:
+    # a 3x3 stride-1 layer's multiply-adds over the multiplies its Winograd transform leaves
+    # (2.25 for F(2x2, 3x3), 4 for F(4x4, 3x3), less the transforms): for pc_work's estimate
+    WINOGRAD_MAC_GAIN = 2
 
 cdef inline int _min(int a, int b) noexcept nogil:
     return a if a < b else b
@@ -160,6 +166,10 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
         if scale.shape[0] != O or b is None or b.shape[0] != O:
             raise ValueError(f"conv2d_forward: scale and b must both have {O} entries with scale given")
         sp = &scale[0]
+    cdef double macs = <double>N * O * P * Q * C * K * K
+    if winograd and K == 3 and stride == 1:
+        macs = macs / WINOGRAD_MAC_GAIN  # fewer multiplies where Winograd applies
+    pc_work(pc_macs_ns(macs))
     if winograd and winograd4 and winograd4_applies(C, O, K, stride, P, Q, N):
         failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
                                 &y[0, 0, 0, 0], P, Q, nt, sp, relu, True)
@@ -175,6 +185,7 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     else:
         failed = _conv_tiled(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
                              &y[0, 0, 0, 0], P, Q, nt, tile_bytes, sp, relu)
+    pc_work(0)
     if failed:
         raise MemoryError("conv2d_forward: could not allocate scratch")
 
@@ -234,19 +245,27 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     # stride > 1: on the phases' grid where the kernel reads every phase and the depth is not tiny
     cdef bint dw_by_kernel = stride == 1 or (K >= stride and C * K * K > DW_DOT_MAX_KDIM)
     cdef int failed = 0
+    # each product: the multiply-adds of the forward
+    cdef double macs = <double>N * O * P * Q * C * K * K
     if dx is not None:
         dxp = &dx[0, 0, 0, 0]
     if dx_by_conv:
+        pc_work(pc_macs_ns(macs))
         failed = _conv_shifted(dyp, N, O, P, Q, K - 1 - padding, K, wp, O, C, NULL, dxp, H, W, nt)
     if not failed and dw_by_kernel:
+        pc_work(pc_macs_ns(macs))
         failed = _dw_shifted(xp, N, C, H, W, padding, K, dyp, O, P, Q, dwp, nt, stride)
     if not failed and (not dw_by_kernel or (dx is not None and not dx_by_conv)):
+        pc_work(pc_macs_ns(macs * (2 - dw_by_kernel - (dx is None or dx_by_conv))))
         failed = _backward_blas(xp, N, C, H, W, wp, O, K, dyp, P, Q, stride, padding,
                                 NULL if dx_by_conv else dxp, NULL if dw_by_kernel else dwp, nt, tile_bytes)
+    pc_work(0)
     if failed:
         raise MemoryError("conv2d_backward: could not allocate scratch")
     if db is not None:
+        pc_work(pc_elems_ns(<double>N * O * P * Q))
         _sum_planes(dy, db, num_threads)
+        pc_work(0)
 
 
 include "_team.pxi"

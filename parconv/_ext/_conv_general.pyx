@@ -37,7 +37,8 @@ from cython.parallel cimport parallel, prange
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
 from scipy.linalg.cython_blas cimport sgemm
-from .pc_helpers cimport pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_common.h":
     double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
@@ -106,6 +107,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t planes = <Py_ssize_t>N * O
     cdef int nt = pc_threads_for(planes * PQ * KK, planes, num_threads)
+    pc_work(pc_elems_ns(<double>N * (C * HW + O * PQ)))  # a pass over x and y: the taps hit cache
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
@@ -173,6 +175,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef int failed[1]
     failed[0] = 0
     cdef int nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, O, num_threads)
+    pc_work(pc_elems_ns(<double>N * (2 * C * HW + 2 * O * PQ)))  # dx and dw: a pass each
     # the bottom/right padding the taps reach (floor mode may leave input rows unread)
     cdef int PB = (P - 1) * SH + DH * (KH - 1) + 1 - H - PT, PR = (Q - 1) * SW + DW * (KW - 1) + 1 - W - PL
     # dx as the stride-1 correlation of dy with the flipped kernels needs these paddings >= 0
@@ -299,6 +302,7 @@ def conv2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, items = <Py_ssize_t>N * G
     cdef bint direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and P == H and Q == W
     cdef int nt = pc_threads_for(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
+    pc_work(pc_macs_ns(<double>items * PQ * CgKK * Og))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
@@ -357,6 +361,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef bint direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and P == H and Q == W
     cdef bint need_dx = dx is not None
     cdef int nt = pc_threads_for(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
+    pc_work(pc_macs_ns(<double>items * PQ * CgKK * Og * (1 + need_dx)))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *dyp = &dy[0, 0, 0, 0]
@@ -478,6 +483,7 @@ def pointwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef const float *bp = NULL if b is None else &b[0]
     cdef const float *sp = NULL if scale is None else &scale[0]
     cdef int failed
+    pc_work(pc_macs_ns(<double>N * C * O * S))
     with nogil:
         failed = _pointwise(&x[0, 0, 0, 0], &w[0, 0, 0, 0], bp, sp, relu, N, C, O, S, &y[0, 0, 0, 0], num_threads)
     if failed:
@@ -499,6 +505,7 @@ def pointwise_backward_input(const float[:, :, :, ::1] dy,  # IN  (N, O, H, W)
     cdef int failed
     if wt == NULL:
         raise MemoryError("pointwise_backward_input: could not allocate scratch")
+    pc_work(pc_macs_ns(<double>N * C * O * S))
     with nogil:
         for o in range(O):
             for c in range(C):

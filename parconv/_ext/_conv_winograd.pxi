@@ -442,10 +442,12 @@ def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C,
     if N == 0 or C == 0 or O == 0 or P <= 0 or Q <= 0:
         raise ValueError("conv2d_backward_weights_winograd: every dimension must be >= 1")
     cdef int failed
+    pc_work(pc_macs_ns(<double>N * O * P * Q * C * 9 / WINOGRAD_MAC_GAIN))
     failed = _dw_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
                           num_threads if num_threads > 0 else 1,
                           winograd4 and winograd4_dw_applies(N, C, O, 3, 1, P, Q))
     if failed:
         raise MemoryError("conv2d_backward_weights_winograd: could not allocate scratch")
     if db is not None:
+        pc_work(pc_elems_ns(<double>N * O * P * Q))
         _sum_planes(dy, db, num_threads)

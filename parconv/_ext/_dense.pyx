@@ -25,7 +25,8 @@ from cython.parallel cimport prange
 
 from numpy import ndarray
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 from scipy.linalg.cython_blas cimport sgemm, sgemv
 
 cdef extern from "pc_dense.h":
@@ -228,6 +229,7 @@ def gemm_linear_forward(x, w, b, y, int num_threads, bint relu, scratch):
     cdef const float *xp = <const float *>pcd_data(x)
     cdef const float *wp = <const float *>pcd_data(w)
     cdef float *yp = <float *>pcd_data(y)
+    pc_work(pc_macs_ns(<double>N * G * F))
     with nogil:
         _gemm_nt(xp, wp, bp, relu, yp, N, G, F, num_threads, xt)
 
@@ -264,6 +266,7 @@ def gemm_linear(x, w, b, int num_threads, bint relu, Py_ssize_t narrow_min_featu
     cdef const float *xp = <const float *>pcd_data(x)
     cdef const float *wp = <const float *>pcd_data(w)
     cdef float *yp = <float *>pcd_data(y)
+    pc_work(pc_macs_ns(<double>N * G * F))
     with nogil:
         _gemm_nt(xp, wp, bp, relu, yp, N, G, F, num_threads, NULL)
     return y
@@ -289,6 +292,7 @@ def gemm_nt(const float[:, ::1] a, const float[:, ::1] b, const float[::1] bias,
     cdef float *xt = _scratch(None, M, N, K, keep)
     if bias is not None:
         bp = &bias[0]
+    pc_work(pc_macs_ns(<double>M * N * K))
     with nogil:
         _gemm_nt(&a[0, 0], &b[0, 0], bp, relu, &c[0, 0], M, N, K, num_threads, xt)
 
@@ -305,6 +309,7 @@ def gemm_nn(const float[:, ::1] a, const float[:, ::1] b, float[:, ::1] c, bint 
         return
     if K == 0:
         raise ValueError("gemm_nn: the inner dimension must be at least 1")
+    pc_work(pc_macs_ns(<double>M * N * K))
     with nogil:
         if trans_a:
             _gemm_nn(&a[0, 0], 1, M, &b[0, 0], &c[0, 0], M, N, K, num_threads)
@@ -442,6 +447,7 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
     cdef Py_ssize_t r, j, npairs, nrun, t
     cdef float v
     cdef int nt = num_threads if num_threads > 0 else 1
+    pc_work(pc_macs_ns(<double>N * F * G))
     if b is not None:
         bp = &b[0]
     if narrow and relu:
@@ -508,6 +514,7 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
     cdef Py_ssize_t nblk, nrun, t
     cdef Py_ssize_t nmask
     cdef bint db_done = False
+    pc_work(pc_macs_ns(<double>N * F * G * (1 + (dx is not None))))
     if dx is not None:
         dxp = &dx[0, 0]
     if db is not None:

@@ -24,7 +24,8 @@ from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
 from libc.math cimport isfinite
-from .pc_helpers cimport pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_int8.h":
     int PCI8_PORTABLE, PCI8_AVX2, PCI8_VNNI, PCI8_TILE, PCI8_OB, PCI8_CB, PCI8_RB
@@ -79,6 +80,10 @@ cdef int _path = _best
 
 # the packed weights: a uint8 array, HEADER bytes of int32 fields, the raw (O, Kdim) weights, then
 # the panels for one kernel size (int8, then the same widened to int16); see pc_int8.h
+cdef enum:
+    # int8 multiply-adds per fp32 one in the dot products (VNNI: four bytes a lane), for pc_work
+    INT8_MAC_GAIN = 4
+
 cdef enum:
     HEADER = 64
     MAGIC = 0x38494350      # "PCI8"
@@ -374,6 +379,7 @@ def quantize(x,            # IN  float32 (n,)
         raise ValueError(f"{fn}: scale must be a finite float32 > 0, got {scale!r}")
     cdef int z = _zero_point(zero_point, fn)
     cdef Py_ssize_t n = x.shape[0]
+    pc_work(pc_elems_ns(<double>n))
     if n == 0:
         return
     cdef const float *xp = <const float *>pci8_data(x)
@@ -478,6 +484,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef Py_ssize_t kdim = <Py_ssize_t>C * K_ * K_
     packed = _packed(packed, row_sums, fn, O_, kdim, f"C*K*K = {C}*{K_}*{K_}")
     cdef int P = (H + 2 * pad - K_) // S + 1, Q = (W + 2 * pad - K_) // S + 1
+    pc_work(pc_macs_ns(<double>N * O_ * P * Q * kdim / INT8_MAC_GAIN))
     if y is not None or yq is None:
         y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
     if yq is not None:
@@ -649,6 +656,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         if wp[k] == -128:
             raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
     cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
+    pc_work(pc_elems_ns(<double>N * C * (<Py_ssize_t>H * W + <Py_ssize_t>P * Q)))
     if y is not None or yq is None:
         y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
     if yq is not None:
@@ -799,6 +807,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
                   np.float32 if y is not None else np.uint8, 2, "(N, G)")
     cdef Py_ssize_t N = xq.shape[0], F = xq.shape[1]
     cdef int G = out_.shape[1]
+    pc_work(pc_macs_ns(<double>N * F * G / INT8_MAC_GAIN))
     if F < 1:
         raise ValueError(f"{fn}: xq must have at least one feature, got shape {xq.shape}")
     packed = _packed(packed, row_sums, fn, G, F, f"F (xq.shape[1])")
@@ -901,6 +910,7 @@ def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
         return
     # a byte per output tap: below ~1M of them one thread finishes before a woken team would
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KH * KW // 8, planes, nt))
+    pc_work(pc_elems_ns(<double>planes * PQ * KH * KW / 8))
     cdef Py_ssize_t chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
     with nogil:
         for i in prange(planes, schedule="dynamic", chunksize=chunk, num_threads=pc_cap(team)):

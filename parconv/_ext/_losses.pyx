@@ -22,10 +22,12 @@ from libc.float cimport FLT_MIN
 from libc.math cimport expf, logf, log
 from libc.stdlib cimport malloc, free
 
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements
+    LOSS_ELEMS = 4  # a log or exp per element costs about this many elements of a cheap pass (pc_work)
 
 
 cdef inline int _chunks(Py_ssize_t rows, Py_ssize_t work, int num_threads) noexcept nogil:
@@ -91,6 +93,7 @@ def softmax_cross_entropy_forward(const float[:, ::1] logits,  # IN  (N, G)
                                   int num_threads):
     """Mean softmax cross-entropy with a stable log-sum-exp; returns the loss as a Python float."""
     cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1]
+    pc_work(pc_elems_ns(<double>N * G * LOSS_ELEMS))
     cdef int nc = _blocks(N, N * G, num_threads)
     cdef double *part = <double *>malloc(sizeof(double) * nc)
     cdef double total = 0.0
@@ -112,6 +115,7 @@ def softmax_cross_entropy_backward(const float[:, ::1] probs,  # IN  (N, G)
                                    int num_threads):
     """``dlogits = (probs - onehot(labels)) / N``, entries below ``FLT_MIN`` flushed to zero."""
     cdef Py_ssize_t N = probs.shape[0], G = probs.shape[1], r, j
+    pc_work(pc_elems_ns(<double>N * G * LOSS_ELEMS))
     cdef int nt = _chunks(N, N * G, num_threads)
     cdef float fn = <float>N
     cdef float v
@@ -140,6 +144,7 @@ def bce_forward(const float[::1] p,  # IN  (n,) probabilities
                 double eps, int num_threads):
     """Mean binary cross-entropy with p clipped to ``[eps, 1 - eps]``; returns a Python float."""
     cdef Py_ssize_t n = p.shape[0], i
+    pc_work(pc_elems_ns(<double>n * LOSS_ELEMS))
     cdef int nc = _blocks(n, n, num_threads)
     cdef float lo = <float>eps, hi = <float>(1.0 - eps)
     cdef double *part = <double *>malloc(sizeof(double) * nc)
@@ -161,6 +166,7 @@ def bce_backward(const float[::1] p,  # IN  (n,)
                  double eps, int num_threads):
     """``dp = (pc - t) / (pc (1 - pc)) / n``, 0 where the clip is active (zero gradient there)."""
     cdef Py_ssize_t n = p.shape[0], i
+    pc_work(pc_elems_ns(<double>n * LOSS_ELEMS))
     cdef int nt = _chunks(n, n, num_threads)
     cdef float lo = <float>eps, hi = <float>(1.0 - eps), fn = <float>n
     cdef float pc, pi
@@ -179,6 +185,7 @@ def count_correct(const float[:, ::1] logits,  # IN (N, G)
                   int num_threads):
     """Number of rows whose argmax equals the label."""
     cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1], r
+    pc_work(pc_elems_ns(<double>N * G * LOSS_ELEMS))
     cdef int nt = _chunks(N, N * G, num_threads)
     cdef long correct = 0
     with nogil:
@@ -193,6 +200,7 @@ def argmax_rows(const float[:, ::1] logits,  # IN  (N, G)
                 int num_threads):
     """Row argmax (first maximum, first NaN wins)."""
     cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1], r
+    pc_work(pc_elems_ns(<double>N * G * LOSS_ELEMS))
     cdef int nt = _chunks(N, N * G, num_threads)
     with nogil:
         for r in prange(N, schedule="guided", num_threads=pc_cap(nt)):
@@ -218,6 +226,7 @@ def mse_forward(const float[::1] p,  # IN  (n,) predictions
                 int num_threads):
     """Mean of ``(p - t)^2`` (squares in float32, summed in double per chunk, chunks in order)."""
     cdef Py_ssize_t n = p.shape[0], i
+    pc_work(pc_elems_ns(<double>n * LOSS_ELEMS))
     cdef int nc = _blocks(n, n, num_threads)
     cdef double *part = <double *>malloc(sizeof(double) * nc)
     cdef double total = 0.0
@@ -238,6 +247,7 @@ def mse_backward(const float[::1] p,  # IN  (n,)
                  int num_threads):
     """``dp = (p - t) * (2 / n)``."""
     cdef Py_ssize_t n = p.shape[0], i
+    pc_work(pc_elems_ns(<double>n * LOSS_ELEMS))
     cdef int nt = _chunks(n, n, num_threads)
     cdef float k = <float>(2.0 / n)
     with nogil:
@@ -284,6 +294,7 @@ def softmax_cross_entropy_smoothed_forward(const float[:, ::1] logits,  # IN  (N
                                            double on, double off, int num_threads):
     """Mean cross-entropy against the smoothed targets; returns the loss as a Python float."""
     cdef Py_ssize_t N = logits.shape[0], G = logits.shape[1]
+    pc_work(pc_elems_ns(<double>N * G * LOSS_ELEMS))
     cdef int nc = _blocks(N, N * G, num_threads)
     cdef double *part = <double *>malloc(sizeof(double) * nc)
     cdef double total = 0.0
@@ -306,6 +317,7 @@ def softmax_cross_entropy_smoothed_backward(const float[:, ::1] probs,  # IN  (N
                                             float on, float off, int num_threads):
     """``dlogits = (probs - target) / N``, entries of magnitude below ``FLT_MIN`` flushed to zero."""
     cdef Py_ssize_t N = probs.shape[0], G = probs.shape[1], r, j
+    pc_work(pc_elems_ns(<double>N * G * LOSS_ELEMS))
     cdef int nt = _chunks(N, N * G, num_threads)
     cdef float fn = <float>N
     cdef float v

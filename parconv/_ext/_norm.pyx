@@ -21,7 +21,8 @@ from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
-from .pc_helpers cimport PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_norm.h":
     double pcn_sum(const float *p, Py_ssize_t n) noexcept nogil
@@ -78,6 +79,7 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
+    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
@@ -161,6 +163,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
     cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
+    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift
@@ -198,6 +201,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
+    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
     cdef double *sgx
@@ -360,6 +364,7 @@ def dropout_apply(const float[::1] x,   # IN  (n,) x (forward) or dy (backward)
     """``y = x * scale`` where the element is kept, 0 elsewhere (forward and backward alike)."""
     cdef Py_ssize_t n = x.shape[0], i
     cdef int nc = _chunks(n, n, num_threads)
+    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             _dropout_range(&x[0], &y[0], n * i // nc, n * (i + 1) // nc, seed, threshold, scale)

@@ -19,7 +19,8 @@ from cython.parallel cimport prange
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
-from .pc_helpers cimport pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit
+from .pc_helpers cimport (pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
+    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 from .pc_pool cimport (
     PC_POOL_U16_MAX,
     pc_adaptive_avgpool_backward_plane,
@@ -49,6 +50,7 @@ def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int nt = pc_threads_for(planes * PQ * kernel_size * kernel_size, planes, num_threads)
+    pc_work(pc_elems_ns(<double>(planes * PQ * kernel_size * kernel_size)))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef pool_index_t *ap = &argmax[0, 0, 0, 0]
@@ -78,6 +80,7 @@ def maxpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W
     cdef Py_ssize_t PQ = <Py_ssize_t>dy.shape[2] * dy.shape[3]
     cdef int nt = pc_threads_for(planes * (HW + PQ), planes, num_threads)
+    pc_work(pc_elems_ns(<double>(planes * (HW + PQ))))
     cdef const float *dyp = &dy[0, 0, 0, 0]
     cdef const pool_index_t *ap = &argmax[0, 0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0, 0]
@@ -105,6 +108,7 @@ def maxpool2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int nt = pc_threads_for(planes * PQ * KH * KW, planes, num_threads)
+    pc_work(pc_elems_ns(<double>(planes * PQ * KH * KW)))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef int *ap = &argmax[0, 0, 0, 0]
@@ -121,6 +125,7 @@ def avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int nt = pc_threads_for(planes * PQ * KH * KW, planes, num_threads)
+    pc_work(pc_elems_ns(<double>(planes * PQ * KH * KW)))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i
@@ -136,6 +141,7 @@ def avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q)
     cdef int H = dx.shape[2], W = dx.shape[3], P = dy.shape[2], Q = dy.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int nt = pc_threads_for(planes * (HW + PQ * KH * KW), planes, num_threads)
+    pc_work(pc_elems_ns(<double>(planes * (HW + PQ * KH * KW))))
     cdef const float *dyp = &dy[0, 0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef Py_ssize_t i
@@ -151,6 +157,7 @@ def adaptive_avgpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int H = x.shape[2], W = x.shape[3], P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int nt = pc_threads_for(planes * (HW + PQ), planes, num_threads)
+    pc_work(pc_elems_ns(<double>(planes * (HW + PQ))))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t i
@@ -166,6 +173,7 @@ def adaptive_avgpool2d_backward(const float[:, :, :, ::1] dy,  # IN  (N, C, P, Q
     cdef int H = dx.shape[2], W = dx.shape[3], P = dy.shape[2], Q = dy.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int nt = pc_threads_for(planes * (HW + PQ), planes, num_threads)
+    pc_work(pc_elems_ns(<double>(planes * (HW + PQ))))
     cdef const float *dyp = &dy[0, 0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0, 0]
     cdef Py_ssize_t i

@@ -3,11 +3,16 @@
 # F in-features, G out-features. This module has no array kernels: it reports
 # how the extension was built.
 """OpenMP build facts (openmp_enabled, omp_max_threads) and the BLAS thread-count hooks that limit
-the BLAS library to one thread around the kernels' sgemm calls (blas_hooks, blas_limit_enter/exit)."""
+the BLAS library to one thread around the kernels' sgemm calls (blas_hooks, blas_limit_enter/exit),
+and the probe of what starting a parallel region costs (region_start_ns)."""
+
+from libc.stdlib cimport qsort
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 cdef extern from "pc_common.h":
     int PARCONV_OPENMP
     int pc_omp_max_threads() noexcept nogil
+    void pc_empty_region(int n, int *sink) noexcept nogil
 
 
 def openmp_enabled():
@@ -18,6 +23,46 @@ def openmp_enabled():
 def omp_max_threads():
     """``omp_get_max_threads()`` of the OpenMP runtime, 1 in a serial build."""
     return int(pc_omp_max_threads())
+
+
+cdef inline double _now_ns() noexcept nogil:
+    cdef timespec t
+    clock_gettime(CLOCK_MONOTONIC, &t)
+    return t.tv_sec * 1e9 + t.tv_nsec
+
+
+cdef int _cmp_double(const void *a, const void *b) noexcept nogil:
+    cdef double x = (<const double *>a)[0], y = (<const double *>b)[0]
+    return (x > y) - (x < y)
+
+
+def region_start_ns(int num_threads, int repeat=15, double gap_ns=20000.0):
+    """Median ns an empty parallel region of ``num_threads`` threads takes, each started after
+    ``gap_ns`` of one-thread work (as a kernel call follows the Python between two layers), so
+    it counts what waking the idle threads and joining them costs under this process's wait
+    policy. 0 with one thread or without OpenMP."""
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    if not 1 <= repeat <= 1001:
+        raise ValueError(f"repeat must be in [1, 1001], got {repeat}")
+    if not 0 <= gap_ns <= 1e8:
+        raise ValueError(f"gap_ns must be in [0, 1e8], got {gap_ns!r}")
+    if num_threads == 1 or not PARCONV_OPENMP:
+        return 0.0
+    cdef double times[1001]
+    cdef int sink[256]
+    cdef int r, n = min(num_threads, 256)
+    cdef double t0
+    with nogil:
+        for r in range(repeat):
+            t0 = _now_ns()
+            while _now_ns() - t0 < gap_ns:
+                pass
+            t0 = _now_ns()
+            pc_empty_region(n, sink)
+            times[r] = _now_ns() - t0
+        qsort(times, repeat, sizeof(double), _cmp_double)
+    return times[repeat // 2]
 
 
 # --- one-thread BLAS around the kernels that call sgemm ----------------------

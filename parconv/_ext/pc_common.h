@@ -50,12 +50,68 @@ typedef ptrdiff_t pc_idx;
  * leave free without changing an answer (parconv._config adapts it). Set with the GIL held. */
 static int pc_team_limit = 0;
 
+/* What starting a parallel region costs on this machine, in ns (parconv._config measures it: the
+ * wake-up of sleeping threads and the join); 0: unknown. Set with the GIL held. */
+static double pc_region_ns = 0;
+
+/* The estimated one-thread time, in ns, of the kernel call running on this thread (pc_work); 0:
+ * unknown. A call whose work would not pay for waking the team runs on fewer threads. */
+#if defined(_MSC_VER)
+static __declspec(thread) double pc_work_ns = 0;
+#else
+static __thread double pc_work_ns = 0;
+#endif
+
+/* A thread joins a region where its share is worth this many region starts: a region of W ns on
+ * two threads takes about W/2 plus one start, and each barrier inside costs another. */
+#define PC_REGION_PAYBACK 2.5
+
+/* Nominal one-thread rates of the kernels' inner loops, for pc_work's estimates: fp32
+ * multiply-adds per ns (two FMA pipes of this build's vector width at ~3 GHz, less the loads),
+ * and elements per ns of a memory-bound pass. Rough is enough: they only decide the team. */
+#if defined(__AVX512F__)
+#define PC_MACS_PER_NS 64.0
+#elif defined(__AVX2__) || defined(__ARM_NEON)
+#define PC_MACS_PER_NS 32.0
+#else
+#define PC_MACS_PER_NS 8.0
+#endif
+#define PC_ELEMS_PER_NS 2.0
+
 static inline int pc_cap(ptrdiff_t n)
 {
-    int limit = pc_team_limit;
+    int limit = pc_team_limit, t;
+    double work = pc_work_ns, start = pc_region_ns, fit;
     if (n < 1) return 1;
-    return (limit > 0 && n > limit) ? limit : (int)n;
+    t = (limit > 0 && n > limit) ? limit : (int)n;
+    if (t > 1 && work > 0 && start > 0) {
+        fit = work / (PC_REGION_PAYBACK * start);
+        if (fit < t) t = fit < 1 ? 1 : (int)fit;
+    }
+    return t;
 }
+
+/* Set the current call's estimated one-thread ns (0 when it returns). The team follows it; the
+ * split of the work, and so the bits, never do. */
+static inline void pc_work(double ns) { pc_work_ns = ns > 0 ? ns : 0; }
+static inline double pc_macs_ns(double macs) { return macs / PC_MACS_PER_NS; }
+static inline double pc_elems_ns(double elems) { return elems / PC_ELEMS_PER_NS; }
+
+/* An empty parallel region of n threads (each writes its number to sink), for the probe of what
+ * starting one costs (_threads.region_start_ns): outside pc_cap, which it informs. */
+static inline void pc_empty_region(int n, int *sink)
+{
+#if defined(_OPENMP)
+    _Pragma("omp parallel num_threads(n)")
+    sink[omp_get_thread_num()] = omp_get_thread_num();
+#else
+    (void)n;
+    sink[0] = 0;
+#endif
+}
+
+static inline void pc_set_region_ns(double ns) { pc_region_ns = ns > 0 ? ns : 0; }
+static inline double pc_get_region_ns(void) { return pc_region_ns; }
 
 static inline void pc_set_team_limit(int n) { pc_team_limit = n > 0 ? n : 0; }
 static inline int pc_get_team_limit(void) { return pc_team_limit; }

@@ -5,6 +5,12 @@ cdef extern from "pc_common.h":
     int pc_cap(Py_ssize_t n) noexcept nogil
     void pc_set_team_limit(int n) noexcept nogil
     int pc_get_team_limit() noexcept nogil
+    # the running call's estimated one-thread ns, which sizes its regions' teams (0 when it returns)
+    void pc_work(double ns) noexcept nogil
+    double pc_macs_ns(double macs) noexcept nogil
+    double pc_elems_ns(double elems) noexcept nogil
+    void pc_set_region_ns(double ns) noexcept nogil
+    double pc_get_region_ns() noexcept nogil
     void pc_barrier() noexcept nogil  # between two pranges of one parallel block (see pc_common.h)
 
 cdef enum:
