@@ -340,7 +340,7 @@ def _set_team_limit(limit: int) -> None:
 # Like the cap above this changes who takes the chunks, never the split: the bits stay the same.
 
 _REGION_REPEAT = 15  # empty regions timed; the median counts
-REGION_PAYBACK = 2.5  # pc_common.h's PC_REGION_PAYBACK: region starts a thread's share must be worth
+REGION_PAYBACK = 3.5  # pc_common.h's PC_REGION_PAYBACK: region starts a thread's share must be worth
 _region_threads = 0  # the thread count the kernel modules' region cost was measured for
 _region_ns = 0.0
 _region_next = 0.0

@@ -63,10 +63,10 @@ def _env():
 
 
 def _train_cmd(data_dir, checkpoint, resume=None, mpi_ranks=0, extra=()):
-    # 24 filters: enough work per step that an epoch outlasts a few polls of the checkpoint
-    # (_run_and_kill), however fast the kernels get
+    # 48 filters: enough work per step that an epoch outlasts a few polls of the checkpoint
+    # (_run_and_kill) on a loaded 2-core machine, however fast the kernels get
     cmd = [sys.executable, "-P", "-m", "parconv.cli", "train", "--data", str(data_dir), "--split", "test",
-           "--train-size", str(N_TRAIN), "--epochs", "2", "--batch-size", "16", "--filters", "24",
+           "--train-size", str(N_TRAIN), "--epochs", "2", "--batch-size", "16", "--filters", "48",
            "--checkpoint", str(checkpoint), "--checkpoint-every", "3", "--seed", "7", "--quiet",
            "--backend", BACKEND, *extra]
     if resume is not None:

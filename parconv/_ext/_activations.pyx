@@ -16,7 +16,7 @@ from cython.parallel cimport prange
 from libc.math cimport expm1f
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_sum_lanes, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_common.h":
     void pc_relu_fwd(const float *x, float *y, Py_ssize_t n) noexcept nogil

@@ -32,7 +32,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_bf16.h":
     ctypedef Py_ssize_t pc_idx
@@ -449,7 +449,7 @@ def conv2d_forward(x, w, b, y, int stride, int padding, int num_threads):
         bv = b
         bp = &bv[0]
     cdef int failed = 1
-    pc_work(pc_macs_ns(<double>N * O * P * Q * C * K * K))
+    pc_work(pc_conv_ns(<double>N * O * P * Q * C * K * K))
     with nogil:
         failed = _conv_fwd(&xv[0, 0, 0, 0], N, C, H, W, &wv[0, 0, 0, 0], O, K, stride, padding, bp,
                            &yv[0, 0, 0, 0], P, Q, num_threads)
@@ -616,7 +616,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
     cdef uint32_t *wp = NULL
     cdef int failed = 0
     cdef float[:, :, :, ::1] wf
-    pc_work(pc_macs_ns(<double>N * O * P * Q * Kd))  # dx, then dw: each the forward's multiply-adds
+    pc_work(pc_conv_ns(<double>N * O * P * Q * Kd))  # dx, then dw: each the forward's multiply-adds
     if dx is not None:
         dxv = dx
         if by_conv:

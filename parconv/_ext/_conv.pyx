@@ -57,7 +57,7 @@ from libc.math cimport sqrt
 from scipy.linalg.cython_blas cimport sgemm
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_barrier, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 from .pc_pool cimport PC_POOL_U16_MAX, pc_pool_bases, pc_pool_plane, pc_pool_plane_u16
 from .pc_conv cimport *
 
@@ -169,7 +169,7 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef double macs = <double>N * O * P * Q * C * K * K
     if winograd and K == 3 and stride == 1:
         macs = macs / WINOGRAD_MAC_GAIN  # fewer multiplies where Winograd applies
-    pc_work(pc_macs_ns(macs))
+    pc_work(pc_conv_ns(macs))
     if winograd and winograd4 and winograd4_applies(C, O, K, stride, P, Q, N):
         failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
                                 &y[0, 0, 0, 0], P, Q, nt, sp, relu, True)
@@ -250,13 +250,13 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     if dx is not None:
         dxp = &dx[0, 0, 0, 0]
     if dx_by_conv:
-        pc_work(pc_macs_ns(macs))
+        pc_work(pc_conv_ns(macs))
         failed = _conv_shifted(dyp, N, O, P, Q, K - 1 - padding, K, wp, O, C, NULL, dxp, H, W, nt)
     if not failed and dw_by_kernel:
-        pc_work(pc_macs_ns(macs))
+        pc_work(pc_conv_ns(macs))
         failed = _dw_shifted(xp, N, C, H, W, padding, K, dyp, O, P, Q, dwp, nt, stride)
     if not failed and (not dw_by_kernel or (dx is not None and not dx_by_conv)):
-        pc_work(pc_macs_ns(macs * (2 - dw_by_kernel - (dx is None or dx_by_conv))))
+        pc_work(pc_conv_ns(macs * (2 - dw_by_kernel - (dx is None or dx_by_conv))))
         failed = _backward_blas(xp, N, C, H, W, wp, O, K, dyp, P, Q, stride, padding,
                                 NULL if dx_by_conv else dxp, NULL if dw_by_kernel else dwp, nt, tile_bytes)
     pc_work(0)

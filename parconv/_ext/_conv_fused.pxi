@@ -73,7 +73,7 @@ def conv2d_relu_maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, 
         return False
     if b is not None:
         bp = &b[0]
-    pc_work(pc_macs_ns(N * per_image))
+    pc_work(pc_conv_ns(N * per_image))
     failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
                            &y[0, 0, 0, 0], P, Q, nt, pool_kernel, pool_stride, <void *>&argmax[0, 0, 0, 0],
                            pool_index_t is cython.ushort, uneven <= FUSED_FWD_UNEVEN_MACS, hwp, hbp, lp, G)
@@ -213,7 +213,7 @@ def conv2d_relu_maxpool2d_backward(const float[:, :, :, ::1] x,     # IN  (N, C,
     if part == NULL:
         raise MemoryError("conv2d_relu_maxpool2d_backward: could not allocate the partial sums")
     dws = pcf_dw_scratch_floats(C, H, W, padding, P, Q, head_F)
-    pc_work(pc_macs_ns(macs))  # dw, and dx after it: each the forward's multiply-adds
+    pc_work(pc_conv_ns(macs))  # dw, and dx after it: each the forward's multiply-adds
     with nogil:
         with parallel(num_threads=pc_cap(_min(nt, nitems))):
             scr = <float *>malloc(sizeof(float) * dws)

@@ -38,7 +38,7 @@ from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
 from scipy.linalg.cython_blas cimport sgemm
 from .pc_helpers cimport (pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_common.h":
     double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
@@ -302,7 +302,7 @@ def conv2d_general_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, items = <Py_ssize_t>N * G
     cdef bint direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and P == H and Q == W
     cdef int nt = pc_threads_for(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
-    pc_work(pc_macs_ns(<double>items * PQ * CgKK * Og))
+    pc_work(pc_conv_ns(<double>items * PQ * CgKK * Og))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
@@ -361,7 +361,7 @@ def conv2d_general_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef bint direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and P == H and Q == W
     cdef bint need_dx = dx is not None
     cdef int nt = pc_threads_for(items * PQ * <Py_ssize_t>CgKK * Og, items, num_threads)
-    pc_work(pc_macs_ns(<double>items * PQ * CgKK * Og * (1 + need_dx)))
+    pc_work(pc_conv_ns(<double>items * PQ * CgKK * Og * (1 + need_dx)))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *dyp = &dy[0, 0, 0, 0]

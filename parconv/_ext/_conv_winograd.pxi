@@ -442,7 +442,7 @@ def conv2d_backward_weights_winograd(const float[:, :, :, ::1] x,   # IN  (N, C,
     if N == 0 or C == 0 or O == 0 or P <= 0 or Q <= 0:
         raise ValueError("conv2d_backward_weights_winograd: every dimension must be >= 1")
     cdef int failed
-    pc_work(pc_macs_ns(<double>N * O * P * Q * C * 9 / WINOGRAD_MAC_GAIN))
+    pc_work(pc_conv_ns(<double>N * O * P * Q * C * 9 / WINOGRAD_MAC_GAIN))
     failed = _dw_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &dy[0, 0, 0, 0], O, P, Q, &dw[0, 0, 0, 0],
                           num_threads if num_threads > 0 else 1,
                           winograd4 and winograd4_dw_applies(N, C, O, 3, 1, P, Q))

@@ -26,7 +26,7 @@ from cython.parallel cimport prange
 from numpy import ndarray
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_work_get, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 from scipy.linalg.cython_blas cimport sgemm, sgemv
 
 cdef extern from "pc_dense.h":
@@ -143,6 +143,7 @@ cdef void _gemm_nt(const float *a, const float *b, const float *bias, int relu, 
     cdef Py_ssize_t bm = GEMM_BM, bn = GEMM_NT_BN
     cdef Py_ssize_t mb = (M + bm - 1) // bm, nbn = (N + bn - 1) // bn, t, i0, j0, ldt, kb
     cdef int nt = num_threads if num_threads > 0 else 1
+    cdef double work
     if <double>M * N * K < _gemm_serial_below:
         nt = 1
     if pcg_nt_transposed(M, N):
@@ -150,8 +151,12 @@ cdef void _gemm_nt(const float *a, const float *b, const float *bias, int relu, 
         # then blocks of GEMM_BM outputs x GEMM_NT_BN rows of the batch
         ldt = pcg_t_ld(M)
         kb = (K + 63) // 64
+        # the transposition is a region of its own: its team follows its own work
+        work = pc_work_get()
+        pc_work(pc_elems_ns(<double>M * K))
         for t in prange(kb, schedule="dynamic", num_threads=pc_cap(_team(nt, <int>min(kb, <Py_ssize_t>1 << 30)))):
             pcg_transpose(a, K, M, xt, ldt, t * 64, min(K, t * 64 + 64))
+        pc_work(work)
         mb = (N + bm - 1) // bm
         nbn = (M + bn - 1) // bn
         for t in prange(mb * nbn, schedule="dynamic", num_threads=pc_cap(_team(nt, <int>min(mb * nbn, <Py_ssize_t>1 << 30)))):
@@ -526,6 +531,7 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
         nt = num_threads if num_threads > 0 else 1
         if <Py_ssize_t>N * G < 32768:
             nt = 1
+        pc_work(pc_elems_ns(<double>N * G))
         with nogil:
             for t in prange(nmask, schedule="dynamic", num_threads=pc_cap(_team(nt, <int>nmask))):
                 pcg_relu_mask_db(&dy[0, 0], &y[0, 0], &dym[0, 0], dbp, N, G,
@@ -545,6 +551,8 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
         nblk = (F + fb - 1) // fb
         if nt > nblk:
             nt = <int>nblk
+    # each product below takes N * F * G multiply-adds (the narrow pass makes dx and dw at once)
+    pc_work(pc_macs_ns(<double>N * F * G * (1 + (narrow and dxp != NULL))))
     if gemm and not narrow:
         with nogil:
             if dxp != NULL:
@@ -570,6 +578,7 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
             # dw^T (F x G) = x^T (F x N) @ dy (N x G, stored as G x N: 'T')
             _par_sgemm(b'N', b'T', F, G, N, &x[0, 0], F, dyp, G, &dw[0, 0], F, num_threads)
         if dbp != NULL and not db_done:
+            pc_work(pc_elems_ns(<double>N * G))
             if <Py_ssize_t>N * G < 32768:
                 nt = 1
             if nt > G:

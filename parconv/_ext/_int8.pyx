@@ -25,7 +25,7 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
 from libc.math cimport isfinite
 from .pc_helpers cimport (pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_int8.h":
     int PCI8_PORTABLE, PCI8_AVX2, PCI8_VNNI, PCI8_TILE, PCI8_OB, PCI8_CB, PCI8_RB
@@ -484,7 +484,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef Py_ssize_t kdim = <Py_ssize_t>C * K_ * K_
     packed = _packed(packed, row_sums, fn, O_, kdim, f"C*K*K = {C}*{K_}*{K_}")
     cdef int P = (H + 2 * pad - K_) // S + 1, Q = (W + 2 * pad - K_) // S + 1
-    pc_work(pc_macs_ns(<double>N * O_ * P * Q * kdim / INT8_MAC_GAIN))
+    pc_work(pc_conv_ns(<double>N * O_ * P * Q * kdim / INT8_MAC_GAIN))
     if y is not None or yq is None:
         y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
     if yq is not None:

@@ -13,7 +13,7 @@ import math
 from cython.parallel cimport prange
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 from libc.math cimport INFINITY, isnan, pow as c_pow
 from libc.stdlib cimport malloc, free
 

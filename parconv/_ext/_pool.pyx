@@ -20,7 +20,7 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
 from .pc_helpers cimport (pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 from .pc_pool cimport (
     PC_POOL_U16_MAX,
     pc_adaptive_avgpool_backward_plane,

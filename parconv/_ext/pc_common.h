@@ -63,20 +63,25 @@ static __thread double pc_work_ns = 0;
 #endif
 
 /* A thread joins a region where its share is worth this many region starts: a region of W ns on
- * two threads takes about W/2 plus one start, and each barrier inside costs another. */
-#define PC_REGION_PAYBACK 2.5
+ * two threads takes about W/2 plus a start, and a start with work to share costs more than the
+ * probe's empty one (the woken thread's caches are cold; each barrier inside costs another). */
+#define PC_REGION_PAYBACK 3.5
 
 /* Nominal one-thread rates of the kernels' inner loops, for pc_work's estimates: fp32
- * multiply-adds per ns (two FMA pipes of this build's vector width at ~3 GHz, less the loads),
- * and elements per ns of a memory-bound pass. Rough is enough: they only decide the team. */
+ * multiply-adds per ns of the own GEMM (two FMA pipes of this build's vector width at ~3 GHz:
+ * it runs near that) and of a convolution (half that rate or less where the layer has few
+ * channels), and elements per ns of a pass over cached arrays. They only decide the team, and
+ * an estimate on the low side costs a wake-up where one on the high side could cost half the
+ * speed of a large layer, so the convolution rate is the low one. */
 #if defined(__AVX512F__)
-#define PC_MACS_PER_NS 64.0
+#define PC_MACS_PER_NS 100.0
 #elif defined(__AVX2__) || defined(__ARM_NEON)
-#define PC_MACS_PER_NS 32.0
+#define PC_MACS_PER_NS 50.0
 #else
-#define PC_MACS_PER_NS 8.0
+#define PC_MACS_PER_NS 12.0
 #endif
-#define PC_ELEMS_PER_NS 2.0
+#define PC_CONV_MACS_PER_NS (PC_MACS_PER_NS / 3)
+#define PC_ELEMS_PER_NS 6.0
 
 static inline int pc_cap(ptrdiff_t n)
 {
@@ -94,7 +99,9 @@ static inline int pc_cap(ptrdiff_t n)
 /* Set the current call's estimated one-thread ns (0 when it returns). The team follows it; the
  * split of the work, and so the bits, never do. */
 static inline void pc_work(double ns) { pc_work_ns = ns > 0 ? ns : 0; }
+static inline double pc_work_get(void) { return pc_work_ns; }
 static inline double pc_macs_ns(double macs) { return macs / PC_MACS_PER_NS; }
+static inline double pc_conv_ns(double macs) { return macs / PC_CONV_MACS_PER_NS; }
 static inline double pc_elems_ns(double elems) { return elems / PC_ELEMS_PER_NS; }
 
 /* An empty parallel region of n threads (each writes its number to sink), for the probe of what

@@ -7,7 +7,9 @@ cdef extern from "pc_common.h":
     int pc_get_team_limit() noexcept nogil
     # the running call's estimated one-thread ns, which sizes its regions' teams (0 when it returns)
     void pc_work(double ns) noexcept nogil
-    double pc_macs_ns(double macs) noexcept nogil
+    double pc_work_get() noexcept nogil
+    double pc_macs_ns(double macs) noexcept nogil  # on the own GEMM
+    double pc_conv_ns(double macs) noexcept nogil  # in a convolution kernel
     double pc_elems_ns(double elems) noexcept nogil
     void pc_set_region_ns(double ns) noexcept nogil
     double pc_get_region_ns() noexcept nogil
