@@ -107,7 +107,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t planes = <Py_ssize_t>N * O
     cdef int nt = pc_threads_for(planes * PQ * KK, planes, num_threads)
-    pc_work(pc_elems_ns(<double>N * (C * HW + O * PQ)))  # a pass over x and y: the taps hit cache
+    pc_work(pc_conv_ns(<double>planes * PQ * KK))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
@@ -175,7 +175,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef int failed[1]
     failed[0] = 0
     cdef int nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, O, num_threads)
-    pc_work(pc_elems_ns(<double>N * (2 * C * HW + 2 * O * PQ)))  # dx and dw: a pass each
+    pc_work(pc_conv_ns(<double>N * O * PQ * KK * (1 + (dx is not None))))  # dw, and dx
     # the bottom/right padding the taps reach (floor mode may leave input rows unread)
     cdef int PB = (P - 1) * SH + DH * (KH - 1) + 1 - H - PT, PR = (Q - 1) * SW + DW * (KW - 1) + 1 - W - PL
     # dx as the stride-1 correlation of dy with the flipped kernels needs these paddings >= 0

@@ -81,8 +81,9 @@ cdef int _path = _best
 # the packed weights: a uint8 array, HEADER bytes of int32 fields, the raw (O, Kdim) weights, then
 # the panels for one kernel size (int8, then the same widened to int16); see pc_int8.h
 cdef enum:
-    # int8 multiply-adds per fp32 one in the dot products (VNNI: four bytes a lane), for pc_work
-    INT8_MAC_GAIN = 4
+    # int8 multiply-adds per fp32 one of a convolution in these kernels (VNNI: four bytes a lane,
+    # less the layout), for pc_work
+    INT8_MAC_GAIN = 3
 
 cdef enum:
     HEADER = 64
@@ -656,7 +657,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         if wp[k] == -128:
             raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
     cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
-    pc_work(pc_elems_ns(<double>N * C * (<Py_ssize_t>H * W + <Py_ssize_t>P * Q)))
+    pc_work(pc_conv_ns(<double>N * C * P * Q * KH * KW))
     if y is not None or yq is None:
         y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
     if yq is not None:
@@ -807,7 +808,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
                   np.float32 if y is not None else np.uint8, 2, "(N, G)")
     cdef Py_ssize_t N = xq.shape[0], F = xq.shape[1]
     cdef int G = out_.shape[1]
-    pc_work(pc_macs_ns(<double>N * F * G / INT8_MAC_GAIN))
+    pc_work(pc_macs_ns(<double>N * F * G))
     if F < 1:
         raise ValueError(f"{fn}: xq must have at least one feature, got shape {xq.shape}")
     packed = _packed(packed, row_sums, fn, G, F, f"F (xq.shape[1])")
