@@ -212,14 +212,14 @@ def get_num_threads() -> int:
     if n is not None:
         if _team_limit:
             _set_team_limit(0)
-        if n != _region_threads and n > 1:
+        if n > 1 and (n != _region_threads or _region_pending):
             _measure_region(n)
         return n
     n = _cpu_count()
     if n > 1:
         if _adaptive and time.monotonic() >= _watch_next:
             _watch_load(n)
-        if n != _region_threads:
+        if n != _region_threads or _region_pending:
             _measure_region(n)
     return n
 
@@ -335,36 +335,45 @@ def _set_team_limit(limit: int) -> None:
 # --- calls too small for a team ----------------------------------------------------------------
 # Starting a parallel region wakes the idle threads (they sleep under parconv's passive wait
 # policy) and joins them: tens of microseconds on a virtual machine, where a layer at batch 1
-# takes as long in all. parconv measures that cost once per thread count, on free cores, and each
-# kernel call starts only as many threads as its estimated work pays for (pc_common.h's pc_cap).
-# Like the cap above this changes who takes the chunks, never the split: the bits stay the same.
+# takes as long in all. parconv measures that cost for each thread count it runs, on free cores,
+# and each kernel call starts only as many threads as its estimated work pays for (pc_common.h's
+# pc_cap). Like the cap above this changes who takes the chunks, never the split: the bits stay
+# the same.
 
-_REGION_REPEAT = 15  # empty regions timed; the median counts
+_REGION_REPEAT = 15  # empty regions timed per probe; the median counts
+_REGION_PROBES = 3  # probes per thread count, _REGION_EVERY_S apart: the least counts (a probe
+_REGION_EVERY_S = 1.0  # beside this process's own running kernels reads high)
 REGION_PAYBACK = 3.5  # pc_common.h's PC_REGION_PAYBACK: region starts a thread's share must be worth
-_region_threads = 0  # the thread count the kernel modules' region cost was measured for
+_region_costs: dict = {}  # thread count -> (least start cost measured in ns, probes taken)
+_region_threads = 0  # the thread count the kernel modules' region cost is for
 _region_ns = 0.0
-_region_next = 0.0
+_region_next = 0.0  # no probe before this time.monotonic()
+_region_pending = False  # the current thread count still has probes to take
 
 
 def _measure_region(n: int) -> None:
-    """Measure what a region of ``n`` threads costs to start and tell the kernel modules; where other
-    processes keep cores busy now (the wake-up would count their time slices), try again later."""
-    global _region_threads, _region_ns, _region_next
+    """Give the kernel modules what a region of ``n`` threads costs to start, probing it (at most
+    every _REGION_EVERY_S seconds, _REGION_PROBES times) where no other process keeps cores busy:
+    their time slices would count as wake-ups. 0 (full teams) until a probe succeeds."""
+    global _region_threads, _region_ns, _region_next, _region_pending
+    cost, probes = _region_costs.get(n, (0.0, 0))
     now = time.monotonic()
-    if now < _region_next:
-        return
-    _region_next = now + _LOAD_EVERY_S
-    others = _others_running(n) if _adaptive else 0
-    if others:
-        return
-    from ._ext import _threads
+    if probes < _REGION_PROBES and now >= _region_next:
+        _region_next = now + _REGION_EVERY_S
+        from ._ext import _threads
 
-    if not hasattr(_threads, "region_start_ns"):  # a build from before the probe
-        _region_threads = n
-        return
-    ns = float(_threads.region_start_ns(n, _REGION_REPEAT))
-    _set_on_modules("_set_region_ns", ns)
-    _region_threads, _region_ns = n, ns
+        probe = getattr(_threads, "region_start_ns", None)  # None: a build from before the probe
+        if probe is None:
+            probes = _REGION_PROBES
+        elif not (_others_running(n) if _adaptive else 0):
+            ns = float(probe(n, _REGION_REPEAT))  # holds the GIL: no new kernel call starts meanwhile
+            cost = ns if probes == 0 else min(cost, ns)
+            probes += 1
+        _region_costs[n] = (cost, probes)
+    if n != _region_threads or cost != _region_ns:
+        _set_on_modules("_set_region_ns", cost)
+        _region_threads, _region_ns = n, cost
+    _region_pending = probes < _REGION_PROBES
 
 
 def region_start_ns() -> float:

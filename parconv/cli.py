@@ -448,8 +448,8 @@ def cmd_info(args) -> int:
             start = pc._config.region_start_ns()
             if start:
                 print(f"small calls: starting a parallel region costs {start / 1e3:.1f} us here, so a call "
-                      f"starts one more thread per {pc._config.REGION_PAYBACK * start / 1e3:.0f} us of its "
-                      f"estimated work; the results do not change")
+                      f"starts a thread per {pc._config.REGION_PAYBACK * start / 1e3:.0f} us of its estimated "
+                      f"work; the results do not change")
     except ImportError as exc:
         print(f"openmp build: compiled kernels missing ({exc})")
     from parconv._buildinfo import build_info, format_config

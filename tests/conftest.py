@@ -26,6 +26,26 @@ DEVICE_BACKENDS = [b for b in BACKENDS if b != "numpy"]
 RTOL, ATOL = 1e-4, 1e-5
 
 
+@pytest.fixture(autouse=True)
+def _full_teams(request, monkeypatch):
+    """Every kernel call on its full team: the tests of thread counts, races and barriers must run
+    their small shapes on several threads, which parconv's sizing of calls by their work (one thread
+    for a call below a few region starts) would not. Tests marked ``region_sizing`` keep it."""
+    if request.node.get_closest_marker("region_sizing") or "openmp" not in BACKENDS:
+        yield
+        return
+    from parconv import _config
+    from parconv._ext import DISPATCH
+
+    monkeypatch.setattr(_config, "_measure_region", lambda n: None)
+    old = {name: m._get_region_ns() for name, m in DISPATCH.items() if hasattr(m, "_get_region_ns")}
+    for name in old:
+        DISPATCH[name]._set_region_ns(0.0)
+    yield
+    for name, ns in old.items():
+        DISPATCH[name]._set_region_ns(ns)
+
+
 def run_at_isa_level(level: str, code: str, timeout: int = 600) -> dict:
     """Run ``code`` in a fresh interpreter with ``PARCONV_ISA=level`` (this tree's parconv first on the path)
     and return the JSON object on the last line it prints; skips where the host or build cannot run ``level``."""

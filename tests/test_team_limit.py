@@ -112,12 +112,12 @@ def test_calls_too_small_for_a_team_give_the_full_team_bits(net, n, threads):
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-def test_a_call_starts_one_thread_per_payback_of_its_work():
+def test_a_call_starts_a_thread_per_payback_of_its_work():
     from parconv._ext import DISPATCH
 
     payback = _config.REGION_PAYBACK
     for name, module in DISPATCH.items():
-        with region_cost(10_000):
+        with capped(0), region_cost(10_000):
             assert module._team_for(4, 0) == 4, name  # no estimate: the whole team
             assert module._team_for(4, 1_000) == 1, name
             assert module._team_for(4, payback * 10_000 * 1.99) == 1, name
@@ -127,44 +127,50 @@ def test_a_call_starts_one_thread_per_payback_of_its_work():
             assert module._team_for(1, 1e12) == 1, name
             with capped(2):
                 assert module._team_for(4, 1e12) == 2, name  # the load cap still bounds it
-        with region_cost(0):
+        with capped(0), region_cost(0):
             assert module._team_for(4, 1_000) == 4, name  # cost unknown: the whole team
 
 
-def test_the_region_cost_is_measured_once_per_thread_count(fake_proc, monkeypatch):
+@pytest.mark.region_sizing
+def test_the_region_cost_is_probed_on_free_cores_and_the_least_probe_counts(fake_proc, monkeypatch):
     from parconv._ext import DISPATCH, _threads
 
+    readings = iter([50_000.0, 30_000.0, 40_000.0])
     calls = []
-    real = _threads.region_start_ns
 
     def probe(n, repeat):
         calls.append(n)
-        return real(n, repeat)
+        return next(readings)
 
     monkeypatch.setattr(_threads, "region_start_ns", probe)
-    monkeypatch.setattr(_config, "_region_threads", 0)
-    monkeypatch.setattr(_config, "_region_next", 0.0)
+    for name, value in [("_region_costs", {}), ("_region_threads", 0), ("_region_ns", 0.0),
+                        ("_region_next", 0.0), ("_region_pending", False), ("_REGION_EVERY_S", 0.0)]:
+        monkeypatch.setattr(_config, name, value)
     with region_cost(0):
         fake_proc(running=9)  # busy neighbours: a wake-up would count their time slices
-        _read(1)
+        _read(2)
         assert calls == []
+        assert _config.region_start_ns() == 0.0
+        assert {m._get_region_ns() for m in DISPATCH.values()} == {0.0}  # full teams meanwhile
         fake_proc(running=1)
-        _config._region_next = 0.0
+        _read(2)
+        assert calls == [4, 4]
+        assert _config.region_start_ns() == 30_000.0
         _read(3)
-        assert calls == [4]
-        cost = _config.region_start_ns()
-        assert 0 < cost < 1e9
-        assert {m._get_region_ns() for m in DISPATCH.values()} == {cost}
+        assert calls == [4, 4, 4]  # three probes, then no more
+        assert _config.region_start_ns() == 30_000.0  # a probe beside the process's own kernels reads high
+        assert {m._get_region_ns() for m in DISPATCH.values()} == {30_000.0}
         with pc.num_threads(1):
             assert _config.region_start_ns() == 0.0  # one thread starts no team
-            assert calls == [4]
+        assert calls == [4, 4, 4]
 
 
 def test_region_start_ns_checks_its_arguments():
     from parconv._ext import _threads
 
     assert _threads.region_start_ns(1) == 0.0
-    assert _threads.region_start_ns(2, 3, 0.0) >= 0.0
+    if _threads.openmp_enabled():
+        assert 0.0 < _threads.region_start_ns(2, 3, 0.0) < 1e9
     for bad in [dict(num_threads=0), dict(num_threads=2, repeat=0), dict(num_threads=2, repeat=5000),
                 dict(num_threads=2, gap_ns=-1.0), dict(num_threads=2, gap_ns=float("nan"))]:
         with pytest.raises(ValueError, match=next(k for k in bad if k != "num_threads" or len(bad) == 1)):
@@ -172,8 +178,9 @@ def test_region_start_ns_checks_its_arguments():
     from parconv._ext import DISPATCH
 
     for module in DISPATCH.values():
-        with pytest.raises(ValueError, match="ns"):
-            module._set_region_ns(-1.0)
+        for bad in (-1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="ns"):
+                module._set_region_ns(bad)
 
 
 def test_int8_and_bf16_kernels_give_the_uncapped_bits_under_a_cap():

@@ -701,7 +701,7 @@ def linear_forward(x, w, b, y, int num_threads):
     cdef const float[:, ::1] xv = x
     cdef const float[:, ::1] wv = w
     cdef float[:, ::1] yv = y
-    pc_work(pc_macs_ns(<double>N * F * G))
+    pc_work(max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G)))  # or its weights' floats
     cdef const float[::1] bv
     cdef const float *bp = NULL
     if b is not None:
@@ -762,7 +762,7 @@ def linear_backward(x, w, dy, dx, dw, db, int num_threads):
     cdef const float[:, ::1] xv = x
     cdef const float[:, ::1] wv = w
     cdef const float[:, ::1] dyv = dy
-    pc_work(pc_macs_ns(<double>N * F * G * (1 + (dx is not None))))
+    pc_work(max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G)) * (1 + (dx is not None)))
     cdef float[:, ::1] dxv
     cdef float[:, ::1] dwv = dw
     cdef float[::1] dbv

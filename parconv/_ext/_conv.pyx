@@ -72,7 +72,7 @@ def kernel_isa():
 cdef enum:
     # a 3x3 stride-1 layer's multiply-adds over the multiplies its Winograd transform leaves
     # (2.25 for F(2x2, 3x3), 4 for F(4x4, 3x3), less the transforms): for pc_work's estimate
-    WINOGRAD_MAC_GAIN = 2
+    WINOGRAD_MAC_GAIN = 3
 
 cdef inline int _min(int a, int b) noexcept nogil:
     return a if a < b else b
@@ -167,22 +167,20 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
             raise ValueError(f"conv2d_forward: scale and b must both have {O} entries with scale given")
         sp = &scale[0]
     cdef double macs = <double>N * O * P * Q * C * K * K
-    if winograd and K == 3 and stride == 1:
-        macs = macs / WINOGRAD_MAC_GAIN  # fewer multiplies where Winograd applies
-    pc_work(pc_conv_ns(macs))
-    if winograd and winograd4 and winograd4_applies(C, O, K, stride, P, Q, N):
+    cdef bint w4 = winograd and winograd4 and winograd4_applies(C, O, K, stride, P, Q, N)
+    if w4 or (winograd and winograd_applies(C, O, K, stride, P, Q, N)):
+        pc_work(pc_conv_ns(macs / WINOGRAD_MAC_GAIN))  # the transform leaves fewer multiplies
         failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
-                                &y[0, 0, 0, 0], P, Q, nt, sp, relu, True)
-    elif winograd and winograd_applies(C, O, K, stride, P, Q, N):
-        failed = _conv_winograd(&x[0, 0, 0, 0], N, C, H, W, padding, &w[0, 0, 0, 0], O, bp,
-                                &y[0, 0, 0, 0], P, Q, nt, sp, relu, False)
+                                &y[0, 0, 0, 0], P, Q, nt, sp, relu, w4)
     elif K >= stride or stride == 1:
+        pc_work(pc_conv_ns(macs))
         # stride 1: the padded images; else their phases (every tap reads one; a narrower kernel
         # would leave phases unread)
         failed = _conv_shifted(&x[0, 0, 0, 0], N, C, H, W, padding, K, &w[0, 0, 0, 0], 0, O, bp,
                                &y[0, 0, 0, 0], P, Q, nt, 0, 0, NULL, False, False, NULL, NULL, NULL, 0, stride,
                                sp, relu)
     else:
+        pc_work(pc_conv_ns(macs))
         failed = _conv_tiled(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
                              &y[0, 0, 0, 0], P, Q, nt, tile_bytes, sp, relu)
     pc_work(0)

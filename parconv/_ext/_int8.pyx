@@ -808,7 +808,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
                   np.float32 if y is not None else np.uint8, 2, "(N, G)")
     cdef Py_ssize_t N = xq.shape[0], F = xq.shape[1]
     cdef int G = out_.shape[1]
-    pc_work(pc_macs_ns(<double>N * F * G))
+    pc_work(max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G / 4)))  # or its int8 weights' bytes
     if F < 1:
         raise ValueError(f"{fn}: xq must have at least one feature, got shape {xq.shape}")
     packed = _packed(packed, row_sums, fn, G, F, f"F (xq.shape[1])")

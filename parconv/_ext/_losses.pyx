@@ -27,7 +27,7 @@ from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_lim
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements
-    LOSS_ELEMS = 4  # a log or exp per element costs about this many elements of a cheap pass (pc_work)
+    LOSS_ELEMS = 4  # elements of a cheap pass a loss's element costs (most take a log or an exp; pc_work)
 
 
 cdef inline int _chunks(Py_ssize_t rows, Py_ssize_t work, int num_threads) noexcept nogil:

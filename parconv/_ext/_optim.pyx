@@ -228,7 +228,7 @@ def adam_update_many(list ps,   # IN/OUT parameters, each (n_i,) float32
         _flat_init(&f, "adam_update_many", ps, gs, ms, vs, "first moment", "second moment")
         total = f.start[f.k]
         nc = _chunks(total, num_threads)
-        pc_work(pc_elems_ns(<double>total))
+        pc_work(pc_elems_ns(<double>total * 3))  # a square root and a division each
         with nogil:
             for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 a = total * i // nc
@@ -263,7 +263,7 @@ def rmsprop_update_many(list ps,    # IN/OUT parameters, each (n_i,) float32
         _flat_init(&f, "rmsprop_update_many", ps, gs, sqs, bufs, "square average", "momentum buffer")
         total = f.start[f.k]
         nc = _chunks(total, num_threads)
-        pc_work(pc_elems_ns(<double>total))
+        pc_work(pc_elems_ns(<double>total * 3))  # a square root and a division each
         with nogil:
             for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 a = total * i // nc

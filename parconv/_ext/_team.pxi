@@ -18,10 +18,10 @@ def _get_team_limit():
 def _set_region_ns(double ns):
     """Tell this module what starting a parallel region costs here (ns; 0: unknown, full teams).
 
-    A call then starts one more thread only for each ``PC_REGION_PAYBACK`` region starts of its
-    estimated one-thread work; the split, and so every result, still follows its thread count."""
-    if not ns >= 0:
-        raise ValueError(f"ns must be a number >= 0, got {ns!r}")
+    A call then starts a thread for each ``PC_REGION_PAYBACK`` region starts of its estimated
+    one-thread work (at least one); the split, and so every result, still follows its thread count."""
+    if not 0 <= ns < float("inf"):
+        raise ValueError(f"ns must be a finite number >= 0, got {ns!r}")
     pc_set_region_ns(ns)
 
 

@@ -53,15 +53,15 @@ def region_start_ns(int num_threads, int repeat=15, double gap_ns=20000.0):
     cdef int sink[256]
     cdef int r, n = min(num_threads, 256)
     cdef double t0
-    with nogil:
-        for r in range(repeat):
-            t0 = _now_ns()
-            while _now_ns() - t0 < gap_ns:
-                pass
-            t0 = _now_ns()
-            pc_empty_region(n, sink)
-            times[r] = _now_ns() - t0
-        qsort(times, repeat, sizeof(double), _cmp_double)
+    # with the GIL held: no other Python thread starts a kernel whose threads would slow the probe
+    for r in range(repeat):
+        t0 = _now_ns()
+        while _now_ns() - t0 < gap_ns:
+            pass
+        t0 = _now_ns()
+        pc_empty_region(n, sink)
+        times[r] = _now_ns() - t0
+    qsort(times, repeat, sizeof(double), _cmp_double)
     return times[repeat // 2]
 
 

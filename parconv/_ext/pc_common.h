@@ -54,8 +54,9 @@ static int pc_team_limit = 0;
  * wake-up of sleeping threads and the join); 0: unknown. Set with the GIL held. */
 static double pc_region_ns = 0;
 
-/* The estimated one-thread time, in ns, of the kernel call running on this thread (pc_work); 0:
- * unknown. A call whose work would not pay for waking the team runs on fewer threads. */
+/* The estimated one-thread time, in ns, of the kernel call running on this thread (pc_work): every
+ * threaded kernel entry sets it before its first region; 0: unknown (the full team). A call whose
+ * work would not pay for waking the team runs on fewer threads. */
 #if defined(_MSC_VER)
 static __declspec(thread) double pc_work_ns = 0;
 #else
@@ -96,8 +97,8 @@ static inline int pc_cap(ptrdiff_t n)
     return t;
 }
 
-/* Set the current call's estimated one-thread ns (0 when it returns). The team follows it; the
- * split of the work, and so the bits, never do. */
+/* Set the current call's estimated one-thread ns (a call may set it again per phase). The team
+ * follows it; the split of the work, and so the bits, never do. */
 static inline void pc_work(double ns) { pc_work_ns = ns > 0 ? ns : 0; }
 static inline double pc_work_get(void) { return pc_work_ns; }
 static inline double pc_macs_ns(double macs) { return macs / PC_MACS_PER_NS; }

@@ -5,7 +5,7 @@ cdef extern from "pc_common.h":
     int pc_cap(Py_ssize_t n) noexcept nogil
     void pc_set_team_limit(int n) noexcept nogil
     int pc_get_team_limit() noexcept nogil
-    # the running call's estimated one-thread ns, which sizes its regions' teams (0 when it returns)
+    # the running call's estimated one-thread ns, which sizes its regions' teams (set by every threaded entry)
     void pc_work(double ns) noexcept nogil
     double pc_work_get() noexcept nogil
     double pc_macs_ns(double macs) noexcept nogil  # on the own GEMM
