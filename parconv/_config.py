@@ -341,8 +341,9 @@ def _set_team_limit(limit: int) -> None:
 # the same.
 
 _REGION_REPEAT = 15  # empty regions timed per probe; the median counts
-_REGION_PROBES = 3  # probes per thread count, _REGION_EVERY_S apart: the least counts (a probe
-_REGION_EVERY_S = 1.0  # beside this process's own running kernels reads high)
+_REGION_PROBES = 3  # probes per thread count, _REGION_EVERY_S apart: the largest counts (a probe
+_REGION_EVERY_S = 1.0  # while another thread spins on the other core, e.g. a BLAS's, reads low)
+_REGION_MAX_NS = 1e6  # a probe above this ran beside something busy: it is taken again
 REGION_PAYBACK = 3.5  # pc_common.h's PC_REGION_PAYBACK: region starts a thread's share must be worth
 _region_costs: dict = {}  # thread count -> (least start cost measured in ns, probes taken)
 _region_threads = 0  # the thread count the kernel modules' region cost is for
@@ -367,8 +368,9 @@ def _measure_region(n: int) -> None:
             probes = _REGION_PROBES
         elif not (_others_running(n) if _adaptive else 0):
             ns = float(probe(n, _REGION_REPEAT))  # holds the GIL: no new kernel call starts meanwhile
-            cost = ns if probes == 0 else min(cost, ns)
-            probes += 1
+            if ns <= _REGION_MAX_NS:
+                cost = max(cost, ns)
+                probes += 1
         _region_costs[n] = (cost, probes)
     if n != _region_threads or cost != _region_ns:
         _set_on_modules("_set_region_ns", cost)

@@ -132,10 +132,10 @@ def test_a_call_starts_a_thread_per_payback_of_its_work():
 
 
 @pytest.mark.region_sizing
-def test_the_region_cost_is_probed_on_free_cores_and_the_least_probe_counts(fake_proc, monkeypatch):
+def test_the_region_cost_is_probed_on_free_cores_and_the_largest_probe_counts(fake_proc, monkeypatch):
     from parconv._ext import DISPATCH, _threads
 
-    readings = iter([50_000.0, 30_000.0, 40_000.0])
+    readings = iter([30_000.0, 5e6, 50_000.0, 8_000.0])
     calls = []
 
     def probe(n, repeat):
@@ -153,16 +153,20 @@ def test_the_region_cost_is_probed_on_free_cores_and_the_least_probe_counts(fake
         assert _config.region_start_ns() == 0.0
         assert {m._get_region_ns() for m in DISPATCH.values()} == {0.0}  # full teams meanwhile
         fake_proc(running=1)
-        _read(2)
-        assert calls == [4, 4]
-        assert _config.region_start_ns() == 30_000.0
-        _read(3)
-        assert calls == [4, 4, 4]  # three probes, then no more
-        assert _config.region_start_ns() == 30_000.0  # a probe beside the process's own kernels reads high
+        _read(1)
+        assert calls == [4]
+        assert _config._region_ns == 30_000.0
         assert {m._get_region_ns() for m in DISPATCH.values()} == {30_000.0}
+        _read(1)
+        assert calls == [4, 4]
+        assert _config._region_ns == 30_000.0  # 5 ms: beside something busy, taken again
+        _read(6)
+        assert calls == [4, 4, 4, 4]  # three probes that count, then no more
+        assert _config.region_start_ns() == 50_000.0  # the largest: a probe while the other core spins reads low
+        assert {m._get_region_ns() for m in DISPATCH.values()} == {50_000.0}
         with pc.num_threads(1):
             assert _config.region_start_ns() == 0.0  # one thread starts no team
-        assert calls == [4, 4, 4]
+        assert calls == [4, 4, 4, 4]
 
 
 def test_region_start_ns_checks_its_arguments():
