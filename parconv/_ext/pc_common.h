@@ -70,7 +70,7 @@ static __thread double pc_work_ns = 0;
 
 /* Nominal one-thread rates of the kernels' inner loops, for pc_work's estimates: fp32
  * multiply-adds per ns of the own GEMM (two FMA pipes of this build's vector width at ~3 GHz:
- * it runs near that) and of a convolution (half that rate or less where the layer has few
+ * it runs near that) and of a convolution (a third of it: less still where the layer has few
  * channels), and elements per ns of a pass over cached arrays. They only decide the team, and
  * an estimate on the low side costs a wake-up where one on the high side could cost half the
  * speed of a large layer, so the convolution rate is the low one. */
