@@ -32,7 +32,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_product_ns, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_bf16.h":
     ctypedef Py_ssize_t pc_idx
@@ -701,7 +701,7 @@ def linear_forward(x, w, b, y, int num_threads):
     cdef const float[:, ::1] xv = x
     cdef const float[:, ::1] wv = w
     cdef float[:, ::1] yv = y
-    pc_work(max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G)))  # or its weights' floats
+    pc_work(pc_product_ns(N, G, F))
     cdef const float[::1] bv
     cdef const float *bp = NULL
     if b is not None:
@@ -762,7 +762,7 @@ def linear_backward(x, w, dy, dx, dw, db, int num_threads):
     cdef const float[:, ::1] xv = x
     cdef const float[:, ::1] wv = w
     cdef const float[:, ::1] dyv = dy
-    pc_work(max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G)) * (1 + (dx is not None)))
+    pc_work(pc_product_ns(N, G, F) * (1 + (dx is not None)))
     cdef float[:, ::1] dxv
     cdef float[:, ::1] dwv = dw
     cdef float[::1] dbv

@@ -26,7 +26,7 @@ from cython.parallel cimport prange
 from numpy import ndarray
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_work_get, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_work_get, pc_product_ns, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 from scipy.linalg.cython_blas cimport sgemm, sgemv
 
 cdef extern from "pc_dense.h":
@@ -136,12 +136,6 @@ def gemm_scratch_shape(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K):
     return (K, pcg_t_ld(M)) if pcg_nt_transposed(M, N) else None
 
 
-cdef inline double _product_ns(double M, double N, double K) noexcept nogil:
-    """pc_work's estimate of ``(M x K) @ (K x N)``: its multiply-adds, or where it streams its operands
-    once (a matrix-vector product or an outer product at batch 1) the floats it moves."""
-    return max(pc_macs_ns(M * N * K), pc_elems_ns(M * K + K * N + M * N))
-
-
 cdef void _gemm_nt(const float *a, const float *b, const float *bias, int relu, float *c,
                    Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, int num_threads, float *xt) noexcept nogil:
     """Row-major ``C (M x N) = act(A (M x K) @ B (N x K)^T + bias)`` over fixed blocks of C; ``xt``: the
@@ -240,7 +234,7 @@ def gemm_linear_forward(x, w, b, y, int num_threads, bint relu, scratch):
     cdef const float *xp = <const float *>pcd_data(x)
     cdef const float *wp = <const float *>pcd_data(w)
     cdef float *yp = <float *>pcd_data(y)
-    pc_work(_product_ns(N, G, F))
+    pc_work(pc_product_ns(N, G, F))
     with nogil:
         _gemm_nt(xp, wp, bp, relu, yp, N, G, F, num_threads, xt)
 
@@ -277,7 +271,7 @@ def gemm_linear(x, w, b, int num_threads, bint relu, Py_ssize_t narrow_min_featu
     cdef const float *xp = <const float *>pcd_data(x)
     cdef const float *wp = <const float *>pcd_data(w)
     cdef float *yp = <float *>pcd_data(y)
-    pc_work(_product_ns(N, G, F))
+    pc_work(pc_product_ns(N, G, F))
     with nogil:
         _gemm_nt(xp, wp, bp, relu, yp, N, G, F, num_threads, NULL)
     return y
@@ -303,7 +297,7 @@ def gemm_nt(const float[:, ::1] a, const float[:, ::1] b, const float[::1] bias,
     cdef float *xt = _scratch(None, M, N, K, keep)
     if bias is not None:
         bp = &bias[0]
-    pc_work(_product_ns(M, N, K))
+    pc_work(pc_product_ns(M, N, K))
     with nogil:
         _gemm_nt(&a[0, 0], &b[0, 0], bp, relu, &c[0, 0], M, N, K, num_threads, xt)
 
@@ -320,7 +314,7 @@ def gemm_nn(const float[:, ::1] a, const float[:, ::1] b, float[:, ::1] c, bint 
         return
     if K == 0:
         raise ValueError("gemm_nn: the inner dimension must be at least 1")
-    pc_work(_product_ns(M, N, K))
+    pc_work(pc_product_ns(M, N, K))
     with nogil:
         if trans_a:
             _gemm_nn(&a[0, 0], 1, M, &b[0, 0], &c[0, 0], M, N, K, num_threads)
@@ -458,7 +452,7 @@ def linear_forward(const float[:, ::1] x,  # IN  (N, F)
     cdef Py_ssize_t r, j, npairs, nrun, t
     cdef float v
     cdef int nt = num_threads if num_threads > 0 else 1
-    pc_work(_product_ns(N, G, F))
+    pc_work(pc_product_ns(N, G, F))
     if b is not None:
         bp = &b[0]
     if narrow and relu:
@@ -525,7 +519,7 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
     cdef Py_ssize_t nblk, nrun, t
     cdef Py_ssize_t nmask
     cdef bint db_done = False
-    pc_work(_product_ns(N, G, F) * (1 + (dx is not None)))
+    pc_work(pc_product_ns(N, G, F) * (1 + (dx is not None)))
     if dx is not None:
         dxp = &dx[0, 0]
     if db is not None:
@@ -558,7 +552,7 @@ def linear_backward(const float[:, ::1] x,   # IN  (N, F)
         if nt > nblk:
             nt = <int>nblk
     # each product below takes N * F * G multiply-adds (the narrow pass makes dx and dw at once)
-    pc_work(_product_ns(N, G, F) * (1 + (narrow and dxp != NULL)))
+    pc_work(pc_product_ns(N, G, F) * (1 + (narrow and dxp != NULL)))
     if gemm and not narrow:
         with nogil:
             if dxp != NULL:

@@ -105,6 +105,14 @@ static inline double pc_macs_ns(double macs) { return macs / PC_MACS_PER_NS; }
 static inline double pc_conv_ns(double macs) { return macs / PC_CONV_MACS_PER_NS; }
 static inline double pc_elems_ns(double elems) { return elems / PC_ELEMS_PER_NS; }
 
+/* The estimate of (M x K) @ (K x N): its multiply-adds, or where it streams its operands once (a
+ * matrix-vector product or an outer product at batch 1) the floats it moves. */
+static inline double pc_product_ns(double M, double N, double K)
+{
+    double macs = pc_macs_ns(M * N * K), moved = pc_elems_ns(M * K + K * N + M * N);
+    return macs > moved ? macs : moved;
+}
+
 /* An empty parallel region of n threads (each writes its number to sink), for the probe of what
  * starting one costs (_threads.region_start_ns): outside pc_cap, which it informs. */
 static inline void pc_empty_region(int n, int *sink)
