@@ -280,27 +280,32 @@ def test_conv2d_whole_row_tiles_are_exact(case):
 def test_conv2d_requantizes_ties_exactly():
     # outputs on and next to half-integers of the next layer's scale: the epilogue's product by the reciprocal
     # is redone as a division for the pair of vectors holding such a lane, as the quantize pass does
+    # (the clamp to the next layer's range, with or without the ReLU as its lower bound, and at zero points that
+    # put either end of that range among the outputs)
     rng = np.random.default_rng(9)
     for sq, sc in ((2.0, 1.0), (0.1, 0.05), (0.3, 0.15), (1 / 3, 1 / 6)):
-        for shortcut in (False, True):
+        for shortcut, relu, zq in ((False, True, 3), (True, True, 3), (False, False, 3), (False, False, 0),
+                                   (False, True, 255), (False, False, 200), (True, False, 128)):
             xq = rng.integers(0, 256, (9, 4, 8, 8), dtype=np.uint8)
             wq = rng.integers(-3, 4, (11, 4, 3, 3), dtype=np.int8)
             scale = np.full(11, sc, np.float32)
             packed, row_sums = _int8.pack_weights(wq.reshape(11, -1))
             y0 = conv_model(xq, 128, wq, None, scale, 1, 1, False)
             rq = rng.integers(0, 256, y0.shape, dtype=np.uint8) if shortcut else None
-            ref = residual_model(y0, None, rq, sc, 100, True) if shortcut else np.maximum(y0, np.float32(0))
-            want = quantize_model(ref, np.float32(sq), 3)
+            ref = residual_model(y0, None, rq, sc, 100, relu) if shortcut else (
+                np.maximum(y0, np.float32(0)) if relu else y0)
+            want = quantize_model(ref, np.float32(sq), zq)
             for path in PATHS:
                 yq = np.empty(ref.shape, np.uint8)
                 old = _int8._use_path(path)
                 try:
-                    _int8.conv2d_forward(xq, 128, packed, row_sums, 11, 3, 1, 1, scale, None, None, True, 1, yq=yq,
-                                         yq_scale=sq, yq_zero_point=3, residual_q=rq, residual_scale=sc,
+                    _int8.conv2d_forward(xq, 128, packed, row_sums, 11, 3, 1, 1, scale, None, None, relu, 1, yq=yq,
+                                         yq_scale=sq, yq_zero_point=zq, residual_q=rq, residual_scale=sc,
                                          residual_zero_point=100)
                 finally:
                     _int8._use_path(old)
-                np.testing.assert_array_equal(yq, want, err_msg=f"{path} sq={sq} shortcut={shortcut}")
+                np.testing.assert_array_equal(yq, want, err_msg=f"{path} sq={sq} shortcut={shortcut} relu={relu} "
+                                                                f"zq={zq}")
 
 
 def test_conv2d_partial_channel_groups_on_narrow_and_wide_rows():
@@ -639,6 +644,8 @@ def test_requantized_outputs_validate():
         (dict(yq=yq, yq_scale="1"), TypeError, "yq_scale must be a float"),
         (dict(yq=yq, yq_zero_point=256), ValueError, "yq_zero_point must be in 0..255"),
         (dict(yq=yq, yq_zero_point=1.0), TypeError, "yq_zero_point must be an int"),
+        (dict(scale=np.full(6, np.inf, np.float32)), ValueError, "scale must be finite"),
+        (dict(scale=np.array([1, 1, np.nan, 1, 1, 1], np.float32)), ValueError, "scale must be finite"),
     ]:
         with pytest.raises(error, match=match):
             _int8.conv2d_forward(**{**args, **change})

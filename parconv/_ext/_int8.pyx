@@ -279,6 +279,8 @@ cdef void _quantize_team(const float *x, Py_ssize_t n, float s, int z, uint8_t *
 cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sums, int z, Py_ssize_t kdim):
     """(scale, zb32, zb64, wide): zb = bias_q - z * row_sums; wide where a sum may leave int32."""
     scale = _shaped(scale, fn, "scale", np.float32, (O,), "float32 (O,): s_x * s_w[o]")
+    if not np.isfinite(scale).all():  # the epilogues that quantize for the next layer rely on it (no NaN)
+        raise ValueError(f"{fn}: scale must be finite, got {scale[~np.isfinite(scale)][:4]} among its values")
     if bias_q is not None:
         bias_q = _shaped(bias_q, fn, "bias_q", np.int32, (O,), "int32 (O,) or None")
     zb = np.empty(O, dtype=np.int64)

@@ -139,6 +139,34 @@ static inline void pci8_q16x2(__m512 x0, __m512 x1, __m512 vr, __m512 vs, int fa
     *k0 = _mm512_mask_mov_epi32(i0, _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q), vz);
     *k1 = _mm512_mask_mov_epi32(i1, _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q), vz);
 }
+
+/* pci8_q16x2 for an epilogue's values, which are never NaN (float32(acc + zb) * scale with a finite scale,
+ * checked where the kernels are called), with a ReLU before it folded into the clamp: lo = 0 after a ReLU,
+ * else -zp; hi = 255 - zp. rint is monotone and the bounds are integers, so clamping before rounding gives
+ * pci8_q16x2's bits with five fewer operations a vector; a clamped value is an integer, never near a tie. */
+static inline void pci8_q16x2_epi(__m512 x0, __m512 x1, __m512 vr, __m512 vs, int fast, __m512 lo, __m512 hi,
+                                  __m512i vz, __m512i *k0, __m512i *k1)
+{
+    const __m512 tie = _mm512_set1_ps(0.499f);
+    __m512 c0 = _mm512_min_ps(_mm512_max_ps(fast ? _mm512_mul_ps(x0, vr) : _mm512_div_ps(x0, vs), lo), hi);
+    __m512 c1 = _mm512_min_ps(_mm512_max_ps(fast ? _mm512_mul_ps(x1, vr) : _mm512_div_ps(x1, vs), lo), hi);
+    if (fast) {
+#if defined(__AVX512DQ__)
+        /* c - rint(c) in one instruction (round to nearest even, exceptions suppressed) */
+        const __m512 d0 = _mm512_reduce_ps(c0, 0x08), d1 = _mm512_reduce_ps(c1, 0x08);
+#else
+        const __m512 d0 = _mm512_sub_ps(c0, _mm512_roundscale_ps(c0, 0x08));
+        const __m512 d1 = _mm512_sub_ps(c1, _mm512_roundscale_ps(c1, 0x08));
+#endif
+        if (_mm512_cmp_ps_mask(_mm512_abs_ps(d0), tie, _CMP_GT_OQ) |
+            _mm512_cmp_ps_mask(_mm512_abs_ps(d1), tie, _CMP_GT_OQ)) {
+            c0 = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x0, vs), lo), hi);
+            c1 = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x1, vs), lo), hi);
+        }
+    }
+    *k0 = _mm512_add_epi32(_mm512_cvtps_epi32(c0), vz);
+    *k1 = _mm512_add_epi32(_mm512_cvtps_epi32(c1), vz);
+}
 #endif
 
 /* out = clamp(rint(x / scale) + zp, 0, 255), NaN -> zp, x / scale rounded in float32.
@@ -599,22 +627,27 @@ typedef struct {
     __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##j##1, zb)), sc);
 
 /* ... then the ReLU and the stores to the runs of output pixels: y (float32) and yq (the next
- * layer's input, pci8_quantize's arithmetic through pci8_q16x2) where given. */
-#define PCI8_VNNI_FINISH(j)                                                                       \
-    if (relu) { /* max(0, v): NaN and -0 pass as with v < 0 ? 0 : v */                           \
-        v0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                              \
-        v1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                              \
+ * layer's input, pci8_quantize's arithmetic) where given. NAN_FREE: v cannot be NaN (no shortcut was
+ * added), so yq takes pci8_q16x2_epi with the ReLU as its clamp's lower bound (vlo). */
+#define PCI8_VNNI_FINISH(j, NAN_FREE)                                                             \
+    __m512 u0 = v0, u1 = v1;                                                                      \
+    if (relu && (y != NULL || !(NAN_FREE))) { /* max(0, v): NaN and -0 pass as v < 0 ? 0 : v */   \
+        u0 = _mm512_max_ps(_mm512_setzero_ps(), v0);                                              \
+        u1 = _mm512_max_ps(_mm512_setzero_ps(), v1);                                              \
     }                                                                                             \
     if (y != NULL) {                                                                              \
         float *yj = y + (j) * PQ;                                                                 \
         for (int k = 0; k < runs->n; k++) {                                                       \
-            _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], v0);                           \
-            _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], v1);                      \
+            _mm512_mask_storeu_ps(yj + runs->base[k], runs->m0[k], u0);                           \
+            _mm512_mask_storeu_ps(yj + runs->base[k] + 16, runs->m1[k], u1);                      \
         }                                                                                         \
     }                                                                                             \
     if (yq != NULL) {                                                                             \
         __m512i k0, k1;                                                                           \
-        pci8_q16x2(v0, v1, vr, vs, qfast, vz, &k0, &k1);                                          \
+        if (NAN_FREE)                                                                             \
+            pci8_q16x2_epi(v0, v1, vr, vs, qfast, vlo, vhi, vz, &k0, &k1);                        \
+        else                                                                                      \
+            pci8_q16x2(u0, u1, vr, vs, qfast, vz, &k0, &k1);                                      \
         const __m128i b0 = _mm512_cvtepi32_epi8(k0);                                              \
         const __m128i b1 = _mm512_cvtepi32_epi8(k1);                                              \
         uint8_t *qj = yq + (j) * PQ;                                                              \
@@ -628,7 +661,7 @@ typedef struct {
     do {                                                                                          \
         if ((j) < oe) {                                                                           \
             PCI8_VNNI_SCALED(j)                                                                   \
-            PCI8_VNNI_FINISH(j)                                                                   \
+            PCI8_VNNI_FINISH(j, 1)                                                                \
         }                                                                                         \
     } while (0)
 
@@ -645,6 +678,7 @@ typedef struct {
         const int qfast = qs > 1e-37f && qs < 1e37f;                                                        \
         const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);                              \
         const __m512i vz = _mm512_set1_epi32(qz);                                                          \
+        const __m512 vlo = _mm512_set1_ps(relu ? 0.0f : (float)-qz), vhi = _mm512_set1_ps((float)(255 - qz));  \
         (void)rs;                                                                                           \
         PCI8_VNNI_ACCUMULATE_ROWS(RS, Q8);                                                                  \
         PCI8_VNNI_EPI(0);                                                                                   \
@@ -685,7 +719,7 @@ PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows8, rs, 1)
             }                                                                                     \
             v0 = _mm512_add_ps(v0, r0);                                                           \
             v1 = _mm512_add_ps(v1, r1);                                                           \
-            PCI8_VNNI_FINISH(j)                                                                   \
+            PCI8_VNNI_FINISH(j, 0)                                                                \
         }                                                                                         \
     } while (0)
 
@@ -701,6 +735,7 @@ PCI8_DEF_VNNI_EPI(pci8_px_vnni_epi_rows8, rs, 1)
         const int qfast = qs > 1e-37f && qs < 1e37f;                                                        \
         const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs), vrs = _mm512_set1_ps(rs);    \
         const __m512i vz = _mm512_set1_epi32(qz), vrz = _mm512_set1_epi32(rz);                             \
+        const __m512 vlo = _mm512_setzero_ps(), vhi = vlo; /* PCI8_VNNI_FINISH's NaN-free branch: unused */ \
         __mmask32 m32[PCI8_TILE];                                                                           \
         (void)rstride;                                                                                      \
         for (int k = 0; k < runs->n; k++) m32[k] = (__mmask32)runs->m0[k] | (__mmask32)runs->m1[k] << 16;  \
