@@ -424,8 +424,8 @@ def test_depthwise_channel_blocks_and_planes_are_exact(case):
     xq, wq, scale, bias, ref = _depthwise_case(case)
     sh, sw, ph, pw = (case[k] for k in ("sh", "sw", "ph", "pw"))
     want_q = quantize_model(ref, np.float32(case["sq"]), case["zq"])
-    for mode in ("blocks", "planes"):
-        old = _int8._use_depthwise(mode)
+    for mode, path in [("blocks", p) for p in PATHS] + [("planes", PATHS[-1])]:
+        old, old_path = _int8._use_depthwise(mode), _int8._use_path(path)
         try:
             for nt in (1, 2):
                 y = np.full(ref.shape, np.nan, np.float32) if case["keep_y"] else None
@@ -433,13 +433,37 @@ def test_depthwise_channel_blocks_and_planes_are_exact(case):
                 _int8.depthwise_forward(xq, case["z"], wq, sh, sw, ph, pw, scale, bias, y, case["relu"], nt, yq=yq,
                                         yq_scale=case["sq"], yq_zero_point=case["zq"])
                 if y is not None:
-                    np.testing.assert_array_equal(y, ref, err_msg=f"{mode}, {nt} threads, {case}")
-                np.testing.assert_array_equal(yq, want_q, err_msg=f"{mode}, {nt} threads, {case}")
+                    np.testing.assert_array_equal(y, ref, err_msg=f"{mode} {path}, {nt} threads, {case}")
+                np.testing.assert_array_equal(yq, want_q, err_msg=f"{mode} {path}, {nt} threads, {case}")
                 y = np.full(ref.shape, np.nan, np.float32)
                 _int8.depthwise_forward(xq, case["z"], wq, sh, sw, ph, pw, scale, bias, y, case["relu"], nt)
                 np.testing.assert_array_equal(y, ref, err_msg=f"{mode}, float32 only, {nt} threads, {case}")
         finally:
             _int8._use_depthwise(old)
+            _int8._use_path(old_path)
+
+
+def test_depthwise_requantizes_ties_exactly():
+    # as test_conv2d_requantizes_ties_exactly, for both depthwise layouts on every path (the channel blocks'
+    # epilogues quantize on the registers)
+    rng = np.random.default_rng(11)
+    for sq, sc in ((2.0, 1.0), (0.1, 0.05), (0.3, 0.15), (1 / 3, 1 / 6)):
+        for relu, zq in ((True, 3), (False, 3), (False, 0), (True, 255), (False, 200)):
+            xq = rng.integers(0, 256, (3, 19, 9, 9), dtype=np.uint8)
+            wq = rng.integers(-3, 4, (19, 1, 3, 3), dtype=np.int8)
+            scale = np.full(19, sc, np.float32)
+            ref = depthwise_model(xq, 128, wq, 1, 1, 1, 1, None, scale, relu)
+            want = quantize_model(ref, np.float32(sq), zq)
+            for mode, path in [("blocks", p) for p in PATHS] + [("planes", PATHS[-1])]:
+                old, old_path = _int8._use_depthwise(mode), _int8._use_path(path)
+                try:
+                    yq = np.empty(ref.shape, np.uint8)
+                    _int8.depthwise_forward(xq, 128, wq, 1, 1, 1, 1, scale, None, None, relu, 1, yq=yq, yq_scale=sq,
+                                            yq_zero_point=zq)
+                finally:
+                    _int8._use_depthwise(old)
+                    _int8._use_path(old_path)
+                np.testing.assert_array_equal(yq, want, err_msg=f"{mode} {path} sq={sq} relu={relu} zq={zq}")
 
 
 def test_depthwise_mode_validates():

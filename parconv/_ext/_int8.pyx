@@ -63,7 +63,7 @@ cdef extern from "pc_int8.h":
     void pci8_dwb_block(const uint8_t *x, int nc, int H, int W, int z, const int16_t *wt, int KH, int KW, int SH,
                         int SW, int PH, int PW, int P, int Q, const int32_t *zb32, const int64_t *zb64, int wide,
                         const float *scale, int relu, void *scratch, float *y, uint8_t *yq, float qs,
-                        int qz) noexcept nogil
+                        int qz, int path) noexcept nogil
 
 # the data pointer of an ndarray whose dtype, rank and contiguity were checked (or that was made here): a
 # typed memoryview costs a buffer acquisition and an object per array on every call
@@ -757,7 +757,7 @@ cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int 
     cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
     cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
     cdef Py_ssize_t scratch_n = pci8_dwb_scratch(H, W, PH, PW, P, Q)
-    cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
+    cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0, path_ = _path
     cdef Py_ssize_t jobs = <Py_ssize_t>N * CB, i, n, b
     cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * C * PQ * KK, jobs, nt))
     cdef int nc
@@ -776,7 +776,8 @@ cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int 
             pci8_dwb_block(xp + (n * C + b * PCI8_DWB) * HW, nc, H, W, z, wtp + b * KK * PCI8_DWB, KH, KW, SH, SW,
                            PH, PW, P, Q, z32p + b * PCI8_DWB, z64p + b * PCI8_DWB, wide_, scp + b * PCI8_DWB, relu_,
                            scratch, yp + (n * C + b * PCI8_DWB) * PQ if yp != NULL else NULL,
-                           rq.p + (n * C + b * PCI8_DWB) * PQ if rq.p != NULL else NULL, rq.scale, rq.zero_point)
+                           rq.p + (n * C + b * PCI8_DWB) * PQ if rq.p != NULL else NULL, rq.scale, rq.zero_point,
+                           path_)
         free(scratch)
     free(lb)
     if failed[0]:

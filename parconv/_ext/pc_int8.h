@@ -167,6 +167,22 @@ static inline void pci8_q16x2_epi(__m512 x0, __m512 x1, __m512 vr, __m512 vs, in
     *k0 = _mm512_add_epi32(_mm512_cvtps_epi32(c0), vz);
     *k1 = _mm512_add_epi32(_mm512_cvtps_epi32(c1), vz);
 }
+
+/* pci8_q16x2_epi on one vector. */
+static inline __m512i pci8_q16_epi(__m512 x, __m512 vr, __m512 vs, int fast, __m512 lo, __m512 hi, __m512i vz)
+{
+    __m512 c = _mm512_min_ps(_mm512_max_ps(fast ? _mm512_mul_ps(x, vr) : _mm512_div_ps(x, vs), lo), hi);
+    if (fast) {
+#if defined(__AVX512DQ__)
+        const __m512 d = _mm512_reduce_ps(c, 0x08);
+#else
+        const __m512 d = _mm512_sub_ps(c, _mm512_roundscale_ps(c, 0x08));
+#endif
+        if (_mm512_cmp_ps_mask(_mm512_abs_ps(d), _mm512_set1_ps(0.499f), _CMP_GT_OQ))
+            c = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x, vs), lo), hi);
+    }
+    return _mm512_add_epi32(_mm512_cvtps_epi32(c), vz);
+}
 #endif
 
 /* out = clamp(rint(x / scale) + zp, 0, 255), NaN -> zp, x / scale rounded in float32.
@@ -1449,6 +1465,82 @@ static inline void pci8_dwb_taps(const int32_t *restrict T, pc_idx Wp, const int
 }
 #endif
 
+#if defined(PCI8_VNNI_CODE)
+/* pci8_dwb_taps (sums inside int32) on a VNNI CPU: vpdpwssd adds a tap's (x - z, its sign) x (w, 0) int16 pairs
+ * to the sums in one instruction where vpmaddwd and vpaddd take two; four output pixels at a time, so that four
+ * chains of that instruction (its latency is several cycles) are in flight. The sums start at zb (the order
+ * of exact integer additions does not matter); the epilogue quantizes with pci8_q16_epi. */
+PCI8_VNNI_TARGET
+static inline __attribute__((always_inline)) void pci8_dwb_taps_vnni_body(
+    const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW, int SH, int SW, int P, int Q,
+    const int32_t *restrict zb32, const float *restrict scale, int relu, float *restrict f, int keep_f,
+    uint8_t *restrict fq, int want_q, float qs, int qz)
+{
+    __m512i wv[PCI8_DWB_TAPS];
+    pc_idx toff[PCI8_DWB_TAPS];
+    const int KK = KH * KW;
+    for (int k = 0; k < KK; k++) {
+        wv[k] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
+        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
+    }
+    const __m512i zb = _mm512_loadu_si512((const void *)zb32);
+    const __m512 sc = _mm512_loadu_ps(scale);
+    const int fast = qs > 1e-37f && qs < 1e37f;
+    const __m512 vr = _mm512_set1_ps(1.0f / qs), vs = _mm512_set1_ps(qs);
+    const __m512 lo = _mm512_set1_ps(relu ? 0.0f : (float)-qz), hi = _mm512_set1_ps((float)(255 - qz));
+    const __m512i vz = _mm512_set1_epi32(qz);
+    const pc_idx step = (pc_idx)SW * PCI8_DWB;
+#define PCI8_DWBV_OUT(A, Q_)                                                                                   \
+    do {                                                                                                     \
+        const pc_idx o = ((pc_idx)p * Q + (Q_)) * PCI8_DWB;                                                  \
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(A), sc);                                           \
+        if (keep_f) _mm512_storeu_ps(f + o, relu ? _mm512_max_ps(_mm512_setzero_ps(), v) : v);               \
+        if (want_q)                                                                                          \
+            _mm_storeu_si128((__m128i *)(fq + o),                                                            \
+                             _mm512_cvtepi32_epi8(pci8_q16_epi(v, vr, vs, fast, lo, hi, vz)));               \
+    } while (0)
+    for (int p = 0; p < P; p++) {
+        const int32_t *tp = T + (pc_idx)p * SH * Wp * PCI8_DWB;
+        int q = 0;
+        for (; q + 4 <= Q; q += 4) {
+            const int32_t *t0 = tp + (pc_idx)q * step;
+            __m512i a0 = zb, a1 = zb, a2 = zb, a3 = zb;
+            for (int k = 0; k < KK; k++) {
+                const int32_t *tk = t0 + toff[k];
+                a0 = _mm512_dpwssd_epi32(a0, _mm512_load_si512((const void *)tk), wv[k]);
+                a1 = _mm512_dpwssd_epi32(a1, _mm512_load_si512((const void *)(tk + step)), wv[k]);
+                a2 = _mm512_dpwssd_epi32(a2, _mm512_load_si512((const void *)(tk + 2 * step)), wv[k]);
+                a3 = _mm512_dpwssd_epi32(a3, _mm512_load_si512((const void *)(tk + 3 * step)), wv[k]);
+            }
+            PCI8_DWBV_OUT(a0, q);
+            PCI8_DWBV_OUT(a1, q + 1);
+            PCI8_DWBV_OUT(a2, q + 2);
+            PCI8_DWBV_OUT(a3, q + 3);
+        }
+        for (; q < Q; q++) {
+            const int32_t *t0 = tp + (pc_idx)q * step;
+            __m512i a = zb;
+            for (int k = 0; k < KK; k++)
+                a = _mm512_dpwssd_epi32(a, _mm512_load_si512((const void *)(t0 + toff[k])), wv[k]);
+            PCI8_DWBV_OUT(a, q);
+        }
+    }
+#undef PCI8_DWBV_OUT
+}
+
+PCI8_VNNI_TARGET
+static void pci8_dwb_taps_vnni(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
+                               int SH, int SW, int P, int Q, const int32_t *restrict zb32,
+                               const float *restrict scale, int relu, float *restrict f, int keep_f,
+                               uint8_t *restrict fq, int want_q, float qs, int qz)
+{
+    if (KH == 3 && KW == 3) /* constant taps: the tap loop unrolls */
+        pci8_dwb_taps_vnni_body(T, Wp, wt, 3, 3, SH, SW, P, Q, zb32, scale, relu, f, keep_f, fq, want_q, qs, qz);
+    else
+        pci8_dwb_taps_vnni_body(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, scale, relu, f, keep_f, fq, want_q, qs, qz);
+}
+#endif
+
 #if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
 /* The AVX2 form of pci8_dwb_taps: two 8-lane halves per output pixel (vpmaddwd of the int32 grid lanes against
  * (w, 0) int16 pairs, exact), float32 results into f for pci8_quantize (its own AVX2-level code, so the same
@@ -1501,7 +1593,7 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
                                   const int16_t *restrict wt, int KH, int KW, int SH, int SW, int PH, int PW,
                                   int P, int Q, const int32_t *restrict zb32, const int64_t *restrict zb64, int wide,
                                   const float *restrict scale, int relu, void *restrict scratch,
-                                  float *restrict y, uint8_t *restrict yq, float qs, int qz)
+                                  float *restrict y, uint8_t *restrict yq, float qs, int qz, int path)
 {
     const pc_idx Hp = (pc_idx)H + 2 * PH, Wp = (pc_idx)W + 2 * PW, HW = (pc_idx)H * W, PQ = (pc_idx)P * Q;
     /* 64-byte aligned (the caller's scratch has 64 bytes to spare): a pixel's 16 lanes are one cache line */
@@ -1539,7 +1631,13 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
         memset(row + ((pc_idx)PW + W) * PCI8_DWB, 0, sizeof(int32_t) * (size_t)(PW * PCI8_DWB));
     }
 
+    (void)path;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(PCI8_VNNI_CODE)
+    if (fused && path == PCI8_VNNI && !wide)
+        pci8_dwb_taps_vnni(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, scale, relu, f, y != NULL, fq, yq != NULL, qs, qz);
+    else
+#endif
     if (fused) {
         if (KH == 3 && KW == 3)
             pci8_dwb_taps(T, Wp, wt, 3, 3, SH, SW, P, Q, zb32, zb64, wide, scale, relu, f, y != NULL, fq, yq != NULL,
