@@ -279,8 +279,11 @@ cdef void _quantize_team(const float *x, Py_ssize_t n, float s, int z, uint8_t *
 cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sums, int z, Py_ssize_t kdim):
     """(scale, zb32, zb64, wide): zb = bias_q - z * row_sums; wide where a sum may leave int32."""
     scale = _shaped(scale, fn, "scale", np.float32, (O,), "float32 (O,): s_x * s_w[o]")
-    if not np.isfinite(scale).all():  # the epilogues that quantize for the next layer rely on it (no NaN)
-        raise ValueError(f"{fn}: scale must be finite, got {scale[~np.isfinite(scale)][:4]} among its values")
+    cdef const float *sv = <const float *>pci8_data(scale)
+    cdef int o
+    for o in range(O):  # the epilogues that quantize for the next layer rely on it (no NaN)
+        if not isfinite(sv[o]):
+            raise ValueError(f"{fn}: scale must be finite, got {sv[o]} at {o}")
     if bias_q is not None:
         bias_q = _shaped(bias_q, fn, "bias_q", np.int32, (O,), "int32 (O,) or None")
     zb = np.empty(O, dtype=np.int64)
@@ -289,7 +292,6 @@ cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sum
     cdef int32_t *z32 = <int32_t *>pci8_data(zb32)
     cdef const int32_t *bv
     cdef const int32_t *rv
-    cdef int o
     cdef int64_t v, most = 0
     for o in range(O):
         z64[o] = 0
