@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -325,8 +326,18 @@ class _Quantized(Layer):
     _kind = ""
     _int8_chains = True  # the fusion planner asks chain_plan about runs that start here
 
+    @property
+    def relu(self) -> bool:
+        """Whether the layer applies a ReLU to its output."""
+        return self._relu
+
+    @relu.setter
+    def relu(self, value) -> None:
+        self._relu = _check_bool(value, "relu", self._kind)
+        self._prepared = self._native_args = None  # an int8 chain's recorded calls captured the old value
+
     def _init_buffers(self, w_shape, bias: bool, relu: bool):
-        self.relu = _check_bool(relu, "relu", self._kind)
+        self.relu = relu
         o = w_shape[0]
         self.weight = np.zeros(w_shape, np.int8)
         self.bias = np.zeros(o, np.int32) if bias else None
@@ -398,17 +409,20 @@ class _Quantized(Layer):
         """``float32(s_x * s_w[o])``, the requantisation factor per output channel."""
         return requant_scale(self.input_scale[0], self.weight_scale)
 
-    def quantize_input(self, x) -> np.ndarray:
-        """The layer's uint8 input: ``quantize_per_tensor(x, input_scale, input_zero_point)`` (native when built)."""
+    def quantize_input(self, x, rec=None) -> np.ndarray:
+        """The layer's uint8 input: ``quantize_per_tensor(x, input_scale, input_zero_point)`` (native when built).
+        With ``rec`` (a list; native only), the call is prepared and appended to it instead of run (_Int8Chain)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self._quantize_fn is None:  # looked up once per layer and process (False: none)
             self._quantize_fn = (_native("quantize") if self.backend.name == "openmp" else None) or False
         fn = self._quantize_fn
         if not fn:
             return quantize_per_tensor(x, self.input_scale[0], self.input_zero_point[0])
-        out = _allocator(self.backend)(x.shape, np.uint8)
-        fn(x.reshape(-1), float(self.input_scale[0]), int(self.input_zero_point[0]), out.reshape(-1),
-           get_num_threads())
+        out = (np.empty if rec is not None else _allocator(self.backend))(x.shape, np.uint8)
+        got = fn(x.reshape(-1), float(self.input_scale[0]), int(self.input_zero_point[0]), out.reshape(-1),
+                 get_num_threads(), **_step(rec))
+        if rec is not None:
+            rec.append(got)
         return out
 
     def _chunks(self, wq2d: np.ndarray, unit: int) -> list:
@@ -546,12 +560,13 @@ class QuantizedConv2d(_Quantized):
         self._prepared = (native, chunks, wchunks, bias_f)
         return self._prepared
 
-    def _native_forward(self, xq, out_shape, next_q=None, shortcut=None):
+    def _native_forward(self, xq, out_shape, next_q=None, shortcut=None, rec=None):
         """The native kernel on uint8 ``xq``: a float32 output of ``out_shape``, or with ``next_q`` (a quantized
         layer this output feeds) that layer's uint8 input, quantized by the kernel as it stores (same bits).
 
         ``shortcut`` (the last convolution of a residual block; a ``conv`` kernel only): ``(relu, kwargs)``, the
-        ReLU after the block and the kernel's ``residual=`` or ``residual_q=`` arguments, added before it."""
+        ReLU after the block and the kernel's ``residual=`` or ``residual_q=`` arguments, added before it.
+        ``rec`` (a list): the call is prepared on a fresh output and appended to it instead of run."""
         kind, fn, packed, row_sums = self._prepared[0]
         args = self._native_args
         if args is None:
@@ -560,21 +575,18 @@ class QuantizedConv2d(_Quantized):
                 (packed, row_sums, self.out_channels, self.kernel_size[0], self.stride[0], top) if kind == "conv"
                 else (packed, self.stride[0], self.stride[1], top, left))
         relu, extra = (self.relu, None) if shortcut is None else shortcut
+        alloc = self._alloc if rec is None else np.empty
+        kw = _step(rec) if extra is None else {**extra, **_step(rec)}
         if next_q is None:
-            y = self._alloc(out_shape, np.float32)
-            if extra is None:
-                fn(xq, self._zx, *args, self._requant, self.bias, y, relu, get_num_threads())
-            else:
-                fn(xq, self._zx, *args, self._requant, self.bias, y, relu, get_num_threads(), **extra)
-            return y
-        yq = self._alloc(out_shape, np.uint8)
-        if extra is None:
-            fn(xq, self._zx, *args, self._requant, self.bias, None, relu, get_num_threads(), yq,
-               float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
+            y = alloc(out_shape, np.float32)
+            got = fn(xq, self._zx, *args, self._requant, self.bias, y, relu, get_num_threads(), **kw)
         else:
-            fn(xq, self._zx, *args, self._requant, self.bias, None, relu, get_num_threads(), yq,
-               float(next_q.input_scale[0]), int(next_q.input_zero_point[0]), **extra)
-        return yq
+            y = alloc(out_shape, np.uint8)
+            got = fn(xq, self._zx, *args, self._requant, self.bias, None, relu, get_num_threads(), y,
+                     float(next_q.input_scale[0]), int(next_q.input_zero_point[0]), **kw)
+        if rec is not None:
+            rec.append(got)
+        return y
 
     def forward(self, x):
         x = self._host_input(x)
@@ -654,17 +666,21 @@ class QuantizedLinear(_Quantized):
             self._prepared = (native, chunks, wchunks, self._bias_in_float(chunks, self.weight))
         return self._prepared
 
-    def _native_forward(self, xq, out_shape, next_q=None):
+    def _native_forward(self, xq, out_shape, next_q=None, rec=None):
         """As :meth:`QuantizedConv2d._native_forward`; ``xq`` is (N, in_features) uint8."""
         fn, packed, row_sums = self._prepared[0]
+        alloc = self._alloc if rec is None else np.empty
         if next_q is None:
-            y = self._alloc(out_shape, np.float32)
-            fn(xq, self._zx, packed, row_sums, self._requant, self.bias, y, self.relu, get_num_threads())
-            return y
-        yq = self._alloc(out_shape, np.uint8)
-        fn(xq, self._zx, packed, row_sums, self._requant, self.bias, None, self.relu, get_num_threads(), yq,
-           float(next_q.input_scale[0]), int(next_q.input_zero_point[0]))
-        return yq
+            y = alloc(out_shape, np.float32)
+            got = fn(xq, self._zx, packed, row_sums, self._requant, self.bias, y, self.relu, get_num_threads(),
+                     **_step(rec))
+        else:
+            y = alloc(out_shape, np.uint8)
+            got = fn(xq, self._zx, packed, row_sums, self._requant, self.bias, None, self.relu, get_num_threads(),
+                     y, float(next_q.input_scale[0]), int(next_q.input_zero_point[0]), **_step(rec))
+        if rec is not None:
+            rec.append(got)
+        return y
 
     def forward(self, x):
         x = self._host_input(x)
@@ -710,17 +726,18 @@ class _ResidualLink:
             out.append(shape)
         return out
 
-    def forward(self, xq, shapes, next_q):
-        """The block (and its ReLU) on its uint8 input: ``next_q``'s uint8 input, or float32 without one."""
+    def forward(self, xq, shapes, next_q, rec=None):
+        """The block (and its ReLU) on its uint8 input: ``next_q``'s uint8 input, or float32 without one
+        (``rec``: as :meth:`QuantizedConv2d._native_forward`'s)."""
         body, short = self.body, self.shortcut
         if isinstance(short, QuantDequant):
             extra = {"residual_q": xq, "residual_scale": short.scale, "residual_zero_point": short.zero_point}
         else:
-            extra = {"residual": short._native_forward(xq, shapes[-1])}
+            extra = {"residual": short._native_forward(xq, shapes[-1], rec=rec)}
         h = xq
         for k in range(len(body) - 1):
-            h = body[k]._native_forward(h, shapes[k], body[k + 1])
-        return body[-1]._native_forward(h, shapes[-1], next_q, (self.relu, extra))
+            h = body[k]._native_forward(h, shapes[k], body[k + 1], rec=rec)
+        return body[-1]._native_forward(h, shapes[-1], next_q, (self.relu, extra), rec=rec)
 
 
 _FLATTEN, _RELU = "flatten", "relu"
@@ -749,6 +766,16 @@ class _Int8Chain(_Fused):
                       for a, b in zip(compute, compute[1:] + [None])]
         head = self.links[0][0]
         self.first = head.first if isinstance(head, _ResidualLink) else head
+        # the kernels' prepared calls for the last input shape (_int8.Plan): what their arguments depend on
+        self._quantized, self._qdq = [], []
+        for it in items:
+            if isinstance(it, _ResidualLink):
+                self._quantized += it.body
+                (self._qdq if isinstance(it.shortcut, QuantDequant) else self._quantized).append(it.shortcut)
+            elif isinstance(it, _Quantized):
+                self._quantized.append(it)
+        self._plan = None  # (key, the layers' prepared states, Plan or None, output shape)
+        self._plan_lock = threading.Lock()
 
     def forward(self, x):
         first = self.first
@@ -770,31 +797,90 @@ class _Int8Chain(_Fused):
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
             self._memo = memo = (x.shape, shapes)  # one assignment: another thread sees the old or the new
-        xq = first.quantize_input(x)
+        for layer in self._quantized:  # (again after a layer's state changed)
+            layer._prepare()
+        # small inputs run the recorded calls (no per-call checks and set-up: at batch 1 those cost more than
+        # the kernels); a second thread in the same chain runs the calls itself
+        if x.shape[0] and _plan_bytes(memo[1]) <= _PLAN_BYTES and self._plan_lock.acquire(blocking=False):
+            try:
+                y = self._planned(x, memo)
+            finally:
+                self._plan_lock.release()
+            if y is not None:
+                return first._output(None, y)
+        return first._output(None, self._calls(x, memo))
+
+    def _calls(self, x, memo, rec=None):
+        """The chain's kernel calls on ``x`` (its output), or with ``rec`` (a list) their prepared forms."""
+        first = self.first
+        xq = first.quantize_input(x, rec)
         for (link, nxt, flat), shape, pools in zip(self.links, memo[1], self.pools):
             if isinstance(link, _ResidualLink):
-                xq = link.forward(xq, shape, nxt)
+                xq = link.forward(xq, shape, nxt, rec)
             else:
-                xq = link._native_forward(xq, shape, nxt)
+                xq = link._native_forward(xq, shape, nxt, rec=rec)
             for pool in pools:
-                xq = _pool_u8(pool, xq, first._alloc)
+                xq = _pool_u8(pool, xq, first._alloc, rec)
             if flat:
                 xq = xq.reshape(xq.shape[0], -1)
-        return first._output(None, xq)
+        return xq
+
+    def _planned(self, x, memo):
+        """The chain's output on ``x`` from its recorded calls (recorded again where a layer, the thread count or
+        the kernels' path changed since), or None where the kernels cannot record."""
+        plan_cls, kernel_state = _native("Plan"), _native("_state")
+        if plan_cls is None or kernel_state is None:
+            return None
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        state = [layer._prepared for layer in self._quantized]
+        key = (x.shape, get_num_threads(), kernel_state(), [(q.scale, q.zero_point) for q in self._qdq])
+        plan = self._plan
+        if plan is None or plan[0] != key or any(a is not b for a, b in zip(plan[1], state)):
+            rec = []
+            try:
+                out = self._calls(x, memo, rec)
+                runner = plan_cls(rec, x.shape, out.shape)
+            except TypeError:  # a kernel that cannot prepare its call (a stand-in): the calls run themselves,
+                runner = out = None  # and raise again there if the arguments were at fault
+            self._plan = plan = (key, state, runner, None if out is None else out.shape)
+        if plan[2] is None:
+            return None
+        out = np.empty(plan[3], np.float32)
+        plan[2].run(x, out)
+        return out
 
     def backward(self, dy, need_dx: bool = True):
         return self.first.backward(dy, need_dx)
 
 
-def _pool_u8(pool, xq: np.ndarray, alloc) -> np.ndarray:
+def _step(rec) -> dict:
+    """The keyword that makes a native kernel return its prepared call instead of running it, when recording."""
+    return _NO_STEP if rec is None else _STEP
+
+
+_NO_STEP, _STEP = {}, {"step": True}
+
+# an int8 chain keeps its recorded calls' buffers (every activation of one input) up to this size
+_PLAN_BYTES = 16 << 20
+
+
+def _plan_bytes(shapes) -> int:
+    """Bytes of the activations an int8 chain's recorded calls keep (float32 at most each) for ``shapes``."""
+    return sum(_plan_bytes(s) if isinstance(s, list) else 4 * math.prod(s) for s in shapes)
+
+
+def _pool_u8(pool, xq: np.ndarray, alloc, rec=None) -> np.ndarray:
     """``pool`` (a MaxPool2d) on uint8 activations: quantization is monotone, so the max of the quantized values is
-    the quantized max, the same bits as pooling float32 and quantizing after."""
+    the quantized max, the same bits as pooling float32 and quantizing after (``rec``: prepared, not run)."""
     kh, kw = _pair(pool.kernel_size, "kernel_size", "MaxPool2d", 1)
     sh, sw = _pair(pool.stride, "stride", "MaxPool2d", 1)
     ph, pw = _pair(pool.padding, "padding", "MaxPool2d", 0)
     n, c, h, w = xq.shape
-    y = alloc((n, c, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1), np.uint8)
-    _native("maxpool2d_u8")(xq, (kh, kw), (sh, sw), (ph, pw), y, get_num_threads())
+    y = (alloc if rec is None else np.empty)((n, c, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1),
+                                             np.uint8)
+    got = _native("maxpool2d_u8")(xq, (kh, kw), (sh, sw), (ph, pw), y, get_num_threads(), **_step(rec))
+    if rec is not None and got is not None:
+        rec.append(got)
     return y
 
 

@@ -330,7 +330,8 @@ def test_chains_stay_uint8_through_max_pooling(batch, monkeypatch):
     qmodel.to("openmp")
     seen = []
     real = Q._pool_u8
-    monkeypatch.setattr(Q, "_pool_u8", lambda pool, xq, alloc: seen.append(xq.dtype) or real(pool, xq, alloc))
+    monkeypatch.setattr(Q, "_pool_u8", lambda pool, xq, alloc, rec=None: seen.append(xq.dtype) or
+                        real(pool, xq, alloc, rec))
     np.testing.assert_array_equal(qmodel.predict(x), want)
     assert _chain_steps(qmodel) == 1
     chain = qmodel.plan()[0].step
@@ -930,3 +931,126 @@ def test_dequantize_and_requantize_refuse_what_they_would_misread():
         Q.requantize(acc, None, np.ones(2, np.float32), residual=np.zeros((4, 2, 3, 3), np.float32))
     with pytest.raises(TypeError, match="dequantize a uint8 shortcut"):
         Q.requantize(acc, None, np.ones(2, np.float32), residual=np.full((1, 2, 3, 3), 200, np.uint8))
+
+
+def _int8_mod():
+    return Q._int8_module()
+
+
+@pytest.mark.skipif("openmp" not in BACKENDS or Q.int8_path() == "float32 emulation",
+                    reason="chains run the native int8 kernels of the openmp backend")
+def test_chains_run_their_recorded_calls_with_the_bits_of_the_calls_themselves(monkeypatch):
+    # a chain records its kernels' checked calls for an input shape and runs them again on its own buffers: the
+    # same bits as the calls made one by one, recorded again whenever a layer, the thread count or the kernels'
+    # path changes, every result a fresh array, and a batch too large to keep runs the calls themselves
+    rng = np.random.default_rng(21)
+    net = _residual_net(rng)
+    model = pc.Sequential(*net.layers[:3], pc.MaxPool2d(2), *net.layers[3:], backend="numpy").eval()
+    qmodel = Q.quantize(model, rand(rng, 16, 3, 12, 12))
+    qmodel.to("openmp")
+    chain = qmodel.plan()[0].step
+    assert isinstance(chain, Q._Int8Chain)
+
+    def unplanned(x):
+        with monkeypatch.context() as m:
+            m.setattr(Q, "_PLAN_BYTES", -1)
+            return qmodel.predict(x)
+
+    x1, x2 = rand(rng, 2, 3, 12, 12), rand(rng, 2, 3, 12, 12)
+    want1, want2 = unplanned(x1), unplanned(x2)
+    assert chain._plan is None or chain._plan[0][0] != x1.shape
+    with pc.no_grad():
+        y1 = qmodel.forward(x1)
+        recorded = chain._plan
+        y2 = qmodel.forward(x2)
+    assert recorded is not None and recorded[2] is not None and chain._plan is recorded
+    np.testing.assert_array_equal(y1, want1)  # not overwritten by the second call
+    np.testing.assert_array_equal(y2, want2)
+    for threads in (1, 3):
+        with pc.num_threads(threads):
+            np.testing.assert_array_equal(qmodel.predict(x1), want1)
+    int8 = _int8_mod()
+    for path in ("portable", "avx2", "avx512_vnni")[:("portable", "avx2", "avx512_vnni").index(int8.path()) + 1]:
+        old = int8._use_path(path)
+        try:
+            np.testing.assert_array_equal(qmodel.predict(x1), want1)
+        finally:
+            int8._use_path(old)
+    # a layer's new state (its bias) and a ReLU switched off: recorded again
+    conv = next(m for m in qmodel.modules() if isinstance(m, Q.QuantizedConv2d) and m.bias is not None)
+    conv.set_quantized(conv.weight, conv.weight_scale, conv.bias + 5, conv.input_scale, conv.input_zero_point)
+    before = chain._plan
+    changed = unplanned(x1)
+    assert not np.array_equal(changed, want1)
+    np.testing.assert_array_equal(qmodel.predict(x1), changed)
+    assert chain._plan is not before
+    relu = next(m for m in chain._quantized if m.relu)
+    relu.relu = False
+    np.testing.assert_array_equal(qmodel.predict(x1), unplanned(x1))
+    with pytest.raises(TypeError, match="relu must be a bool"):
+        relu.relu = 1
+    # too large to keep: the calls run themselves, nothing is recorded for that shape
+    monkeypatch.setattr(Q, "_PLAN_BYTES", 1000)
+    big = rand(rng, 4, 3, 12, 12)
+    got = qmodel.predict(big)
+    assert chain._plan[0][0] != big.shape
+    monkeypatch.setattr(Q, "_PLAN_BYTES", 16 << 20)
+    np.testing.assert_array_equal(qmodel.predict(big), got)
+
+
+@pytest.mark.skipif("openmp" not in BACKENDS or Q.int8_path() == "float32 emulation",
+                    reason="chains run the native int8 kernels of the openmp backend")
+def test_threads_sharing_a_quantized_model_get_their_own_results():
+    # the recorded calls share buffers: a second thread in the same chain runs the calls itself
+    import threading
+
+    rng = np.random.default_rng(22)
+    qmodel = Q.quantize(_residual_net(rng), rand(rng, 16, 3, 12, 12))
+    qmodel.to("openmp")
+    xs = [rand(rng, 1, 3, 12, 12) for _ in range(4)]
+    wants = [qmodel.predict(x) for x in xs]
+    bad = []
+
+    def work(k):
+        with pc.no_grad():
+            for _ in range(60):
+                if not np.array_equal(qmodel.forward(xs[k]), wants[k]):
+                    bad.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == []
+
+
+@pytest.mark.skipif(_int8_mod() is None or not hasattr(_int8_mod(), "Plan"), reason="the native int8 kernels")
+def test_plan_checks_its_steps_and_inputs():
+    int8 = _int8_mod()
+    rng = np.random.default_rng(3)
+    packed, row_sums = int8.pack_weights(rng.integers(-127, 128, (8, 16), dtype=np.int8))
+    x = rand(rng, 1, 16, 4, 4)
+    xq, y = np.empty(x.shape, np.uint8), np.empty((1, 8, 4, 4), np.float32)
+    quant = int8.quantize(x.reshape(-1), 0.1, 3, xq.reshape(-1), 1, step=True)
+    conv = int8.conv2d_forward(xq, 3, packed, row_sums, 8, 1, 1, 0, np.ones(8, np.float32), None, y, True, 1,
+                               step=True)
+    with pytest.raises(TypeError, match="prepared calls"):
+        int8.Plan([quant, "conv"], x.shape, y.shape)
+    with pytest.raises(ValueError, match="first step must be a quantize step"):
+        int8.Plan([conv], x.shape, y.shape)
+    yq = np.empty(y.shape, np.uint8)
+    to_u8 = int8.conv2d_forward(xq, 3, packed, row_sums, 8, 1, 1, 0, np.ones(8, np.float32), None, None, True, 1,
+                                yq=yq, yq_scale=0.5, yq_zero_point=0, step=True)
+    with pytest.raises(ValueError, match="last step must write a float32 output"):
+        int8.Plan([quant, to_u8], x.shape, y.shape)
+    plan = int8.Plan([quant, conv], x.shape, y.shape)
+    with pytest.raises(ValueError, match=r"x must have shape \(1, 16, 4, 4\)"):
+        plan.run(x[:, :8], np.empty_like(y))
+    with pytest.raises(TypeError, match="out must have dtype float32"):
+        plan.run(x, np.empty(y.shape, np.float64))
+    out = plan.run(x, np.empty_like(y))
+    ref = np.empty_like(y)
+    int8.quantize(x.reshape(-1), 0.1, 3, xq.reshape(-1), 1)
+    int8.conv2d_forward(xq, 3, packed, row_sums, 8, 1, 1, 0, np.ones(8, np.float32), None, ref, True, 1)
+    np.testing.assert_array_equal(out, ref)

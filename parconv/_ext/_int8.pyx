@@ -117,6 +117,12 @@ def _use_depthwise(name):
     return old
 
 
+def _state():
+    """What prepared calls depend on besides their arguments: (path, depthwise mode); a Plan recorded under
+    another state is recorded again."""
+    return _path, _dw_mode
+
+
 def path():
     """Which int8 dot-product path this build level and CPU run.
 
@@ -276,6 +282,196 @@ cdef void _quantize_team(const float *x, Py_ssize_t n, float s, int z, uint8_t *
         pci8_quantize(x + lo, hi - lo, s, z, out + lo)
 
 
+# ------------------------------------------------------------- prepared calls
+# Each kernel entry checks its arguments and fills a _Step (raw pointers and sizes, with the arrays behind
+# them kept alive), then runs it. A Plan keeps the steps of a chain of calls on buffers of its own and runs
+# them again without the checks: at batch 1 the checks and array set-up cost more than the kernels.
+
+cdef enum:
+    _K_CONV = 1
+    _K_DW = 2
+    _K_DWB = 3
+    _K_LINEAR = 4
+    _K_POOL = 5
+    _K_QUANT = 6
+
+
+cdef struct _ConvRun:
+    const uint8_t *xp
+    uint8_t *gp
+    const int *offv
+    const int8_t *w8
+    const int16_t *w16
+    const float *sv
+    const int32_t *z32
+    const int64_t *z64
+    float *yp
+    _Requant rq
+    _Residual res
+    double work
+    Py_ssize_t HW, PQ, plane, img, slack, per_img, run
+    int N, C, H, W, O, K, S, pad, P, Q, nph, Hg, Wg, CG, kg, z, path, relu, wide, direct, nt, team
+
+
+cdef struct _DwRun:
+    const uint8_t *xp
+    const int8_t *wp
+    const float *sv
+    const int32_t *z32
+    const int64_t *z64
+    float *yp
+    _Requant rq
+    Py_ssize_t *offv
+    int32_t *wpv
+    double work
+    Py_ssize_t HW, PQ, KK, scratch_n, planes, chunk
+    int C, H, W, KH, KW, SH, SW, PH, PW, P, Q, z, relu, wide, team, npairs
+
+
+cdef struct _DwbRun:
+    const uint8_t *xp
+    const int16_t *wtp
+    const int32_t *z32p
+    const int64_t *z64p
+    const float *scp
+    float *yp
+    _Requant rq
+    double work
+    Py_ssize_t HW, PQ, KK, scratch_n, jobs
+    int C, CB, H, W, KH, KW, SH, SW, PH, PW, P, Q, z, relu, wide, team, path
+
+
+cdef struct _LinRun:
+    const uint8_t *xsrc     # the caller's (N, F) input
+    uint8_t *xpad           # (N, ldx) with F % 4: xsrc copied in at every run; else NULL
+    const int8_t *w8
+    const int16_t *w16
+    const float *sv
+    const int32_t *z32
+    const int64_t *z64
+    float *yp
+    _Requant rq
+    double work
+    Py_ssize_t N, F, ldx, rb, rblocks, jobs
+    int G, kg, path, relu, wide, team, nt
+
+
+cdef struct _PoolRun:
+    const uint8_t *xp
+    uint8_t *yp
+    double work
+    Py_ssize_t HW, PQ, planes, chunk
+    int H, W, KH, KW, SH, SW, PH, PW, P, Q, team
+
+
+cdef struct _QuantRun:
+    const float *xp
+    uint8_t *op
+    double work
+    Py_ssize_t n
+    float s
+    int z, nt
+
+
+cdef class _Step:
+    """One kernel call, checked and prepared (see above)."""
+    cdef int kind
+    cdef str fn
+    cdef list keep
+    cdef _ConvRun conv
+    cdef _DwRun dw
+    cdef _DwbRun dwb
+    cdef _LinRun lin
+    cdef _PoolRun pool
+    cdef _QuantRun quant
+
+
+cdef _Step _new_step(int kind, str fn, list keep):
+    cdef _Step st = _Step.__new__(_Step)
+    st.kind = kind
+    st.fn = fn
+    st.keep = keep
+    return st
+
+
+cdef int _run_step(_Step st) except -1:
+    cdef int failed = 0
+    if st.kind == _K_CONV:
+        with nogil:
+            failed = _conv_run(&st.conv)
+    elif st.kind == _K_DW:
+        with nogil:
+            failed = _dw_run(&st.dw)
+    elif st.kind == _K_DWB:
+        with nogil:
+            failed = _dwb_run(&st.dwb)
+    elif st.kind == _K_LINEAR:
+        with nogil:
+            failed = _lin_run(&st.lin)
+    elif st.kind == _K_POOL:
+        with nogil:
+            _pool_run(&st.pool)
+    elif st.kind == _K_QUANT:
+        with nogil:
+            pc_work(st.quant.work)
+            _quantize_team(st.quant.xp, st.quant.n, st.quant.s, st.quant.z, st.quant.op, st.quant.nt)
+    if failed:
+        raise MemoryError(f"{st.fn}: could not allocate scratch")
+    return 0
+
+
+cdef object _done(_Step st, object step):
+    """A kernel entry's end: the prepared call (step=True, for a Plan), or None after running it."""
+    if step:
+        return st
+    _run_step(st)
+
+
+cdef class Plan:
+    """Prepared kernel calls (the entries' ``step=True`` results) run in order: the first a :func:`quantize`
+    of the float32 input, the last a call with a float32 output, the ones between on buffers the plan's
+    steps share. ``run(x, out)`` points the first at ``x`` and the last at ``out`` (both float32,
+    C-contiguous, of the recorded shapes) and runs them all, with none of the entries' checks or set-up.
+    Not for concurrent use: the buffers between the steps are the plan's."""
+
+    cdef list steps
+    cdef tuple x_shape, out_shape
+
+    def __init__(self, steps, x_shape, out_shape):
+        cdef list kept = list(steps)
+        cdef object one
+        for one in kept:
+            if not isinstance(one, _Step):
+                raise TypeError(f"Plan: steps must be prepared calls (a kernel entry's step=True result), got "
+                                f"{type(one).__name__}")
+        if not kept or (<_Step>kept[0]).kind != _K_QUANT:
+            raise ValueError("Plan: the first step must be a quantize step (the plan's input)")
+        cdef _Step last = <_Step>kept[len(kept) - 1]  # (no wraparound in this module)
+        if not ((last.kind == _K_CONV and last.conv.yp != NULL) or (last.kind == _K_LINEAR and last.lin.yp != NULL)
+                or (last.kind == _K_DW and last.dw.yp != NULL) or (last.kind == _K_DWB and last.dwb.yp != NULL)):
+            raise ValueError("Plan: the last step must write a float32 output")
+        self.steps = kept
+        self.x_shape, self.out_shape = tuple(x_shape), tuple(out_shape)
+
+    def run(self, x, out):
+        x = _shaped(x, "Plan.run", "x", np.float32, self.x_shape, "float32 " + str(self.x_shape))
+        out = _out(out, "Plan.run", "out", np.float32, self.out_shape, "float32 " + str(self.out_shape))
+        cdef _Step first = <_Step>self.steps[0], last = <_Step>self.steps[len(self.steps) - 1], st
+        first.quant.xp = <const float *>pci8_data(x)
+        cdef float *op = <float *>pci8_data(out)
+        if last.kind == _K_CONV:
+            last.conv.yp = op
+        elif last.kind == _K_LINEAR:
+            last.lin.yp = op
+        elif last.kind == _K_DW:
+            last.dw.yp = op
+        else:
+            last.dwb.yp = op
+        for st in self.steps:
+            _run_step(st)
+        return out
+
+
 cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sums, int z, Py_ssize_t kdim):
     """(scale, zb32, zb64, wide): zb = bias_q - z * row_sums; wide where a sum may leave int32."""
     scale = _shaped(scale, fn, "scale", np.float32, (O,), "float32 (O,): s_x * s_w[o]")
@@ -367,7 +563,8 @@ def quantize(x,            # IN  float32 (n,)
              scale,        # float > 0
              zero_point,   # int in 0..255
              out,          # OUT uint8 (n,), overwritten
-             num_threads):
+             num_threads,
+             step=False):  # as conv2d_forward's
     """Quantize float32 to uint8: ``out = clamp(rint(x / scale) + zero_point, 0, 255)``.
 
     ``x / scale`` is computed in float32 and rounded half to even (ONNX QuantizeLinear's rule);
@@ -385,12 +582,14 @@ def quantize(x,            # IN  float32 (n,)
     cdef int z = _zero_point(zero_point, fn)
     cdef Py_ssize_t n = x.shape[0]
     pc_work(pc_elems_ns(<double>n))
-    if n == 0:
+    if n == 0 and not step:
         return
-    cdef const float *xp = <const float *>pci8_data(x)
-    cdef uint8_t *op = <uint8_t *>pci8_data(out)
-    with nogil:
-        _quantize_team(xp, n, s, z, op, nt)
+    cdef _Step st = _new_step(_K_QUANT, fn, [x, out])
+    st.quant.xp = <const float *>pci8_data(x)
+    st.quant.op = <uint8_t *>pci8_data(out)
+    st.quant.work = pc_elems_ns(<double>n)
+    st.quant.n, st.quant.s, st.quant.z, st.quant.nt = n, s, z, nt
+    return _done(st, step)
 
 
 # ---------------------------------------------------------------------- packing
@@ -461,7 +660,8 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                    yq_scale=1.0, yq_zero_point=0,
                    residual=None,    # IN float32 (N, O, P, Q) or None: a residual block's shortcut
                    residual_q=None,  # IN uint8 (N, O, P, Q) or None: the same, quantized
-                   residual_scale=1.0, residual_zero_point=0):
+                   residual_scale=1.0, residual_zero_point=0,
+                   step=False):       # True: return the checked call for a Plan instead of running it
     """Quantized 2-D convolution (groups 1, square K, dilation 1); see the module docstring.
 
     P = (H + 2 padding - K) // stride + 1, likewise Q; y is overwritten. With ``yq``, the
@@ -548,22 +748,43 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
-    cdef Py_ssize_t i, n, jobs
-    cdef float *ybuf = NULL
-    cdef float *dst = NULL
+    cdef Py_ssize_t jobs
 
     cdef Py_ssize_t run = (tiles + per_img - 1) // per_img * PCI8_TILE
     jobs = <Py_ssize_t>N * per_img
-    cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * PQ * O_ * kdim // WORK_PER_MAC, jobs, nt))
+    cdef _Step st = _new_step(_K_CONV, fn, [xq, packed, scale, zb32, zb64, grid, off, y, yq, residual, residual_q])
+    cdef _ConvRun *r = &st.conv
+    r.xp, r.gp, r.offv, r.w8, r.w16 = xp, gp, offv, w8, w16
+    r.sv, r.z32, r.z64, r.yp, r.rq, r.res = sv, z32, z64, yp, rq, res
+    r.work = pc_conv_ns(<double>N * O_ * P * Q * kdim / INT8_MAC_GAIN)
+    r.HW, r.PQ, r.plane, r.img, r.slack, r.per_img, r.run = HW, PQ, plane, img, slack, per_img, run
+    r.N, r.C, r.H, r.W, r.O, r.K, r.S, r.pad, r.P, r.Q = N, C, H, W, O_, K_, S, pad, P, Q
+    r.nph, r.Hg, r.Wg, r.CG, r.kg, r.z = nph, Hg, Wg, CG, kg, z
+    r.path, r.relu, r.wide, r.direct, r.nt = path_, relu_, wide_, direct, nt
+    r.team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * PQ * O_ * kdim // WORK_PER_MAC, jobs, nt))
+    return _done(st, step)
+
+
+cdef int _conv_run(_ConvRun *r) noexcept nogil:
+    """conv2d_forward's work on a checked call; 1 where scratch could not be allocated."""
+    pc_work(r.work)
     cdef int32_t *acc = NULL
     cdef uint8_t *own = NULL
-    cdef Py_ssize_t r
+    cdef float *ybuf = NULL
+    cdef float *dst = NULL
+    cdef Py_ssize_t i, n, jobs, rr
+    cdef int cg
     cdef int failed[1]
     failed[0] = 0
-    if per_img == 1:
+    cdef Py_ssize_t img = r.img, slack = r.slack, plane = r.plane, PQ = r.PQ, HW = r.HW
+    cdef int N = r.N, C = r.C, O_ = r.O, z = r.z, direct = r.direct
+    cdef float *yp = r.yp
+    cdef _Requant rq = r.rq
+    cdef _Residual res = r.res
+    if r.per_img == 1:
         # one image per job: the job lays out its image's grid in its own buffer (still in cache
         # when the tiles read it; no pass over the batch, no barrier)
-        with nogil, parallel(num_threads=pc_cap(team)):
+        with parallel(num_threads=pc_cap(r.team)):
             acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
             own = <uint8_t *>malloc(img * 4 + slack)
             # without y, one image's float32 result lives in this thread's buffer until it is quantized
@@ -574,12 +795,13 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
                 if acc == NULL or own == NULL or (yp == NULL and ybuf == NULL and not direct):
                     failed[0] = 1
                     continue
-                for cg in range(CG):
-                    pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, cg, <uint8_t>z,
+                for cg in range(r.CG):
+                    pci8_grid_group(r.xp + n * C * HW, C, r.H, r.W, r.pad, r.S, r.nph, r.Hg, r.Wg, cg, <uint8_t>z,
                                     own + cg * plane * 4)
                 dst = yp + n * O_ * PQ if yp != NULL else ybuf
-                pci8_conv_tiles_res(path_, own, offv, kg, w8, w16, O_, P, Q, Wg, 0, run, z32, z64, wide_, sv, relu_,
-                                    dst, acc, rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point,
+                pci8_conv_tiles_res(r.path, own, r.offv, r.kg, r.w8, r.w16, O_, r.P, r.Q, r.Wg, 0, r.run, r.z32,
+                                    r.z64, r.wide, r.sv, r.relu, dst, acc,
+                                    rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point,
                                     res.f + n * O_ * PQ if res.f != NULL else NULL,
                                     res.q + n * O_ * PQ if res.q != NULL else NULL, res.scale, res.zero_point)
                 if rq.p != NULL and not direct:
@@ -590,34 +812,31 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     else:
         # few images split into runs: their grids first (one thread below ~1 MB of grid: waking the
         # team costs more), then the runs
-        jobs = <Py_ssize_t>N * CG
-        with nogil:
-            for i in prange(jobs, schedule="dynamic",
-                            num_threads=pc_cap(pc_team(jobs, pc_threads_for(N * img * 4 // 32, jobs, nt)))):
-                n = i // CG
-                pci8_grid_group(xp + n * C * HW, C, H, W, pad, S, nph, Hg, Wg, <int>(i - n * CG), <uint8_t>z,
-                                gp + (n * img + (i - n * CG) * plane) * 4)
-        jobs = <Py_ssize_t>N * per_img
-        with nogil, parallel(num_threads=pc_cap(team)):
+        jobs = <Py_ssize_t>N * r.CG
+        for i in prange(jobs, schedule="dynamic",
+                        num_threads=pc_cap(pc_team(jobs, pc_threads_for(N * img * 4 // 32, jobs, r.nt)))):
+            n = i // r.CG
+            pci8_grid_group(r.xp + n * C * HW, C, r.H, r.W, r.pad, r.S, r.nph, r.Hg, r.Wg, <int>(i - n * r.CG),
+                            <uint8_t>z, r.gp + (n * img + (i - n * r.CG) * plane) * 4)
+        jobs = <Py_ssize_t>N * r.per_img
+        with parallel(num_threads=pc_cap(r.team)):
             acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_OB * PCI8_TILE + 64)
             for i in prange(jobs, schedule="dynamic"):
                 if acc == NULL:
                     failed[0] = 1
                     continue
-                n = i // per_img
-                r = i - n * per_img
-                pci8_conv_tiles_res(path_, gp + n * img * 4, offv, kg, w8, w16, O_, P, Q, Wg, r * run,
-                                    (r + 1) * run, z32, z64, wide_, sv, relu_,
+                n = i // r.per_img
+                rr = i - n * r.per_img
+                pci8_conv_tiles_res(r.path, r.gp + n * img * 4, r.offv, r.kg, r.w8, r.w16, O_, r.P, r.Q, r.Wg,
+                                    rr * r.run, (rr + 1) * r.run, r.z32, r.z64, r.wide, r.sv, r.relu,
                                     yp + n * O_ * PQ if yp != NULL else NULL, acc,
                                     rq.p + n * O_ * PQ if direct else NULL, rq.scale, rq.zero_point,
                                     res.f + n * O_ * PQ if res.f != NULL else NULL,
                                     res.q + n * O_ * PQ if res.q != NULL else NULL, res.scale, res.zero_point)
             free(acc)
         if rq.p != NULL and not direct and not failed[0]:
-            with nogil:
-                _quantize_team(yp, <Py_ssize_t>N * O_ * PQ, rq.scale, rq.zero_point, rq.p, nt)
-    if failed[0]:
-        raise MemoryError(f"{fn}: could not allocate scratch")
+            _quantize_team(yp, <Py_ssize_t>N * O_ * PQ, rq.scale, rq.zero_point, rq.p, r.nt)
+    return failed[0]
 
 
 # -------------------------------------------------------------------- depthwise
@@ -632,7 +851,8 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
                       relu,
                       num_threads,
                       yq=None,       # OUT uint8 (N, C, P, Q) or None: y quantized for the next layer
-                      yq_scale=1.0, yq_zero_point=0):
+                      yq_scale=1.0, yq_zero_point=0,
+                      step=False):   # as conv2d_forward's
     """Quantized depthwise convolution (groups == C == O); see the module docstring.
 
     P = (H + 2 ph - KH) // sh + 1, Q = (W + 2 pw - KW) // sw + 1; y is overwritten. ``yq``,
@@ -670,9 +890,8 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     if N == 0:
         return
     if _dw_mode == "blocks" or (_dw_mode == "auto" and _dw_blocks_pay(C, H, W, KH, KW, SH, SW, P, Q)):
-        _depthwise_blocks(xq, z, wq, SH, SW, PH, PW, P, Q, scale, zb32, zb64, wide, y, relu, nt, yq, yq_scale,
-                          yq_zero_point)
-        return
+        return _done(_depthwise_blocks(xq, z, wq, SH, SW, PH, PW, P, Q, scale, zb32, zb64, wide, y, relu, nt, yq,
+                                       yq_scale, yq_zero_point), step)
     cdef const float *sv = <const float *>pci8_data(scale)
     cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
     cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
@@ -695,27 +914,43 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef int npairs = -1
     for c in range(C):
         npairs = pci8_dw_pairs(wp + c * KK, H, W, KH, KW, SH, SW, PH, PW, offv, wpv + c * PCI8_DW_MAXPAIRS)
+    cdef _Step st = _new_step(_K_DW, fn, [xq, wq, scale, zb32, zb64, y, yq, offs, wps])
+    cdef _DwRun *r = &st.dw
+    r.xp, r.wp, r.sv, r.z32, r.z64, r.yp, r.rq, r.offv, r.wpv = xp, wp, sv, z32, z64, yp, rq, offv, wpv
+    r.work = pc_conv_ns(<double>N * C * P * Q * KH * KW)
+    r.HW, r.PQ, r.KK, r.scratch_n, r.planes, r.chunk = HW, PQ, KK, scratch_n, planes, chunk
+    r.C, r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q = C, H, W, KH, KW, SH, SW, PH, PW, P, Q
+    r.z, r.relu, r.wide, r.team, r.npairs = z, relu_, wide_, team, npairs
+    return _done(st, step)
+
+
+cdef int _dw_run(_DwRun *r) noexcept nogil:
+    """depthwise_forward's per-plane work on a checked call; 1 where scratch could not be allocated."""
+    pc_work(r.work)
     cdef int16_t *scratch = NULL
     cdef float *ybuf = NULL
     cdef float *dst = NULL
+    cdef Py_ssize_t i, c, PQ = r.PQ
+    cdef float *yp = r.yp
+    cdef _Requant rq = r.rq
     cdef int failed[1]
     failed[0] = 0
-    with nogil, parallel(num_threads=pc_cap(team)):
-        scratch = <int16_t *>malloc(sizeof(int16_t) * scratch_n + 64)
+    with parallel(num_threads=pc_cap(r.team)):
+        scratch = <int16_t *>malloc(sizeof(int16_t) * r.scratch_n + 64)
         ybuf = <float *>malloc(sizeof(float) * PQ + 64) if yp == NULL else NULL
-        for i in prange(planes, schedule="dynamic", chunksize=chunk):
+        for i in prange(r.planes, schedule="dynamic", chunksize=r.chunk):
             if scratch == NULL or (yp == NULL and ybuf == NULL):
                 failed[0] = 1
                 continue
-            c = i % C
+            c = i % r.C
             dst = yp + i * PQ if yp != NULL else ybuf
-            pci8_dw_plane(xp + i * HW, H, W, z, wp + c * KK, KH, KW, SH, SW, PH, PW, P, Q, z32[c], z64[c], wide_,
-                          sv[c], relu_, scratch, dst, 1 if yp != NULL else 0, rq.p + i * PQ if rq.p != NULL else NULL,
-                          rq.scale, rq.zero_point, offv, wpv + c * PCI8_DW_MAXPAIRS, npairs)
+            pci8_dw_plane(r.xp + i * r.HW, r.H, r.W, r.z, r.wp + c * r.KK, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P,
+                          r.Q, r.z32[c], r.z64[c], r.wide, r.sv[c], r.relu, scratch, dst, 1 if yp != NULL else 0,
+                          rq.p + i * PQ if rq.p != NULL else NULL, rq.scale, rq.zero_point, r.offv,
+                          r.wpv + c * PCI8_DW_MAXPAIRS, r.npairs)
         free(scratch)
         free(ybuf)
-    if failed[0]:
-        raise MemoryError(f"{fn}: could not allocate scratch")
+    return failed[0]
 
 
 cdef bint _dw_blocks_pay(int C, int H, int W, int KH, int KW, int SH, int SW, int P, int Q):
@@ -725,10 +960,10 @@ cdef bint _dw_blocks_pay(int C, int H, int W, int KH, int KW, int SH, int SW, in
             and (Q <= 48 or SH > 1 or SW > 1))
 
 
-cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int PW, int P, int Q, object scale,
-                       object zb32, object zb64, object wide, object y, object relu, int nt, object yq,
-                       object yq_scale, object yq_zero_point):
-    """depthwise_forward (arguments checked there) over blocks of PCI8_DWB channels of one image each."""
+cdef _Step _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int PW, int P, int Q,
+                             object scale, object zb32, object zb64, object wide, object y, object relu, int nt,
+                             object yq, object yq_scale, object yq_zero_point):
+    """depthwise_forward's call (arguments checked there) over blocks of PCI8_DWB channels of one image each."""
     cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
     cdef int KH = wq.shape[2], KW = wq.shape[3]
     cdef Py_ssize_t KK = <Py_ssize_t>KH * KW, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
@@ -736,9 +971,8 @@ cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int 
     # per block: each tap's weights on the lanes, and the epilogue's per-channel values (zero past C), in one
     # buffer: [CB][KK][16] int16 weights, then [CB * 16] int64, int32 and float32
     cdef Py_ssize_t lanes = <Py_ssize_t>CB * PCI8_DWB, wbytes = (lanes * KK * 2 + 7) // 8 * 8
-    cdef uint8_t *lb = <uint8_t *>malloc(wbytes + lanes * (8 + 4 + 4))
-    if lb == NULL:
-        raise MemoryError("depthwise_forward: could not allocate scratch")
+    lanebuf = np.zeros(wbytes + lanes * (8 + 4 + 4), dtype=np.uint8)
+    cdef uint8_t *lb = <uint8_t *>pci8_data(lanebuf)
     cdef int16_t *wtp = <int16_t *>lb
     cdef int64_t *z64p = <int64_t *>(lb + wbytes)
     cdef int32_t *z32p = <int32_t *>(lb + wbytes + lanes * 8)
@@ -748,42 +982,55 @@ cdef _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int 
     cdef const int64_t *zs64 = <const int64_t *>pci8_data(zb64)
     cdef const float *ss = <const float *>pci8_data(scale)
     cdef Py_ssize_t c, k
-    memset(lb, 0, wbytes + lanes * 16)
     for c in range(C):
         for k in range(KK):
             wtp[((c // PCI8_DWB) * KK + k) * PCI8_DWB + c % PCI8_DWB] = wsrc[c * KK + k]
         z64p[c] = zs64[c]
         z32p[c] = zs32[c]
         scp[c] = ss[c]
-    cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
-    cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
-    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
-    cdef Py_ssize_t scratch_n = pci8_dwb_scratch(H, W, PH, PW, P, Q)
-    cdef int relu_ = 1 if relu else 0, wide_ = 1 if wide else 0, path_ = _path
-    cdef Py_ssize_t jobs = <Py_ssize_t>N * CB, i, n, b
-    cdef int team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * C * PQ * KK, jobs, nt))
-    cdef int nc
+    cdef Py_ssize_t jobs = <Py_ssize_t>N * CB
+    cdef _Step st = _new_step(_K_DWB, "depthwise_forward", [xq, lanebuf, y, yq])
+    cdef _DwbRun *r = &st.dwb
+    r.xp = <const uint8_t *>pci8_data(xq)
+    r.wtp, r.z32p, r.z64p, r.scp = wtp, z32p, z64p, scp
+    r.yp = <float *>pci8_data(y) if y is not None else NULL
+    r.rq = _requant_target(yq, yq_scale, yq_zero_point)
+    r.work = pc_conv_ns(<double>N * C * P * Q * KH * KW)
+    r.HW, r.PQ, r.KK, r.scratch_n, r.jobs = HW, PQ, KK, pci8_dwb_scratch(H, W, PH, PW, P, Q), jobs
+    r.C, r.CB, r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q = C, CB, H, W, KH, KW, SH, SW, PH, PW, P, Q
+    r.z, r.relu, r.wide, r.path = z, 1 if relu else 0, 1 if wide else 0, _path
+    r.team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * C * PQ * KK, jobs, nt))
+    return st
+
+
+cdef int _dwb_run(_DwbRun *r) noexcept nogil:
+    """The channel blocks' work on a checked call; 1 where scratch could not be allocated."""
+    pc_work(r.work)
     cdef void *scratch = NULL
+    cdef Py_ssize_t i, n, b
+    cdef int nc, CB = r.CB, C = r.C
+    cdef Py_ssize_t KK = r.KK, PQ = r.PQ, HW = r.HW
+    cdef float *yp = r.yp
+    cdef _Requant rq = r.rq
     cdef int failed[1]
     failed[0] = 0
-    with nogil, parallel(num_threads=pc_cap(team)):
-        scratch = malloc(scratch_n + 64)
-        for i in prange(jobs, schedule="dynamic"):
+    with parallel(num_threads=pc_cap(r.team)):
+        scratch = malloc(r.scratch_n + 64)
+        for i in prange(r.jobs, schedule="dynamic"):
             if scratch == NULL:
                 failed[0] = 1
                 continue
             n = i // CB
             b = i - n * CB
             nc = C - <int>b * PCI8_DWB if C - <int>b * PCI8_DWB < PCI8_DWB else PCI8_DWB
-            pci8_dwb_block(xp + (n * C + b * PCI8_DWB) * HW, nc, H, W, z, wtp + b * KK * PCI8_DWB, KH, KW, SH, SW,
-                           PH, PW, P, Q, z32p + b * PCI8_DWB, z64p + b * PCI8_DWB, wide_, scp + b * PCI8_DWB, relu_,
-                           scratch, yp + (n * C + b * PCI8_DWB) * PQ if yp != NULL else NULL,
+            pci8_dwb_block(r.xp + (n * C + b * PCI8_DWB) * HW, nc, r.H, r.W, r.z, r.wtp + b * KK * PCI8_DWB, r.KH,
+                           r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q, r.z32p + b * PCI8_DWB, r.z64p + b * PCI8_DWB,
+                           r.wide, r.scp + b * PCI8_DWB, r.relu, scratch,
+                           yp + (n * C + b * PCI8_DWB) * PQ if yp != NULL else NULL,
                            rq.p + (n * C + b * PCI8_DWB) * PQ if rq.p != NULL else NULL, rq.scale, rq.zero_point,
-                           path_)
+                           r.path)
         free(scratch)
-    free(lb)
-    if failed[0]:
-        raise MemoryError("depthwise_forward: could not allocate scratch")
+    return failed[0]
 
 
 # ----------------------------------------------------------------------- linear
@@ -798,7 +1045,8 @@ def linear_forward(xq,            # IN  uint8 (N, F)
                    relu,
                    num_threads,
                    yq=None,       # OUT uint8 (N, G) or None: y quantized for the next layer
-                   yq_scale=1.0, yq_zero_point=0):
+                   yq_scale=1.0, yq_zero_point=0,
+                   step=False):   # as conv2d_forward's
     """Quantized linear layer ``y = dequant(xq @ wq.T + bias_q)``; see the module docstring.
 
     ``yq``, ``yq_scale``, ``yq_zero_point`` as in :func:`conv2d_forward`.
@@ -830,11 +1078,11 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     cdef const int32_t *hdr = <const int32_t *>pci8_data(packed)
     cdef int O64 = hdr[H_O64], kg_cap = hdr[H_KG_CAP]
     cdef Py_ssize_t ldx = F
+    xpad = None
     if F % 4:
-        # whole 4-byte groups: the features padded with the zero point (their weights are zero)
+        # whole 4-byte groups: the features padded with the zero point (their weights are zero; xq is copied in
+        # at every run)
         xpad = np.full((N, kg * 4), z, dtype=np.uint8)
-        xpad[:, :F] = xq
-        xq = xpad
         ldx = kg * 4
     cdef uint8_t *pv = <uint8_t *>pci8_data(packed)
     cdef const float *sv = <const float *>pci8_data(scale)
@@ -843,38 +1091,55 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     cdef Py_ssize_t p8 = HEADER + (<Py_ssize_t>G * F + 63) // 64 * 64
     cdef const int8_t *w8 = <const int8_t *>&pv[p8]
     cdef const int16_t *w16 = <const int16_t *>&pv[p8 + <Py_ssize_t>O64 * kg_cap * 4]
-    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
-    cdef float *yp = <float *>pci8_data(y)
     cdef int path_ = _path, relu_ = 1 if relu else 0, wide_ = 1 if wide else 0
     # blocks of rows x blocks of 64 output channels: the rows split finer until every thread has
     # PC_BLOCKS_PER_THREAD blocks (a block of 4 rows is the least)
     cdef Py_ssize_t cblocks = (G + PCI8_CB - 1) // PCI8_CB, rb = (N + PCI8_RB - 1) // PCI8_RB * PCI8_RB
     while rb > PCI8_RB and ((N + rb - 1) // rb) * cblocks < <Py_ssize_t>nt * PC_BLOCKS_PER_THREAD:
         rb = (rb // 2 + PCI8_RB - 1) // PCI8_RB * PCI8_RB
-    cdef Py_ssize_t rblocks = (N + rb - 1) // rb, jobs = rblocks * cblocks, i, ri, ci, r1
-    cdef int team = pc_team(jobs, pc_threads_for(N * G * F // WORK_PER_MAC, jobs, nt))
+    cdef Py_ssize_t rblocks = (N + rb - 1) // rb, jobs = rblocks * cblocks
+    cdef _Step st = _new_step(_K_LINEAR, fn, [xq, xpad, packed, scale, zb32, zb64, y, yq])
+    cdef _LinRun *r = &st.lin
+    r.xsrc = <const uint8_t *>pci8_data(xq)
+    r.xpad = <uint8_t *>pci8_data(xpad) if xpad is not None else NULL
+    r.w8, r.w16, r.sv, r.z32, r.z64 = w8, w16, sv, z32, z64
+    r.yp = <float *>pci8_data(y)
+    r.rq = _requant_target(yq, yq_scale, yq_zero_point)
+    r.work = max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G / 4))
+    r.N, r.F, r.ldx, r.rb, r.rblocks, r.jobs = N, F, ldx, rb, rblocks, jobs
+    r.G, r.kg, r.path, r.relu, r.wide, r.nt = G, kg, path_, relu_, wide_, nt
+    r.team = pc_team(jobs, pc_threads_for(N * G * F // WORK_PER_MAC, jobs, nt))
+    return _done(st, step)
+
+
+cdef int _lin_run(_LinRun *r) noexcept nogil:
+    """linear_forward's work on a checked call; 1 where scratch could not be allocated."""
+    pc_work(r.work)
+    cdef const uint8_t *xp = r.xsrc
+    cdef Py_ssize_t i, ri, ci, r1, N = r.N, G = r.G, rb = r.rb, rblocks = r.rblocks
+    if r.xpad != NULL:
+        for i in range(N):
+            memcpy(r.xpad + i * r.ldx, r.xsrc + i * r.F, <size_t>r.F)
+        xp = r.xpad
     cdef int32_t *acc = NULL
     cdef int failed[1]
     failed[0] = 0
-    with nogil, parallel(num_threads=pc_cap(team)):
+    with parallel(num_threads=pc_cap(r.team)):
         acc = <int32_t *>malloc(sizeof(int32_t) * PCI8_RB * PCI8_CB + 64)
-        for i in prange(jobs, schedule="dynamic"):
+        for i in prange(r.jobs, schedule="dynamic"):
             if acc == NULL:
                 failed[0] = 1
                 continue
             ci = i // rblocks
             ri = i - ci * rblocks
             r1 = (ri + 1) * rb if (ri + 1) * rb < N else N
-            pci8_linear_block(path_, xp, ldx, ri * rb, r1, kg, w8, w16, <int>(ci * PCI8_CB),
-                              <int>((ci + 1) * PCI8_CB if (ci + 1) * PCI8_CB < G else G), G, z32, z64,
-                              wide_, sv, relu_, yp, acc)
+            pci8_linear_block(r.path, xp, r.ldx, ri * rb, r1, r.kg, r.w8, r.w16, <int>(ci * PCI8_CB),
+                              <int>((ci + 1) * PCI8_CB if (ci + 1) * PCI8_CB < G else G), <int>G, r.z32, r.z64,
+                              r.wide, r.sv, r.relu, r.yp, acc)
         free(acc)
-    if failed[0]:
-        raise MemoryError(f"{fn}: could not allocate scratch")
-    cdef _Requant rq = _requant_target(yq, yq_scale, yq_zero_point)
-    if yq is not None:
-        with nogil:
-            _quantize_team(yp, N * G, rq.scale, rq.zero_point, rq.p, nt)
+    if r.rq.p != NULL and not failed[0]:
+        _quantize_team(r.yp, N * G, r.rq.scale, r.rq.zero_point, r.rq.p, r.nt)
+    return failed[0]
 
 
 # ------------------------------------------------------------------ max pooling
@@ -884,7 +1149,8 @@ def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
                  stride,       # (SH, SW)
                  padding,      # (PH, PW), at most half the kernel
                  y,            # OUT uint8 (N, C, P, Q), overwritten
-                 num_threads):
+                 num_threads,
+                 step=False):  # as conv2d_forward's
     """Max pooling of uint8 activations (floor mode; padding never selected).
 
     Quantization is monotone, so pooling the uint8 input of the next layer gives the same bits as
@@ -909,18 +1175,29 @@ def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
         raise ValueError(f"{fn}: kernel ({KH}, {KW}) is larger than the padded input ({H + 2 * PH}, {W + 2 * PW})")
     cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
     y = _out(y, fn, "y", np.uint8, (N, C, P, Q), "uint8 (N, C, P, Q)")
-    cdef const uint8_t *xp = <const uint8_t *>pci8_data(xq)
-    cdef uint8_t *yp = <uint8_t *>pci8_data(y)
-    cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, i
+    cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     if planes == 0 or PQ == 0:
         return
     # a byte per output tap: below ~1M of them one thread finishes before a woken team would
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KH * KW // 8, planes, nt))
     pc_work(pc_elems_ns(<double>planes * PQ * KH * KW / 8))
-    cdef Py_ssize_t chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
-    with nogil:
-        for i in prange(planes, schedule="dynamic", chunksize=chunk, num_threads=pc_cap(team)):
-            pci8_maxpool_plane(xp + i * HW, H, W, KH, KW, SH, SW, PH, PW, P, Q, yp + i * PQ)
+    cdef _Step st = _new_step(_K_POOL, fn, [xq, y])
+    cdef _PoolRun *r = &st.pool
+    r.xp = <const uint8_t *>pci8_data(xq)
+    r.yp = <uint8_t *>pci8_data(y)
+    r.work = pc_elems_ns(<double>planes * PQ * KH * KW / 8)
+    r.HW, r.PQ, r.planes = HW, PQ, planes
+    r.chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
+    r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q, r.team = H, W, KH, KW, SH, SW, PH, PW, P, Q, team
+    return _done(st, step)
+
+
+cdef void _pool_run(_PoolRun *r) noexcept nogil:
+    pc_work(r.work)
+    cdef Py_ssize_t i
+    for i in prange(r.planes, schedule="dynamic", chunksize=r.chunk, num_threads=pc_cap(r.team)):
+        pci8_maxpool_plane(r.xp + i * r.HW, r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q, r.yp + i * r.PQ)
 
 
 include "_team.pxi"
+
