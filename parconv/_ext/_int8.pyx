@@ -374,10 +374,13 @@ cdef struct _QuantRun:
 
 
 cdef class _Step:
-    """One kernel call, checked and prepared (see above)."""
+    """One kernel call, checked and prepared (see above): ``run(args)`` does it, ``args`` pointing at the
+    struct of its kind."""
     cdef int kind
     cdef str fn
     cdef list keep
+    cdef int (*run)(void *) noexcept nogil
+    cdef void *args
     cdef _ConvRun conv
     cdef _DwRun dw
     cdef _DwbRun dwb
@@ -391,30 +394,32 @@ cdef _Step _new_step(int kind, str fn, list keep):
     st.kind = kind
     st.fn = fn
     st.keep = keep
+    if kind == _K_CONV:
+        st.run, st.args = _conv_run, &st.conv
+    elif kind == _K_DW:
+        st.run, st.args = _dw_run, &st.dw
+    elif kind == _K_DWB:
+        st.run, st.args = _dwb_run, &st.dwb
+    elif kind == _K_LINEAR:
+        st.run, st.args = _lin_run, &st.lin
+    elif kind == _K_POOL:
+        st.run, st.args = _pool_run, &st.pool
+    else:
+        st.run, st.args = _quant_run, &st.quant
     return st
 
 
+cdef int _quant_run(void *p) noexcept nogil:
+    cdef _QuantRun *r = <_QuantRun *>p
+    pc_work(r.work)
+    _quantize_team(r.xp, r.n, r.s, r.z, r.op, r.nt)
+    return 0
+
+
 cdef int _run_step(_Step st) except -1:
-    cdef int failed = 0
-    if st.kind == _K_CONV:
-        with nogil:
-            failed = _conv_run(&st.conv)
-    elif st.kind == _K_DW:
-        with nogil:
-            failed = _dw_run(&st.dw)
-    elif st.kind == _K_DWB:
-        with nogil:
-            failed = _dwb_run(&st.dwb)
-    elif st.kind == _K_LINEAR:
-        with nogil:
-            failed = _lin_run(&st.lin)
-    elif st.kind == _K_POOL:
-        with nogil:
-            _pool_run(&st.pool)
-    elif st.kind == _K_QUANT:
-        with nogil:
-            pc_work(st.quant.work)
-            _quantize_team(st.quant.xp, st.quant.n, st.quant.s, st.quant.z, st.quant.op, st.quant.nt)
+    cdef int failed
+    with nogil:
+        failed = st.run(st.args)
     if failed:
         raise MemoryError(f"{st.fn}: could not allocate scratch")
     return 0
@@ -765,8 +770,9 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     return _done(st, step)
 
 
-cdef int _conv_run(_ConvRun *r) noexcept nogil:
+cdef int _conv_run(void *p) noexcept nogil:
     """conv2d_forward's work on a checked call; 1 where scratch could not be allocated."""
+    cdef _ConvRun *r = <_ConvRun *>p
     pc_work(r.work)
     cdef int32_t *acc = NULL
     cdef uint8_t *own = NULL
@@ -924,8 +930,9 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     return _done(st, step)
 
 
-cdef int _dw_run(_DwRun *r) noexcept nogil:
+cdef int _dw_run(void *p) noexcept nogil:
     """depthwise_forward's per-plane work on a checked call; 1 where scratch could not be allocated."""
+    cdef _DwRun *r = <_DwRun *>p
     pc_work(r.work)
     cdef int16_t *scratch = NULL
     cdef float *ybuf = NULL
@@ -1003,8 +1010,9 @@ cdef _Step _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH
     return st
 
 
-cdef int _dwb_run(_DwbRun *r) noexcept nogil:
+cdef int _dwb_run(void *p) noexcept nogil:
     """The channel blocks' work on a checked call; 1 where scratch could not be allocated."""
+    cdef _DwbRun *r = <_DwbRun *>p
     pc_work(r.work)
     cdef void *scratch = NULL
     cdef Py_ssize_t i, n, b
@@ -1112,8 +1120,9 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     return _done(st, step)
 
 
-cdef int _lin_run(_LinRun *r) noexcept nogil:
+cdef int _lin_run(void *p) noexcept nogil:
     """linear_forward's work on a checked call; 1 where scratch could not be allocated."""
+    cdef _LinRun *r = <_LinRun *>p
     pc_work(r.work)
     cdef const uint8_t *xp = r.xsrc
     cdef Py_ssize_t i, ri, ci, r1, N = r.N, G = r.G, rb = r.rb, rblocks = r.rblocks
@@ -1192,11 +1201,13 @@ def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
     return _done(st, step)
 
 
-cdef void _pool_run(_PoolRun *r) noexcept nogil:
+cdef int _pool_run(void *p) noexcept nogil:
+    cdef _PoolRun *r = <_PoolRun *>p
     pc_work(r.work)
     cdef Py_ssize_t i
     for i in prange(r.planes, schedule="dynamic", chunksize=r.chunk, num_threads=pc_cap(r.team)):
         pci8_maxpool_plane(r.xp + i * r.HW, r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q, r.yp + i * r.PQ)
+    return 0
 
 
 include "_team.pxi"

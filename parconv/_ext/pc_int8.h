@@ -1421,6 +1421,17 @@ static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *r
 #if defined(__GNUC__)
 __attribute__((always_inline))
 #endif
+/* Each tap's weights as (w, 0) int16 pairs on the 16 lanes, and its offset in the grid T: vpmaddwd (or vpdpwssd)
+ * of a grid lane (x - z as int32: low half x - z, high half its sign) with them is (x - z) * w exactly. */
+static inline void pci8_dwb_tap_table(const int16_t *restrict wt, int KK, int KW, pc_idx Wp, __m512i *restrict wv,
+                                      pc_idx *restrict toff)
+{
+    for (int k = 0; k < KK; k++) {
+        wv[k] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
+        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
+    }
+}
+
 static inline void pci8_dwb_taps(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
                                  int SH, int SW, int P, int Q, const int32_t *restrict zb32,
                                  const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
@@ -1429,12 +1440,7 @@ static inline void pci8_dwb_taps(const int32_t *restrict T, pc_idx Wp, const int
     __m512i wv[PCI8_DWB_TAPS];
     pc_idx toff[PCI8_DWB_TAPS];
     const int KK = KH * KW;
-    for (int k = 0; k < KK; k++) {
-        /* (w, 0) int16 pairs: vpmaddwd of a grid lane (x - z as int32: low half x - z, high half its sign)
-         * is then (x - z) * w exactly */
-        wv[k] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
-        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
-    }
+    pci8_dwb_tap_table(wt, KK, KW, Wp, wv, toff);
     const __m512i zb = _mm512_loadu_si512((const void *)zb32);
     const __m512 sc = _mm512_loadu_ps(scale);
     const float rcp = 1.0f / qs;
@@ -1481,10 +1487,7 @@ static inline __attribute__((always_inline)) void pci8_dwb_taps_vnni_body(
     __m512i wv[PCI8_DWB_TAPS];
     pc_idx toff[PCI8_DWB_TAPS];
     const int KK = KH * KW;
-    for (int k = 0; k < KK; k++) {
-        wv[k] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)));
-        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
-    }
+    pci8_dwb_tap_table(wt, KK, KW, Wp, wv, toff);
     const __m512i zb = _mm512_loadu_si512((const void *)zb32);
     const __m512 sc = _mm512_loadu_ps(scale);
     const int fast = qs > 1e-37f && qs < 1e37f;
