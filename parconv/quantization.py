@@ -48,6 +48,7 @@ from . import functional as F
 from ._config import conv_precision, get_num_threads
 from ._shapes import conv_pads
 from ._validation import Where, check_int, shape_of, to_backend_array
+from ._weights import weights_epoch
 from ._fusion import _Fused
 from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Flatten, Identity, Layer, Linear, MaxPool2d, ReLU
 from .layers import Residual
@@ -346,6 +347,7 @@ class _Quantized(Layer):
         self.input_zero_point = np.zeros(1, np.uint8)
         self.training = False
         self._prepared = self._quantize_fn = self._native_args = self._shape_memo = None
+        self._prepared_epoch = -1
 
     def set_quantized(self, weight, weight_scale, bias, input_scale, input_zero_point) -> "_Quantized":
         """Set the quantized state: int8 ``weight``, float32 ``weight_scale`` (O,), int32 ``bias`` (O,) or None,
@@ -528,9 +530,11 @@ class QuantizedConv2d(_Quantized):
         return conv_pads(self.padding, self.kernel_size, self.dilation, self.stride, Where(self))
 
     def _prepare(self):
-        """Per-process compute state: the native kernel and its packed weights, or the float emulation's chunks."""
-        if self._prepared is not None:
+        """Per-process compute state: the native kernel and its packed weights, or the float emulation's chunks
+        (made again after :func:`parconv.weights_changed`: buffers written in place)."""
+        if self._prepared is not None and self._prepared_epoch == weights_epoch():
             return self._prepared
+        self._prepared_epoch = weights_epoch()
         kh, kw = self.kernel_size
         top, bottom, left, right = self._pads()
         native = None
@@ -652,7 +656,8 @@ class QuantizedLinear(_Quantized):
         return x_shape[0] * self.in_features * self.out_features
 
     def _prepare(self):
-        if self._prepared is None:
+        if self._prepared is None or self._prepared_epoch != weights_epoch():  # as QuantizedConv2d's
+            self._prepared_epoch = weights_epoch()
             native = None
             fn, pack = _native("linear_forward"), _native("pack_weights")
             packed = _pack(pack, self.weight) if self.backend.name == "openmp" and fn is not None else None
@@ -774,7 +779,7 @@ class _Int8Chain(_Fused):
                 (self._qdq if isinstance(it.shortcut, QuantDequant) else self._quantized).append(it.shortcut)
             elif isinstance(it, _Quantized):
                 self._quantized.append(it)
-        self._plan = None  # (key, the layers' prepared states, Plan or None, output shape)
+        self._plans = []  # (key, the layers' prepared states, Plan or None, output shape), the latest first
         self._plan_lock = threading.Lock()
 
     def forward(self, x):
@@ -834,15 +839,20 @@ class _Int8Chain(_Fused):
         x = np.ascontiguousarray(x, dtype=np.float32)
         state = [layer._prepared for layer in self._quantized]
         key = (x.shape, get_num_threads(), kernel_state(), [(q.scale, q.zero_point) for q in self._qdq])
-        plan = self._plan
-        if plan is None or plan[0] != key or any(a is not b for a, b in zip(plan[1], state)):
+        plans = self._plans
+        for plan in plans:
+            if plan[0] == key and all(a is b for a, b in zip(plan[1], state)):
+                break
+        else:
             rec = []
             try:
                 out = self._calls(x, memo, rec)
                 runner = plan_cls(rec, x.shape, out.shape)
             except TypeError:  # a kernel that cannot prepare its call (a stand-in): the calls run themselves,
                 runner = out = None  # and raise again there if the arguments were at fault
-            self._plan = plan = (key, state, runner, None if out is None else out.shape)
+            plan = (key, state, runner, None if out is None else out.shape)
+            # two input shapes (a batch size and a last, smaller batch) run recorded without recording again
+            self._plans = [plan] + [p for p in plans if p[0][0] != key[0]][:_PLANS - 1]
         if plan[2] is None:
             return None
         out = np.empty(plan[3], np.float32)
@@ -860,8 +870,9 @@ def _step(rec) -> dict:
 
 _NO_STEP, _STEP = {}, {"step": True}
 
-# an int8 chain keeps its recorded calls' buffers (every activation of one input) up to this size
-_PLAN_BYTES = 16 << 20
+# an int8 chain keeps the recorded calls of up to _PLANS input shapes, each with its buffers (every activation of
+# one input) up to about this size
+_PLAN_BYTES, _PLANS = 16 << 20, 2
 
 
 def _plan_bytes(shapes) -> int:

@@ -434,7 +434,9 @@ def test_requantize_adds_the_residual_before_the_relu():
 def test_residual_blocks_stay_uint8_inside_int8_chains(batch, monkeypatch):
     # every block's last convolution adds its shortcut (the uint8 input dequantized, or the projection's float32
     # output) and applies the block's ReLU as it stores the next block's uint8 input: one chain from the stem to
-    # the pooling, one quantize pass (the stem's input), no float32 add; the same bits as the NumPy model
+    # the pooling, one quantize pass (the stem's input), no float32 add; the same bits as the NumPy model (the calls
+    # counted as the chain makes them, not recorded: a recorded quantize step runs without a Python call)
+    monkeypatch.setattr(Q, "_PLAN_BYTES", -1)
     rng = np.random.default_rng(13)
     model = _residual_net(rng)
     qmodel = Q.quantize(model, rand(rng, 16, 3, 12, 12))
@@ -958,49 +960,77 @@ def test_chains_run_their_recorded_calls_with_the_bits_of_the_calls_themselves(m
 
     x1, x2 = rand(rng, 2, 3, 12, 12), rand(rng, 2, 3, 12, 12)
     want1, want2 = unplanned(x1), unplanned(x2)
-    assert chain._plan is None or chain._plan[0][0] != x1.shape
+    assert not chain._plans or chain._plans[0][0][0] != x1.shape
     with pc.no_grad():
         y1 = qmodel.forward(x1)
-        recorded = chain._plan
+        recorded = chain._plans[0]
         y2 = qmodel.forward(x2)
-    assert recorded is not None and recorded[2] is not None and chain._plan is recorded
+    assert recorded[2] is not None and chain._plans[0] is recorded
     np.testing.assert_array_equal(y1, want1)  # not overwritten by the second call
     np.testing.assert_array_equal(y2, want2)
     for threads in (1, 3):
         with pc.num_threads(threads):
             np.testing.assert_array_equal(qmodel.predict(x1), want1)
+            assert chain._plans[0][0][1] == threads  # recorded for this thread count
     int8 = _int8_mod()
     for path in ("portable", "avx2", "avx512_vnni")[:("portable", "avx2", "avx512_vnni").index(int8.path()) + 1]:
         old = int8._use_path(path)
         try:
             np.testing.assert_array_equal(qmodel.predict(x1), want1)
+            assert chain._plans[0][0][2] == int8._state()
         finally:
             int8._use_path(old)
+    for mode in ("planes", "blocks"):
+        old = int8._use_depthwise(mode)
+        try:
+            np.testing.assert_array_equal(qmodel.predict(x1), want1)
+            assert chain._plans[0][0][2] == int8._state()
+        finally:
+            int8._use_depthwise(old)
     # a layer's new state (its bias) and a ReLU switched off: recorded again
     conv = next(m for m in qmodel.modules() if isinstance(m, Q.QuantizedConv2d) and m.bias is not None)
     conv.set_quantized(conv.weight, conv.weight_scale, conv.bias + 5, conv.input_scale, conv.input_zero_point)
-    before = chain._plan
+    before = chain._plans[0]
     changed = unplanned(x1)
     assert not np.array_equal(changed, want1)
     np.testing.assert_array_equal(qmodel.predict(x1), changed)
-    assert chain._plan is not before
+    assert chain._plans[0] is not before
     relu = next(m for m in chain._quantized if m.relu)
-    relu.relu = False
+    before = chain._plans[0]
+    relu.relu = False  # (the next layer's zero point may clamp the same values: the bits need not change)
     np.testing.assert_array_equal(qmodel.predict(x1), unplanned(x1))
+    assert chain._plans[0] is not before
     with pytest.raises(TypeError, match="relu must be a bool"):
         relu.relu = 1
+    # a bias written in place and announced with weights_changed: prepared and recorded again
+    target = next(m for m in chain._quantized if m.bias is not None)
+    before = chain._plans[0]
+    target.bias[...] += 3
+    pc.weights_changed()
+    np.testing.assert_array_equal(qmodel.predict(x1), unplanned(x1))
+    assert chain._plans[0] is not before
+    # two input shapes alternating (a batch and a last, smaller one): both stay recorded
+    x3 = rand(rng, 3, 3, 12, 12)
+    want3 = unplanned(x3)
+    with pc.no_grad():
+        qmodel.forward(x1)
+        first = chain._plans[0]
+        for _ in range(2):
+            np.testing.assert_array_equal(qmodel.forward(x3), want3)
+            qmodel.forward(x1)
+    assert first in chain._plans and len(chain._plans) == 2
     # too large to keep: the calls run themselves, nothing is recorded for that shape
     monkeypatch.setattr(Q, "_PLAN_BYTES", 1000)
     big = rand(rng, 4, 3, 12, 12)
     got = qmodel.predict(big)
-    assert chain._plan[0][0] != big.shape
+    assert all(p[0][0] != big.shape for p in chain._plans)
     monkeypatch.setattr(Q, "_PLAN_BYTES", 16 << 20)
     np.testing.assert_array_equal(qmodel.predict(big), got)
 
 
 @pytest.mark.skipif("openmp" not in BACKENDS or Q.int8_path() == "float32 emulation",
                     reason="chains run the native int8 kernels of the openmp backend")
-def test_threads_sharing_a_quantized_model_get_their_own_results():
+def test_threads_sharing_a_quantized_model_get_their_own_results(monkeypatch):
     # the recorded calls share buffers: a second thread in the same chain runs the calls itself
     import threading
 
@@ -1008,7 +1038,9 @@ def test_threads_sharing_a_quantized_model_get_their_own_results():
     qmodel = Q.quantize(_residual_net(rng), rand(rng, 16, 3, 12, 12))
     qmodel.to("openmp")
     xs = [rand(rng, 1, 3, 12, 12) for _ in range(4)]
-    wants = [qmodel.predict(x) for x in xs]
+    with monkeypatch.context() as m:
+        m.setattr(Q, "_PLAN_BYTES", -1)  # the calls one by one
+        wants = [qmodel.predict(x) for x in xs]
     bad = []
 
     def work(k):
@@ -1044,13 +1076,37 @@ def test_plan_checks_its_steps_and_inputs():
                                 yq=yq, yq_scale=0.5, yq_zero_point=0, step=True)
     with pytest.raises(ValueError, match="last step must write a float32 output"):
         int8.Plan([quant, to_u8], x.shape, y.shape)
+    with pytest.raises(ValueError, match="must hold the first step's 256 inputs and the last step's 128 outputs"):
+        int8.Plan([quant, conv], x.shape, (1, 1))
+    with pytest.raises(ValueError, match="must hold the first step's 256 inputs"):
+        int8.Plan([quant, conv], (1, 16, 2, 2), y.shape)
+    with pytest.raises(TypeError, match="prepared calls"):
+        int8.Plan([quant, type(conv)(), conv], x.shape, y.shape)  # an empty step
     plan = int8.Plan([quant, conv], x.shape, y.shape)
     with pytest.raises(ValueError, match=r"x must have shape \(1, 16, 4, 4\)"):
         plan.run(x[:, :8], np.empty_like(y))
     with pytest.raises(TypeError, match="out must have dtype float32"):
         plan.run(x, np.empty(y.shape, np.float64))
-    out = plan.run(x, np.empty_like(y))
-    ref = np.empty_like(y)
-    int8.quantize(x.reshape(-1), 0.1, 3, xq.reshape(-1), 1)
-    int8.conv2d_forward(xq, 3, packed, row_sums, 8, 1, 1, 0, np.ones(8, np.float32), None, ref, True, 1)
-    np.testing.assert_array_equal(out, ref)
+    for x in (x, rand(rng, 1, 16, 4, 4)):  # each run reads the x it is given
+        out = plan.run(x, np.empty_like(y))
+        ref, xr = np.empty_like(y), np.empty_like(xq)
+        int8.quantize(x.reshape(-1), 0.1, 3, xr.reshape(-1), 1)
+        int8.conv2d_forward(xr, 3, packed, row_sums, 8, 1, 1, 0, np.ones(8, np.float32), None, ref, True, 1)
+        np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.skipif("openmp" not in BACKENDS or Q.int8_path() == "float32 emulation",
+                    reason="chains run the native int8 kernels of the openmp backend")
+def test_recorded_linear_layers_pad_each_new_input():
+    # a linear layer whose features are not a multiple of 4 copies its input into a padded buffer: in a recorded
+    # chain that copy runs at every call, so a second input gives its own answer
+    rng = np.random.default_rng(23)
+    model = pc.Sequential(pc.Conv2d(3, 6, 3, rng=0), pc.ReLU(), pc.Flatten(), pc.Linear(6 * 3 * 3, 7, rng=1),
+                          pc.ReLU(), pc.Linear(7, 3, rng=2), backend="numpy").eval()
+    qmodel = Q.quantize(model, rand(rng, 16, 3, 5, 5))
+    xs = [rand(rng, 2, 3, 5, 5) for _ in range(3)]
+    wants = [qmodel.predict(x) for x in xs]
+    qmodel.to("openmp")
+    assert _chain_steps(qmodel) == 1
+    for x, want in zip(xs + xs, wants + wants):
+        np.testing.assert_array_equal(qmodel.predict(x), want)

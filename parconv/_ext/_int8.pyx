@@ -17,6 +17,8 @@ of pooling float32 and quantizing after. The kernels are in
 and hands work out in blocks, dynamically.
 """
 
+import math
+
 import numpy as np
 
 from cython.parallel cimport parallel, prange
@@ -381,6 +383,7 @@ cdef class _Step:
     cdef list keep
     cdef int (*run)(void *) noexcept nogil
     cdef void *args
+    cdef Py_ssize_t in_n, out_n  # elements of the input and of the output the call reads and writes
     cdef _ConvRun conv
     cdef _DwRun dw
     cdef _DwbRun dwb
@@ -446,17 +449,21 @@ cdef class Plan:
         cdef list kept = list(steps)
         cdef object one
         for one in kept:
-            if not isinstance(one, _Step):
+            if not isinstance(one, _Step) or (<_Step>one).run == NULL:
                 raise TypeError(f"Plan: steps must be prepared calls (a kernel entry's step=True result), got "
                                 f"{type(one).__name__}")
         if not kept or (<_Step>kept[0]).kind != _K_QUANT:
             raise ValueError("Plan: the first step must be a quantize step (the plan's input)")
-        cdef _Step last = <_Step>kept[len(kept) - 1]  # (no wraparound in this module)
+        cdef _Step first = <_Step>kept[0], last = <_Step>kept[len(kept) - 1]  # (no wraparound in this module)
         if not ((last.kind == _K_CONV and last.conv.yp != NULL) or (last.kind == _K_LINEAR and last.lin.yp != NULL)
                 or (last.kind == _K_DW and last.dw.yp != NULL) or (last.kind == _K_DWB and last.dwb.yp != NULL)):
             raise ValueError("Plan: the last step must write a float32 output")
+        x_shape, out_shape = tuple(int(d) for d in x_shape), tuple(int(d) for d in out_shape)
+        if math.prod(x_shape) != first.in_n or math.prod(out_shape) != last.out_n:
+            raise ValueError(f"Plan: x_shape {x_shape} and out_shape {out_shape} must hold the first step's "
+                             f"{first.in_n} inputs and the last step's {last.out_n} outputs")
         self.steps = kept
-        self.x_shape, self.out_shape = tuple(x_shape), tuple(out_shape)
+        self.x_shape, self.out_shape = x_shape, out_shape
 
     def run(self, x, out):
         x = _shaped(x, "Plan.run", "x", np.float32, self.x_shape, "float32 " + str(self.x_shape))
@@ -478,13 +485,14 @@ cdef class Plan:
 
 
 cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sums, int z, Py_ssize_t kdim):
-    """(scale, zb32, zb64, wide): zb = bias_q - z * row_sums; wide where a sum may leave int32."""
+    """(scale, zb32, zb64, wide, finite): zb = bias_q - z * row_sums; wide where a sum may leave int32; finite
+    where every scale is (the VNNI epilogues that quantize for the next layer then need no NaN test)."""
     scale = _shaped(scale, fn, "scale", np.float32, (O,), "float32 (O,): s_x * s_w[o]")
     cdef const float *sv = <const float *>pci8_data(scale)
     cdef int o
-    for o in range(O):  # the epilogues that quantize for the next layer rely on it (no NaN)
-        if not isfinite(sv[o]):
-            raise ValueError(f"{fn}: scale must be finite, got {sv[o]} at {o}")
+    cdef bint finite = True
+    for o in range(O):
+        finite = finite and isfinite(sv[o])
     if bias_q is not None:
         bias_q = _shaped(bias_q, fn, "bias_q", np.int32, (O,), "int32 (O,) or None")
     zb = np.empty(O, dtype=np.int64)
@@ -511,7 +519,7 @@ cdef object _epilogue(str fn, int O, object scale, object bias_q, object row_sum
         z32[o] = <int32_t>z64[o]
     # raw sums lie in +-kdim * 255 * 127; a fast int32 epilogue needs raw + zb inside int32
     wide = most + <int64_t>kdim * 255 * 127 >= (<int64_t>1 << 31)
-    return scale, zb32, zb, wide
+    return scale, zb32, zb, wide, finite
 
 
 cdef object _packed(object packed, object row_sums, str fn, int O, Py_ssize_t kdim, str kdim_what):
@@ -590,6 +598,7 @@ def quantize(x,            # IN  float32 (n,)
     if n == 0 and not step:
         return
     cdef _Step st = _new_step(_K_QUANT, fn, [x, out])
+    st.in_n = st.out_n = n
     st.quant.xp = <const float *>pci8_data(x)
     st.quant.op = <uint8_t *>pci8_data(out)
     st.quant.work = pc_elems_ns(<double>n)
@@ -699,7 +708,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
         y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
     if yq is not None:
         yq = _requant_args(yq, fn, (N, O_, P, Q), yq_scale, yq_zero_point)
-    scale, zb32, zb64, wide = _epilogue(fn, O_, scale, bias_q, row_sums, z, kdim)
+    scale, zb32, zb64, wide, finite = _epilogue(fn, O_, scale, bias_q, row_sums, z, kdim)
     cdef _Residual res = _residual_target(fn, (N, O_, P, Q), residual, residual_q, residual_scale,
                                           residual_zero_point)
     if N == 0:
@@ -741,7 +750,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
     cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
     # the tiles quantize for the next layer as they store (VNNI), or float32 results are quantized after them
-    cdef int direct = yq is not None and pci8_conv_tiles_quantize(_path, 1 if wide else 0)
+    cdef int direct = yq is not None and finite and pci8_conv_tiles_quantize(_path, 1 if wide else 0)
     if y is None and per_img > 1 and not direct:
         y = np.empty((N, O_, P, Q), dtype=np.float32)  # whole-batch runs: quantized after the last run
     cdef float *yp = <float *>pci8_data(y) if y is not None else NULL
@@ -758,6 +767,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef Py_ssize_t run = (tiles + per_img - 1) // per_img * PCI8_TILE
     jobs = <Py_ssize_t>N * per_img
     cdef _Step st = _new_step(_K_CONV, fn, [xq, packed, scale, zb32, zb64, grid, off, y, yq, residual, residual_q])
+    st.in_n, st.out_n = <Py_ssize_t>N * C * HW, <Py_ssize_t>N * O_ * PQ
     cdef _ConvRun *r = &st.conv
     r.xp, r.gp, r.offv, r.w8, r.w16 = xp, gp, offv, w8, w16
     r.sv, r.z32, r.z64, r.yp, r.rq, r.res = sv, z32, z64, yp, rq, res
@@ -892,12 +902,12 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
     if yq is not None:
         yq = _requant_args(yq, fn, (N, C, P, Q), yq_scale, yq_zero_point)
-    scale, zb32, zb64, wide = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
+    scale, zb32, zb64, wide, finite = _epilogue(fn, C, scale, bias_q, None, z, <Py_ssize_t>KH * KW)
     if N == 0:
         return
     if _dw_mode == "blocks" or (_dw_mode == "auto" and _dw_blocks_pay(C, H, W, KH, KW, SH, SW, P, Q)):
-        return _done(_depthwise_blocks(xq, z, wq, SH, SW, PH, PW, P, Q, scale, zb32, zb64, wide, y, relu, nt, yq,
-                                       yq_scale, yq_zero_point), step)
+        return _done(_depthwise_blocks(xq, z, wq, SH, SW, PH, PW, P, Q, scale, zb32, zb64, wide, finite, y, relu, nt,
+                                       yq, yq_scale, yq_zero_point), step)
     cdef const float *sv = <const float *>pci8_data(scale)
     cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
     cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
@@ -921,6 +931,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     for c in range(C):
         npairs = pci8_dw_pairs(wp + c * KK, H, W, KH, KW, SH, SW, PH, PW, offv, wpv + c * PCI8_DW_MAXPAIRS)
     cdef _Step st = _new_step(_K_DW, fn, [xq, wq, scale, zb32, zb64, y, yq, offs, wps])
+    st.in_n, st.out_n = planes * HW, planes * PQ
     cdef _DwRun *r = &st.dw
     r.xp, r.wp, r.sv, r.z32, r.z64, r.yp, r.rq, r.offv, r.wpv = xp, wp, sv, z32, z64, yp, rq, offv, wpv
     r.work = pc_conv_ns(<double>N * C * P * Q * KH * KW)
@@ -968,8 +979,8 @@ cdef bint _dw_blocks_pay(int C, int H, int W, int KH, int KW, int SH, int SW, in
 
 
 cdef _Step _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int PW, int P, int Q,
-                             object scale, object zb32, object zb64, object wide, object y, object relu, int nt,
-                             object yq, object yq_scale, object yq_zero_point):
+                             object scale, object zb32, object zb64, object wide, bint finite, object y,
+                             object relu, int nt, object yq, object yq_scale, object yq_zero_point):
     """depthwise_forward's call (arguments checked there) over blocks of PCI8_DWB channels of one image each."""
     cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
     cdef int KH = wq.shape[2], KW = wq.shape[3]
@@ -997,6 +1008,7 @@ cdef _Step _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH
         scp[c] = ss[c]
     cdef Py_ssize_t jobs = <Py_ssize_t>N * CB
     cdef _Step st = _new_step(_K_DWB, "depthwise_forward", [xq, lanebuf, y, yq])
+    st.in_n, st.out_n = <Py_ssize_t>N * C * HW, <Py_ssize_t>N * C * PQ
     cdef _DwbRun *r = &st.dwb
     r.xp = <const uint8_t *>pci8_data(xq)
     r.wtp, r.z32p, r.z64p, r.scp = wtp, z32p, z64p, scp
@@ -1005,7 +1017,8 @@ cdef _Step _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH
     r.work = pc_conv_ns(<double>N * C * P * Q * KH * KW)
     r.HW, r.PQ, r.KK, r.scratch_n, r.jobs = HW, PQ, KK, pci8_dwb_scratch(H, W, PH, PW, P, Q), jobs
     r.C, r.CB, r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q = C, CB, H, W, KH, KW, SH, SW, PH, PW, P, Q
-    r.z, r.relu, r.wide, r.path = z, 1 if relu else 0, 1 if wide else 0, _path
+    # (the VNNI loop's epilogue takes finite scales only; the others quantize NaN to the zero point)
+    r.z, r.relu, r.wide, r.path = z, 1 if relu else 0, 1 if wide else 0, _path if finite else PCI8_PORTABLE
     r.team = pc_team(jobs, pc_threads_for(<Py_ssize_t>N * C * PQ * KK, jobs, nt))
     return st
 
@@ -1079,7 +1092,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
         yq = _requant_args(yq, fn, (N, G), yq_scale, yq_zero_point)
         if y is None:
             y = np.empty((N, G), dtype=np.float32)  # quantized after the last block
-    scale, zb32, zb64, wide = _epilogue(fn, G, scale, bias_q, row_sums, z, F)
+    scale, zb32, zb64, wide, _ = _epilogue(fn, G, scale, bias_q, row_sums, z, F)
     if N == 0:
         return
     cdef int kg = _layout(packed, 1)
@@ -1107,6 +1120,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
         rb = (rb // 2 + PCI8_RB - 1) // PCI8_RB * PCI8_RB
     cdef Py_ssize_t rblocks = (N + rb - 1) // rb, jobs = rblocks * cblocks
     cdef _Step st = _new_step(_K_LINEAR, fn, [xq, xpad, packed, scale, zb32, zb64, y, yq])
+    st.in_n, st.out_n = N * F, N * G
     cdef _LinRun *r = &st.lin
     r.xsrc = <const uint8_t *>pci8_data(xq)
     r.xpad = <uint8_t *>pci8_data(xpad) if xpad is not None else NULL
@@ -1191,6 +1205,7 @@ def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KH * KW // 8, planes, nt))
     pc_work(pc_elems_ns(<double>planes * PQ * KH * KW / 8))
     cdef _Step st = _new_step(_K_POOL, fn, [xq, y])
+    st.in_n, st.out_n = planes * HW, planes * PQ
     cdef _PoolRun *r = &st.pool
     r.xp = <const uint8_t *>pci8_data(xq)
     r.yp = <uint8_t *>pci8_data(y)

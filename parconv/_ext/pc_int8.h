@@ -140,8 +140,8 @@ static inline void pci8_q16x2(__m512 x0, __m512 x1, __m512 vr, __m512 vs, int fa
     *k1 = _mm512_mask_mov_epi32(i1, _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q), vz);
 }
 
-/* pci8_q16x2 for an epilogue's values, which are never NaN (float32(acc + zb) * scale with a finite scale,
- * checked where the kernels are called), with a ReLU before it folded into the clamp: lo = 0 after a ReLU,
+/* pci8_q16x2 for an epilogue's values where they cannot be NaN (float32(acc + zb) * scale with finite scales:
+ * conv2d_forward and depthwise_forward take these epilogues only then), with a ReLU before it folded into the clamp: lo = 0 after a ReLU,
  * else -zp; hi = 255 - zp. rint is monotone and the bounds are integers, so clamping before rounding gives
  * pci8_q16x2's bits with five fewer operations a vector; a clamped value is an integer, never near a tie. */
 static inline void pci8_q16x2_epi(__m512 x0, __m512 x1, __m512 vr, __m512 vs, int fast, __m512 lo, __m512 hi,
@@ -1414,13 +1414,6 @@ static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *r
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-/* pci8_dwb_block's AVX-512 loop over the output pixels: the tap weights stay in registers; each output pixel
- * is one int32 vector of 16 channels (one vpmaddwd per tap, exact), then the epilogue and the next
- * layer's quantization (pci8_q16, as pci8_quantize) on that vector. Inlined with constant kernel sizes for
- * the common 3x3, so the taps unroll. */
-#if defined(__GNUC__)
-__attribute__((always_inline))
-#endif
 /* Each tap's weights as (w, 0) int16 pairs on the 16 lanes, and its offset in the grid T: vpmaddwd (or vpdpwssd)
  * of a grid lane (x - z as int32: low half x - z, high half its sign) with them is (x - z) * w exactly. */
 static inline void pci8_dwb_tap_table(const int16_t *restrict wt, int KK, int KW, pc_idx Wp, __m512i *restrict wv,
@@ -1432,6 +1425,13 @@ static inline void pci8_dwb_tap_table(const int16_t *restrict wt, int KK, int KW
     }
 }
 
+/* pci8_dwb_block's AVX-512 loop over the output pixels: the tap weights stay in registers; each output pixel
+ * is one int32 vector of 16 channels (one vpmaddwd per tap, exact), then the epilogue and the next
+ * layer's quantization (pci8_q16, as pci8_quantize) on that vector. Inlined with constant kernel sizes for
+ * the common 3x3, so the taps unroll. */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
 static inline void pci8_dwb_taps(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
                                  int SH, int SW, int P, int Q, const int32_t *restrict zb32,
                                  const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
