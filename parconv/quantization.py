@@ -48,7 +48,6 @@ from . import functional as F
 from ._config import conv_precision, get_num_threads
 from ._shapes import conv_pads
 from ._validation import Where, check_int, shape_of, to_backend_array
-from ._weights import weights_epoch
 from ._fusion import _Fused
 from .layers import BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Flatten, Identity, Layer, Linear, MaxPool2d, ReLU
 from .layers import Residual
@@ -347,7 +346,6 @@ class _Quantized(Layer):
         self.input_zero_point = np.zeros(1, np.uint8)
         self.training = False
         self._prepared = self._quantize_fn = self._native_args = self._shape_memo = None
-        self._prepared_epoch = -1
 
     def set_quantized(self, weight, weight_scale, bias, input_scale, input_zero_point) -> "_Quantized":
         """Set the quantized state: int8 ``weight``, float32 ``weight_scale`` (O,), int32 ``bias`` (O,) or None,
@@ -531,10 +529,9 @@ class QuantizedConv2d(_Quantized):
 
     def _prepare(self):
         """Per-process compute state: the native kernel and its packed weights, or the float emulation's chunks
-        (made again after :func:`parconv.weights_changed`: buffers written in place)."""
-        if self._prepared is not None and self._prepared_epoch == weights_epoch():
+        (made again after the quantized state changes through set_quantized, load_state_dict or .to)."""
+        if self._prepared is not None:
             return self._prepared
-        self._prepared_epoch = weights_epoch()
         kh, kw = self.kernel_size
         top, bottom, left, right = self._pads()
         native = None
@@ -656,8 +653,7 @@ class QuantizedLinear(_Quantized):
         return x_shape[0] * self.in_features * self.out_features
 
     def _prepare(self):
-        if self._prepared is None or self._prepared_epoch != weights_epoch():  # as QuantizedConv2d's
-            self._prepared_epoch = weights_epoch()
+        if self._prepared is None:
             native = None
             fn, pack = _native("linear_forward"), _native("pack_weights")
             packed = _pack(pack, self.weight) if self.backend.name == "openmp" and fn is not None else None
@@ -758,7 +754,7 @@ class _Int8Chain(_Fused):
 
     def __init__(self, start, layers, items):
         super().__init__(start, layers)
-        self._memo = None  # (input shape, each link's output shape(s))
+        self._memos = ()  # (input shape, each link's output shape(s)) of the latest input shapes
         # (layer or _ResidualLink, the quantized layer it feeds or None, flatten its output first?) per link
         compute = [k for k, it in enumerate(items) if _computes(it)]
         self.links = []
@@ -785,8 +781,10 @@ class _Int8Chain(_Fused):
     def forward(self, x):
         first = self.first
         x = first._host_input(x)
-        memo = self._memo
-        if memo is None or memo[0] != x.shape:
+        memos = self._memos
+        memo = memos[0] if memos and memos[0][0] == x.shape else \
+            (memos[1] if len(memos) > 1 and memos[1][0] == x.shape else None)
+        if memo is None:
             self._check_input(x)  # the layers' own checks, once per input shape
             shapes, shape = [], x.shape
             for (link, _, flat), pools in zip(self.links, self.pools):  # each kernel's output shape(s)
@@ -801,7 +799,8 @@ class _Int8Chain(_Fused):
                     shape = tuple(pool.output_shape(shape))
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
-            self._memo = memo = (x.shape, shapes)  # one assignment: another thread sees the old or the new
+            memo = (x.shape, shapes)
+            self._memos = (memo,) + memos[:_PLANS - 1]  # one assignment: another thread sees the old or the new
         for layer in self._quantized:  # (again after a layer's state changed)
             layer._prepare()
         # small inputs run the recorded calls (no per-call checks and set-up: at batch 1 those cost more than
@@ -842,6 +841,8 @@ class _Int8Chain(_Fused):
         plans = self._plans
         for plan in plans:
             if plan[0] == key and all(a is b for a, b in zip(plan[1], state)):
+                if plan is not plans[0]:  # the most recently used first
+                    self._plans = [plan] + [p for p in plans if p is not plan]
                 break
         else:
             rec = []
