@@ -978,20 +978,15 @@ def test_chains_run_their_recorded_calls_with_the_bits_of_the_calls_themselves(m
             np.testing.assert_array_equal(run(x1), want1)
             assert chain._plans[0][0][1] == threads  # recorded for this thread count
     int8 = _int8_mod()
-    for path in ("portable", "avx2", "avx512_vnni")[:("portable", "avx2", "avx512_vnni").index(int8.path()) + 1]:
-        old = int8._use_path(path)
+    paths = ("portable", "avx2", "avx512_vnni")
+    for use, value in ([(int8._use_path, p) for p in paths[:paths.index(int8.path()) + 1]]
+                       + [(int8._use_depthwise, mode) for mode in ("planes", "blocks")]):
+        old = use(value)
         try:
             np.testing.assert_array_equal(run(x1), want1)
-            assert chain._plans[0][0][2] == int8._state()
+            assert chain._plans[0][0][2] == int8._state()  # recorded for this kernel path and depthwise layout
         finally:
-            int8._use_path(old)
-    for mode in ("planes", "blocks"):
-        old = int8._use_depthwise(mode)
-        try:
-            np.testing.assert_array_equal(run(x1), want1)
-            assert chain._plans[0][0][2] == int8._state()
-        finally:
-            int8._use_depthwise(old)
+            use(old)
     # a layer's new state (its bias) and a ReLU switched off: recorded again
     conv = next(m for m in qmodel.modules() if isinstance(m, Q.QuantizedConv2d) and m.bias is not None)
     run(x1)
