@@ -754,7 +754,7 @@ class _Int8Chain(_Fused):
 
     def __init__(self, start, layers, items):
         super().__init__(start, layers)
-        self._memos = ()  # (input shape, each link's output shape(s)) of the latest input shapes
+        self._memos = ()  # (input shape, each link's output shape(s), their bytes) of the latest input shapes
         # (layer or _ResidualLink, the quantized layer it feeds or None, flatten its output first?) per link
         compute = [k for k, it in enumerate(items) if _computes(it)]
         self.links = []
@@ -767,7 +767,7 @@ class _Int8Chain(_Fused):
                       for a, b in zip(compute, compute[1:] + [None])]
         head = self.links[0][0]
         self.first = head.first if isinstance(head, _ResidualLink) else head
-        # the kernels' prepared calls for the last input shape (_int8.Plan): what their arguments depend on
+        # what the kernels' recorded calls (_int8.Plan) depend on: the quantized layers and the shortcuts' scales
         self._quantized, self._qdq = [], []
         for it in items:
             if isinstance(it, _ResidualLink):
@@ -799,13 +799,13 @@ class _Int8Chain(_Fused):
                     shape = tuple(pool.output_shape(shape))
                 if flat:
                     shape = (shape[0], math.prod(shape[1:]))
-            memo = (x.shape, shapes)
+            memo = (x.shape, shapes, _plan_bytes(shapes))
             self._memos = (memo,) + memos[:_PLANS - 1]  # one assignment: another thread sees the old or the new
         for layer in self._quantized:  # (again after a layer's state changed)
             layer._prepare()
         # small inputs run the recorded calls (no per-call checks and set-up: at batch 1 those cost more than
         # the kernels); a second thread in the same chain runs the calls itself
-        if x.shape[0] and _plan_bytes(memo[1]) <= _PLAN_BYTES and self._plan_lock.acquire(blocking=False):
+        if x.shape[0] and memo[2] <= _PLAN_BYTES and self._plan_lock.acquire(blocking=False):
             try:
                 y = self._planned(x, memo)
             finally:

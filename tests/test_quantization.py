@@ -1075,6 +1075,8 @@ def test_plan_checks_its_steps_and_inputs():
         int8.Plan([quant, conv], (1, 16, 2, 2), y.shape)
     with pytest.raises(TypeError, match="prepared calls"):
         int8.Plan([quant, type(conv)(), conv], x.shape, y.shape)  # an empty step
+    with pytest.raises(TypeError, match="quantize: step must be True or False, got 1"):
+        int8.quantize(x.reshape(-1), 0.1, 3, xq.reshape(-1), 1, step=1)
     plan = int8.Plan([quant, conv], x.shape, y.shape)
     with pytest.raises(ValueError, match=r"x must have shape \(1, 16, 4, 4\)"):
         plan.run(x[:, :8], np.empty_like(y))

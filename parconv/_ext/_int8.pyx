@@ -430,6 +430,8 @@ cdef int _run_step(_Step st) except -1:
 
 cdef object _done(_Step st, object step):
     """A kernel entry's end: the prepared call (step=True, for a Plan), or None after running it."""
+    if step is not True and step is not False:
+        raise TypeError(f"{st.fn}: step must be True or False, got {step!r}")
     if step:
         return st
     _run_step(st)
@@ -594,14 +596,15 @@ def quantize(x,            # IN  float32 (n,)
         raise ValueError(f"{fn}: scale must be a finite float32 > 0, got {scale!r}")
     cdef int z = _zero_point(zero_point, fn)
     cdef Py_ssize_t n = x.shape[0]
-    pc_work(pc_elems_ns(<double>n))
+    cdef double work = pc_elems_ns(<double>n)
+    pc_work(work)
     if n == 0 and not step:
         return
     cdef _Step st = _new_step(_K_QUANT, fn, [x, out])
     st.in_n = st.out_n = n
     st.quant.xp = <const float *>pci8_data(x)
     st.quant.op = <uint8_t *>pci8_data(out)
-    st.quant.work = pc_elems_ns(<double>n)
+    st.quant.work = work
     st.quant.n, st.quant.s, st.quant.z, st.quant.nt = n, s, z, nt
     return _done(st, step)
 
@@ -703,7 +706,8 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef Py_ssize_t kdim = <Py_ssize_t>C * K_ * K_
     packed = _packed(packed, row_sums, fn, O_, kdim, f"C*K*K = {C}*{K_}*{K_}")
     cdef int P = (H + 2 * pad - K_) // S + 1, Q = (W + 2 * pad - K_) // S + 1
-    pc_work(pc_conv_ns(<double>N * O_ * P * Q * kdim / INT8_MAC_GAIN))
+    cdef double work = pc_conv_ns(<double>N * O_ * P * Q * kdim / INT8_MAC_GAIN)
+    pc_work(work)
     if y is not None or yq is None:
         y = _out(y, fn, "y", np.float32, (N, O_, P, Q), "float32 (N, O, P, Q)")
     if yq is not None:
@@ -771,7 +775,7 @@ def conv2d_forward(xq,            # IN  uint8 (N, C, H, W)
     cdef _ConvRun *r = &st.conv
     r.xp, r.gp, r.offv, r.w8, r.w16 = xp, gp, offv, w8, w16
     r.sv, r.z32, r.z64, r.yp, r.rq, r.res = sv, z32, z64, yp, rq, res
-    r.work = pc_conv_ns(<double>N * O_ * P * Q * kdim / INT8_MAC_GAIN)
+    r.work = work
     r.HW, r.PQ, r.plane, r.img, r.slack, r.per_img, r.run = HW, PQ, plane, img, slack, per_img, run
     r.N, r.C, r.H, r.W, r.O, r.K, r.S, r.pad, r.P, r.Q = N, C, H, W, O_, K_, S, pad, P, Q
     r.nph, r.Hg, r.Wg, r.CG, r.kg, r.z = nph, Hg, Wg, CG, kg, z
@@ -897,7 +901,8 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         if wp[k] == -128:
             raise ValueError(f"{fn}: wq must lie in [-127, 127] (symmetric int8), found -128")
     cdef int P = (H + 2 * PH - KH) // SH + 1, Q = (W + 2 * PW - KW) // SW + 1
-    pc_work(pc_conv_ns(<double>N * C * P * Q * KH * KW))
+    cdef double work = pc_conv_ns(<double>N * C * P * Q * KH * KW)
+    pc_work(work)
     if y is not None or yq is None:
         y = _out(y, fn, "y", np.float32, (N, C, P, Q), "float32 (N, C, P, Q)")
     if yq is not None:
@@ -907,7 +912,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
         return
     if _dw_mode == "blocks" or (_dw_mode == "auto" and _dw_blocks_pay(C, H, W, KH, KW, SH, SW, P, Q)):
         return _done(_depthwise_blocks(xq, z, wq, SH, SW, PH, PW, P, Q, scale, zb32, zb64, wide, finite, y, relu, nt,
-                                       yq, yq_scale, yq_zero_point), step)
+                                       yq, yq_scale, yq_zero_point, work), step)
     cdef const float *sv = <const float *>pci8_data(scale)
     cdef const int32_t *z32 = <const int32_t *>pci8_data(zb32)
     cdef const int64_t *z64 = <const int64_t *>pci8_data(zb64)
@@ -934,7 +939,7 @@ def depthwise_forward(xq,            # IN  uint8 (N, C, H, W)
     st.in_n, st.out_n = planes * HW, planes * PQ
     cdef _DwRun *r = &st.dw
     r.xp, r.wp, r.sv, r.z32, r.z64, r.yp, r.rq, r.offv, r.wpv = xp, wp, sv, z32, z64, yp, rq, offv, wpv
-    r.work = pc_conv_ns(<double>N * C * P * Q * KH * KW)
+    r.work = work
     r.HW, r.PQ, r.KK, r.scratch_n, r.planes, r.chunk = HW, PQ, KK, scratch_n, planes, chunk
     r.C, r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q = C, H, W, KH, KW, SH, SW, PH, PW, P, Q
     r.z, r.relu, r.wide, r.team, r.npairs = z, relu_, wide_, team, npairs
@@ -980,7 +985,7 @@ cdef bint _dw_blocks_pay(int C, int H, int W, int KH, int KW, int SH, int SW, in
 
 cdef _Step _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH, int PW, int P, int Q,
                              object scale, object zb32, object zb64, object wide, bint finite, object y,
-                             object relu, int nt, object yq, object yq_scale, object yq_zero_point):
+                             object relu, int nt, object yq, object yq_scale, object yq_zero_point, double work):
     """depthwise_forward's call (arguments checked there) over blocks of PCI8_DWB channels of one image each."""
     cdef int N = xq.shape[0], C = xq.shape[1], H = xq.shape[2], W = xq.shape[3]
     cdef int KH = wq.shape[2], KW = wq.shape[3]
@@ -1014,7 +1019,7 @@ cdef _Step _depthwise_blocks(object xq, int z, object wq, int SH, int SW, int PH
     r.wtp, r.z32p, r.z64p, r.scp = wtp, z32p, z64p, scp
     r.yp = <float *>pci8_data(y) if y is not None else NULL
     r.rq = _requant_target(yq, yq_scale, yq_zero_point)
-    r.work = pc_conv_ns(<double>N * C * P * Q * KH * KW)
+    r.work = work
     r.HW, r.PQ, r.KK, r.scratch_n, r.jobs = HW, PQ, KK, pci8_dwb_scratch(H, W, PH, PW, P, Q), jobs
     r.C, r.CB, r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q = C, CB, H, W, KH, KW, SH, SW, PH, PW, P, Q
     # (the VNNI loop's epilogue takes finite scales only; the others quantize NaN to the zero point)
@@ -1082,7 +1087,8 @@ def linear_forward(xq,            # IN  uint8 (N, F)
                   np.float32 if y is not None else np.uint8, 2, "(N, G)")
     cdef Py_ssize_t N = xq.shape[0], F = xq.shape[1]
     cdef int G = out_.shape[1]
-    pc_work(max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G / 4)))  # or its int8 weights' bytes
+    cdef double work = max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G / 4))  # or its weights' bytes
+    pc_work(work)
     if F < 1:
         raise ValueError(f"{fn}: xq must have at least one feature, got shape {xq.shape}")
     packed = _packed(packed, row_sums, fn, G, F, f"F (xq.shape[1])")
@@ -1127,7 +1133,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
     r.w8, r.w16, r.sv, r.z32, r.z64 = w8, w16, sv, z32, z64
     r.yp = <float *>pci8_data(y)
     r.rq = _requant_target(yq, yq_scale, yq_zero_point)
-    r.work = max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G / 4))
+    r.work = work
     r.N, r.F, r.ldx, r.rb, r.rblocks, r.jobs = N, F, ldx, rb, rblocks, jobs
     r.G, r.kg, r.path, r.relu, r.wide, r.nt = G, kg, path_, relu_, wide_, nt
     r.team = pc_team(jobs, pc_threads_for(N * G * F // WORK_PER_MAC, jobs, nt))
@@ -1203,13 +1209,14 @@ def maxpool2d_u8(xq,          # IN  uint8 (N, C, H, W)
         return
     # a byte per output tap: below ~1M of them one thread finishes before a woken team would
     cdef int team = pc_team(planes, pc_threads_for(planes * PQ * KH * KW // 8, planes, nt))
-    pc_work(pc_elems_ns(<double>planes * PQ * KH * KW / 8))
+    cdef double work = pc_elems_ns(<double>planes * PQ * KH * KW / 8)
+    pc_work(work)
     cdef _Step st = _new_step(_K_POOL, fn, [xq, y])
     st.in_n, st.out_n = planes * HW, planes * PQ
     cdef _PoolRun *r = &st.pool
     r.xp = <const uint8_t *>pci8_data(xq)
     r.yp = <uint8_t *>pci8_data(y)
-    r.work = pc_elems_ns(<double>planes * PQ * KH * KW / 8)
+    r.work = work
     r.HW, r.PQ, r.planes = HW, PQ, planes
     r.chunk = max(1, planes // (<Py_ssize_t>team * PC_BLOCKS_PER_THREAD * 4))
     r.H, r.W, r.KH, r.KW, r.SH, r.SW, r.PH, r.PW, r.P, r.Q, r.team = H, W, KH, KW, SH, SW, PH, PW, P, Q, team
