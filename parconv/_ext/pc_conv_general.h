@@ -414,33 +414,50 @@ static inline pc_idx pcg_dw3_dw_scratch(int P, int Q, int SH, int SW)
 }
 
 #if defined(__GNUC__) || defined(__clang__)
-typedef float pcg_v16 __attribute__((vector_size(64)));
-typedef int pcg_v16i __attribute__((vector_size(64)));
+/* Vectors of the ISA level's native width: below AVX-512 a 16-float vector has no register of its own
+ * (GCC keeps it in memory), so loops that hold several accumulators use these. */
+#if defined(__AVX512F__)
+#define PCG_VN 16
+#define PCG_EVEN_IDX 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+typedef float pcg_vn __attribute__((vector_size(64)));
+typedef int pcg_vni __attribute__((vector_size(64)));
+#elif defined(__AVX__)
+#define PCG_VN 8
+#define PCG_EVEN_IDX 0, 2, 4, 6, 8, 10, 12, 14
+typedef float pcg_vn __attribute__((vector_size(32)));
+typedef int pcg_vni __attribute__((vector_size(32)));
+#else
+#define PCG_VN 4
+#define PCG_EVEN_IDX 0, 2, 4, 6
+typedef float pcg_vn __attribute__((vector_size(16)));
+typedef int pcg_vni __attribute__((vector_size(16)));
+#endif
+#define PCG_NV16 (16 / PCG_VN) /* native vectors per 16 lanes */
 
-static inline pcg_v16 pcg_ld16(const float *p)
+static inline pcg_vn pcg_ldn(const float *p)
 {
-    pcg_v16 v;
+    pcg_vn v;
     memcpy(&v, p, sizeof(v));
     return v;
 }
 
-/* p[0], p[2], ..., p[30] */
-static inline pcg_v16 pcg_ld16_even(const float *p)
-{
-    const pcg_v16 lo = pcg_ld16(p), hi = pcg_ld16(p + 16);
-#if defined(__clang__)
-    return __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-#else
-    const pcg_v16i even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    return __builtin_shuffle(lo, hi, even);
-#endif
-}
-
-static inline float pcg_hsum16(pcg_v16 v)
+static inline float pcg_hsum16f(const float *v)
 {
     float s = 0.0f;
     for (int l = 0; l < 16; l += 4) s += (v[l] + v[l + 1]) + (v[l + 2] + v[l + 3]);
     return s;
+}
+
+/* p[0], p[2], ..., p[2 (PCG_VN - 1)] */
+static inline pcg_vn pcg_ldn_even(const float *p)
+{
+    const pcg_vn lo = pcg_ldn(p), hi = pcg_ldn(p + PCG_VN);
+#if defined(__clang__)
+    return __builtin_shufflevector(lo, hi, PCG_EVEN_IDX);
+#else
+    const pcg_vni even = {PCG_EVEN_IDX};
+    return __builtin_shuffle(lo, hi, even);
+#endif
 }
 #endif
 
@@ -459,36 +476,47 @@ static inline void pcg_dw3_dw_plane(const float *restrict x, const float *restri
         memset(D + p * Qr + Q, 0, sizeof(float) * (size_t)(Qr - Q));
     }
 #if defined(__GNUC__) || defined(__clang__)
+    /* each native vector's lanes in a pass of their own: every lane adds the same terms in the same order */
     for (int kh = 0; kh < 3; kh++) {
-        pcg_v16 a0 = {0}, a1 = {0}, a2 = {0}, b0 = {0}, b1 = {0}, b2 = {0};
-        for (pc_idx p = 0; p < P; p++) {
-            const float *g = D + p * Qr, *r = X + (p * SH + kh) * Wd;
-            for (pc_idx q0 = 0; q0 < Qr; q0 += PCG_DW3_LANES) {
-                const pcg_v16 gv = pcg_ld16(g + q0);
-                pcg_v16 x0, x1, x2;
-                if (SW == 1) {
-                    x0 = pcg_ld16(r + q0);
-                    x1 = pcg_ld16(r + q0 + 1);
-                    x2 = pcg_ld16(r + q0 + 2);
-                } else {
-                    x0 = pcg_ld16_even(r + 2 * q0);
-                    x1 = pcg_ld16_even(r + 2 * q0 + 1);
-                    x2 = pcg_ld16_even(r + 2 * q0 + 2);
-                }
-                if (p & 1) {
-                    b0 += gv * x0;
-                    b1 += gv * x1;
-                    b2 += gv * x2;
-                } else {
-                    a0 += gv * x0;
-                    a1 += gv * x1;
-                    a2 += gv * x2;
+        float t0[16], t1[16], t2[16];
+        for (int v = 0; v < PCG_NV16; v++) {
+            const pc_idx o = (pc_idx)v * PCG_VN;
+            pcg_vn a0 = {0}, a1 = {0}, a2 = {0}, b0 = {0}, b1 = {0}, b2 = {0};
+            for (pc_idx p = 0; p < P; p++) {
+                const float *g = D + p * Qr + o, *r = X + (p * SH + kh) * Wd + o * SW;
+                for (pc_idx q0 = 0; q0 < Qr; q0 += PCG_DW3_LANES) {
+                    const pcg_vn gv = pcg_ldn(g + q0);
+                    pcg_vn x0, x1, x2;
+                    if (SW == 1) {
+                        x0 = pcg_ldn(r + q0);
+                        x1 = pcg_ldn(r + q0 + 1);
+                        x2 = pcg_ldn(r + q0 + 2);
+                    } else {
+                        x0 = pcg_ldn_even(r + 2 * q0);
+                        x1 = pcg_ldn_even(r + 2 * q0 + 1);
+                        x2 = pcg_ldn_even(r + 2 * q0 + 2);
+                    }
+                    if (p & 1) {
+                        b0 += gv * x0;
+                        b1 += gv * x1;
+                        b2 += gv * x2;
+                    } else {
+                        a0 += gv * x0;
+                        a1 += gv * x1;
+                        a2 += gv * x2;
+                    }
                 }
             }
+            a0 += b0;
+            a1 += b1;
+            a2 += b2;
+            memcpy(t0 + o, &a0, sizeof(a0));
+            memcpy(t1 + o, &a1, sizeof(a1));
+            memcpy(t2 + o, &a2, sizeof(a2));
         }
-        dw[kh * 3] += (double)pcg_hsum16(a0 + b0);
-        dw[kh * 3 + 1] += (double)pcg_hsum16(a1 + b1);
-        dw[kh * 3 + 2] += (double)pcg_hsum16(a2 + b2);
+        dw[kh * 3] += (double)pcg_hsum16f(t0);
+        dw[kh * 3 + 1] += (double)pcg_hsum16f(t1);
+        dw[kh * 3 + 2] += (double)pcg_hsum16f(t2);
     }
 #else
     for (int t = 0; t < 9; t++) {
@@ -502,9 +530,9 @@ static inline void pcg_dw3_dw_plane(const float *restrict x, const float *restri
 }
 
 /* ------------------------------------------------------------------ pointwise (1x1) convolution
- * Per image, y (O, S) = w (O, C) x (C, S) with S = H W: a GEMM whose register block is 8 filters by
- * 32 positions (sixteen 16-lane accumulators), the positions' 32-column slab of x (C rows) staying
- * in L1 while the filter blocks pass over it. Each output is one sum over c in order: the same bits
+ * Per image, y (O, S) = w (O, C) x (C, S) with S = H W: a GEMM whose register block is a few filters by
+ * 16 or 32 positions (below), the positions' slab of x (C rows) staying in L1 while the filter blocks
+ * pass over it. Each output is one sum over c in order: the same bits
  * whatever the thread count. The multiply-adds contract to FMA where the ISA level has it. */
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -513,20 +541,53 @@ static inline void pcg_dw3_dw_plane(const float *restrict x, const float *restri
 #define PCG_CONTRACT
 #endif
 
-#if defined(__GNUC__) || defined(__clang__)
-static inline void pcg_st16(float *p, pcg_v16 v) { memcpy(p, &v, sizeof(v)); }
+/* The register block: 8 filters by 32 positions fills AVX-512's 32 registers. Below AVX-512 a 16-float
+ * vector has no register of its own (GCC keeps it in memory), so the other levels take 6 (AVX) or 2 (SSE)
+ * filters by 16 positions in vectors of their native width. The blocking does not change any output's sum. */
+#if defined(__AVX512F__)
+#define PCG_PW_WIDE 1
+#define PCG_PW_RB 8
+#elif defined(__AVX__)
+#define PCG_PW_WIDE 0
+#define PCG_PW_RB 6
+#else
+#define PCG_PW_WIDE 0
+#define PCG_PW_RB 2
+#endif
 
+#if defined(__GNUC__) || defined(__clang__)
 /* v * scale + bias (scale optional), then max(., 0) when relu: the store's epilogue */
-static inline pcg_v16 pcg_pw_epilogue(pcg_v16 v, float sc, float bi, int has_scale, int relu)
+static inline void pcg_pw_store(float *p, pcg_vn v, float sc, float bi, int has_scale, int relu)
 {
     if (has_scale) v = v * sc;
     v = v + bi;
     if (relu) {
-        const pcg_v16 z = {0};
-        const pcg_v16i neg = v < z;  /* NaN stays, as the scalar x < 0 ? 0 : x */
-        v = (pcg_v16)((pcg_v16i)v & ~neg);
+        const pcg_vn z = {0};
+        const pcg_vni neg = v < z;  /* NaN stays, as the scalar x < 0 ? 0 : x */
+        v = (pcg_vn)((pcg_vni)v & ~neg);
     }
-    return v;
+    memcpy(p, &v, sizeof(v));
+}
+
+/* nr (a constant once inlined) filters from wo by the 16 packed positions at pack + h (rows L apart) */
+PCG_CONTRACT static inline __attribute__((always_inline)) void
+pcg_pw_rows16(const float *restrict wo, pc_idx C, const float *restrict pack, pc_idx L, pc_idx h, int nr,
+              const float *restrict sc, const float *restrict bi, int hs, int relu, float *restrict y, pc_idx S)
+{
+    pcg_vn a[PCG_PW_RB][PCG_NV16];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < PCG_NV16; v++) a[r][v] = (pcg_vn){0};
+    for (pc_idx c = 0; c < C; c++) {
+        pcg_vn x[PCG_NV16];
+        for (int v = 0; v < PCG_NV16; v++) x[v] = pcg_ldn(pack + L * c + h + v * PCG_VN);
+        for (int r = 0; r < nr; r++) {
+            const float wv = wo[r * C + c];
+            for (int v = 0; v < PCG_NV16; v++) a[r][v] += wv * x[v];
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < PCG_NV16; v++)
+            pcg_pw_store(y + r * S + h + v * PCG_VN, a[r][v], hs ? sc[r] : 1.0f, bi ? bi[r] : 0.0f, hs, relu);
 }
 #endif
 
@@ -541,20 +602,20 @@ PCG_CONTRACT static void pcg_pw_cols(const float *restrict w, const float *restr
     const int hs = scale != NULL;
     for (; s + 16 <= s1;) {
         /* the slab's columns packed contiguously (rows of a wide image are a page apart) */
-        const int wide = s + 32 <= s1;
+        const int wide = PCG_PW_WIDE && s + 32 <= s1;
         const pc_idx L = wide ? 32 : 16;
         for (pc_idx c = 0; c < C; c++) {
-            pcg_st16(pack + c * L, pcg_ld16(x + c * S + s));
-            if (wide) pcg_st16(pack + c * L + 16, pcg_ld16(x + c * S + s + 16));
+            memcpy(pack + c * L, x + c * S + s, sizeof(float) * (size_t)L);
         }
         int o = 0;
-        for (; o + 8 <= O; o += 8) {
-            pcg_v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-            pcg_v16 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, c4 = {0}, c5 = {0}, c6 = {0}, c7 = {0};
-            const float *wo = w + (pc_idx)o * C;
-            if (wide) {
+#if PCG_PW_WIDE
+        if (wide)
+            for (; o + 8 <= O; o += 8) {
+                pcg_vn a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+                pcg_vn c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, c4 = {0}, c5 = {0}, c6 = {0}, c7 = {0};
+                const float *wo = w + (pc_idx)o * C;
                 for (pc_idx c = 0; c < C; c++) {
-                    const pcg_v16 x0 = pcg_ld16(pack + 32 * c), x1 = pcg_ld16(pack + 32 * c + 16);
+                    const pcg_vn x0 = pcg_ldn(pack + 32 * c), x1 = pcg_ldn(pack + 32 * c + 16);
                     float v;
                     v = wo[c]; a0 += v * x0; c0 += v * x1;
                     v = wo[C + c]; a1 += v * x0; c1 += v * x1;
@@ -565,35 +626,52 @@ PCG_CONTRACT static void pcg_pw_cols(const float *restrict w, const float *restr
                     v = wo[6 * (pc_idx)C + c]; a6 += v * x0; c6 += v * x1;
                     v = wo[7 * (pc_idx)C + c]; a7 += v * x0; c7 += v * x1;
                 }
-            } else {
-                for (pc_idx c = 0; c < C; c++) {
-                    const pcg_v16 x0 = pcg_ld16(pack + 16 * c);
-                    a0 += wo[c] * x0;
-                    a1 += wo[C + c] * x0;
-                    a2 += wo[2 * (pc_idx)C + c] * x0;
-                    a3 += wo[3 * (pc_idx)C + c] * x0;
-                    a4 += wo[4 * (pc_idx)C + c] * x0;
-                    a5 += wo[5 * (pc_idx)C + c] * x0;
-                    a6 += wo[6 * (pc_idx)C + c] * x0;
-                    a7 += wo[7 * (pc_idx)C + c] * x0;
+                const pcg_vn *acc[16] = {&a0, &c0, &a1, &c1, &a2, &c2, &a3, &c3, &a4, &c4, &a5, &c5, &a6, &c6, &a7, &c7};
+                for (int r = 0; r < 8; r++) {
+                    const float sc = hs ? scale[o + r] : 1.0f, bi = b ? b[o + r] : 0.0f;
+                    float *yr = y + (pc_idx)(o + r) * S + s;
+                    pcg_pw_store(yr, *acc[2 * r], sc, bi, hs, relu);
+                    pcg_pw_store(yr + 16, *acc[2 * r + 1], sc, bi, hs, relu);
                 }
             }
-            const pcg_v16 *acc[16] = {&a0, &c0, &a1, &c1, &a2, &c2, &a3, &c3, &a4, &c4, &a5, &c5, &a6, &c6, &a7, &c7};
-            for (int r = 0; r < 8; r++) {
-                const float sc = hs ? scale[o + r] : 1.0f, bi = b ? b[o + r] : 0.0f;
-                float *yr = y + (pc_idx)(o + r) * S + s;
-                pcg_st16(yr, pcg_pw_epilogue(*acc[2 * r], sc, bi, hs, relu));
-                if (wide) pcg_st16(yr + 16, pcg_pw_epilogue(*acc[2 * r + 1], sc, bi, hs, relu));
-            }
-        }
-        for (; o < O; o++) {
-            const float *wo = w + (pc_idx)o * C;
-            const float sc = hs ? scale[o] : 1.0f, bi = b ? b[o] : 0.0f;
-            for (pc_idx h = 0; h < L; h += 16) {
-                pcg_v16 a0 = {0};
-                for (pc_idx c = 0; c < C; c++) a0 += wo[c] * pcg_ld16(pack + L * c + h);
-                pcg_st16(y + (pc_idx)o * S + s + h, pcg_pw_epilogue(a0, sc, bi, hs, relu));
-            }
+#endif
+        for (pc_idx h = 0; h < L; h += 16) {
+            int o2 = o;
+            for (; o2 + PCG_PW_RB <= O; o2 += PCG_PW_RB)
+                pcg_pw_rows16(w + (pc_idx)o2 * C, C, pack, L, h, PCG_PW_RB, hs ? scale + o2 : NULL, b ? b + o2 : NULL,
+                              hs, relu, y + (pc_idx)o2 * S + s, S);
+            /* the last O % RB filters, by as many at once as fit */
+            for (int nr = PCG_PW_RB - 1; nr >= 1; nr--)
+                if (o2 + nr <= O) {
+#define PCG_PW_TAIL(NR)                                                                                           \
+    case NR:                                                                                                      \
+        pcg_pw_rows16(w + (pc_idx)o2 * C, C, pack, L, h, NR, hs ? scale + o2 : NULL, b ? b + o2 : NULL, hs, relu, \
+                      y + (pc_idx)o2 * S + s, S);                                                                 \
+        break;
+                    switch (nr) {
+#if PCG_PW_RB > 7
+                        PCG_PW_TAIL(7)
+#endif
+#if PCG_PW_RB > 6
+                        PCG_PW_TAIL(6)
+#endif
+#if PCG_PW_RB > 5
+                        PCG_PW_TAIL(5)
+#endif
+#if PCG_PW_RB > 4
+                        PCG_PW_TAIL(4)
+#endif
+#if PCG_PW_RB > 3
+                        PCG_PW_TAIL(3)
+#endif
+#if PCG_PW_RB > 2
+                        PCG_PW_TAIL(2)
+#endif
+                        PCG_PW_TAIL(1)
+                    }
+#undef PCG_PW_TAIL
+                    o2 += nr;
+                }
         }
         s += L;
     }
