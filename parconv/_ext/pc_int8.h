@@ -207,6 +207,43 @@ static inline void pci8_quantize(const float *restrict x, pc_idx n, float scale,
             _mm_storeu_si128((__m128i *)(out + start),
                              _mm512_cvtepi32_epi8(pci8_q16(_mm512_loadu_ps(x + start), vr, vs, fast, vz)));
     }
+#elif defined(__AVX2__)
+    /* pci8_q16x2's steps on 8-lane vectors, 16 values at a time (GCC leaves the loop below scalar) */
+    {
+        const __m256 vr = _mm256_set1_ps(rcp), vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-1024.0f),
+                     hi = _mm256_set1_ps(1024.0f), tie = _mm256_set1_ps(0.499f),
+                     mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        const __m256i vz = _mm256_set1_epi32(zp), zero = _mm256_setzero_si256(), top = _mm256_set1_epi32(255);
+        for (; start + 16 <= n; start += 16) {
+            const __m256 x0 = _mm256_loadu_ps(x + start), x1 = _mm256_loadu_ps(x + start + 8);
+            __m256 v0 = fast ? _mm256_mul_ps(x0, vr) : _mm256_div_ps(x0, vs);
+            __m256 v1 = fast ? _mm256_mul_ps(x1, vr) : _mm256_div_ps(x1, vs);
+            /* max(v, lo) is lo where v is NaN; those lanes become zp below */
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v0, lo), hi));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v1, lo), hi));
+            if (fast) {
+                const __m256 d0 = _mm256_and_ps(
+                    _mm256_sub_ps(_mm256_min_ps(_mm256_max_ps(v0, lo), hi), _mm256_cvtepi32_ps(i0)), mag);
+                const __m256 d1 = _mm256_and_ps(
+                    _mm256_sub_ps(_mm256_min_ps(_mm256_max_ps(v1, lo), hi), _mm256_cvtepi32_ps(i1)), mag);
+                if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(d0, tie, _CMP_GT_OQ),
+                                                    _mm256_cmp_ps(d1, tie, _CMP_GT_OQ)))) {
+                    v0 = _mm256_div_ps(x0, vs);
+                    v1 = _mm256_div_ps(x1, vs);
+                    i0 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v0, lo), hi));
+                    i1 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v1, lo), hi));
+                }
+            }
+            i0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(i0, vz), zero), top);
+            i1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(i1, vz), zero), top);
+            i0 = _mm256_blendv_epi8(i0, vz, _mm256_castps_si256(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q)));
+            i1 = _mm256_blendv_epi8(i1, vz, _mm256_castps_si256(_mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)));
+            /* 0..255 in int32 -> bytes: packus works per 128-bit lane, the permute restores the order */
+            const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(i0, i1), 0xD8);
+            _mm_storeu_si128((__m128i *)(out + start),
+                             _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+        }
+    }
 #endif
     for (pc_idx i0 = start; i0 < n; i0 += PCI8_QBLOCK) {
         int m = n - i0 < PCI8_QBLOCK ? (int)(n - i0) : PCI8_QBLOCK;
