@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 #: weights are symmetric int8 in [-QMAX_WEIGHT, QMAX_WEIGHT] (-128 is left out, as oneDNN and ONNX Runtime's
-#: symmetric quantization do, so that u8 x s8 pair sums cannot saturate on AVX2's vpmaddubsw)
+#: symmetric quantization do, so the range is symmetric about zero)
 QMAX_WEIGHT = 127
 # float32 counts integers exactly up to 2**24
 _EXACT_F32 = 1 << 24
