@@ -54,7 +54,7 @@ def _flags() -> list[str]:
             for line in f:
                 if line.startswith("flags"):
                     have = set(line.split(":", 1)[1].split())
-                    return [x for x in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
+                    return [x for x in ("sse4_2", "avx", "avx2", "fma", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni",
                                         "amx_tile", "amx_int8", "amx_bf16") if x in have]
     except OSError:
         pass
@@ -138,7 +138,7 @@ def summary_line(info: dict) -> str:
     v = info["versions"]
     parts = [info["cpu"], f"{info['affinity_cpus']} cpus ({info.get('physical_cores') or '?'} physical cores)"]
     # the instructions the kernels dispatch on: which paths (and which PyTorch paths) this host measured
-    flags = [f for f in info.get("cpu_flags") or [] if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
+    flags = [f for f in info.get("cpu_flags") or [] if f in ("avx2", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni",
                                                             "amx_int8", "amx_bf16")]
     if flags:
         parts.append("flags include " + ", ".join(flags))

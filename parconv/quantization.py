@@ -16,7 +16,7 @@ The arithmetic (one place, used by the layers and the tests)::
     y   = float32(acc + bias_q[o]) * float32(s_x * s_w[o])     # then max(y, 0) when a ReLU is fused
 
 The integer accumulation is exact, so every path gives bit-identical results:
-the native int8 kernels (:mod:`parconv._ext._int8`: VNNI, AVX2 or portable C)
+the native int8 kernels (:mod:`parconv._ext._int8`: AVX512-VNNI, AVX-VNNI, AVX2 or portable C)
 where they exist for a layer's shape on the ``openmp`` backend, else the
 backend's float32 kernels on integer-valued arrays (split over input channels
 so that no partial sum can reach 2**24, where float32 stops counting exactly).
@@ -204,7 +204,7 @@ def _int8_module():
 def int8_path() -> str:
     """Which int8 dot-product path runs quantized layers on the ``openmp`` backend.
 
-    ``"avx512_vnni"``, ``"avx2"`` or ``"portable"`` (the native kernels, from
+    ``"avx512_vnni"``, ``"avx_vnni"``, ``"avx2"`` or ``"portable"`` (the native kernels, from
     :func:`parconv._ext._int8.path`) when they are built, else ``"float32
     emulation"`` (the float kernels on integer-valued arrays; the same results).
     """

@@ -24,9 +24,8 @@ if not ext.STATE.get("built"):
 from parconv._ext import _int8  # noqa: E402
 from conftest import run_at_isa_level
 
-PATH_ORDER = ["portable", "avx2", "avx512_vnni"]
-# every path this process can run: the best and all below it
-PATHS = PATH_ORDER[:PATH_ORDER.index(_int8.path()) + 1]
+# every path this build level and CPU run, slowest first
+PATHS = _int8._paths()
 
 
 # ------------------------------------------------------------------ NumPy models
@@ -915,17 +914,26 @@ def test_linear_and_depthwise_validate():
         _int8.depthwise_forward(xd, 0, np.full((4, 1, 3, 3), -128, np.int8), 1, 1, 1, 1, s4, None, y, False, 1)
 
 
-def test_path_names_what_runs():
-    assert _int8.path() in PATH_ORDER
-    level = ext.STATE["level"]
+def _expected_path(level):
+    """The path a level should choose on this CPU: the best one its code has."""
+    features = ext.cpu_features()
     if level == "generic":
-        assert _int8.path() == "portable"
-    elif level == "avx2":
-        assert _int8.path() == "avx2"
-    elif ext.cpu_features().get("avx512_vnni"):
-        assert _int8.path() == "avx512_vnni"
+        return "portable"
+    if level == "avx512" and features.get("avx512_vnni"):
+        return "avx512_vnni"
+    return "avx_vnni" if features.get("avx_vnni") else "avx2"
+
+
+def test_path_names_what_runs():
+    assert _int8.path() == PATHS[-1] == _expected_path(ext.STATE["level"])
+    assert PATHS[0] == "portable"
+    assert ("avx_vnni" in PATHS) == bool(ext.STATE["level"] != "generic" and ext.cpu_features().get("avx_vnni"))
     with pytest.raises(ValueError, match="path must be one of"):
         _int8._use_path("sse")
+    for name in ("avx2", "avx_vnni", "avx512_vnni"):
+        if name not in PATHS:
+            with pytest.raises(ValueError, match="not available here"):
+                _int8._use_path(name)
 
 
 # ------------------------------------------------------- every level, in children
@@ -936,112 +944,118 @@ def _child_code():
     body = textwrap.dedent("""
         import json
         from parconv._ext import _int8
-        rng = np.random.default_rng(11)
         fails = []
-        for N, C, O, H, W, K, S, pad, z in ((2, 5, 17, 9, 7, 3, 2, 1, 255), (1, 16, 70, 8, 8, 3, 1, 1, 0),
-                                            (3, 3, 8, 6, 11, 5, 1, 2, 128), (1, 9, 16, 7, 7, 1, 2, 0, 77),
-                                            (1, 2, 4, 9, 9, 7, 3, 3, 5), (2, 7, 20, 5, 7, 1, 1, 0, 33),
-                                            (9, 17, 24, 8, 8, 1, 1, 0, 200), (9, 5, 13, 8, 8, 3, 1, 1, 40),
-                                            (8, 6, 10, 32, 32, 3, 2, 1, 90)):
-            for extreme in (False, True):
-                xq = rng.choice(np.array([0, 255], np.uint8), (N, C, H, W)) if extreme else \\
-                    rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)
-                wq = rng.choice(np.array([-127, 127], np.int8), (O, C, K, K)) if extreme else \\
-                    rng.integers(-127, 128, (O, C, K, K), dtype=np.int8)
-                scale = rng.uniform(1e-4, 1e-1, O).astype(np.float32)
-                bias = rng.integers(-10 ** 6, 10 ** 6, O).astype(np.int32)
-                packed, rs = _int8.pack_weights(wq.reshape(O, -1))
-                ref = conv_model(xq, z, wq, bias, scale, S, pad, True)
-                wl = rng.integers(-127, 128, (O, C * H * W), dtype=np.int8)
-                pl, rl = _int8.pack_weights(wl)
-                lin = linear_model(xq.reshape(N, -1), z, wl, bias, scale, False)
-                dw = depthwise_model(xq, z, wq[:C, :1], S, 1, pad, pad, bias[:C], scale[:C], True)
-                for nt in (1, 2):
-                    y = np.empty_like(ref)
-                    _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt)
-                    fails += [] if np.array_equal(y, ref) else [("conv", N, C, O, K, S, nt)]
-                    yl = np.empty_like(lin)
-                    _int8.linear_forward(xq.reshape(N, -1), z, pl, rl, scale, bias, yl, False, nt)
-                    fails += [] if np.array_equal(yl, lin) else [("linear", N, C, O, nt)]
-                    if O >= C:
-                        yd = np.empty_like(dw)
-                        _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
-                                                scale[:C], bias[:C], yd, True, nt)
-                        fails += [] if np.array_equal(yd, dw) else [("depthwise", N, C, K, S, nt)]
-                    # the residual block's shortcut, float32 or uint8, added before the ReLU
-                    y2 = conv_model(xq, z, wq, bias, scale, S, pad, False)
-                    rf = (rng.standard_normal(y2.shape) * np.abs(y2).max()).astype(np.float32)
-                    rq = rng.integers(0, 256, y2.shape, dtype=np.uint8)
-                    for kind in ("float", "uint8"):
-                        want = residual_model(y2, rf if kind == "float" else None, rq, 0.05, z // 3, True)
-                        for keep in (True, False):
-                            yq = np.empty(y2.shape, np.uint8)
-                            y = np.empty_like(y2) if keep else None
-                            _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt, yq=yq,
-                                                 yq_scale=0.013, yq_zero_point=z // 2,
-                                                 residual=rf if kind == "float" else None,
-                                                 residual_q=rq if kind == "uint8" else None, residual_scale=0.05,
-                                                 residual_zero_point=z // 3)
-                            ok = np.array_equal(yq, quantize_model(want, np.float32(0.013), z // 2))
-                            fails += [] if ok and (y is None or np.array_equal(y, want)) else \
-                                [("conv residual", kind, keep, N, C, O, nt)]
-                    # outputs quantized for a next layer (y kept or not)
-                    for keep in (True, False):
-                        yq = np.empty(ref.shape, np.uint8)
-                        y = np.empty_like(ref) if keep else None
-                        _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt, yq=yq,
-                                             yq_scale=0.013, yq_zero_point=z // 2)
-                        ok = np.array_equal(yq, quantize_model(ref, np.float32(0.013), z // 2))
-                        fails += [] if ok and (y is None or np.array_equal(y, ref)) else [("conv yq", N, C, O, nt)]
-                        yq = np.empty(lin.shape, np.uint8)
-                        _int8.linear_forward(xq.reshape(N, -1), z, pl, rl, scale, bias, None, False, nt, yq=yq,
-                                             yq_scale=0.7, yq_zero_point=3)
-                        fails += [] if np.array_equal(yq, quantize_model(lin, np.float32(0.7), 3)) else \
-                            [("linear yq", N, C, O, nt)]
+        best = _int8.path()
+        for path in _int8._paths():  # every path this level and CPU run
+            _int8._use_path(path)
+            n0 = len(fails)
+            rng = np.random.default_rng(11)
+            for N, C, O, H, W, K, S, pad, z in ((2, 5, 17, 9, 7, 3, 2, 1, 255), (1, 16, 70, 8, 8, 3, 1, 1, 0),
+                                                (3, 3, 8, 6, 11, 5, 1, 2, 128), (1, 9, 16, 7, 7, 1, 2, 0, 77),
+                                                (1, 2, 4, 9, 9, 7, 3, 3, 5), (2, 7, 20, 5, 7, 1, 1, 0, 33),
+                                                (9, 17, 24, 8, 8, 1, 1, 0, 200), (9, 5, 13, 8, 8, 3, 1, 1, 40),
+                                                (8, 6, 10, 32, 32, 3, 2, 1, 90)):
+                for extreme in (False, True):
+                    xq = rng.choice(np.array([0, 255], np.uint8), (N, C, H, W)) if extreme else \\
+                        rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)
+                    wq = rng.choice(np.array([-127, 127], np.int8), (O, C, K, K)) if extreme else \\
+                        rng.integers(-127, 128, (O, C, K, K), dtype=np.int8)
+                    scale = rng.uniform(1e-4, 1e-1, O).astype(np.float32)
+                    bias = rng.integers(-10 ** 6, 10 ** 6, O).astype(np.int32)
+                    packed, rs = _int8.pack_weights(wq.reshape(O, -1))
+                    ref = conv_model(xq, z, wq, bias, scale, S, pad, True)
+                    wl = rng.integers(-127, 128, (O, C * H * W), dtype=np.int8)
+                    pl, rl = _int8.pack_weights(wl)
+                    lin = linear_model(xq.reshape(N, -1), z, wl, bias, scale, False)
+                    dw = depthwise_model(xq, z, wq[:C, :1], S, 1, pad, pad, bias[:C], scale[:C], True)
+                    for nt in (1, 2):
+                        y = np.empty_like(ref)
+                        _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt)
+                        fails += [] if np.array_equal(y, ref) else [("conv", N, C, O, K, S, nt)]
+                        yl = np.empty_like(lin)
+                        _int8.linear_forward(xq.reshape(N, -1), z, pl, rl, scale, bias, yl, False, nt)
+                        fails += [] if np.array_equal(yl, lin) else [("linear", N, C, O, nt)]
                         if O >= C:
-                            yq = np.empty(dw.shape, np.uint8)
-                            yd = np.empty_like(dw) if keep else None
+                            yd = np.empty_like(dw)
                             _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
-                                                    scale[:C], bias[:C], yd, True, nt, yq=yq, yq_scale=0.013,
-                                                    yq_zero_point=z // 2)
-                            ok = np.array_equal(yq, quantize_model(dw, np.float32(0.013), z // 2))
-                            fails += [] if ok and (yd is None or np.array_equal(yd, dw)) else \
-                                [("depthwise yq", N, C, K, S, nt)]
-        # depthwise in both layouts (channel blocks, planes) on full and partial channel blocks
-        # (a bias near the int32 limits: the epilogue adds in int64)
-        for N, C, H, W, K, S, pad, z, huge in ((2, 16, 8, 8, 3, 1, 1, 3, False), (1, 33, 9, 7, 3, 2, 1, 250, False),
-                                               (2, 32, 16, 17, 3, 2, 1, 0, False), (1, 17, 5, 21, 5, 1, 2, 128, False),
-                                               (1, 16, 6, 9, 3, 1, 1, 77, True)):
-            xq = rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)
-            wq = rng.integers(-127, 128, (C, 1, K, K), dtype=np.int8)
-            scale = rng.uniform(1e-4, 1e-1, C).astype(np.float32)
-            bias = rng.integers(-10 ** 6, 10 ** 6, C).astype(np.int32)
-            if huge:
-                bias = rng.choice(np.array([2 ** 31 - 1, -2 ** 31], np.int64), C).astype(np.int32)
-                scale = rng.uniform(1e-12, 1e-10, C).astype(np.float32)
-            dw = depthwise_model(xq, z, wq, S, S, pad, pad, bias, scale, True)
-            for mode in ("blocks", "planes"):
-                _int8._use_depthwise(mode)
-                for nt in (1, 2):
-                    yd, yq = np.empty_like(dw), np.empty(dw.shape, np.uint8)
-                    _int8.depthwise_forward(xq, z, wq, S, S, pad, pad, scale, bias, yd, True, nt, yq=yq,
-                                            yq_scale=0.021, yq_zero_point=5)
-                    ok = np.array_equal(yd, dw) and np.array_equal(yq, quantize_model(dw, np.float32(0.021), 5))
-                    yq2 = np.empty(dw.shape, np.uint8)
-                    _int8.depthwise_forward(xq, z, wq, S, S, pad, pad, scale, bias, None, True, nt, yq=yq2,
-                                            yq_scale=0.021, yq_zero_point=5)
-                    fails += [] if ok and np.array_equal(yq, yq2) else [("depthwise " + mode, N, C, K, S, nt)]
-            _int8._use_depthwise("auto")
-        x = np.concatenate([(np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(0.05),
-                            np.array([np.nan, np.inf, -np.inf, 1e30], np.float32),
-                            rng.standard_normal(5000).astype(np.float32) * 9])
-        q = np.empty(x.shape, np.uint8)
-        for scale, zp in ((0.05, 128), (1 / 3, 0), (1e-38, 255), (3e38, 7), (7.3, 200)):
-            xs = np.concatenate([x, (np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(scale)])
-            q = np.empty(xs.shape, np.uint8)
-            _int8.quantize(xs, scale, zp, q, 2)
-            fails += [] if np.array_equal(q, quantize_model(xs, scale, zp)) else [("quantize", scale, zp)]
-        print(json.dumps({"path": _int8.path(), "fails": fails}))
+                                                    scale[:C], bias[:C], yd, True, nt)
+                            fails += [] if np.array_equal(yd, dw) else [("depthwise", N, C, K, S, nt)]
+                        # the residual block's shortcut, float32 or uint8, added before the ReLU
+                        y2 = conv_model(xq, z, wq, bias, scale, S, pad, False)
+                        rf = (rng.standard_normal(y2.shape) * np.abs(y2).max()).astype(np.float32)
+                        rq = rng.integers(0, 256, y2.shape, dtype=np.uint8)
+                        for kind in ("float", "uint8"):
+                            want = residual_model(y2, rf if kind == "float" else None, rq, 0.05, z // 3, True)
+                            for keep in (True, False):
+                                yq = np.empty(y2.shape, np.uint8)
+                                y = np.empty_like(y2) if keep else None
+                                _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt, yq=yq,
+                                                     yq_scale=0.013, yq_zero_point=z // 2,
+                                                     residual=rf if kind == "float" else None,
+                                                     residual_q=rq if kind == "uint8" else None, residual_scale=0.05,
+                                                     residual_zero_point=z // 3)
+                                ok = np.array_equal(yq, quantize_model(want, np.float32(0.013), z // 2))
+                                fails += [] if ok and (y is None or np.array_equal(y, want)) else \
+                                    [("conv residual", kind, keep, N, C, O, nt)]
+                        # outputs quantized for a next layer (y kept or not)
+                        for keep in (True, False):
+                            yq = np.empty(ref.shape, np.uint8)
+                            y = np.empty_like(ref) if keep else None
+                            _int8.conv2d_forward(xq, z, packed, rs, O, K, S, pad, scale, bias, y, True, nt, yq=yq,
+                                                 yq_scale=0.013, yq_zero_point=z // 2)
+                            ok = np.array_equal(yq, quantize_model(ref, np.float32(0.013), z // 2))
+                            fails += [] if ok and (y is None or np.array_equal(y, ref)) else [("conv yq", N, C, O, nt)]
+                            yq = np.empty(lin.shape, np.uint8)
+                            _int8.linear_forward(xq.reshape(N, -1), z, pl, rl, scale, bias, None, False, nt, yq=yq,
+                                                 yq_scale=0.7, yq_zero_point=3)
+                            fails += [] if np.array_equal(yq, quantize_model(lin, np.float32(0.7), 3)) else \
+                                [("linear yq", N, C, O, nt)]
+                            if O >= C:
+                                yq = np.empty(dw.shape, np.uint8)
+                                yd = np.empty_like(dw) if keep else None
+                                _int8.depthwise_forward(xq, z, np.ascontiguousarray(wq[:C, :1]), S, 1, pad, pad,
+                                                        scale[:C], bias[:C], yd, True, nt, yq=yq, yq_scale=0.013,
+                                                        yq_zero_point=z // 2)
+                                ok = np.array_equal(yq, quantize_model(dw, np.float32(0.013), z // 2))
+                                fails += [] if ok and (yd is None or np.array_equal(yd, dw)) else \
+                                    [("depthwise yq", N, C, K, S, nt)]
+            # depthwise in both layouts (channel blocks, planes) on full and partial channel blocks
+            # (a bias near the int32 limits: the epilogue adds in int64)
+            for N, C, H, W, K, S, pad, z, huge in ((2, 16, 8, 8, 3, 1, 1, 3, False), (1, 33, 9, 7, 3, 2, 1, 250, False),
+                                                   (2, 32, 16, 17, 3, 2, 1, 0, False), (1, 17, 5, 21, 5, 1, 2, 128, False),
+                                                   (1, 16, 6, 9, 3, 1, 1, 77, True)):
+                xq = rng.integers(0, 256, (N, C, H, W), dtype=np.uint8)
+                wq = rng.integers(-127, 128, (C, 1, K, K), dtype=np.int8)
+                scale = rng.uniform(1e-4, 1e-1, C).astype(np.float32)
+                bias = rng.integers(-10 ** 6, 10 ** 6, C).astype(np.int32)
+                if huge:
+                    bias = rng.choice(np.array([2 ** 31 - 1, -2 ** 31], np.int64), C).astype(np.int32)
+                    scale = rng.uniform(1e-12, 1e-10, C).astype(np.float32)
+                dw = depthwise_model(xq, z, wq, S, S, pad, pad, bias, scale, True)
+                for mode in ("blocks", "planes"):
+                    _int8._use_depthwise(mode)
+                    for nt in (1, 2):
+                        yd, yq = np.empty_like(dw), np.empty(dw.shape, np.uint8)
+                        _int8.depthwise_forward(xq, z, wq, S, S, pad, pad, scale, bias, yd, True, nt, yq=yq,
+                                                yq_scale=0.021, yq_zero_point=5)
+                        ok = np.array_equal(yd, dw) and np.array_equal(yq, quantize_model(dw, np.float32(0.021), 5))
+                        yq2 = np.empty(dw.shape, np.uint8)
+                        _int8.depthwise_forward(xq, z, wq, S, S, pad, pad, scale, bias, None, True, nt, yq=yq2,
+                                                yq_scale=0.021, yq_zero_point=5)
+                        fails += [] if ok and np.array_equal(yq, yq2) else [("depthwise " + mode, N, C, K, S, nt)]
+                _int8._use_depthwise("auto")
+            x = np.concatenate([(np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(0.05),
+                                np.array([np.nan, np.inf, -np.inf, 1e30], np.float32),
+                                rng.standard_normal(5000).astype(np.float32) * 9])
+            q = np.empty(x.shape, np.uint8)
+            for scale, zp in ((0.05, 128), (1 / 3, 0), (1e-38, 255), (3e38, 7), (7.3, 200)):
+                xs = np.concatenate([x, (np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * np.float32(scale)])
+                q = np.empty(xs.shape, np.uint8)
+                _int8.quantize(xs, scale, zp, q, 2)
+                fails += [] if np.array_equal(q, quantize_model(xs, scale, zp)) else [("quantize", scale, zp)]
+            fails[n0:] = [(path,) + tuple(f) for f in fails[n0:]]
+        _int8._use_path(best)
+        print(json.dumps({"path": _int8.path(), "paths": _int8._paths(), "fails": fails}))
     """)
     return "import numpy as np\n" + models + "\n" + body
 
@@ -1050,7 +1064,5 @@ def _child_code():
 def test_every_level_is_exact(level):
     result = run_at_isa_level(level, _child_code())
     assert result["fails"] == []
-    expected = {"generic": "portable", "avx2": "avx2"}.get(level)
-    if expected is None:
-        expected = "avx512_vnni" if ext.cpu_features().get("avx512_vnni") else "avx2"
-    assert result["path"] == expected
+    assert result["path"] == _expected_path(level)
+    assert result["paths"][-1] == result["path"]

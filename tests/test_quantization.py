@@ -458,8 +458,7 @@ def test_residual_blocks_stay_uint8_inside_int8_chains(batch, monkeypatch):
     np.testing.assert_array_equal(qmodel.predict(x), want)
     from parconv._ext import _int8
 
-    order = ["portable", "avx2", "avx512_vnni"]
-    for path in order[:order.index(_int8.path())]:  # the lower paths this CPU runs: float32 y, then quantized
+    for path in _int8._paths()[:-1]:  # the lower paths this CPU runs: float32 y, then quantized
         old = _int8._use_path(path)
         try:
             np.testing.assert_array_equal(qmodel.predict(x), want, err_msg=path)
@@ -754,7 +753,7 @@ def test_quantized_layer_state_is_checked():
 
 
 def test_int8_path_is_reported():
-    assert Q.int8_path() in ("avx512_vnni", "avx2", "portable", "float32 emulation")
+    assert Q.int8_path() in ("avx512_vnni", "avx_vnni", "avx2", "portable", "float32 emulation")
     assert pc.show_config(mode="dicts")["kernels"]["int8"] == Q.int8_path()
     from parconv._buildinfo import build_info, format_config
 
@@ -978,8 +977,7 @@ def test_chains_run_their_recorded_calls_with_the_bits_of_the_calls_themselves(m
             np.testing.assert_array_equal(run(x1), want1)
             assert chain._plans[0][0][1] == threads  # recorded for this thread count
     int8 = _int8_mod()
-    paths = ("portable", "avx2", "avx512_vnni")
-    for use, value in ([(int8._use_path, p) for p in paths[:paths.index(int8.path()) + 1]]
+    for use, value in ([(int8._use_path, p) for p in int8._paths()]
                        + [(int8._use_depthwise, mode) for mode in ("planes", "blocks")]):
         old = use(value)
         try:

@@ -29,6 +29,9 @@ cdef extern from *:
             case 12: return __builtin_cpu_supports("x86-64-v3") != 0;
             case 13: return __builtin_cpu_supports("x86-64-v4") != 0;
     #endif
+    #if defined(__clang__) || __GNUC__ >= 11
+            case 14: return __builtin_cpu_supports("avxvnni") != 0;
+    #endif
             default: return -1;
         }
     }
@@ -42,7 +45,7 @@ cdef extern from *:
 
 
 _NAMES = ("avx", "avx2", "fma", "bmi1", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq",
-          "avx512vl", "avx512_vnni", "avx512_bf16", "x86-64-v3", "x86-64-v4")
+          "avx512vl", "avx512_vnni", "avx512_bf16", "x86-64-v3", "x86-64-v4", "avx_vnni")
 
 
 def is_x86():

@@ -30,8 +30,9 @@ from .pc_helpers cimport (pc_threads_for, pc_team, PC_BLOCKS_PER_THREAD, pc_cap,
     pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
 
 cdef extern from "pc_int8.h":
-    int PCI8_PORTABLE, PCI8_AVX2, PCI8_VNNI, PCI8_TILE, PCI8_OB, PCI8_CB, PCI8_RB
+    int PCI8_PORTABLE, PCI8_AVX2, PCI8_VNNI, PCI8_AVXVNNI, PCI8_TILE, PCI8_OB, PCI8_CB, PCI8_RB
     int pci8_best_path() noexcept nogil
+    int pci8_path_runs(int p) noexcept nogil
     void pci8_quantize(const float *x, Py_ssize_t n, float scale, int zp, uint8_t *out) noexcept nogil
     int pci8_groups(int Kdim, int K) noexcept nogil
     void pci8_pack(const int8_t *raw, int O, int Kdim, int K, int O64, int8_t *p8, int16_t *p16) noexcept nogil
@@ -76,7 +77,9 @@ cdef extern from *:
     """
     void *pci8_data(object a)
 
-_PATH_NAMES = {PCI8_VNNI: "avx512_vnni", PCI8_AVX2: "avx2", PCI8_PORTABLE: "portable"}
+_PATH_NAMES = {PCI8_VNNI: "avx512_vnni", PCI8_AVXVNNI: "avx_vnni", PCI8_AVX2: "avx2", PCI8_PORTABLE: "portable"}
+# slowest first
+_PATH_ORDER = (PCI8_PORTABLE, PCI8_AVX2, PCI8_AVXVNNI, PCI8_VNNI)
 cdef int _best = pci8_best_path()
 cdef int _path = _best
 
@@ -131,19 +134,25 @@ def path():
     Returns
     -------
     str
-        ``"avx512_vnni"`` (VPDPBUSD), ``"avx2"`` (int16 multiply-adds) or ``"portable"`` (C).
+        ``"avx512_vnni"`` (VPDPBUSD on 16 lanes), ``"avx_vnni"`` (VPDPBUSD on 8 lanes, AVX-VNNI),
+        ``"avx2"`` (int16 multiply-adds) or ``"portable"`` (C).
     """
     return _PATH_NAMES[_path]
 
 
+def _paths():
+    """The paths this build level and CPU run, slowest first (tests compare each with the NumPy model)."""
+    return [_PATH_NAMES[p] for p in _PATH_ORDER if pci8_path_runs(p)]
+
+
 def _use_path(name):
-    """Run a lower path than the best (tests compare paths in one process); returns the old name."""
+    """Run another path this build and CPU run (tests compare paths in one process); returns the old name."""
     global _path
-    order = {"portable": PCI8_PORTABLE, "avx2": PCI8_AVX2, "avx512_vnni": PCI8_VNNI}
+    order = {v: k for k, v in _PATH_NAMES.items()}
     if name not in order:
         raise ValueError(f"path must be one of {', '.join(order)}, got {name!r}")
-    if order[name] > _best:
-        raise ValueError(f"path {name!r} is not available here (the best is {_PATH_NAMES[_best]!r})")
+    if not pci8_path_runs(order[name]):
+        raise ValueError(f"path {name!r} is not available here (this build and CPU run {', '.join(_paths())})")
     old = _PATH_NAMES[_path]
     _path = order[name]
     return old

@@ -38,26 +38,60 @@
 #if defined(__AVX2__)
 #define PCI8_AVX2_CODE 1
 #endif
+/* AVX-VNNI (VEX vpdpbusd on 8 lanes): Intel cores from Alder Lake on and AMD Zen 5 have it, many of them
+ * without AVX-512; chosen at run time on the AVX2 level's CPUs */
+#if defined(PCI8_AVX2_CODE) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                                (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#include <cpuid.h>
+#define PCI8_AVXVNNI_CODE 1
+#define PCI8_AVXVNNI_TARGET __attribute__((target("avxvnni,avx2")))
+#endif
 
 #define PCI8_TILE 32   /* output pixels per conv micro-tile (two 16-lane vectors) */
 #define PCI8_OB 8      /* output channels per conv micro-tile */
 #define PCI8_CB 64     /* output channels per linear micro-tile (four panels) */
 #define PCI8_RB 4      /* x rows per linear micro-tile */
 
-enum { PCI8_PORTABLE = 0, PCI8_AVX2 = 1, PCI8_VNNI = 2 };
+enum { PCI8_PORTABLE = 0, PCI8_AVX2 = 1, PCI8_VNNI = 2, PCI8_AVXVNNI = 3 };
+
+/* Whether this CPU has AVX-VNNI (CPUID leaf 7, subleaf 1, EAX bit 4); the AVX2 code it extends only runs
+ * where the OS keeps the YMM state. */
+static inline int pci8_has_avxvnni(void)
+{
+#if defined(PCI8_AVXVNNI_CODE)
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1u);
+#else
+    return 0;
+#endif
+}
+
+/* Whether this object and CPU run path p. */
+static inline int pci8_path_runs(int p)
+{
+    switch (p) {
+    case PCI8_PORTABLE: return 1;
+#if defined(PCI8_AVX2_CODE)
+    case PCI8_AVX2: return 1;
+#endif
+#if defined(PCI8_AVXVNNI_CODE)
+    case PCI8_AVXVNNI: return pci8_has_avxvnni();
+#endif
+#if defined(PCI8_VNNI_CODE)
+    case PCI8_VNNI:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512vnni");
+#endif
+    default: return 0;
+    }
+}
 
 /* The fastest path this object and CPU run. */
 static inline int pci8_best_path(void)
 {
-#if defined(PCI8_VNNI_CODE)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni")) return PCI8_VNNI;
-#endif
-#if defined(PCI8_AVX2_CODE)
-    return PCI8_AVX2;
-#else
-    return PCI8_PORTABLE;
-#endif
+    if (pci8_path_runs(PCI8_VNNI)) return PCI8_VNNI;
+    if (pci8_path_runs(PCI8_AVXVNNI)) return PCI8_AVXVNNI;
+    return pci8_path_runs(PCI8_AVX2) ? PCI8_AVX2 : PCI8_PORTABLE;
 }
 
 static inline int32_t pci8_ld32(const void *p)
@@ -487,12 +521,15 @@ static inline void pci8_epi_row(const int32_t *restrict a, int n, const int32_t 
                                 const int64_t *restrict zb64, int wide, const float *restrict scale, int relu,
                                 float *restrict out)
 {
-    if (!wide) {
+    if (!wide && relu) {
         PC_SIMD
         for (int i = 0; i < n; i++) {
             float v = (float)(a[i] + zb32[i]) * scale[i];
-            out[i] = relu && v < 0.0f ? 0.0f : v;
+            out[i] = v < 0.0f ? 0.0f : v;
         }
+    } else if (!wide) {
+        PC_SIMD
+        for (int i = 0; i < n; i++) out[i] = (float)(a[i] + zb32[i]) * scale[i];
     } else {
         for (int i = 0; i < n; i++) {
             float v = (float)((int64_t)a[i] + zb64[i]) * scale[i];
@@ -508,33 +545,54 @@ static inline void pci8_epi_run_res(const int32_t *restrict a, int n, int32_t zb
                                     float scale, int relu, const float *restrict rf, const uint8_t *restrict rq,
                                     float rs, int rz, float *restrict out)
 {
-    if (rf != NULL) {
-        if (!wide) {
-            PC_SIMD
-            for (int i = 0; i < n; i++) {
-                float v = (float)(a[i] + zb32) * scale + rf[i];
-                out[i] = relu && v < 0.0f ? 0.0f : v;
-            }
-        } else {
-            for (int i = 0; i < n; i++) {
-                float v = (float)((int64_t)a[i] + zb64) * scale + rf[i];
-                out[i] = relu && v < 0.0f ? 0.0f : v;
-            }
-        }
-    } else {
-        if (!wide) {
-            PC_SIMD
-            for (int i = 0; i < n; i++) {
-                float v = (float)(a[i] + zb32) * scale + (float)((int)rq[i] - rz) * rs;
-                out[i] = relu && v < 0.0f ? 0.0f : v;
-            }
-        } else {
-            for (int i = 0; i < n; i++) {
-                float v = (float)((int64_t)a[i] + zb64) * scale + (float)((int)rq[i] - rz) * rs;
-                out[i] = relu && v < 0.0f ? 0.0f : v;
-            }
+    int i0 = 0;
+#if defined(__AVX2__)
+    /* runs are often one output row (8 or 16 pixels), too short for the 16-wide loop GCC makes of the ones
+     * below; the same operations in the same order, 8 lanes at a time */
+    if (!wide) {
+        const __m256 vs = _mm256_set1_ps(scale), vrs = _mm256_set1_ps(rs), zero = _mm256_setzero_ps();
+        const __m256i vzb = _mm256_set1_epi32(zb32), vrz = _mm256_set1_epi32(rz);
+        for (; i0 + 8 <= n; i0 += 8) {
+            __m256 v = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(a + i0)), vzb)), vs);
+            const __m256 r =
+                rf != NULL ? _mm256_loadu_ps(rf + i0)
+                           : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(
+                                               _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rq + i0))), vrz)),
+                                           vrs);
+            v = _mm256_add_ps(v, r);
+            if (relu) /* v < 0 ? 0 : v: NaN and -0 pass */
+                v = _mm256_andnot_ps(_mm256_cmp_ps(v, zero, _CMP_LT_OQ), v);
+            _mm256_storeu_ps(out + i0, v);
         }
     }
+#endif
+    /* the ReLU tested outside the loops: GCC leaves a loop with `relu && v < 0` in its body scalar */
+#define PCI8_RES_LOOP(SUM, R)                                      \
+    do {                                                           \
+        if (relu) {                                                \
+            PC_SIMD                                                \
+            for (int i = i0; i < n; i++) {                         \
+                float v = (float)(SUM) * scale + (R);              \
+                out[i] = v < 0.0f ? 0.0f : v;                      \
+            }                                                      \
+        } else {                                                   \
+            PC_SIMD                                                \
+            for (int i = i0; i < n; i++) out[i] = (float)(SUM) * scale + (R); \
+        }                                                          \
+    } while (0)
+    if (rf != NULL) {
+        if (!wide)
+            PCI8_RES_LOOP(a[i] + zb32, rf[i]);
+        else
+            PCI8_RES_LOOP((int64_t)a[i] + zb64, rf[i]);
+    } else {
+        if (!wide)
+            PCI8_RES_LOOP(a[i] + zb32, (float)((int)rq[i] - rz) * rs);
+        else
+            PCI8_RES_LOOP((int64_t)a[i] + zb64, (float)((int)rq[i] - rz) * rs);
+    }
+#undef PCI8_RES_LOOP
 }
 
 /* ------------------------------------------------ conv micro-kernels
@@ -602,6 +660,50 @@ static void pci8_px_avx2(const uint8_t *restrict xg, const int *restrict off, in
         }
     }
 }
+#endif
+
+#if defined(PCI8_AVXVNNI_CODE)
+/* pci8_px_vnni's sums on 8-lane vectors (AVX-VNNI has 16 registers): 4 channels by 16 pixels a pass, each
+ * lane one pixel's sum of its 4 (u8 x s8) products per group, exact. w: the int8 panel (pci8_px_vnni's). */
+#define PCI8_AVXVNNI_STEP(j)                                                          \
+    do {                                                                              \
+        const __m256i b = _mm256_set1_epi32(pci8_ld32(wg + 4 * (j)));                 \
+        a##j##0 = _mm256_dpbusd_avx_epi32(a##j##0, x0, b);                            \
+        a##j##1 = _mm256_dpbusd_avx_epi32(a##j##1, x1, b);                            \
+    } while (0)
+PCI8_AVXVNNI_TARGET __attribute__((noinline))
+static void pci8_px_avxvnni(const uint8_t *restrict xg, const int *restrict off, int Kg, const int8_t *restrict w,
+                            int32_t *restrict acc)
+{
+    for (int q4 = 0; q4 < PCI8_OB / 4; q4++) {
+        for (int st = 0; st < PCI8_TILE / 16; st++) {
+            __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+                    a30 = a00, a31 = a00;
+            const uint8_t *xs = xg + st * 64;
+            const int8_t *ws = w + q4 * 16;
+            for (int g = 0; g < Kg; g++) {
+                const uint8_t *p = xs + (pc_idx)off[g] * 4;
+                const int8_t *wg = ws + (pc_idx)g * 64;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)p);
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+                PCI8_AVXVNNI_STEP(0);
+                PCI8_AVXVNNI_STEP(1);
+                PCI8_AVXVNNI_STEP(2);
+                PCI8_AVXVNNI_STEP(3);
+            }
+            int32_t *d = acc + (q4 * 4) * PCI8_TILE + st * 16;
+            _mm256_storeu_si256((__m256i *)d, a00);
+            _mm256_storeu_si256((__m256i *)(d + 8), a01);
+            _mm256_storeu_si256((__m256i *)(d + PCI8_TILE), a10);
+            _mm256_storeu_si256((__m256i *)(d + PCI8_TILE + 8), a11);
+            _mm256_storeu_si256((__m256i *)(d + 2 * PCI8_TILE), a20);
+            _mm256_storeu_si256((__m256i *)(d + 2 * PCI8_TILE + 8), a21);
+            _mm256_storeu_si256((__m256i *)(d + 3 * PCI8_TILE), a30);
+            _mm256_storeu_si256((__m256i *)(d + 3 * PCI8_TILE + 8), a31);
+        }
+    }
+}
+#undef PCI8_AVXVNNI_STEP
 #endif
 
 #if defined(PCI8_VNNI_CODE)
@@ -1028,6 +1130,10 @@ static inline void pci8_conv_tiles_res(int path, const uint8_t *restrict grid, c
             if (path == PCI8_VNNI) pci8_px_vnni(grid + s * 4, off, Kg, w8 + pw, acc);
             else
 #endif
+#if defined(PCI8_AVXVNNI_CODE)
+            if (path == PCI8_AVXVNNI) pci8_px_avxvnni(grid + s * 4, off, Kg, w8 + pw, acc);
+            else
+#endif
 #if defined(PCI8_AVX2_CODE)
             if (path == PCI8_AVX2) pci8_px_avx2(grid + s * 4, off, Kg, w16 + pw, acc);
             else
@@ -1184,6 +1290,50 @@ static void pci8_cl_vnni1(const uint8_t *restrict x0, int Kg, const int8_t *rest
 }
 #endif
 
+#if defined(PCI8_AVXVNNI_CODE)
+/* pci8_cl_vnni's sums on 8-lane vectors: two rows by 32 output channels a pass (w: the int8 panels, blocks
+ * of 16 channels ps apart, as pci8_cl_vnni reads them). */
+PCI8_AVXVNNI_TARGET __attribute__((noinline))
+static void pci8_cl_avxvnni(const uint8_t *const *restrict xr, int Kg, const int8_t *restrict w,
+                            int32_t *restrict acc)
+{
+    const pc_idx ps = (pc_idx)Kg * 64;
+    for (int r = 0; r < PCI8_RB; r += 2) {
+        const uint8_t *xa = xr[r], *xb = xr[r + 1];
+        for (int h = 0; h < 2; h++) {
+            const int8_t *wk = w + (pc_idx)(2 * h) * ps;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int g = 0; g < Kg; g++) {
+                const int8_t *wg = wk + (pc_idx)g * 64;
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));
+                const __m256i w2 = _mm256_loadu_si256((const __m256i *)(wg + ps));
+                const __m256i w3 = _mm256_loadu_si256((const __m256i *)(wg + ps + 32));
+                const __m256i va = _mm256_set1_epi32(pci8_ld32(xa + 4 * (pc_idx)g));
+                const __m256i vb = _mm256_set1_epi32(pci8_ld32(xb + 4 * (pc_idx)g));
+                a0 = _mm256_dpbusd_avx_epi32(a0, va, w0);
+                a1 = _mm256_dpbusd_avx_epi32(a1, va, w1);
+                a2 = _mm256_dpbusd_avx_epi32(a2, va, w2);
+                a3 = _mm256_dpbusd_avx_epi32(a3, va, w3);
+                b0 = _mm256_dpbusd_avx_epi32(b0, vb, w0);
+                b1 = _mm256_dpbusd_avx_epi32(b1, vb, w1);
+                b2 = _mm256_dpbusd_avx_epi32(b2, vb, w2);
+                b3 = _mm256_dpbusd_avx_epi32(b3, vb, w3);
+            }
+            int32_t *da = acc + r * PCI8_CB + h * 32, *db = da + PCI8_CB;
+            _mm256_storeu_si256((__m256i *)da, a0);
+            _mm256_storeu_si256((__m256i *)(da + 8), a1);
+            _mm256_storeu_si256((__m256i *)(da + 16), a2);
+            _mm256_storeu_si256((__m256i *)(da + 24), a3);
+            _mm256_storeu_si256((__m256i *)db, b0);
+            _mm256_storeu_si256((__m256i *)(db + 8), b1);
+            _mm256_storeu_si256((__m256i *)(db + 16), b2);
+            _mm256_storeu_si256((__m256i *)(db + 24), b3);
+        }
+    }
+}
+#endif
+
 /* Rows [r0, r1) of x (ldx bytes apart, groups of 4 valid up to Kg) times output channels
  * [c0, c1) (c0 a multiple of 64), epilogue into y (N, G). acc: scratch [4][64]. */
 static inline void pci8_linear_block(int path, const uint8_t *restrict x, pc_idx ldx, pc_idx r0, pc_idx r1, int Kg,
@@ -1210,6 +1360,10 @@ static inline void pci8_linear_block(int path, const uint8_t *restrict x, pc_idx
                 continue;
             }
             if (path == PCI8_VNNI) pci8_cl_vnni(xr, Kg, w8 + pw, acc);
+            else
+#endif
+#if defined(PCI8_AVXVNNI_CODE)
+            if (path == PCI8_AVXVNNI) pci8_cl_avxvnni(xr, Kg, w8 + pw, acc);
             else
 #endif
 #if defined(PCI8_AVX2_CODE)
