@@ -1739,46 +1739,58 @@ static void pci8_dwb_taps_vnni(const int32_t *restrict T, pc_idx Wp, const int16
 
 #if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
 /* The AVX2 form of pci8_dwb_taps: two 8-lane halves per output pixel (vpmaddwd of the int32 grid lanes against
- * (w, 0) int16 pairs, exact), float32 results into f for pci8_quantize (its own AVX2-level code, so the same
- * bits as the quantize pass). */
-#if defined(__GNUC__)
-__attribute__((always_inline))
+ * (w, 0) int16 pairs, exact; AVX-VNNI's vpdpwssd adds them in the same instruction), float32 results into f for
+ * pci8_quantize (its own AVX2-level code, so the same bits as the quantize pass). NAME_3x3 has the common
+ * kernel size as constants, so its taps unroll. */
+static inline __m256i pci8_madd_add(__m256i a, __m256i t, __m256i w) { return _mm256_add_epi32(a, _mm256_madd_epi16(t, w)); }
+#define PCI8_DEF_DWB_TAPS2(NAME, ATTR, ACC)                                                                         \
+    ATTR static inline __attribute__((always_inline)) void NAME##_body(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW, \
+                                  int SH, int SW, int P, int Q, const int32_t *restrict zb32, const float *restrict scale, \
+                                  int relu, float *restrict f) \
+{ \
+    __m256i wlo[PCI8_DWB_TAPS], whi[PCI8_DWB_TAPS]; \
+    pc_idx toff[PCI8_DWB_TAPS]; \
+    const int KK = KH * KW; \
+    for (int k = 0; k < KK; k++) { \
+        const __m256i w16 = _mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB)); \
+        wlo[k] = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(w16)); \
+        whi[k] = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w16, 1)); \
+        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB; \
+    } \
+    const __m256i zl = _mm256_loadu_si256((const __m256i *)zb32), zh = _mm256_loadu_si256((const __m256i *)(zb32 + 8)); \
+    const __m256 sl = _mm256_loadu_ps(scale), sh = _mm256_loadu_ps(scale + 8), zero = _mm256_setzero_ps(); \
+    for (int p = 0; p < P; p++) { \
+        for (int q = 0; q < Q; q++) { \
+            const int32_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB; \
+            __m256i a = _mm256_setzero_si256(), b = a; \
+            for (int k = 0; k < KK; k++) { \
+                a = ACC(a, _mm256_load_si256((const __m256i *)(t0 + toff[k])), wlo[k]); \
+                b = ACC(b, _mm256_load_si256((const __m256i *)(t0 + toff[k] + 8)), whi[k]); \
+            } \
+            __m256 va = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, zl)), sl); \
+            __m256 vb = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(b, zh)), sh); \
+            if (relu) { /* as v < 0 ? 0 : v (NaN and -0 pass: max returns its second operand then) */ \
+                va = _mm256_max_ps(zero, va); \
+                vb = _mm256_max_ps(zero, vb); \
+            } \
+            float *fo = f + ((pc_idx)p * Q + q) * PCI8_DWB; \
+            _mm256_storeu_ps(fo, va); \
+            _mm256_storeu_ps(fo + 8, vb); \
+        } \
+    } \
+} \
+    ATTR static void NAME(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW, \
+                                  int SH, int SW, int P, int Q, const int32_t *restrict zb32, const float *restrict scale, \
+                                  int relu, float *restrict f) \
+    { NAME##_body(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, scale, relu, f); } \
+    ATTR static void NAME##_3x3(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int SH, int SW, int P, \
+                                int Q, const int32_t *restrict zb32, const float *restrict scale, int relu, \
+                                float *restrict f) \
+    { NAME##_body(T, Wp, wt, 3, 3, SH, SW, P, Q, zb32, scale, relu, f); }
+PCI8_DEF_DWB_TAPS2(pci8_dwb_taps2, , pci8_madd_add)
+#if defined(PCI8_AVXVNNI_CODE)
+PCI8_DEF_DWB_TAPS2(pci8_dwb_taps2_avxvnni, PCI8_AVXVNNI_TARGET, _mm256_dpwssd_avx_epi32)
 #endif
-static inline void pci8_dwb_taps2(const int32_t *restrict T, pc_idx Wp, const int16_t *restrict wt, int KH, int KW,
-                                  int SH, int SW, int P, int Q, const int32_t *restrict zb32, const float *restrict scale,
-                                  int relu, float *restrict f)
-{
-    __m256i wlo[PCI8_DWB_TAPS], whi[PCI8_DWB_TAPS];
-    pc_idx toff[PCI8_DWB_TAPS];
-    const int KK = KH * KW;
-    for (int k = 0; k < KK; k++) {
-        const __m256i w16 = _mm256_loadu_si256((const __m256i *)(wt + (pc_idx)k * PCI8_DWB));
-        wlo[k] = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(w16));
-        whi[k] = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w16, 1));
-        toff[k] = ((pc_idx)(k / KW) * Wp + k % KW) * PCI8_DWB;
-    }
-    const __m256i zl = _mm256_loadu_si256((const __m256i *)zb32), zh = _mm256_loadu_si256((const __m256i *)(zb32 + 8));
-    const __m256 sl = _mm256_loadu_ps(scale), sh = _mm256_loadu_ps(scale + 8), zero = _mm256_setzero_ps();
-    for (int p = 0; p < P; p++) {
-        for (int q = 0; q < Q; q++) {
-            const int32_t *t0 = T + (((pc_idx)p * SH) * Wp + (pc_idx)q * SW) * PCI8_DWB;
-            __m256i a = _mm256_setzero_si256(), b = a;
-            for (int k = 0; k < KK; k++) {
-                a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(t0 + toff[k])), wlo[k]));
-                b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(t0 + toff[k] + 8)), whi[k]));
-            }
-            __m256 va = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, zl)), sl);
-            __m256 vb = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(b, zh)), sh);
-            if (relu) { /* as v < 0 ? 0 : v (NaN and -0 pass: max returns its second operand then) */
-                va = _mm256_max_ps(zero, va);
-                vb = _mm256_max_ps(zero, vb);
-            }
-            float *fo = f + ((pc_idx)p * Q + q) * PCI8_DWB;
-            _mm256_storeu_ps(fo, va);
-            _mm256_storeu_ps(fo + 8, vb);
-        }
-    }
-}
 #endif
 
 /* One block of nc <= 16 channels of one image: x points at the first plane (planes HW apart), wt holds
@@ -1844,10 +1856,15 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
     } else
 #elif defined(__AVX2__)
     if (!wide && KH * KW <= PCI8_DWB_TAPS) {
-        if (KH == 3 && KW == 3)
-            pci8_dwb_taps2(T, Wp, wt, 3, 3, SH, SW, P, Q, zb32, scale, relu, f);
-        else
-            pci8_dwb_taps2(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, scale, relu, f);
+        const int k3 = KH == 3 && KW == 3;
+#if defined(PCI8_AVXVNNI_CODE)
+        if (path == PCI8_AVXVNNI) {
+            if (k3) pci8_dwb_taps2_avxvnni_3x3(T, Wp, wt, SH, SW, P, Q, zb32, scale, relu, f);
+            else pci8_dwb_taps2_avxvnni(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, scale, relu, f);
+        } else
+#endif
+        if (k3) pci8_dwb_taps2_3x3(T, Wp, wt, SH, SW, P, Q, zb32, scale, relu, f);
+        else pci8_dwb_taps2(T, Wp, wt, KH, KW, SH, SW, P, Q, zb32, scale, relu, f);
     } else
 #endif
     /* taps: 16 lanes each, exact int32 sums; then the epilogue of pci8_epi_run per lane */
