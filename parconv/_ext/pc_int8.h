@@ -1572,10 +1572,11 @@ static inline pc_idx pci8_dwb_scratch(int H, int W, int PH, int PW, int P, int Q
            PQ * PCI8_DWB + 4 * 64;
 }
 
-/* dst[j * ldd + c] = src[c * lds + j] for a 16 x 16 tile of bytes. */
-static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *restrict dst, pc_idx ldd)
-{
 #if defined(__SSE2__)
+/* px[j] = bytes src[c * lds + j] for c = 0..15: a 16 x 16 tile of bytes transposed in registers. */
+static inline __attribute__((always_inline)) void pci8_tr16_regs(const uint8_t *restrict src, pc_idx lds,
+                                                                 __m128i *restrict px)
+{
     __m128i r[16], a[16], b[16];
     for (int c = 0; c < 16; c++) r[c] = _mm_loadu_si128((const __m128i *)(src + c * lds));
     /* bytes: a[k] pixels 0-7, a[k + 8] pixels 8-15, of rows 2k and 2k + 1 */
@@ -1593,11 +1594,21 @@ static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *r
     for (int g = 0; g < 4; g++) {
         __m128i c0 = _mm_unpacklo_epi32(b[4 * g], b[4 * g + 1]), c1 = _mm_unpackhi_epi32(b[4 * g], b[4 * g + 1]);
         __m128i c2 = _mm_unpacklo_epi32(b[4 * g + 2], b[4 * g + 3]), c3 = _mm_unpackhi_epi32(b[4 * g + 2], b[4 * g + 3]);
-        _mm_storeu_si128((__m128i *)(dst + (4 * g) * ldd), _mm_unpacklo_epi64(c0, c2));
-        _mm_storeu_si128((__m128i *)(dst + (4 * g + 1) * ldd), _mm_unpackhi_epi64(c0, c2));
-        _mm_storeu_si128((__m128i *)(dst + (4 * g + 2) * ldd), _mm_unpacklo_epi64(c1, c3));
-        _mm_storeu_si128((__m128i *)(dst + (4 * g + 3) * ldd), _mm_unpackhi_epi64(c1, c3));
+        px[4 * g] = _mm_unpacklo_epi64(c0, c2);
+        px[4 * g + 1] = _mm_unpackhi_epi64(c0, c2);
+        px[4 * g + 2] = _mm_unpacklo_epi64(c1, c3);
+        px[4 * g + 3] = _mm_unpackhi_epi64(c1, c3);
     }
+}
+#endif
+
+/* dst[j * ldd + c] = src[c * lds + j] for a 16 x 16 tile of bytes. */
+static inline void pci8_tr16(const uint8_t *restrict src, pc_idx lds, uint8_t *restrict dst, pc_idx ldd)
+{
+#if defined(__SSE2__)
+    __m128i px[16];
+    pci8_tr16_regs(src, lds, px);
+    for (int j = 0; j < 16; j++) _mm_storeu_si128((__m128i *)(dst + j * ldd), px[j]);
 #else
     for (int j = 0; j < 16; j++)
         for (int c = 0; c < 16; c++) dst[j * ldd + c] = src[c * lds + j];
@@ -1695,6 +1706,23 @@ static inline __attribute__((always_inline)) void pci8_dwb_taps_vnni_body(
             _mm_storeu_si128((__m128i *)(fq + o),                                                            \
                              _mm512_cvtepi32_epi8(pci8_q16_epi(v, vr, vs, fast, lo, hi, vz)));               \
     } while (0)
+    /* two neighbouring pixels (their 16-lane blocks are adjacent in f and fq): one near-tie test and branch
+     * for both, as in the 1x1 epilogues */
+#define PCI8_DWBV_OUT2(A, B, Q_)                                                                               \
+    do {                                                                                                     \
+        const pc_idx o = ((pc_idx)p * Q + (Q_)) * PCI8_DWB;                                                  \
+        const __m512 va = _mm512_mul_ps(_mm512_cvtepi32_ps(A), sc), vb = _mm512_mul_ps(_mm512_cvtepi32_ps(B), sc); \
+        if (keep_f) {                                                                                        \
+            _mm512_storeu_ps(f + o, relu ? _mm512_max_ps(_mm512_setzero_ps(), va) : va);                     \
+            _mm512_storeu_ps(f + o + PCI8_DWB, relu ? _mm512_max_ps(_mm512_setzero_ps(), vb) : vb);          \
+        }                                                                                                    \
+        if (want_q) {                                                                                        \
+            __m512i k0, k1;                                                                                  \
+            pci8_q16x2_epi(va, vb, vr, vs, fast, lo, hi, vz, &k0, &k1);                                      \
+            _mm_storeu_si128((__m128i *)(fq + o), _mm512_cvtepi32_epi8(k0));                                 \
+            _mm_storeu_si128((__m128i *)(fq + o + PCI8_DWB), _mm512_cvtepi32_epi8(k1));                      \
+        }                                                                                                    \
+    } while (0)
     for (int p = 0; p < P; p++) {
         const int32_t *tp = T + (pc_idx)p * SH * Wp * PCI8_DWB;
         int q = 0;
@@ -1708,10 +1736,8 @@ static inline __attribute__((always_inline)) void pci8_dwb_taps_vnni_body(
                 a2 = _mm512_dpwssd_epi32(a2, _mm512_load_si512((const void *)(tk + 2 * step)), wv[k]);
                 a3 = _mm512_dpwssd_epi32(a3, _mm512_load_si512((const void *)(tk + 3 * step)), wv[k]);
             }
-            PCI8_DWBV_OUT(a0, q);
-            PCI8_DWBV_OUT(a1, q + 1);
-            PCI8_DWBV_OUT(a2, q + 2);
-            PCI8_DWBV_OUT(a3, q + 3);
+            PCI8_DWBV_OUT2(a0, a1, q);
+            PCI8_DWBV_OUT2(a2, a3, q + 2);
         }
         for (; q < Q; q++) {
             const int32_t *t0 = tp + (pc_idx)q * step;
@@ -1722,6 +1748,7 @@ static inline __attribute__((always_inline)) void pci8_dwb_taps_vnni_body(
         }
     }
 #undef PCI8_DWBV_OUT
+#undef PCI8_DWBV_OUT2
 }
 
 PCI8_VNNI_TARGET
@@ -1815,15 +1842,57 @@ static inline void pci8_dwb_block(const uint8_t *restrict x, int nc, int H, int 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     fused = KH * KW <= PCI8_DWB_TAPS;
 #endif
+    int gridded = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (nc == PCI8_DWB) {
+        /* the padded int32 grid of x - z straight from the transposed registers: each pixel's 16 channels are
+         * one vpmovzxbd and one store (no channels-minor byte copy, no second pass to widen it) */
+        for (pc_idx r = 0; r < Hp; r++) {
+            int32_t *row = T + r * Wp * PCI8_DWB;
+            if (r < PH || r >= PH + H) {
+                memset(row, 0, sizeof(int32_t) * (size_t)(Wp * PCI8_DWB));
+            } else {
+                memset(row, 0, sizeof(int32_t) * (size_t)(PW * PCI8_DWB));
+                memset(row + ((pc_idx)PW + W) * PCI8_DWB, 0, sizeof(int32_t) * (size_t)(PW * PCI8_DWB));
+            }
+        }
+        const __m512i vz = _mm512_set1_epi32(z);
+        int32_t *d = T + ((pc_idx)PH * Wp + PW) * PCI8_DWB; /* pixel (h, w)'s lanes */
+        pc_idx i = 0;
+        int w = 0;
+        for (; i + 16 <= HW; i += 16) {
+            __m128i px[16];
+            pci8_tr16_regs(x + i, HW, px);
+            for (int j = 0; j < 16; j++) {
+                _mm512_store_si512((void *)d, _mm512_sub_epi32(_mm512_cvtepu8_epi32(px[j]), vz));
+                d += PCI8_DWB;
+                if (++w == W) { /* next row: past the padding columns */
+                    w = 0;
+                    d += 2 * (pc_idx)PW * PCI8_DWB;
+                }
+            }
+        }
+        for (; i < HW; i++) {
+            for (int c = 0; c < PCI8_DWB; c++) d[c] = (int32_t)x[c * HW + i] - z;
+            d += PCI8_DWB;
+            if (++w == W) {
+                w = 0;
+                d += 2 * (pc_idx)PW * PCI8_DWB;
+            }
+        }
+        gridded = 1;
+    }
+#endif
     /* the planes, channels minor */
     pc_idx i = 0;
-    if (nc == PCI8_DWB)
+    if (!gridded && nc == PCI8_DWB)
         for (; i + 16 <= HW; i += 16) pci8_tr16(x + i, HW, xt + i * PCI8_DWB, PCI8_DWB);
-    for (; i < HW; i++)
-        for (int c = 0; c < PCI8_DWB; c++) xt[i * PCI8_DWB + c] = c < nc ? x[c * HW + i] : (uint8_t)z;
+    if (!gridded)
+        for (; i < HW; i++)
+            for (int c = 0; c < PCI8_DWB; c++) xt[i * PCI8_DWB + c] = c < nc ? x[c * HW + i] : (uint8_t)z;
 
     /* the padded int32 grid of x - z (widened once here, not at every tap that reads it) */
-    for (pc_idx r = 0; r < Hp; r++) {
+    for (pc_idx r = 0; r < Hp && !gridded; r++) {
         int32_t *row = T + r * Wp * PCI8_DWB;
         pc_idx h = r - PH;
         if (h < 0 || h >= H) {
