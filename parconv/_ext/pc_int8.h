@@ -38,8 +38,8 @@
 #if defined(__AVX2__)
 #define PCI8_AVX2_CODE 1
 #endif
-/* AVX-VNNI (VEX vpdpbusd on 8 lanes): Intel cores from Alder Lake on and AMD Zen 5 have it, many of them
- * without AVX-512; chosen at run time on the AVX2 level's CPUs */
+/* AVX-VNNI (VEX vpdpbusd on 8 lanes): many CPUs have it without AVX-512 (Intel cores from Alder Lake on), so
+ * the AVX2 level's objects carry it, chosen at run time */
 #if defined(PCI8_AVX2_CODE) && ((defined(__clang__) && __clang_major__ >= 12) || \
                                 (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #include <cpuid.h>
