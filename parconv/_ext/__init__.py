@@ -123,7 +123,7 @@ def built_levels() -> list:
 
 
 def _cpu_summary(features: dict) -> str:
-    have = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+    have = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
             if features.get(f)]
     return ", ".join(have) if have else "no AVX2/AVX-512"
 

@@ -7,6 +7,7 @@ cdef extern from *:
     """
     #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     #define PC_CPU_X86 1
+    #include <cpuid.h>
     static int pc_cpu_has(int which) {
         __builtin_cpu_init();
         switch (which) {
@@ -29,9 +30,8 @@ cdef extern from *:
             case 12: return __builtin_cpu_supports("x86-64-v3") != 0;
             case 13: return __builtin_cpu_supports("x86-64-v4") != 0;
     #endif
-    #if defined(__clang__) || __GNUC__ >= 11
-            case 14: return __builtin_cpu_supports("avxvnni") != 0;
-    #endif
+            /* CPUID leaf 7 subleaf 1, EAX bit 4 (clang's __builtin_cpu_supports has no name for it) */
+            case 14: { unsigned a, b, c, d; return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1u); }
             default: return -1;
         }
     }

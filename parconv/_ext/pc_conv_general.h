@@ -12,6 +12,10 @@
 
 #include "pc_common.h"
 
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 /* First and one-past-last output index o whose input o*S + off lies in [0, n). */
 static inline void pcg_valid(int n, int out, int S, int off, int *lo, int *hi)
 {
@@ -559,8 +563,18 @@ static inline void pcg_dw3_dw_plane(const float *restrict x, const float *restri
 /* v * scale + bias (scale optional), then max(., 0) when relu: the store's epilogue */
 static inline void pcg_pw_store(float *p, pcg_vn v, float sc, float bi, int has_scale, int relu)
 {
+    /* one fused multiply-add where the level has FMA, spelled out: whether GCC contracts v * sc + bi in an
+     * inlined copy depends on the copy, and every output of a layer must round the same way */
+#if defined(__AVX512F__)
+    if (has_scale) v = (pcg_vn)_mm512_fmadd_ps((__m512)v, _mm512_set1_ps(sc), _mm512_set1_ps(bi));
+    else v = v + bi;
+#elif defined(__FMA__) && defined(__AVX__)
+    if (has_scale) v = (pcg_vn)_mm256_fmadd_ps((__m256)v, _mm256_set1_ps(sc), _mm256_set1_ps(bi));
+    else v = v + bi;
+#else
     if (has_scale) v = v * sc;
     v = v + bi;
+#endif
     if (relu) {
         const pcg_vn z = {0};
         const pcg_vni neg = v < z;  /* NaN stays, as the scalar x < 0 ? 0 : x */
@@ -681,8 +695,14 @@ PCG_CONTRACT static void pcg_pw_cols(const float *restrict w, const float *restr
             const float *wo = w + (pc_idx)o * C;
             float a = 0.0f;
             for (pc_idx c = 0; c < C; c++) a += wo[c] * x[c * S + s];
+#if defined(__FMA__) || defined(__AVX512F__)
+            /* rounded as pcg_pw_store rounds the vector columns */
+            if (scale) a = __builtin_fmaf(a, scale[o], b ? b[o] : 0.0f);
+            else a += b ? b[o] : 0.0f;
+#else
             if (scale) a *= scale[o];
             a += b ? b[o] : 0.0f;
+#endif
             y[(pc_idx)o * S + s] = relu && a < 0.0f ? 0.0f : a;
         }
     }

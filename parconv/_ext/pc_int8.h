@@ -40,8 +40,12 @@
 #endif
 /* AVX-VNNI (VEX vpdpbusd on 8 lanes): many CPUs have it without AVX-512 (Intel cores from Alder Lake on), so
  * the AVX2 level's objects carry it, chosen at run time */
-#if defined(PCI8_AVX2_CODE) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                                (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#if defined(PCI8_AVX2_CODE) && defined(__has_include)
+#if __has_include(<avxvnniintrin.h>)
+#define PCI8_HAS_AVXVNNI_HEADER 1
+#endif
+#endif
+#if defined(PCI8_HAS_AVXVNNI_HEADER)
 #include <cpuid.h>
 #define PCI8_AVXVNNI_CODE 1
 #define PCI8_AVXVNNI_TARGET __attribute__((target("avxvnni,avx2")))
@@ -1332,6 +1336,23 @@ static void pci8_cl_avxvnni(const uint8_t *const *restrict xr, int Kg, const int
         }
     }
 }
+
+/* pci8_cl_avxvnni for one row (acc[0][64]): batch 1 and a short last block do not pay for four rows. */
+PCI8_AVXVNNI_TARGET __attribute__((noinline))
+static void pci8_cl_avxvnni1(const uint8_t *restrict x0, int Kg, const int8_t *restrict w, int32_t *restrict acc)
+{
+    const pc_idx ps = (pc_idx)Kg * 64;
+    __m256i a[8];
+    for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_si256();
+    for (int g = 0; g < Kg; g++) {
+        const __m256i v = _mm256_set1_epi32(pci8_ld32(x0 + 4 * (pc_idx)g));
+        const int8_t *wg = w + (pc_idx)g * 64;
+        for (int k = 0; k < 8; k++) /* channels 8k..8k+7: block k / 2, its half k % 2 */
+            a[k] = _mm256_dpbusd_avx_epi32(
+                a[k], v, _mm256_loadu_si256((const __m256i *)(wg + (pc_idx)(k / 2) * ps + (k % 2) * 32)));
+    }
+    for (int k = 0; k < 8; k++) _mm256_storeu_si256((__m256i *)(acc + 8 * k), a[k]);
+}
 #endif
 
 /* Rows [r0, r1) of x (ldx bytes apart, groups of 4 valid up to Kg) times output channels
@@ -1351,6 +1372,15 @@ static inline void pci8_linear_block(int path, const uint8_t *restrict x, pc_idx
             int rn = r1 - r < PCI8_RB ? (int)(r1 - r) : PCI8_RB;
             /* a short last block repeats its last row; those results are dropped */
             for (int i = 0; i < PCI8_RB; i++) xr[i] = x + (r + (i < rn ? i : rn - 1)) * ldx;
+#if defined(PCI8_AVXVNNI_CODE)
+            if (path == PCI8_AVXVNNI && rn < PCI8_RB) {
+                for (int i = 0; i < rn; i++) {
+                    pci8_cl_avxvnni1(xr[i], Kg, w8 + pw, acc);
+                    pci8_epi_row(acc, ce, zb32 + c, zb64 + c, wide, scale + c, relu, y + (r + i) * (pc_idx)G + c);
+                }
+                continue;
+            }
+#endif
 #if defined(PCI8_VNNI_CODE)
             if (path == PCI8_VNNI && rn < PCI8_RB) {
                 for (int i = 0; i < rn; i++) {
