@@ -110,7 +110,7 @@ def _child_code():
                     if y is None or not np.array_equal(y, outs[0][0]):
                         fails.append(("gemm_linear", m, n, k, nt))
         print(json.dumps({"level": _ext.STATE["level"], "fails": fails, "worst": worst,
-                          "preferred": _dense.GEMM_PREFERRED}))
+                          "preferred": _dense.GEMM_PREFERRED, "backward_min_rows": _dense.GEMM_BACKWARD_MIN_ROWS}))
     """)
 
 
@@ -120,8 +120,10 @@ def test_every_level_matches_float64_and_repeats_its_bits(level):
     assert result["level"] == level
     assert result["fails"] == []
     assert result["worst"] <= 1e-5, result
-    # the own GEMM is the default at the vector levels; the generic level keeps the BLAS
-    assert result["preferred"] == (level == "avx512")
+    # the own GEMM is the default at the vector levels (the AVX2 level's backward from two rows: a rank-1
+    # update is the sgemm's); the generic level keeps the BLAS
+    assert result["preferred"] == (level != "generic")
+    assert result["backward_min_rows"] == {"avx2": 2}.get(level, 1)
 
 
 # ------------------------------------------------------------- backend and fusion

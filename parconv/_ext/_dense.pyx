@@ -1,7 +1,7 @@
 # Shape legend: N batch, F in-features, G out-features.
 # y = x @ w.T + b with x (N, F), w (G, F), b (G,), y (N, G).
 """linear (fully connected) kernels: the register-blocked GEMM of ``pc_gemm.h`` (``gemm=True``:
-the default where ``GEMM_PREFERRED``: the AVX-512 level) or sgemm on blocks, one block
+the default where ``GEMM_PREFERRED``: the AVX-512 and AVX2 levels) or sgemm on blocks, one block
 per thread; a layer with at most NARROW_MAX_G outputs (a classifier head) on the narrow kernels
 of ``pc_dense.h`` instead, which stream x once.
 
@@ -39,7 +39,7 @@ cdef extern from "pc_dense.h":
     float pcd_bias_grad(const float *dy, Py_ssize_t N, int G, int g) noexcept nogil
 
 cdef extern from "pc_gemm.h":
-    int PCG_PREFERRED, PCG_MASK_GB
+    int PCG_PREFERRED, PCG_BACKWARD_MIN_ROWS, PCG_MASK_GB
     void pcg_nt(const float *a, Py_ssize_t lda, const float *b, Py_ssize_t ldb, const float *bias, int relu,
                 float *c, Py_ssize_t ldc, Py_ssize_t K, Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0,
                 Py_ssize_t j1) noexcept nogil
@@ -128,6 +128,8 @@ NARROW_MAX_G = PCD_NARROW_G
 
 #: whether this ISA level's own GEMM (pc_gemm.h) beats the BLAS sgemm on linear layers
 GEMM_PREFERRED = bool(PCG_PREFERRED)
+#: the smallest batch whose linear backward the own GEMM takes where GEMM_PREFERRED
+GEMM_BACKWARD_MIN_ROWS = PCG_BACKWARD_MIN_ROWS
 
 
 def gemm_scratch_shape(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K):

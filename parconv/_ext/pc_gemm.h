@@ -46,12 +46,18 @@
 #endif
 
 /* Whether this ISA level's kernels beat the BLAS sgemm on the linear layers, so that the backend takes
- * them by default: AVX-512 does; AVX2 only matches it, so the AVX2 and generic levels keep the BLAS
- * (and the bits the golden files pin for them). */
+ * them by default: AVX-512 and AVX2 do (the sgemm packs the whole weight matrix on every call, most of a
+ * small batch's time); the generic level keeps the BLAS. PCG_BACKWARD_MIN_ROWS: the smallest batch whose
+ * backward they take, below it the sgemm's rank-1 update is faster at the AVX2 level. */
 #if PCC_VEC >= 16
 #define PCG_PREFERRED 1
+#define PCG_BACKWARD_MIN_ROWS 1
+#elif PCC_VEC == 8
+#define PCG_PREFERRED 1
+#define PCG_BACKWARD_MIN_ROWS 2
 #else
 #define PCG_PREFERRED 0
+#define PCG_BACKWARD_MIN_ROWS 1
 #endif
 
 /* ------------------------------------------------------------ masked loads */

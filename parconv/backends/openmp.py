@@ -326,7 +326,8 @@ class OpenMPBackend(HostArrays, Backend):
 
     #: Run the other linear layers on the register-blocked GEMM of ``pc_gemm.h`` (bias and a
     #: fused ReLU applied as it stores) instead of the BLAS sgemm. None: where the kernels of the
-    #: ISA level in use beat the BLAS (``_dense.GEMM_PREFERRED``: the AVX-512 level).
+    #: ISA level in use beat the BLAS (``_dense.GEMM_PREFERRED``: the AVX-512 and AVX2 levels; the
+    #: AVX2 level's backward from ``_dense.GEMM_BACKWARD_MIN_ROWS`` rows).
     gemm_linear: bool | None = None
 
     def __init__(self):
@@ -692,16 +693,19 @@ class OpenMPBackend(HostArrays, Backend):
         nt = get_num_threads()
         if self._narrow(x, w):
             _dense.linear_backward(x, w, dy, dx, dw, db, nt, True, y=y, dym=dym)
-        elif self._gemm():
+        elif self._gemm(x.shape[0]):
             _dense.linear_backward(x, w, dy, dx, dw, db, nt, y=y, dym=dym, gemm=True)
         else:
             with _blas_limit(x.shape[0] * x.shape[1] * w.shape[0]):
                 _dense.linear_backward(x, w, dy, dx, dw, db, nt, y=y, dym=dym)
         return dx, dw, db
 
-    def _gemm(self) -> bool:
-        """Whether the other linear layers run on the own GEMM (see ``gemm_linear``)."""
-        return _dense.GEMM_PREFERRED if self.gemm_linear is None else bool(self.gemm_linear)
+    def _gemm(self, backward_rows: int | None = None) -> bool:
+        """Whether the other linear layers run on the own GEMM (see ``gemm_linear``); ``backward_rows``:
+        the batch of a backward, which the AVX2 level leaves to the sgemm below a few rows."""
+        if self.gemm_linear is not None:
+            return bool(self.gemm_linear)
+        return _dense.GEMM_PREFERRED and (backward_rows is None or backward_rows >= _dense.GEMM_BACKWARD_MIN_ROWS)
 
     def _narrow(self, x, w) -> bool:
         """Whether a linear layer takes the narrow kernels (few outputs, wide inputs) over sgemm."""
