@@ -109,7 +109,29 @@ def _child_code():
                     y = _dense.gemm_linear(a, b, bias, nt, True, -1)
                     if y is None or not np.array_equal(y, outs[0][0]):
                         fails.append(("gemm_linear", m, n, k, nt))
-        print(json.dumps({"level": _ext.STATE["level"], "fails": fails, "worst": worst,
+        # the backend's default routes: at a batch below GEMM_BACKWARD_MIN_ROWS the backward is the sgemm's
+        # (the same bits as forcing it), from it the own GEMM's; the forward is the own GEMM's at every batch
+        from parconv import backends
+        be = backends.get("openmp")
+        routes = {}
+        for rows in (1, 2, 5):
+            x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ((rows, 300), (70, 300), (rows, 70)))
+            got = {}
+            for mode in (None, True, False):
+                be.gemm_linear = mode
+                y = be.linear_forward(x, w, None)
+                dx, dw, _ = be.linear_backward(x, w, dy)
+                got[mode] = (y, dx, dw)
+            be.gemm_linear = None
+            same = lambda i, m: np.array_equal(got[None][i], got[m][i])
+            fwd = "gemm" if same(0, True) else ("blas" if same(0, False) else "?")
+            bwd = "gemm" if same(1, True) and same(2, True) else ("blas" if same(1, False) and same(2, False) else "?")
+            routes[rows] = [fwd, bwd]
+            ref = (x.astype(np.float64) @ w.T.astype(np.float64), dy.astype(np.float64) @ w.astype(np.float64),
+                   dy.T.astype(np.float64) @ x.astype(np.float64))
+            for g, r in zip(got[None], ref):
+                worst = max(worst, float(np.abs(g - r).max()) / (300 ** 0.5 + 4))
+        print(json.dumps({"level": _ext.STATE["level"], "fails": fails, "worst": worst, "routes": routes,
                           "preferred": _dense.GEMM_PREFERRED, "backward_min_rows": _dense.GEMM_BACKWARD_MIN_ROWS}))
     """)
 
@@ -124,6 +146,8 @@ def test_every_level_matches_float64_and_repeats_its_bits(level):
     # update is the sgemm's); the generic level keeps the BLAS
     assert result["preferred"] == (level != "generic")
     assert result["backward_min_rows"] == {"avx2": 2}.get(level, 1)
+    own = "blas" if level == "generic" else "gemm"
+    assert result["routes"] == {"1": [own, "blas" if level != "avx512" else own], "2": [own, own], "5": [own, own]}
 
 
 # ------------------------------------------------------------- backend and fusion

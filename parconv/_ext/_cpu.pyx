@@ -31,7 +31,10 @@ cdef extern from *:
             case 13: return __builtin_cpu_supports("x86-64-v4") != 0;
     #endif
             /* CPUID leaf 7 subleaf 1, EAX bit 4 (clang's __builtin_cpu_supports has no name for it) */
-            case 14: { unsigned a, b, c, d; return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1u); }
+            case 14: { /* and AVX2's check, which includes the OS saving the YMM state */
+                unsigned a, b, c, d;
+                return __builtin_cpu_supports("avx2") && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1u);
+            }
             default: return -1;
         }
     }

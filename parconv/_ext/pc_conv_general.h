@@ -14,6 +14,8 @@
 
 #if defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_FMA)
+#include <arm_neon.h>
 #endif
 
 /* First and one-past-last output index o whose input o*S + off lies in [0, n). */
@@ -571,6 +573,9 @@ static inline void pcg_pw_store(float *p, pcg_vn v, float sc, float bi, int has_
 #elif defined(__FMA__) && defined(__AVX__)
     if (has_scale) v = (pcg_vn)_mm256_fmadd_ps((__m256)v, _mm256_set1_ps(sc), _mm256_set1_ps(bi));
     else v = v + bi;
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_FMA) && !defined(__AVX__)
+    if (has_scale) v = (pcg_vn)vfmaq_f32(vdupq_n_f32(bi), (float32x4_t)v, vdupq_n_f32(sc));
+    else v = v + bi;
 #else
     if (has_scale) v = v * sc;
     v = v + bi;
@@ -695,7 +700,7 @@ PCG_CONTRACT static void pcg_pw_cols(const float *restrict w, const float *restr
             const float *wo = w + (pc_idx)o * C;
             float a = 0.0f;
             for (pc_idx c = 0; c < C; c++) a += wo[c] * x[c * S + s];
-#if defined(__FMA__) || defined(__AVX512F__)
+#if defined(__FMA__) || defined(__AVX512F__) || (defined(__ARM_NEON) && defined(__ARM_FEATURE_FMA))
             /* rounded as pcg_pw_store rounds the vector columns */
             if (scale) a = __builtin_fmaf(a, scale[o], b ? b[o] : 0.0f);
             else a += b ? b[o] : 0.0f;

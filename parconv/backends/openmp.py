@@ -176,7 +176,8 @@ BLAS_LIMIT_MIN_MACS = 1 << 16
 
 #: A linear layer with at most ``_dense.NARROW_MAX_G`` (16) outputs and at least this many
 #: inputs runs on the narrow kernels of pc_dense.h, which stream x once (and compute dx and dw
-#: in one pass): faster than sgemm from about 2048 features up; below it sgemm keeps the layer.
+#: in one pass): faster than the general product from about 2048 features up; below it the
+#: general path keeps the layer (the own GEMM or sgemm, see ``gemm_linear``).
 NARROW_MIN_FEATURES = 2048
 
 
@@ -321,7 +322,7 @@ class OpenMPBackend(HostArrays, Backend):
     winograd: bool = True
 
     #: Run linear layers with few outputs over many inputs on the narrow kernels (see
-    #: ``NARROW_MIN_FEATURES``). False keeps every linear layer on sgemm.
+    #: ``NARROW_MIN_FEATURES``). False keeps every linear layer on the general path (``gemm_linear``).
     narrow_linear: bool = True
 
     #: Run the other linear layers on the register-blocked GEMM of ``pc_gemm.h`` (bias and a
@@ -649,7 +650,7 @@ class OpenMPBackend(HostArrays, Backend):
         return self._linear_forward(x, w, b, True)
 
     def _linear_forward(self, x, w, b, relu):
-        if self.gemm_linear if self.gemm_linear is not None else _dense.GEMM_PREFERRED:
+        if self._gemm():
             # C-contiguous float32 arrays at a small batch: one call that checks, allocates and runs
             y = _dense.gemm_linear(x, w, b, get_num_threads(), relu,
                                    NARROW_MIN_FEATURES if self.narrow_linear else -1)
