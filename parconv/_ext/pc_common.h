@@ -161,8 +161,13 @@ static inline void pc_relu_fwd(const float *restrict x, float *restrict y, pc_id
 /* dx = dy where y > 0 else 0. */
 static inline void pc_relu_bwd(const float *restrict y, const float *restrict dy, float *restrict dx, pc_idx n)
 {
+    /* dy[i] read whatever y[i] is: a load under the condition cannot be vectorised without masked loads
+     * (AVX2 has them, SSE and NEON not), and the branch it leaves mispredicts on a ReLU's random signs */
     PC_SIMD
-    for (pc_idx i = 0; i < n; i++) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+    for (pc_idx i = 0; i < n; i++) {
+        const float d = dy[i];
+        dx[i] = y[i] > 0.0f ? d : 0.0f;
+    }
 }
 
 /* exp(t) for t <= 0, in a form that vectorises: t = n ln2 + r with |r| <= ln2/2 (Cody-Waite

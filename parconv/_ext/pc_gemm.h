@@ -470,7 +470,8 @@ static void pcg_relu_mask_db(const float *restrict dy, const float *restrict y, 
         const float *dr = dy + r * G + g0, *yr = y + r * G + g0;
         float *mr = dym + r * G + g0;
         for (int g = 0; g < n; g++) {
-            const float v = yr[g] > 0.0f ? dr[g] : 0.0f;
+            const float d = dr[g]; /* read unconditionally, as pc_relu_bwd */
+            const float v = yr[g] > 0.0f ? d : 0.0f;
             mr[g] = v;
             acc[g] += v;
         }
