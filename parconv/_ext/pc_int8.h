@@ -38,8 +38,8 @@
 #if defined(__AVX2__)
 #define PCI8_AVX2_CODE 1
 #endif
-/* AVX-VNNI (VEX vpdpbusd on 8 lanes): many CPUs have it without AVX-512 (Intel cores from Alder Lake on), so
- * the AVX2 level's objects carry it, chosen at run time */
+/* AVX-VNNI (VEX vpdpbusd on 8 lanes): many CPUs without AVX-512 have it, so the AVX2 level's objects carry it,
+ * chosen at run time */
 #if defined(PCI8_AVX2_CODE) && defined(__has_include)
 #if __has_include(<avxvnniintrin.h>)
 #define PCI8_HAS_AVXVNNI_HEADER 1
