@@ -257,13 +257,11 @@ static inline void pci8_quantize(const float *restrict x, pc_idx n, float scale,
             __m256 v0 = fast ? _mm256_mul_ps(x0, vr) : _mm256_div_ps(x0, vs);
             __m256 v1 = fast ? _mm256_mul_ps(x1, vr) : _mm256_div_ps(x1, vs);
             /* max(v, lo) is lo where v is NaN; those lanes become zp below */
-            __m256i i0 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v0, lo), hi));
-            __m256i i1 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v1, lo), hi));
+            const __m256 c0 = _mm256_min_ps(_mm256_max_ps(v0, lo), hi), c1 = _mm256_min_ps(_mm256_max_ps(v1, lo), hi);
+            __m256i i0 = _mm256_cvtps_epi32(c0), i1 = _mm256_cvtps_epi32(c1);
             if (fast) {
-                const __m256 d0 = _mm256_and_ps(
-                    _mm256_sub_ps(_mm256_min_ps(_mm256_max_ps(v0, lo), hi), _mm256_cvtepi32_ps(i0)), mag);
-                const __m256 d1 = _mm256_and_ps(
-                    _mm256_sub_ps(_mm256_min_ps(_mm256_max_ps(v1, lo), hi), _mm256_cvtepi32_ps(i1)), mag);
+                const __m256 d0 = _mm256_and_ps(_mm256_sub_ps(c0, _mm256_cvtepi32_ps(i0)), mag);
+                const __m256 d1 = _mm256_and_ps(_mm256_sub_ps(c1, _mm256_cvtepi32_ps(i1)), mag);
                 if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(d0, tie, _CMP_GT_OQ),
                                                     _mm256_cmp_ps(d1, tie, _CMP_GT_OQ)))) {
                     v0 = _mm256_div_ps(x0, vs);
