@@ -62,10 +62,20 @@ def _env():
     return env
 
 
+# `parconv train`, pausing after each checkpoint it writes so that the poller in _run_and_kill
+# sees every one, however fast the steps between them run (the pause changes no result)
+_PAUSING_CLI = ("import sys, time\n"
+                "from parconv import _checkpoint, cli\n"
+                "save = _checkpoint.save_training_checkpoint\n"
+                "def pausing(*args, **kwargs):\n"
+                "    save(*args, **kwargs)\n"
+                "    time.sleep(0.03)\n"
+                "_checkpoint.save_training_checkpoint = pausing\n"
+                "sys.exit(cli.main(sys.argv[1:]))\n")
+
+
 def _train_cmd(data_dir, checkpoint, resume=None, mpi_ranks=0, extra=()):
-    # 48 filters: enough work per step that an epoch outlasts a few polls of the checkpoint
-    # (_run_and_kill) on a loaded 2-core machine, however fast the kernels get
-    cmd = [sys.executable, "-P", "-m", "parconv.cli", "train", "--data", str(data_dir), "--split", "test",
+    cmd = [sys.executable, "-P", "-c", _PAUSING_CLI, "train", "--data", str(data_dir), "--split", "test",
            "--train-size", str(N_TRAIN), "--epochs", "2", "--batch-size", "16", "--filters", "48",
            "--checkpoint", str(checkpoint), "--checkpoint-every", "3", "--seed", "7", "--quiet",
            "--backend", BACKEND, *extra]
