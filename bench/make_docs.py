@@ -224,10 +224,10 @@ def nets_targets(entries: list, workload: str = "nets") -> list[str]:
 
 
 NETS_NOTE = (
-    "PyTorch runs in the same process, on the same libgomp as parconv, so its idle threads wait for work as "
-    "parconv's do (a short spin, then sleep, unless the environment says otherwise; `env` in results.json "
-    "records it). Where PyTorch runs alone its threads spin longer (libgomp's default): performance "
-    "internals, \"How idle threads wait\", compares the policies.")
+    "PyTorch runs in the same process, on the same libgomp as parconv, so it waits for work as parconv's "
+    "runtime does (passively, unless the environment says otherwise; `env` in results.json records it). "
+    "Where PyTorch runs alone its idle threads spin, and some of its times are shorter: performance "
+    "internals, \"Idle threads wait passively\", has this table's main rows under both policies.")
 
 
 CONTENDED_NOTE = (

@@ -300,17 +300,15 @@ _spin: list = []  # whether idle OpenMP threads spin in this process, decided on
 
 
 def _threads_spin() -> bool:
-    """Whether this process's idle OpenMP threads spin long between regions: not parconv's default,
-    whose spin (``_ext.SPIN_COUNT``) ends about when a wake-up would have, nor a shorter one."""
+    """Whether this process's idle OpenMP threads spin between regions (not parconv's passive default)."""
     if not _spin:
-        from ._ext import SPIN_COUNT, WAIT_POLICY
+        from ._ext import WAIT_POLICY
 
-        spins = WAIT_POLICY.get("source") == "set by the user" or WAIT_POLICY.get("policy", "").startswith(
-            "OpenMP runtime default")
+        spins = WAIT_POLICY.get("policy") != "PASSIVE"  # parconv's default sleeps
         if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
             spins = False
         count = os.environ.get("GOMP_SPINCOUNT", "").strip()
-        if count.isdigit() and int(count) <= SPIN_COUNT:
+        if count.isdigit() and int(count) == 0:
             spins = False
         _spin.append(spins)
     return _spin[0]
@@ -335,9 +333,9 @@ def _set_team_limit(limit: int) -> None:
 
 
 # --- calls too small for a team ----------------------------------------------------------------
-# Starting a parallel region wakes the idle threads that have gone to sleep and joins them: tens
-# of microseconds on a virtual machine, where a layer at batch 1 takes as long in all (threads
-# still spinning from the previous call join at once). parconv measures that cost for each thread count it runs, on free cores,
+# Starting a parallel region wakes the idle threads (they sleep under parconv's passive wait
+# policy) and joins them: tens of microseconds on a virtual machine, where a layer at batch 1
+# takes as long in all. parconv measures that cost for each thread count it runs, on free cores,
 # and each kernel call starts only as many threads as its estimated work pays for (pc_common.h's
 # pc_cap). Like the cap above this changes who takes the chunks, never the split: the bits stay
 # the same.

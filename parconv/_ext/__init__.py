@@ -13,13 +13,10 @@ every kernel import raise :class:`ISAError`, which says what the CPU has.
 
 Before any kernel module loads libgomp (which reads ``OMP_WAIT_POLICY`` /
 ``GOMP_SPINCOUNT`` once, when it is loaded), this package sets the OpenMP wait
-policy. Left alone, libgomp's idle threads spin for milliseconds after every
+policy. Left alone, libgomp's idle threads spin for a while after every
 parallel region; on a machine whose cores are shared (CI runners, notebooks on
 shared servers, co-tenants) those spinning threads take the time the working
-ones need. Threads that sleep at once pay a wake-up at every region start and
-every barrier, which costs a small layer its second thread. So unless the user
-chose a policy, idle threads spin about as long as a wake-up costs
-(:data:`SPIN_COUNT` pause loops, tens of microseconds), then sleep.
+ones need, so parconv asks for passive waiting unless the user chose a policy.
 See docs/performance-internals.md.
 """
 
@@ -51,12 +48,6 @@ STATE: dict = {}  # what was detected and chosen, and why (show_config reads it)
 #: how the OpenMP wait policy was decided (``parconv info`` prints it)
 WAIT_POLICY = {"policy": "", "source": ""}
 
-#: libgomp's ``GOMP_SPINCOUNT`` when the user sets no policy: the pause loops an idle thread spins
-#: before it sleeps, about what waking a sleeping one costs (a competitive spin: never more than
-#: twice the better of sleeping and spinning). Where there are more threads than cores, libgomp
-#: spins at most 100 instead.
-SPIN_COUNT = 3000
-
 
 def _gomp_loaded() -> bool:
     """Whether some libgomp is already mapped (then its wait policy is settled)."""
@@ -79,17 +70,16 @@ def _choose_wait_policy() -> None:
         WAIT_POLICY["source"] = ("libgomp was loaded before parconv (by torch?); import parconv first or set "
                                  "OMP_WAIT_POLICY=PASSIVE in the environment")
         return
-    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
         from . import _threads  # noqa: F401  loads libgomp, which reads the policy now
     except ImportError:
         pass
     finally:
         # only this process's runtime: child processes and other programs keep their own default
-        del os.environ["GOMP_SPINCOUNT"]
-    WAIT_POLICY["policy"] = f"short spin (GOMP_SPINCOUNT={SPIN_COUNT})"
-    WAIT_POLICY["source"] = ("parconv's default: idle threads spin about as long as a wake-up costs, then sleep; "
-                             "OMP_WAIT_POLICY=PASSIVE makes them sleep at once, ACTIVE spin")
+        del os.environ["OMP_WAIT_POLICY"]
+    WAIT_POLICY["policy"] = "PASSIVE"
+    WAIT_POLICY["source"] = "parconv's default; OMP_WAIT_POLICY=ACTIVE makes idle threads spin"
 
 
 class ISAError(RuntimeError):

@@ -33,10 +33,10 @@ cdef extern from "pc_norm.h":
                       float istd, float k, float a, float b, int training) noexcept nogil
 
 cdef enum:
-    # elements: below this, waking a team costs more than the loop (batch norm's chunking, and so
-    # its bits, follows it too; where waking the team for each pass costs more than it saves,
-    # pc_cap keeps the chunks on fewer threads)
-    SERIAL_BELOW = 32768
+    SERIAL_BELOW = 32768  # elements: below this, waking a team costs more than the loop
+    # batch norm's passes run at memory speed on one thread (pc_norm.h): below this many
+    # elements, waking the team for each of its two or three passes costs more than it saves
+    BN_SERIAL_BELOW = 1 << 20
 
 
 cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads,
@@ -52,7 +52,7 @@ cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads,
 def _bn_chunks(Py_ssize_t N, Py_ssize_t C, Py_ssize_t L, int num_threads):
     """How many chunks batch norm splits an (N, C, L) input into at ``num_threads`` threads
     (1: one thread runs it; tests)."""
-    return _chunks(N * C, N * C * L, num_threads)
+    return _chunks(N * C, N * C * L, num_threads, BN_SERIAL_BELOW)
 
 
 cdef void _merge(const double *part, double *out, int nc, Py_ssize_t C) noexcept nogil:
@@ -78,8 +78,8 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     """Normalise with the batch statistics (M = N * L > 1); see ``Backend.batch_norm_forward_train``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
-    pc_work(pc_elems_ns(<double>planes * L * 4))  # the arrays its passes read and write
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
+    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
@@ -162,8 +162,8 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     """Normalise with the running statistics; see ``Backend.batch_norm_forward_eval``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
-    pc_work(pc_elems_ns(<double>planes * L * 2))  # x read, y written
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
+    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift
@@ -200,8 +200,8 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     passes (vector selects) rather than in a pass of its own."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
-    cdef int nc = _chunks(planes, planes * L, num_threads), i
-    pc_work(pc_elems_ns(<double>planes * L * 6))  # the arrays its passes read and write
+    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
+    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
     cdef double *sgx
