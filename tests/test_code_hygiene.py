@@ -187,7 +187,7 @@ def test_every_parallel_loop_lets_a_free_thread_take_the_work():
 def test_loops_of_one_parallel_block_are_separated_by_a_barrier():
     """Cython ends each prange inside ``with parallel()`` with ``omp for nowait``: a thread done with
     its share of one loop starts the next while others still write what it may read. Two pranges of
-    one block need ``pc_barrier()`` between them, at the block's own level (every thread calls it)."""
+    one block need ``pc_sync_wait()`` between them, at the block's own level (every thread calls it)."""
     bad = []
     for path, lines in _kernel_sources():
         for i, line in enumerate(lines):
@@ -204,13 +204,13 @@ def test_loops_of_one_parallel_block_are_separated_by_a_barrier():
                 if ind <= indent:
                     break
                 body = ind if body is None else body
-                if ind == body and "pc_barrier()" in lj:
+                if ind == body and "pc_sync_wait(" in lj:
                     barrier = True
                 if ind == body and "prange(" in lj:
                     if seen_loop and not barrier:
                         bad.append(f"{path.relative_to(ROOT)}:{j + 1}")
                     seen_loop, barrier = True, False
-    assert not bad, "a prange after another in one parallel block, with no pc_barrier() between:\n" + "\n".join(bad)
+    assert not bad, "a prange after another in one parallel block, with no pc_sync_wait() between:\n" + "\n".join(bad)
 
 
 def test_every_parallel_region_takes_the_team_cap():

@@ -177,15 +177,14 @@ def test_winograd_blocks_share_images_evenly_between_threads(N, C, S, threads):
     assert _conv._winograd_dw_blocks(32, 64, 64, 8, 8, True)[:4] == (16, 2, 1, 2)
 
 
-def test_batch_norm_runs_on_one_thread_below_a_million_values():
+def test_batch_norm_chunks_follow_the_shape_and_the_thread_count():
     from parconv._ext import _norm
 
-    # resnet20 at batch 32 (at most 524,288 values a layer): one thread; waking the team for
-    # each pass costs more than the second thread saves
-    assert _norm._bn_chunks(32, 16, 1024, 2) == 1
-    assert _norm._bn_chunks(128, 64, 64, 2) == 1
-    # batch 128's first stage (2,097,152 values): both threads, a few chunks each
-    assert _norm._bn_chunks(128, 16, 1024, 2) == 8
+    # below 32,768 values one chunk; above, a few a thread (which threads take them is pc_cap's
+    # call, from the estimate and what starting a region costs)
+    assert _norm._bn_chunks(1, 16, 1024, 2) == 1
+    assert _norm._bn_chunks(32, 16, 1024, 2) == 8
+    assert _norm._bn_chunks(128, 64, 64, 2) == 8
     assert _norm._bn_chunks(128, 16, 1024, 1) == 1
 
 

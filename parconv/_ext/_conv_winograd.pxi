@@ -166,6 +166,8 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef float *ct
     cdef int failed[1]
     cdef int blk, n, n0, n1, ty0, ty1, xi, o, nv, mr0
+    cdef pc_sync sync
+    pc_sync_init(&sync)
     failed[0] = 0
     if U == NULL or off == NULL:
         pcw_scratch_release(0, U)
@@ -201,7 +203,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
             M = V + pts * ldxv
             ct = M + pts * ldxm
             scr = ct + PCC_MR_MAX * PCC_NR
-        pc_barrier()  # every filter's transform in U before any block reads U
+        pc_sync_wait(&sync)  # every filter's transform in U before any block reads U
         for blk in prange(nblocks, schedule="dynamic"):
             if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
                 n0 = <int>((<long>N * (blk // bpi)) // ng)
@@ -336,6 +338,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef int failed[1]
     cdef char tt = b'T', tn = b'N'
     cdef float one = 1.0
+    cdef pc_sync sync
+    pc_sync_init(&sync)
     failed[0] = 0
     ldt = _dw_blocks(N, C, O, P, Q, &ipb, &rb, &bpi, &ng, f4)
     nblocks = ng if bpi == 1 else N * bpi
@@ -352,7 +356,8 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     dU = <float *>pcw_scratch_get(0, sizeof(float) * pts * <size_t>OC * groups)
     if dU == NULL:
         return 1
-    with nogil, parallel(num_threads=pc_cap(_min(nt, groups))):
+    # one region, three phases: the groups' blocks, their sums, the filters' transforms
+    with nogil, parallel(num_threads=pc_cap(nt)):
         Vraw = <float *>pcw_scratch_get(1, sizeof(float) * (pts * <size_t>(ldxv + ldxm) + scratch) + 64)
         V = <float *>pc_align64(Vraw)
         if V == NULL:
@@ -396,15 +401,13 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                             sgemm(&tt, &tn, &C, &O, &nb, &one, V + xi * ldxv, &ldti, M + xi * ldxm, &ldti,
                                   &beta, acc + xi * OC, &C)
         pcw_scratch_release(1, Vraw)
-    if failed[0]:
-        pcw_scratch_release(0, dU)
-        return 1
-    with nogil:
-        # the groups' sums, added in group order (into group 0), then G^T dU G per filter
-        for e in prange(pts * OC, schedule="guided", num_threads=pc_cap(nt)):
+        pc_sync_wait(&sync)
+        # the groups' sums, added in group order (into group 0), then G^T dU G per filter (after a
+        # failed allocation these run on incomplete sums that the caller discards)
+        for e in prange(pts * OC, schedule="guided"):
             for g in range(1, groups):
                 dU[e] = dU[e] + dU[<Py_ssize_t>g * pts * OC + e]
-    with nogil, parallel(num_threads=pc_cap(_min(nt, O))):
+        pc_sync_wait(&sync)
         scr = <float *>pcw_scratch_get(2, sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
                                                               else pcw_filter_scratch_floats(C)))
         if scr == NULL:

@@ -17,12 +17,13 @@ flat index, compared on its top 32 bits with floor(p * 2^32): the function
 kernel; the backward recomputes it instead of storing it.
 """
 
-from cython.parallel cimport prange
+from cython.parallel cimport parallel, prange
 from libc.math cimport sqrt, sqrtf
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns, pc_sync,
+    pc_sync_init, pc_sync_wait, pc_sync_first)
 
 cdef extern from "pc_norm.h":
     double pcn_sum(const float *p, Py_ssize_t n) noexcept nogil
@@ -34,9 +35,6 @@ cdef extern from "pc_norm.h":
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements: below this, waking a team costs more than the loop
-    # batch norm's passes run at memory speed on one thread (pc_norm.h): below this many
-    # elements, waking the team for each of its two or three passes costs more than it saves
-    BN_SERIAL_BELOW = 1 << 20
 
 
 cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads,
@@ -52,7 +50,7 @@ cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads,
 def _bn_chunks(Py_ssize_t N, Py_ssize_t C, Py_ssize_t L, int num_threads):
     """How many chunks batch norm splits an (N, C, L) input into at ``num_threads`` threads
     (1: one thread runs it; tests)."""
-    return _chunks(N * C, N * C * L, num_threads, BN_SERIAL_BELOW)
+    return _chunks(N * C, N * C * L, num_threads)
 
 
 cdef void _merge(const double *part, double *out, int nc, Py_ssize_t C) noexcept nogil:
@@ -78,8 +76,9 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     """Normalise with the batch statistics (M = N * L > 1); see ``Backend.batch_norm_forward_train``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
-    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
-    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
+    cdef int nc = _chunks(planes, planes * L, num_threads), i
+    # three passes over x (the last writing y), each slower than a plain copy: the measured time
+    pc_work(pc_elems_ns(<double>planes * L * 6))
     cdef const float *rp = _residual(residual, N, C, L)
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
@@ -88,36 +87,89 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef float *shift
     cdef const float *xp = &x[0, 0, 0]
     cdef float *yp = &y[0, 0, 0]
+    cdef const float *wp = NULL if weight is None else &weight[0]
+    cdef const float *bp = NULL if bias is None else &bias[0]
+    cdef float *rmp = NULL if running_mean is None else &running_mean[0]
+    cdef float *rvp = NULL if running_var is None else &running_var[0]
+    cdef pc_sync sync
     if part == NULL:
         raise MemoryError()
     m64 = part + nc * C
     v64 = m64 + C
     scale = <float *>(v64 + C)       # C floats in the last C doubles' room
     shift = scale + C
-    with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
+    pc_sync_init(&sync)
+    # one region for the three passes; thread 0 merges the chunks' sums between them
+    with nogil, parallel(num_threads=pc_cap(pc_team(nc, num_threads))):
+        for i in prange(nc, schedule="dynamic"):
             _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, NULL, part + i * C)
-        _merge(part, m64, nc, C)
-        for c in range(C):
-            m64[c] = m64[c] / M
-        for c in range(nc * C):
-            part[c] = 0.0
-        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
+        pc_sync_wait(&sync)
+        if pc_sync_first():
+            _merge(part, m64, nc, C)
+            _scale_zero(m64, part, nc, C, M)
+        pc_sync_wait(&sync)
+        for i in prange(nc, schedule="dynamic"):
             _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, m64, part + i * C)
-        _merge(part, v64, nc, C)
-        for c in range(C):
-            v64[c] = v64[c] / M
-            mean[c] = <float>m64[c]
-            invstd[c] = <float>(1.0 / sqrt(v64[c] + eps))
-            scale[c] = invstd[c] * weight[c] if weight is not None else invstd[c]
-            shift[c] = bias[c] if bias is not None else <float>0.0
-            if running_mean is not None:
-                running_mean[c] = <float>((1.0 - momentum) * running_mean[c] + momentum * m64[c])
-                running_var[c] = <float>((1.0 - momentum) * running_var[c] + momentum * (v64[c] * M / (M - 1)))
-        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
+        pc_sync_wait(&sync)
+        if pc_sync_first():
+            _merge(part, v64, nc, C)
+            _train_stats(m64, v64, C, M, eps, momentum, wp, bp, rmp, rvp, &mean[0], &invstd[0], scale, shift)
+        pc_sync_wait(&sync)
+        for i in prange(nc, schedule="dynamic"):
             _apply_chunk(xp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], scale, shift, relu,
                          rp)
     free(part)
+
+
+cdef void _scale_zero(double *m64, double *part, int nc, Py_ssize_t C, Py_ssize_t M) noexcept nogil:
+    """The means from the sums, and the chunks' partial sums zeroed for the next pass."""
+    cdef Py_ssize_t c
+    for c in range(C):
+        m64[c] = m64[c] / M
+    for c in range(nc * C):
+        part[c] = 0.0
+
+
+cdef void _train_stats(const double *m64, double *v64, Py_ssize_t C, Py_ssize_t M, double eps, double momentum,
+                       const float *weight, const float *bias, float *running_mean, float *running_var,
+                       float *mean, float *invstd, float *scale, float *shift) noexcept nogil:
+    """The batch statistics, the affine coefficients and the running statistics from the sums."""
+    cdef Py_ssize_t c
+    for c in range(C):
+        v64[c] = v64[c] / M
+        mean[c] = <float>m64[c]
+        invstd[c] = <float>(1.0 / sqrt(v64[c] + eps))
+        scale[c] = invstd[c] * weight[c] if weight != NULL else invstd[c]
+        shift[c] = bias[c] if bias != NULL else <float>0.0
+        if running_mean != NULL:
+            running_mean[c] = <float>((1.0 - momentum) * running_mean[c] + momentum * m64[c])
+            running_var[c] = <float>((1.0 - momentum) * running_var[c] + momentum * (v64[c] * M / (M - 1)))
+
+
+cdef void _grad_coefs(const double *part, double *sg, double *sgx, int nc, Py_ssize_t C, Py_ssize_t M, bint sums,
+                      float *dweight, float *dbias, const float *weight, const float *invstd,
+                      float *coef) noexcept nogil:
+    """The chunks' gradient sums in chunk order, dweight and dbias from them, and (coef not NULL)
+    dx's per-channel coefficients."""
+    cdef Py_ssize_t c
+    cdef int i
+    if sums:
+        for c in range(C):
+            sg[c] = 0.0
+            sgx[c] = 0.0
+            for i in range(nc):
+                sg[c] += part[2 * i * C + c]
+                sgx[c] += part[(2 * i + 1) * C + c]
+        for c in range(C):
+            if dweight != NULL:
+                dweight[c] = <float>sgx[c]
+            if dbias != NULL:
+                dbias[c] = <float>sg[c]
+    if coef != NULL:
+        for c in range(C):
+            coef[c] = invstd[c] * weight[c] if weight != NULL else invstd[c]
+            coef[C + c] = <float>(sg[c] / M)
+            coef[2 * C + c] = <float>(sgx[c] / M)
 
 
 cdef const float *_residual(const float[:, :, ::1] r, Py_ssize_t N, Py_ssize_t C, Py_ssize_t L,
@@ -162,7 +214,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     """Normalise with the running statistics; see ``Backend.batch_norm_forward_eval``."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
-    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
+    cdef int nc = _chunks(planes, planes * L, num_threads), i
     pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
@@ -200,8 +252,9 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     passes (vector selects) rather than in a pass of its own."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
-    cdef int nc = _chunks(planes, planes * L, num_threads, BN_SERIAL_BELOW), i
-    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
+    cdef int nc = _chunks(planes, planes * L, num_threads), i
+    # two passes over x and dy (the second writing dx): the measured time
+    pc_work(pc_elems_ns(<double>planes * L * 8))
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
     cdef double *sgx
@@ -209,8 +262,12 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     cdef const float *xp = &x[0, 0, 0]
     cdef const float *dyp = &dy[0, 0, 0]
     cdef float *dxp = &dx[0, 0, 0] if dx is not None else NULL
+    cdef float *dwp = NULL if dweight is None else &dweight[0]
+    cdef float *dbp = NULL if dbias is None else &dbias[0]
+    cdef const float *wp = NULL if weight is None else &weight[0]
     cdef bint sums = training or dweight is not None
     cdef const float *yp = _residual(y, N, C, L, "y")
+    cdef pc_sync sync
     if part == NULL:
         raise MemoryError()
     sg = part + 2 * nc * C
@@ -219,27 +276,19 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     if coef == NULL:
         free(part)
         raise MemoryError()
-    with nogil:
+    pc_sync_init(&sync)
+    # one region for both passes; thread 0 merges the chunks' sums between them
+    with nogil, parallel(num_threads=pc_cap(pc_team(nc, num_threads))):
         if sums:
-            for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
+            for i in prange(nc, schedule="dynamic"):
                 _grad_chunk(xp, dyp, yp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0], &invstd[0],
                             part + 2 * i * C, part + (2 * i + 1) * C)
-            for c in range(C):
-                sg[c] = 0.0
-                sgx[c] = 0.0
-                for i in range(nc):
-                    sg[c] += part[2 * i * C + c]
-                    sgx[c] += part[(2 * i + 1) * C + c]
-            if dweight is not None:
-                for c in range(C):
-                    dweight[c] = <float>sgx[c]
-                    dbias[c] = <float>sg[c]
+            pc_sync_wait(&sync)
+        if pc_sync_first():
+            _grad_coefs(part, sg, sgx, nc, C, M, sums, dwp, dbp, wp, &invstd[0], coef if dxp != NULL else NULL)
         if dxp != NULL:
-            for c in range(C):
-                coef[c] = invstd[c] * weight[c] if weight is not None else invstd[c]
-                coef[C + c] = <float>(sg[c] / M)
-                coef[2 * C + c] = <float>(sgx[c] / M)
-            for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
+            pc_sync_wait(&sync)
+            for i in prange(nc, schedule="dynamic"):
                 _dx_chunk(xp, dyp, yp, dxp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, &mean[0],
                           &invstd[0], coef, training)
     free(coef)

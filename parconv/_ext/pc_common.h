@@ -134,13 +134,91 @@ static inline int pc_get_team_limit(void) { return pc_team_limit; }
 
 /* A barrier for the team of the enclosing parallel region. Cython ends every prange inside a
  * `with parallel()` block with `omp for nowait`: where a later loop reads what an earlier one
- * wrote, every thread of the team must call this between them (not inside a branch). */
-static inline void pc_barrier(void)
+ * wrote, every thread of the team must call pc_sync_wait between them (not inside a branch).
+ * Under passive waiting a thread that reaches libgomp's barrier first sleeps at once, and its
+ * wake-up costs the region tens of microseconds on a virtual machine, more than a small layer's
+ * share. Inside a region every thread of the team is at work, so this one spins for a bounded time
+ * (PC_SYNC_SPINS pause loops, tens of microseconds) and only then sleeps (a futex on Linux): a
+ * thread the OS descheduled costs its partners that much CPU and no more. Between regions the
+ * runtime's own policy applies unchanged. One pc_sync per region, set up with pc_sync_init before
+ * it starts. */
+#define PC_SYNC_SPINS 2000
+
+typedef struct {
+    int arrived, gen, sleepers;
+} pc_sync;
+
+static inline void pc_sync_init(pc_sync *s) { memset(s, 0, sizeof(*s)); }
+
+/* Whether this is the region's thread 0: between two pc_sync_wait calls it alone does a serial step
+ * (adding the chunks' sums in order), whatever the team. */
+static inline int pc_sync_first(void)
 {
+#if defined(_OPENMP)
+    return omp_get_thread_num() == 0;
+#else
+    return 1;
+#endif
+}
+
+#if defined(_OPENMP) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__linux__)
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static inline void pc_futex_wait(int *addr, int value)
+{
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+static inline void pc_futex_wake(int *addr) { syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
+#else
+#include <sched.h>
+static inline void pc_futex_wait(int *addr, int value) { (void)addr; (void)value; sched_yield(); }
+static inline void pc_futex_wake(int *addr) { (void)addr; }
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#define PC_PAUSE() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define PC_PAUSE() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define PC_PAUSE() __asm__ __volatile__("" ::: "memory")
+#endif
+
+static inline void pc_sync_wait(pc_sync *s)
+{
+    const int n = omp_get_num_threads();
+    if (n < 2)
+        return;
+    const int gen = __atomic_load_n(&s->gen, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&s->arrived, 1, __ATOMIC_ACQ_REL) == n) {
+        /* the last: reset the count for the next barrier before releasing the others */
+        __atomic_store_n(&s->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&s->gen, gen + 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&s->sleepers, __ATOMIC_SEQ_CST))
+            pc_futex_wake(&s->gen);
+        return;
+    }
+    for (int i = 0; i < PC_SYNC_SPINS; i++) {
+        if (__atomic_load_n(&s->gen, __ATOMIC_ACQUIRE) != gen)
+            return;
+        PC_PAUSE();
+    }
+    __atomic_add_fetch(&s->sleepers, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&s->gen, __ATOMIC_SEQ_CST) == gen)
+        pc_futex_wait(&s->gen, gen);
+    __atomic_sub_fetch(&s->sleepers, 1, __ATOMIC_SEQ_CST);
+}
+
+#else
+static inline void pc_sync_wait(pc_sync *s)
+{
+    (void)s;
 #if defined(_OPENMP)
     _Pragma("omp barrier")
 #endif
 }
+#endif
 
 /* p rounded up to the next 64-byte boundary (NULL stays NULL): for a buffer malloc'ed
  * 64 bytes larger than needed; free the original pointer. */

@@ -14,7 +14,11 @@ cdef extern from "pc_common.h":
     double pc_product_ns(double M, double N, double K) noexcept nogil  # (M x K) @ (K x N) on the own GEMM
     void pc_set_region_ns(double ns) noexcept nogil
     double pc_get_region_ns() noexcept nogil
-    void pc_barrier() noexcept nogil  # between two pranges of one parallel block (see pc_common.h)
+    ctypedef struct pc_sync:
+        pass
+    void pc_sync_init(pc_sync *s) noexcept nogil  # before the region (see pc_common.h)
+    void pc_sync_wait(pc_sync *s) noexcept nogil  # between two pranges of one parallel block
+    bint pc_sync_first() noexcept nogil  # thread 0: a serial step between two pc_sync_wait
 
 cdef enum:
     # below this much work (multiply-adds or elements touched) one thread is faster than waking a team
