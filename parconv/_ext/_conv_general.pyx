@@ -38,7 +38,8 @@ from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
 from scipy.linalg.cython_blas cimport sgemm
 from .pc_helpers cimport (pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_product_ns, pc_get_region_ns, pc_set_region_ns, pc_sync,
+    pc_sync_init, pc_sync_wait)
 
 cdef extern from "pc_common.h":
     double pc_sum_f32(const float *p, Py_ssize_t n) noexcept nogil
@@ -69,6 +70,10 @@ cdef extern from "pc_conv_general.h":
                           int Q, float *scratch, double *dw) noexcept nogil
     void pcg_pw_cols(const float *w, const float *x, int C, int O, Py_ssize_t S, Py_ssize_t s0, Py_ssize_t s1,
                      const float *b, const float *scale, int relu, float *pack, float *y) noexcept nogil
+
+
+cdef enum:
+    PCG_DW_PLANE_NS = 40  # a depthwise plane's fixed cost in its kernel call, for pc_work
 
 
 cdef inline bint _direct3(int KH, int KW, int SH, int SW, int DH, int DW) noexcept nogil:
@@ -107,7 +112,9 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t planes = <Py_ssize_t>N * O
     cdef int nt = pc_threads_for(planes * PQ * KK, planes, num_threads)
-    pc_work(pc_conv_ns(<double>planes * PQ * KK))
+    # a plane's fixed cost, its padded copy and its taps: the kernels run far below the
+    # convolution rate on these small planes
+    pc_work(planes * PCG_DW_PLANE_NS + pc_elems_ns(<double>planes * (HW + PQ * KK / 4)))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
@@ -175,7 +182,10 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef int failed[1]
     failed[0] = 0
     cdef int nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, O, num_threads)
-    pc_work(pc_conv_ns(<double>N * O * PQ * KK * (1 + (dx is not None))))  # dw, and dx
+    cdef Py_ssize_t planes = <Py_ssize_t>N * O
+    cdef int passes = 2 if dx is not None else 1  # dw, and dx
+    # as depthwise_forward's: a plane's fixed cost, its copies and its taps, for each gradient
+    pc_work(passes * (planes * PCG_DW_PLANE_NS + pc_elems_ns(<double>planes * (HW + PQ * KK / 4))))
     # the bottom/right padding the taps reach (floor mode may leave input rows unread)
     cdef int PB = (P - 1) * SH + DH * (KH - 1) + 1 - H - PT, PR = (Q - 1) * SW + DW * (KW - 1) + 1 - W - PL
     # dx as the stride-1 correlation of dy with the flipped kernels needs these paddings >= 0
@@ -186,10 +196,13 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef float *scratch2 = NULL
     cdef double *part = NULL
     cdef double sacc
+    cdef float *dbp = NULL if db is None else &db[0]
+    cdef pc_sync sync
+    pc_sync_init(&sync)
     if direct and M == 1 and dxp != NULL and PT <= 2 and PL <= 2:
         # dx and dw of each plane together while it is in cache, parallel over planes; each plane's
         # dw sums kept apart and added over the images in order (the bits of the per-filter loop)
-        part = <double *>malloc(sizeof(double) * <size_t>(N * C * KK))
+        part = <double *>calloc(<size_t>(N * C * KK), sizeof(double))
         if part == NULL:
             raise MemoryError("depthwise_backward: could not allocate scratch")
         nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, <Py_ssize_t>N * C, num_threads)
@@ -207,20 +220,25 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                 pcg_dw3_dx_plane(dyp + i * PQ, P, Q, wp + c * KK, H, W, SH, SW, PT, PL, scratch2, dxp + i * HW)
             free(scratch)
             free(scratch2)
-        if failed[0]:
-            free(part)
-            raise MemoryError("depthwise_backward: could not allocate scratch")
-        with nogil:
-            for k in prange(<Py_ssize_t>C * KK, schedule="guided", num_threads=pc_cap(nt)):
+            # in the same region (one wake-up): the planes' dw sums over the images, then db
+            # (after a failed allocation these sum what is there; the caller raises)
+            pc_sync_wait(&sync)
+            for k in prange(<Py_ssize_t>C * KK, schedule="guided"):
                 c = k // KK
                 sacc = 0.0
                 for n in range(N):
                     sacc = sacc + part[(n * C + c) * KK + (k - c * KK)]
                 dwp[k] = <float>sacc
+            pc_sync_wait(&sync)
+            if dbp != NULL:
+                for o in prange(O, schedule="guided"):
+                    sacc = 0.0
+                    for n in range(N):
+                        sacc = sacc + pc_sum_f32(dyp + (n * O + o) * PQ, PQ)
+                    dbp[o] = <float>sacc
         free(part)
-        if db is not None:
-            with nogil:
-                _bias_sum(dyp, N, O, PQ, &db[0], num_threads)
+        if failed[0]:
+            raise MemoryError("depthwise_backward: could not allocate scratch")
         return
     with nogil, parallel(num_threads=pc_cap(nt)):
         acc = <double *>malloc(sizeof(double) * KK)
@@ -483,7 +501,7 @@ def pointwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef const float *bp = NULL if b is None else &b[0]
     cdef const float *sp = NULL if scale is None else &scale[0]
     cdef int failed
-    pc_work(pc_macs_ns(<double>N * C * O * S))
+    pc_work(N * pc_product_ns(O, S, C))  # its multiply-adds, or the floats it moves where more
     with nogil:
         failed = _pointwise(&x[0, 0, 0, 0], &w[0, 0, 0, 0], bp, sp, relu, N, C, O, S, &y[0, 0, 0, 0], num_threads)
     if failed:
@@ -505,7 +523,7 @@ def pointwise_backward_input(const float[:, :, :, ::1] dy,  # IN  (N, O, H, W)
     cdef int failed
     if wt == NULL:
         raise MemoryError("pointwise_backward_input: could not allocate scratch")
-    pc_work(pc_macs_ns(<double>N * C * O * S))
+    pc_work(N * pc_product_ns(O, S, C))  # its multiply-adds, or the floats it moves where more
     with nogil:
         for o in range(O):
             for c in range(C):

@@ -35,6 +35,11 @@ cdef extern from "pc_norm.h":
 
 cdef enum:
     SERIAL_BELOW = 32768  # elements: below this, waking a team costs more than the loop
+    BN_PLANE_MIN = 64  # pc_work counts a plane as at least this many values (each has a fixed cost)
+
+
+cdef inline Py_ssize_t _max(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    return a if a > b else b
 
 
 cdef inline int _chunks(Py_ssize_t units, Py_ssize_t work, int num_threads,
@@ -77,8 +82,7 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
-    # three passes over x (the last writing y), each slower than a plain copy: the measured time
-    pc_work(pc_elems_ns(<double>planes * L * 6))
+    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
@@ -253,8 +257,8 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
-    # two passes over x and dy (the second writing dx): the measured time
-    pc_work(pc_elems_ns(<double>planes * L * 8))
+    # two passes over x and dy (the second also writing dx): twice the forward's
+    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * 4))
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
     cdef double *sgx
