@@ -287,9 +287,12 @@ def render(results: dict, plots: list[str]) -> str:
         + " Tables show the **median** in milliseconds; ratios (speedup vs "
         "1 thread, `vs torch`, `vs numpy`) are medians of per-repetition ratios, so they compare runs taken at "
         "the same moment."
-        + (" Each timed call follows an untimed call of the same configuration, so every sample is steady "
-           "state and not disturbed by the previous configuration's cache and memory state." if s.get("settle")
-           else "")
+        + (" Each sample follows untimed calls of the same configuration for as long as a sample lasts, so "
+           "every sample is steady state, as in a user's loop: not disturbed by the previous configuration's "
+           "cache and memory state, and with the threads' cores awake again after the pauses between "
+           "samples (on a virtual machine a vCPU left idle wakes slowly at first: mobilenet_small inference "
+           "at batch 64 on two threads read 5.1-7.0 ms after one untimed call, 4.8-5.0 ms in most runs after "
+           "50 ms of them, and 4.8-4.9 ms in a loop)." if s.get("settle") else "")
         + (f" Calls shorter than {1e3 * s['min_time_s']:.0f} ms are repeated and averaged within one sample "
            "(a training step gets its starting weights back, off the clock, before each call, so every call "
            "times the same step)." if s.get("min_time_s") else "")
