@@ -461,12 +461,15 @@ def interleaved(runners: dict, kinds: dict, repeat: int, warmup: int, min_time: 
                     # as long as a sample: after the pauses above, a virtual machine's idle vCPUs
                     # wake slowly until the host sees them busy again, as in a user's loop
                     settle_end = time.perf_counter() + min_time
+                    restart = getattr(runner, "restartable", False)
                     runner.prepare()
                     while True:
                         runner.run()
                         runner.sync()
                         if time.perf_counter() >= settle_end:
                             break
+                        if restart:  # the same step each time, as _one_sample times it
+                            runner.prepare()
                 out[c].times.append(_one_sample(runner, out[c].inner))
                 bd = runner.breakdown() if hasattr(runner, "breakdown") else None
                 if bd is not None:

@@ -214,8 +214,6 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
                     failed[0] = 1
                     continue
                 c = i - (i // C) * C
-                for k in range(KK):
-                    part[i * KK + k] = 0.0
                 pcg_dw3_dw_plane(xp + i * HW, dyp + i * PQ, H, W, SH, SW, PT, PL, P, Q, scratch, part + i * KK)
                 pcg_dw3_dx_plane(dyp + i * PQ, P, Q, wp + c * KK, H, W, SH, SW, PT, PL, scratch2, dxp + i * HW)
             free(scratch)

@@ -333,7 +333,7 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef float *M
     cdef float *scr
     cdef float *acc
-    cdef bint first
+    cdef bint first, ok
     cdef float beta
     cdef int failed[1]
     cdef char tt = b'T', tn = b'N'
@@ -402,16 +402,21 @@ cdef int _dw_winograd(const float *x, int N, int C, int H, int W, int pad,
                                   &beta, acc + xi * OC, &C)
         pcw_scratch_release(1, Vraw)
         pc_sync_wait(&sync)
-        # the groups' sums, added in group order (into group 0), then G^T dU G per filter (after a
-        # failed allocation these run on incomplete sums that the caller discards)
+        # every thread reads the same value here (nothing writes failed until the next barrier):
+        # after a failed allocation the loops below still run, on no data, for the team's sake
+        ok = failed[0] == 0
+        # the groups' sums, added in group order (into group 0), then G^T dU G per filter
         for e in prange(pts * OC, schedule="guided"):
-            for g in range(1, groups):
-                dU[e] = dU[e] + dU[<Py_ssize_t>g * pts * OC + e]
+            if ok:
+                for g in range(1, groups):
+                    dU[e] = dU[e] + dU[<Py_ssize_t>g * pts * OC + e]
         pc_sync_wait(&sync)
-        scr = <float *>pcw_scratch_get(2, sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
-                                                              else pcw_filter_scratch_floats(C)))
-        if scr == NULL:
-            failed[0] = 1
+        scr = NULL
+        if ok:
+            scr = <float *>pcw_scratch_get(2, sizeof(float) * (pcw4_filters_grad_scratch_floats(C) if f4
+                                                                  else pcw_filter_scratch_floats(C)))
+            if scr == NULL:
+                failed[0] = 1
         for o in prange(O, schedule="guided"):
             if scr != NULL:
                 if f4:

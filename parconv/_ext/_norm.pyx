@@ -219,7 +219,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
-    pc_work(pc_elems_ns(<double>planes * L * 2))  # two passes
+    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift
@@ -257,8 +257,9 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
-    # two passes over x and dy (the second also writing dx): twice the forward's
-    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * 4))
+    # the sums' pass over x and dy, and dx's, which also writes (measured: the forward's time and half
+    # again with dx, three quarters of it without)
+    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * (3.0 if dx is not None else 1.5)))
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
     cdef double *sgx

@@ -134,14 +134,15 @@ static inline int pc_get_team_limit(void) { return pc_team_limit; }
 
 /* A barrier for the team of the enclosing parallel region. Cython ends every prange inside a
  * `with parallel()` block with `omp for nowait`: where a later loop reads what an earlier one
- * wrote, every thread of the team must call pc_sync_wait between them (not inside a branch).
+ * wrote, every thread of the team must call pc_sync_wait between them (outside any branch, or in
+ * one that every thread takes alike).
  * Under passive waiting a thread that reaches libgomp's barrier first sleeps at once, and its
  * wake-up costs the region tens of microseconds on a virtual machine, more than a small layer's
  * share. Inside a region every thread of the team is at work, so this one spins for a bounded time
- * (PC_SYNC_SPINS pause loops, tens of microseconds) and only then sleeps (a futex on Linux): a
- * thread the OS descheduled costs its partners that much CPU and no more. Between regions the
- * runtime's own policy applies unchanged. One pc_sync per region, set up with pc_sync_init before
- * it starts. */
+ * (PC_SYNC_SPINS pause loops, tens of microseconds) and only then sleeps on a futex (Linux; other
+ * systems use the runtime's barrier): a thread the OS descheduled costs its partners that much CPU
+ * and no more. Between regions the runtime's own policy applies unchanged. One pc_sync per region,
+ * set up with pc_sync_init before it starts. */
 #define PC_SYNC_SPINS 2000
 
 typedef struct {
@@ -161,22 +162,17 @@ static inline int pc_sync_first(void)
 #endif
 }
 
-#if defined(_OPENMP) && (defined(__GNUC__) || defined(__clang__))
-#if defined(__linux__)
+#if defined(_OPENMP) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
 #include <limits.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+long syscall(long number, ...); /* declared by unistd.h only under _GNU_SOURCE */
 static inline void pc_futex_wait(int *addr, int value)
 {
     syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
 }
 static inline void pc_futex_wake(int *addr) { syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
-#else
-#include <sched.h>
-static inline void pc_futex_wait(int *addr, int value) { (void)addr; (void)value; sched_yield(); }
-static inline void pc_futex_wake(int *addr) { (void)addr; }
-#endif
 #if defined(__x86_64__) || defined(__i386__)
 #define PC_PAUSE() __builtin_ia32_pause()
 #elif defined(__aarch64__)
@@ -210,7 +206,7 @@ static inline void pc_sync_wait(pc_sync *s)
     __atomic_sub_fetch(&s->sleepers, 1, __ATOMIC_SEQ_CST);
 }
 
-#else
+#else /* elsewhere the runtime's own barrier (no futex to sleep on after the spin) */
 static inline void pc_sync_wait(pc_sync *s)
 {
     (void)s;
