@@ -88,15 +88,26 @@ def depthwise_path(int KH, int KW, int SH, int SW, int DH, int DW):
     return "direct3x3" if _direct3(KH, KW, SH, SW, DH, DW) else "planes"
 
 
+cdef inline float _bias_one(const float *dyp, int N, int O, Py_ssize_t PQ, Py_ssize_t o) noexcept nogil:
+    """db[o]: the sum over images of each dy plane's sum (double, images in order)."""
+    cdef Py_ssize_t n
+    cdef double s = 0.0
+    for n in range(N):
+        s = s + pc_sum_f32(dyp + (n * O + o) * PQ, PQ)
+    return <float>s
+
+
 cdef void _bias_sum(const float *dyp, int N, int O, Py_ssize_t PQ, float *dbp, int nt) noexcept nogil:
-    """db[o] = sum over images of each dy plane's sum (double, images in order)."""
-    cdef Py_ssize_t o, n
-    cdef double s
+    """db (O,) by _bias_one, filters split over the threads."""
+    cdef Py_ssize_t o
     for o in prange(O, schedule="guided", num_threads=pc_cap(pc_threads_for(<Py_ssize_t>N * O * PQ, O, nt))):
-        s = 0.0
-        for n in range(N):
-            s = s + pc_sum_f32(dyp + (n * O + o) * PQ, PQ)
-        dbp[o] = <float>s
+        dbp[o] = _bias_one(dyp, N, O, PQ, o)
+
+
+cdef inline double _dw_work(Py_ssize_t planes, Py_ssize_t HW, Py_ssize_t PQ, Py_ssize_t KK) noexcept nogil:
+    """pc_work's estimate of one depthwise pass: a plane's fixed cost, its padded copy and its taps
+    (on these small planes the kernels run far below the convolution rate)."""
+    return planes * PCG_DW_PLANE_NS + pc_elems_ns(<double>planes * (HW + PQ * KK / 4))
 
 
 def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
@@ -112,9 +123,7 @@ def depthwise_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q, KK = <Py_ssize_t>KH * KW
     cdef Py_ssize_t planes = <Py_ssize_t>N * O
     cdef int nt = pc_threads_for(planes * PQ * KK, planes, num_threads)
-    # a plane's fixed cost, its padded copy and its taps: the kernels run far below the
-    # convolution rate on these small planes
-    pc_work(planes * PCG_DW_PLANE_NS + pc_elems_ns(<double>planes * (HW + PQ * KK / 4)))
+    pc_work(_dw_work(planes, HW, PQ, KK))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef const float *wp = &w[0, 0, 0, 0]
     cdef const float *bp = NULL if b is None else &b[0]
@@ -184,8 +193,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
     cdef int nt = pc_threads_for(<Py_ssize_t>N * O * PQ * KK, O, num_threads)
     cdef Py_ssize_t planes = <Py_ssize_t>N * O
     cdef int passes = 2 if dx is not None else 1  # dw, and dx
-    # as depthwise_forward's: a plane's fixed cost, its copies and its taps, for each gradient
-    pc_work(passes * (planes * PCG_DW_PLANE_NS + pc_elems_ns(<double>planes * (HW + PQ * KK / 4))))
+    pc_work(passes * _dw_work(planes, HW, PQ, KK))
     # the bottom/right padding the taps reach (floor mode may leave input rows unread)
     cdef int PB = (P - 1) * SH + DH * (KH - 1) + 1 - H - PT, PR = (Q - 1) * SW + DW * (KW - 1) + 1 - W - PL
     # dx as the stride-1 correlation of dy with the flipped kernels needs these paddings >= 0
@@ -230,10 +238,7 @@ def depthwise_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
             pc_sync_wait(&sync)
             if dbp != NULL:
                 for o in prange(O, schedule="guided"):
-                    sacc = 0.0
-                    for n in range(N):
-                        sacc = sacc + pc_sum_f32(dyp + (n * O + o) * PQ, PQ)
-                    dbp[o] = <float>sacc
+                    dbp[o] = _bias_one(dyp, N, O, PQ, o)
         free(part)
         if failed[0]:
             raise MemoryError("depthwise_backward: could not allocate scratch")

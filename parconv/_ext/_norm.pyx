@@ -257,8 +257,8 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
-    # the sums' pass over x and dy, and dx's, which also writes (measured: the forward's time and half
-    # again with dx, three quarters of it without)
+    # the sums' pass over x and dy, and dx's, which also writes: the forward's time and half again
+    # with dx, three quarters of it without
     pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * (3.0 if dx is not None else 1.5)))
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
