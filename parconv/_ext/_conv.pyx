@@ -181,7 +181,8 @@ def conv2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
                                &y[0, 0, 0, 0], P, Q, nt, 0, 0, NULL, False, False, NULL, NULL, NULL, 0, stride,
                                sp, relu)
     else:
-        pc_work(pc_conv_ns(macs))
+        # a kernel narrower than its stride gathers its columns: the images' floats count as well
+        pc_work(pc_conv_ns(macs) + pc_elems_ns(<double>N * (<double>C * H * W + <double>O * P * Q)))
         failed = _conv_tiled(&x[0, 0, 0, 0], N, C, H, W, stride, padding, K, &w[0, 0, 0, 0], O, bp,
                              &y[0, 0, 0, 0], P, Q, nt, tile_bytes, sp, relu)
     pc_work(0)
@@ -255,7 +256,10 @@ def conv2d_backward(const float[:, :, :, ::1] x,   # IN  (N, C, H, W)
         pc_work(pc_conv_ns(macs))
         failed = _dw_shifted(xp, N, C, H, W, padding, K, dyp, O, P, Q, dwp, nt, stride)
     if not failed and (not dw_by_kernel or (dx is not None and not dx_by_conv)):
-        pc_work(pc_conv_ns(macs * (2 - dw_by_kernel - (dx is None or dx_by_conv))))
+        # im2col reads the images and col2im zeroes and scatters into dx: their floats count as well
+        pc_work(pc_conv_ns(macs * (2 - dw_by_kernel - (dx is None or dx_by_conv)))
+                + pc_elems_ns(<double>N * (<double>C * H * W * ((not dw_by_kernel) + (dx is not None and not dx_by_conv))
+                                           + <double>O * P * Q)))
         failed = _backward_blas(xp, N, C, H, W, wp, O, K, dyp, P, Q, stride, padding,
                                 NULL if dx_by_conv else dxp, NULL if dw_by_kernel else dwp, nt, tile_bytes)
     pc_work(0)

@@ -65,15 +65,17 @@ static __thread double pc_work_ns = 0;
 
 /* A thread joins a region where its share is worth this many region starts: a region of W ns on
  * two threads takes about W/2 plus a start, and a start with work to share costs more than the
- * probe's empty one (the woken thread's caches are cold; each barrier inside costs another). */
-#define PC_REGION_PAYBACK 3.5
+ * probe's empty one (the woken thread's caches are cold; each barrier inside costs another), so
+ * two threads pay from about 2.5 starts of work on; the margin above that covers the estimates'
+ * error. */
+#define PC_REGION_PAYBACK 2.0
 
 /* Nominal one-thread rates of the kernels' inner loops, for pc_work's estimates: fp32
  * multiply-adds per ns of the own GEMM (two FMA pipes of this build's vector width at ~3 GHz:
- * it runs near that) and of a convolution (a third of it: less still where the layer has few
- * channels), and elements per ns of a pass over cached arrays. They only decide the team, and
- * an estimate on the low side costs a wake-up where one on the high side could cost half the
- * speed of a large layer, so the convolution rate is the low one. */
+ * it runs near that) and of a convolution (0.6 of it: layers with few channels run slower, wide
+ * ones faster, and a wide layer at batch 1 whose estimate is high would pay two wake-ups for
+ * one thread's work), and elements per ns of a pass over cached arrays. They only decide the
+ * team, never the bits. */
 #if defined(__AVX512F__)
 #define PC_MACS_PER_NS 100.0
 #elif defined(__AVX2__) || defined(__ARM_NEON)
@@ -81,7 +83,7 @@ static __thread double pc_work_ns = 0;
 #else
 #define PC_MACS_PER_NS 12.0
 #endif
-#define PC_CONV_MACS_PER_NS (PC_MACS_PER_NS / 3)
+#define PC_CONV_MACS_PER_NS (PC_MACS_PER_NS * 0.6)
 #define PC_ELEMS_PER_NS 6.0
 
 static inline int pc_cap(ptrdiff_t n)
