@@ -19,7 +19,7 @@ pytest.importorskip("parconv._ext._conv", reason="OpenMP kernels not built")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from parconv._config import num_threads  # noqa: E402
+from parconv._config import conv_precision, num_threads  # noqa: E402
 from parconv.backends.numpy_ref import NumpyBackend  # noqa: E402
 from parconv.backends.openmp import OpenMPBackend, _blas_one_thread, omp_max_threads, openmp_enabled  # noqa: E402
 
@@ -344,6 +344,38 @@ def test_conv2d_winograd_small_maps_in_a_batch_match_reference(N, C, O, H, dx_wi
         close(omp.conv2d_forward(x, w, b, 1, 1), ref.conv2d_forward(x, w, b, 1, 1))
         for got, want in zip(omp.conv2d_backward(x, w, dy, 1, 1), ref.conv2d_backward(x, w, dy, 1, 1)):
             close(got, want)
+
+
+@SETTINGS
+@given(N=st.integers(1, 2), C=st.integers(24, 80), O=st.integers(9, 70), H=st.integers(3, 9),
+       K=st.sampled_from([3, 5]), scaled=st.booleans(), seed=st.integers(0, 2**16))
+def test_direct_conv_of_few_images_split_over_filters_keeps_bits(N, C, O, H, K, scaled, seed):
+    """A batch of one or two images whose filters outweigh them (a wide layer at batch 1) is split
+    over runs of whole register blocks of filters instead of over output rows: every output keeps
+    its arithmetic, so each thread count gives the bits of one thread, near the reference; the
+    input gradient (flipped filters) goes the same way."""
+    rng = np.random.default_rng(seed)
+    pad = K // 2
+    x = uniform(rng, (N, C, H, H))
+    w = uniform(rng, (O, C, K, K), 1 / np.sqrt(C * K * K))
+    b = uniform(rng, (O,))
+    scale = uniform(rng, (O,)) if scaled else None
+    dy = uniform(rng, (N, O, H, H))
+    runs = []
+    for threads in (1, 2, 3):
+        with num_threads(threads):
+            with conv_precision("highest"):  # the direct kernels, no Winograd
+                y = (omp.conv2d_scale_shift_forward(x, w, scale, b, 1, pad, True) if scaled
+                     else omp.conv2d_forward(x, w, b, 1, pad))
+                dx = omp.conv2d_backward(x, w, dy, 1, pad)[0]
+        runs.append((y, dx))
+    want = ref.conv2d_forward(x, w, None if scaled else b, 1, pad)
+    if scaled:
+        want = np.maximum(want * scale[None, :, None, None] + b[None, :, None, None], 0)
+    close(runs[0][0], want)
+    close(runs[0][1], ref.conv2d_backward(x, w, dy, 1, pad)[0])
+    for y, dx in runs[1:]:
+        assert np.array_equal(y, runs[0][0]) and np.array_equal(dx, runs[0][1])
 
 
 @st.composite

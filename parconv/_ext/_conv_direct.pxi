@@ -131,8 +131,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     cdef float *ct = NULL
     cdef const float *a = w
     cdef float *wt = NULL
-    cdef int it, n, ch, ua, ub, o
+    cdef int it, n, ch, ua, ub, o, oa, ob, blocks
+    cdef bint by_filters
     cdef Py_ssize_t i
+    cdef double work
     cdef int PP = (P - pk) // ps + 1 if pk > 0 else 0
     cdef int QQ = (Q - pk) // ps + 1 if pk > 0 else 0
     cdef Py_ssize_t PPQQ = <Py_ssize_t>PP * QQ
@@ -168,9 +170,12 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     if cpi == 1:
         # whole images per chunk: each thread pads the image it works on into private scratch
         if flip_O > 0:
+            work = pc_work_get()
+            pc_work(pc_elems_ns(<double>O * kdim))  # a region of its own, as the copies below
             with nogil:
-                for it in prange(O, schedule="guided", num_threads=pc_cap(_min(nt, O) if <Py_ssize_t>O * kdim > 16384 else 1)):
+                for it in prange(O, schedule="guided", num_threads=pc_cap(_min(nt, O))):
                     pcc_flip_filters(w, flip_O, O, K, it, it + 1, wt)
+            pc_work(work)
         with nogil, parallel(num_threads=pc_cap(nt)):
             buf = <float *>malloc(sizeof(float) * (img + slack))
             ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
@@ -233,6 +238,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
             return 1
         memset(shared + N * img, 0, sizeof(float) * slack)
         nf = O if flip_O > 0 else 0
+        # the copies are a region of their own: its team follows their work, not the product's (a
+        # layer at batch 1 would otherwise wake the team twice)
+        work = pc_work_get()
+        pc_work(pc_elems_ns(<double>N * C * Hg * Wg + <double>nf * kdim))
         with nogil:
             # one pass flips the filters (input gradient) and pads the planes
             for i in prange(nf + <Py_ssize_t>N * C, schedule="guided", num_threads=pc_cap(nt)):
@@ -241,6 +250,12 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 else:
                     pcc_pad_grid(x + ((i - nf) // C) * C * HW, H, W, pad, sd, Hg, Wg, <int>((i - nf) % C),
                                   <int>((i - nf) % C) + 1, shared + ((i - nf) // C) * img)
+        pc_work(work)
+        # filters that outweigh the images (a wide layer at batch 1): each chunk takes a run of whole
+        # register blocks of filters over the whole image, so a thread reads its share of the filters
+        # instead of all of them; every output row keeps its block width, so the bits are the same
+        blocks = O // mr0
+        by_filters = blocks >= cpi and <Py_ssize_t>O * kdim > <Py_ssize_t>N * img
         with nogil, parallel(num_threads=pc_cap(nt)):
             ct = <float *>malloc(sizeof(float) * PCC_MR_MAX * PCC_NR)
             if ct == NULL:
@@ -250,15 +265,25 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                     continue
                 n = it // cpi
                 ch = it % cpi
-                ua = <int>((<long>units * ch) // cpi)
-                ub = <int>((<long>units * (ch + 1)) // cpi)
-                if by_rows:
-                    pcc_conv_rows(a, O, kdim, mr0, nv, shared + n * img, off, ua, ub, Wg, Q,
-                                  y + n * O * PQ, PQ, bias, scale, relu, ct)
+                if by_filters:
+                    oa = mr0 * <int>((<long>blocks * ch) // cpi)
+                    ob = O if ch == cpi - 1 else mr0 * <int>((<long>blocks * (ch + 1)) // cpi)
+                    ua = 0
+                    ub = units
                 else:
-                    pcc_conv_panels(a, O, kdim, mr0, nv, shared + n * img, off, <Py_ssize_t>ua * nr,
-                                    min(<Py_ssize_t>ub * nr, s_end), Wg, Q, y + n * O * PQ, PQ, bias, scale,
-                                    relu, ct)
+                    oa = 0
+                    ob = O
+                    ua = <int>((<long>units * ch) // cpi)
+                    ub = <int>((<long>units * (ch + 1)) // cpi)
+                if by_rows:
+                    pcc_conv_rows(a + <Py_ssize_t>oa * kdim, ob - oa, kdim, mr0, nv, shared + n * img, off, ua, ub,
+                                  Wg, Q, y + n * O * PQ + oa * PQ, PQ, NULL if bias == NULL else bias + oa,
+                                  NULL if scale == NULL else scale + oa, relu, ct)
+                else:
+                    pcc_conv_panels(a + <Py_ssize_t>oa * kdim, ob - oa, kdim, mr0, nv, shared + n * img, off,
+                                    <Py_ssize_t>ua * nr, min(<Py_ssize_t>ub * nr, s_end), Wg, Q,
+                                    y + n * O * PQ + oa * PQ, PQ, NULL if bias == NULL else bias + oa,
+                                    NULL if scale == NULL else scale + oa, relu, ct)
             free(ct)
         free(shared)
     free(off)

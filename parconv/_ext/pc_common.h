@@ -72,18 +72,21 @@ static __thread double pc_work_ns = 0;
 
 /* Nominal one-thread rates of the kernels' inner loops, for pc_work's estimates: fp32
  * multiply-adds per ns of the own GEMM (two FMA pipes of this build's vector width at ~3 GHz:
- * it runs near that) and of a convolution (0.6 of it: layers with few channels run slower, wide
- * ones faster, and a wide layer at batch 1 whose estimate is high would pay two wake-ups for
- * one thread's work), and elements per ns of a pass over cached arrays. They only decide the
- * team, never the bits. */
+ * it runs near that) and of a direct convolution (AVX-512: 0.6 of it, as its register blocks
+ * keep the wide vectors less busy; AVX2: the GEMM's, which its narrower blocks reach; layers
+ * with few channels run slower), and elements per ns of a pass over cached arrays. A call whose
+ * estimate is too high pays wake-ups for one thread's work, one too low leaves a core idle; they
+ * only decide the team, never the bits. */
 #if defined(__AVX512F__)
 #define PC_MACS_PER_NS 100.0
+#define PC_CONV_MACS_PER_NS 60.0
 #elif defined(__AVX2__) || defined(__ARM_NEON)
 #define PC_MACS_PER_NS 50.0
+#define PC_CONV_MACS_PER_NS 50.0
 #else
 #define PC_MACS_PER_NS 12.0
+#define PC_CONV_MACS_PER_NS 7.2
 #endif
-#define PC_CONV_MACS_PER_NS (PC_MACS_PER_NS * 0.6)
 #define PC_ELEMS_PER_NS 6.0
 
 static inline int pc_cap(ptrdiff_t n)
