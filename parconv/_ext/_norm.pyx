@@ -26,6 +26,7 @@ from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_lim
     pc_sync_init, pc_sync_wait, pc_sync_first)
 
 cdef extern from "pc_norm.h":
+    int PCN_PLANE_STEP
     double pcn_sum(const float *p, Py_ssize_t n) noexcept nogil
     double pcn_sqdev(const float *p, Py_ssize_t n, double m) noexcept nogil
     void pcn_grad_sums_relu(const float *x, const float *dy, const float *y, Py_ssize_t n, float m, float istd,
@@ -36,6 +37,7 @@ cdef extern from "pc_norm.h":
 cdef enum:
     SERIAL_BELOW = 32768  # elements: below this, waking a team costs more than the loop
     BN_PLANE_MIN = 64  # pc_work counts a plane as at least this many values (each has a fixed cost)
+    BN_TAIL_COST = 4  # and each value past its last whole vector step (PCN_PLANE_STEP) as this many more
 
 
 cdef inline Py_ssize_t _max(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
@@ -82,7 +84,7 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, M = N * L, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
-    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * 2))  # two passes
+    pc_work(pc_elems_ns(<double>planes * _plane_values(L) * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
     cdef double *m64
@@ -219,7 +221,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
-    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * 2))  # two passes
+    pc_work(pc_elems_ns(<double>planes * _plane_values(L) * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift
@@ -259,7 +261,7 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
     cdef int nc = _chunks(planes, planes * L, num_threads), i
     # the sums' pass over x and dy, and dx's, which also writes: the forward's time and half again
     # with dx, three quarters of it without
-    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * (3.0 if dx is not None else 1.5)))
+    pc_work(pc_elems_ns(<double>planes * _plane_values(L) * (3.0 if dx is not None else 1.5)))
     cdef double *part = <double *>calloc(2 * nc * C + 2 * C, sizeof(double))
     cdef double *sg
     cdef double *sgx
@@ -298,6 +300,12 @@ def batch_norm_backward(const float[:, :, ::1] x,    # IN  (N, C, L)
                           &invstd[0], coef, training)
     free(coef)
     free(part)
+
+
+cdef inline double _plane_values(Py_ssize_t L) noexcept nogil:
+    """What one plane of L values costs a pass, in values: at least BN_PLANE_MIN, and the ones its vector
+    loop leaves to the scalar one several times over (a 4x4 plane runs wholly scalar on AVX-512)."""
+    return <double>_max(L, BN_PLANE_MIN) + <double>BN_TAIL_COST * (L % PCN_PLANE_STEP)
 
 
 cdef inline Py_ssize_t _bound(Py_ssize_t N, Py_ssize_t C, Py_ssize_t i, int nc) noexcept nogil:

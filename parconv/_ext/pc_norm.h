@@ -116,6 +116,14 @@ static inline double pcn_hsum(pcn_vd a, pcn_vd b, pcn_vd c, pcn_vd d)
 #define PCN_HALF 8
 #endif
 
+/* The values a plane's sums take a whole vector step at a time; those past its last whole step run one at a
+ * time (for the work estimates of _norm.pyx). */
+#if defined(PCN_STEP)
+#define PCN_PLANE_STEP PCN_STEP
+#else
+#define PCN_PLANE_STEP 1
+#endif
+
 /* sum of p[0..n) in double */
 static inline double pcn_sum(const float *p, pcn_idx n)
 {
