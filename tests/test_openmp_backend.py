@@ -378,6 +378,31 @@ def test_direct_conv_of_few_images_split_over_filters_keeps_bits(N, C, O, H, K, 
         assert np.array_equal(y, runs[0][0]) and np.array_equal(dx, runs[0][1])
 
 
+@pytest.mark.parametrize("f4", [True, False])
+def test_winograd_forward_shares_its_filter_transforms_and_keeps_bits_at_every_team(f4):
+    """The Winograd forward's filter transforms are runs taken from a shared counter, the blocks wait
+    for all of them (pc_gate): 1 to 6 threads (more than this machine's cores, so some wake late or
+    not at all before the others finish) give the same bits, many calls in a row."""
+    rng = np.random.default_rng(5)
+    N, C, O, H = 8, 40, 48, 12
+    x = uniform(rng, (N, C, H, H))
+    w = uniform(rng, (O, C, 3, 3), 1 / np.sqrt(C * 9))
+    b = uniform(rng, (O,))
+    assert omp._winograd(C, O, 3, 1, H, H, N)
+    saved = omp._winograd4
+    try:
+        omp._winograd4 = lambda grad=False: f4
+        with num_threads(1):
+            want = omp.conv2d_forward(x, w, b, 1, 1)
+        close(want, ref.conv2d_forward(x, w, b, 1, 1))
+        for threads in (2, 3, 4, 6):
+            with num_threads(threads):
+                for _ in range(20):
+                    assert np.array_equal(omp.conv2d_forward(x, w, b, 1, 1), want), threads
+    finally:
+        omp._winograd4 = saved
+
+
 @st.composite
 def winograd4_cases(draw, dx=False):
     """dx: the transposed convolution (dy to an H x W dx) must qualify too."""

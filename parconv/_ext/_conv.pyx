@@ -58,7 +58,7 @@ from scipy.linalg.cython_blas cimport sgemm
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_cap, pc_get_team_limit, pc_set_team_limit,
     pc_work, pc_work_get, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns, pc_sync, pc_sync_init,
-    pc_sync_wait)
+    pc_sync_wait, pc_gate, pc_gate_init, pc_gate_take, pc_gate_done, pc_gate_wait)
 from .pc_pool cimport PC_POOL_U16_MAX, pc_pool_bases, pc_pool_plane, pc_pool_plane_u16
 from .pc_conv cimport *
 

@@ -43,6 +43,9 @@ cdef enum:
     # the F(2x2, 3x3) forward puts several images in a block where one has fewer tiles (8x8
     # outputs and less): GEMMs this wide read the transformed filters from L2 a quarter as often
     WINOGRAD_IMAGES_BELOW_TILES = 64
+    # the forward transforms its filters in this many runs (at most one a filter): enough for the
+    # threads that are awake to share them, few enough that each is worth a shared counter's step
+    WINO_FILTER_RUNS = 16
 
 
 # rules (min channels, min filters, min tiles, min tiles x filters), any of which takes Winograd:
@@ -165,9 +168,10 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef float *scr
     cdef float *ct
     cdef int failed[1]
-    cdef int blk, n, n0, n1, ty0, ty1, xi, o, nv, mr0
-    cdef pc_sync sync
-    pc_sync_init(&sync)
+    cdef int blk, n, n0, n1, ty0, ty1, xi, o, nv, mr0, fr
+    cdef int fruns = _min(O, WINO_FILTER_RUNS)
+    cdef pc_gate gate
+    pc_gate_init(&gate)
     failed[0] = 0
     if U == NULL or off == NULL:
         pcw_scratch_release(0, U)
@@ -193,17 +197,23 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
         else:
             # the last panel of a block reads whole vectors past its tiles: zeros, not stale floats
             memset(V, 0, sizeof(float) * pts * <size_t>ldxv)
-        for o in prange(O, schedule="guided"):
+        # the filters' transforms into U, in runs taken from the gate's counter: a thread that wakes
+        # late finds them done and goes straight to the blocks, which wait for all of U
+        while True:
+            fr = pc_gate_take(&gate)
+            if fr >= fruns:
+                break
             if V != NULL:
                 if f4:
-                    pcw4_filters(w, O, C, o, o + 1, U, V + pts * ldxv)
+                    pcw4_filters(w, O, C, O * fr // fruns, O * (fr + 1) // fruns, U, V + pts * ldxv)
                 else:
-                    pcw_filters(w, O, C, o, o + 1, U, V + pts * ldxv)
+                    pcw_filters(w, O, C, O * fr // fruns, O * (fr + 1) // fruns, U, V + pts * ldxv)
+            pc_gate_done(&gate, fruns)
         if V != NULL:
             M = V + pts * ldxv
             ct = M + pts * ldxm
             scr = ct + PCC_MR_MAX * PCC_NR
-        pc_sync_wait(&sync)  # every filter's transform in U before any block reads U
+        pc_gate_wait(&gate, fruns)  # every filter's transform in U before any block reads U
         for blk in prange(nblocks, schedule="dynamic"):
             if V != NULL:  # every thread must reach the loop; one without scratch skips its blocks
                 n0 = <int>((<long>N * (blk // bpi)) // ng)

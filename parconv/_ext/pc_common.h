@@ -221,6 +221,94 @@ static inline void pc_sync_wait(pc_sync *s)
 }
 #endif
 
+/* A first phase of n items whose results every item of the second phase reads (a layer's filter
+ * transforms before its blocks): each thread of the region takes items from the shared counter
+ * (pc_gate_take) until none is left, reports each one done (pc_gate_done), then waits for all n
+ * (pc_gate_wait) and goes on to its share of the second phase. Unlike a barrier, no thread waits
+ * for a partner that has not woken yet: the first thread at work takes every item itself and goes
+ * straight on, and a late one finds none left. A thread waits only for items others took, spinning
+ * PC_SYNC_SPINS pause loops before it sleeps (Linux; elsewhere it keeps spinning: the items are
+ * short). One pc_gate per region, set up with pc_gate_init before it starts. */
+typedef struct {
+    int next, done, sleepers;
+} pc_gate;
+
+static inline void pc_gate_init(pc_gate *g) { memset(g, 0, sizeof(*g)); }
+
+#if defined(__GNUC__) || defined(__clang__)
+#if !defined(PC_PAUSE)
+#if defined(__x86_64__) || defined(__i386__)
+#define PC_PAUSE() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define PC_PAUSE() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define PC_PAUSE() __asm__ __volatile__("" ::: "memory")
+#endif
+#endif
+static inline int pc_gate_take(pc_gate *g) { return __atomic_fetch_add(&g->next, 1, __ATOMIC_RELAXED); }
+
+static inline void pc_gate_done(pc_gate *g, int n)
+{
+    if (__atomic_add_fetch(&g->done, 1, __ATOMIC_SEQ_CST) == n) {
+#if defined(_OPENMP) && defined(__linux__)
+        if (__atomic_load_n(&g->sleepers, __ATOMIC_SEQ_CST))
+            pc_futex_wake(&g->done);
+#endif
+    }
+}
+
+static inline void pc_gate_wait(pc_gate *g, int n)
+{
+    int d;
+    for (int i = 0; i < PC_SYNC_SPINS; i++) {
+        if (__atomic_load_n(&g->done, __ATOMIC_ACQUIRE) >= n)
+            return;
+        PC_PAUSE();
+    }
+#if defined(_OPENMP) && defined(__linux__)
+    __atomic_add_fetch(&g->sleepers, 1, __ATOMIC_SEQ_CST);
+    while ((d = __atomic_load_n(&g->done, __ATOMIC_SEQ_CST)) < n)
+        pc_futex_wait(&g->done, d);
+    __atomic_sub_fetch(&g->sleepers, 1, __ATOMIC_SEQ_CST);
+#else
+    while ((d = __atomic_load_n(&g->done, __ATOMIC_ACQUIRE)) < n)
+        PC_PAUSE();
+#endif
+}
+#else /* compilers without GCC's atomics: the runtime's critical sections */
+static inline int pc_gate_take(pc_gate *g)
+{
+    int i;
+#if defined(_OPENMP)
+#pragma omp critical(pc_gate)
+#endif
+    i = g->next++;
+    return i;
+}
+
+static inline void pc_gate_done(pc_gate *g, int n)
+{
+    (void)n;
+#if defined(_OPENMP)
+#pragma omp critical(pc_gate)
+#endif
+    g->done++;
+}
+
+static inline void pc_gate_wait(pc_gate *g, int n)
+{
+    for (;;) {
+        int d;
+#if defined(_OPENMP)
+#pragma omp critical(pc_gate)
+#endif
+        d = g->done;
+        if (d >= n)
+            return;
+    }
+}
+#endif
+
 /* p rounded up to the next 64-byte boundary (NULL stays NULL): for a buffer malloc'ed
  * 64 bytes larger than needed; free the original pointer. */
 static inline void *pc_align64(void *p)

@@ -19,6 +19,12 @@ cdef extern from "pc_common.h":
     void pc_sync_init(pc_sync *s) noexcept nogil  # before the region (see pc_common.h)
     void pc_sync_wait(pc_sync *s) noexcept nogil  # between two pranges of one parallel block
     bint pc_sync_first() noexcept nogil  # thread 0: a serial step between two pc_sync_wait
+    ctypedef struct pc_gate:
+        pass
+    void pc_gate_init(pc_gate *g) noexcept nogil  # before the region (see pc_common.h)
+    int pc_gate_take(pc_gate *g) noexcept nogil  # the next first-phase item's index
+    void pc_gate_done(pc_gate *g, int n) noexcept nogil  # one of the n first-phase items is done
+    void pc_gate_wait(pc_gate *g, int n) noexcept nogil  # until all n are
 
 cdef enum:
     # below this much work (multiply-adds or elements touched) one thread is faster than waking a team
