@@ -13,7 +13,7 @@ import math
 from cython.parallel cimport prange
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_limit, pc_set_team_limit,
-    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_get_region_ns, pc_set_region_ns)
+    pc_work, pc_macs_ns, pc_conv_ns, pc_elems_ns, pc_update_ns, pc_get_region_ns, pc_set_region_ns)
 from libc.math cimport INFINITY, isnan, pow as c_pow
 from libc.stdlib cimport malloc, free
 
@@ -40,7 +40,7 @@ def sgd_update(float[::1] p,        # IN/OUT (n,) parameter
     """``g' = g + wd p``; ``v = momentum v + g'``; ``p -= lr (g' + momentum v if nesterov else v)``."""
     cdef Py_ssize_t n = p.shape[0], i, a, b
     cdef int nc = _chunks(n, num_threads)
-    pc_work(pc_elems_ns(<double>n))
+    pc_work(pc_update_ns(<double>n))
     cdef float *vp = NULL
     cdef float lr32 = <float>lr, mom32 = <float>momentum, wd32 = <float>weight_decay
     cdef int use_wd = weight_decay != 0.0
@@ -95,7 +95,7 @@ def sgd_update_many(list ps,   # IN/OUT parameters, each (n_i,) float32
                 vp[i] = &mp[0] if mp.shape[0] else NULL
         start[k] = total
         nc = _chunks(total, num_threads)
-        pc_work(pc_elems_ns(<double>total))
+        pc_work(pc_update_ns(<double>total))
         with nogil:
             for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
                 a = total * i // nc

@@ -109,6 +109,13 @@ static inline double pc_work_get(void) { return pc_work_ns; }
 static inline double pc_macs_ns(double macs) { return macs / PC_MACS_PER_NS; }
 static inline double pc_conv_ns(double macs) { return macs / PC_CONV_MACS_PER_NS; }
 static inline double pc_elems_ns(double elems) { return elems / PC_ELEMS_PER_NS; }
+/* An optimizer's pass over every parameter, its gradient and its state: arrays the backward left in
+ * another core's cache or in memory, so the memory system bounds it and a second thread gains little
+ * or loses (an MLP's SGD update ran slower on two threads than on one); counted at PC_UPDATE_SHARE
+ * of an element each, it takes a second thread only where it is larger than a pass over cached
+ * arrays would need. */
+#define PC_UPDATE_SHARE 0.5
+static inline double pc_update_ns(double elems) { return pc_elems_ns(elems) * PC_UPDATE_SHARE; }
 
 /* The estimate of (M x K) @ (K x N): its multiply-adds, or where it streams its operands once (a
  * matrix-vector product or an outer product at batch 1) the floats it moves. */

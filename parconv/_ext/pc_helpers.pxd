@@ -11,6 +11,7 @@ cdef extern from "pc_common.h":
     double pc_macs_ns(double macs) noexcept nogil  # on the own GEMM
     double pc_conv_ns(double macs) noexcept nogil  # in a convolution kernel
     double pc_elems_ns(double elems) noexcept nogil
+    double pc_update_ns(double elems) noexcept nogil  # an optimizer's pass over parameters and state
     double pc_product_ns(double M, double N, double K) noexcept nogil  # (M x K) @ (K x N) on the own GEMM
     void pc_set_region_ns(double ns) noexcept nogil
     double pc_get_region_ns() noexcept nogil
