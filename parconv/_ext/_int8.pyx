@@ -86,8 +86,8 @@ cdef int _path = _best
 # the packed weights: a uint8 array, HEADER bytes of int32 fields, the raw (O, Kdim) weights, then
 # the panels for one kernel size (int8, then the same widened to int16); see pc_int8.h
 cdef enum:
-    # int8 multiply-adds per fp32 one of a convolution in these kernels (VNNI: four bytes a lane,
-    # less the layout), for pc_work
+    # int8 multiply-adds per fp32 one of a convolution or a linear layer in these kernels (VNNI:
+    # four bytes a lane, less the layout), for pc_work
     INT8_MAC_GAIN = 3
 
 cdef enum:
@@ -1096,7 +1096,7 @@ def linear_forward(xq,            # IN  uint8 (N, F)
                   np.float32 if y is not None else np.uint8, 2, "(N, G)")
     cdef Py_ssize_t N = xq.shape[0], F = xq.shape[1]
     cdef int G = out_.shape[1]
-    cdef double work = max(pc_macs_ns(<double>N * F * G), pc_elems_ns(<double>F * G / 4))  # or its weights' bytes
+    cdef double work = max(pc_macs_ns(<double>N * F * G / INT8_MAC_GAIN), pc_elems_ns(<double>F * G / 4))  # or its weights' bytes
     pc_work(work)
     if F < 1:
         raise ValueError(f"{fn}: xq must have at least one feature, got shape {xq.shape}")
