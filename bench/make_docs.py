@@ -447,6 +447,19 @@ def _top_sections(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+#: a line in a generated section after which the section's text is written by hand: regenerating the
+#: section keeps everything from this line on (notes on what changed, runs on other hosts)
+HAND_WRITTEN = "<!-- written by hand below: kept when the tables above are regenerated -->"
+
+
+def hand_written_tail(page_text: str, heading: str) -> list[str]:
+    """The lines of section ``heading`` from its HAND_WRITTEN marker on ([] without one)."""
+    for head, lines in _top_sections(page_text):
+        if head == heading and HAND_WRITTEN in lines:
+            return lines[lines.index(HAND_WRITTEN):]
+    return []
+
+
 def replace_section(page_text: str, heading: str, body: list[str]) -> str:
     """``page_text`` with its ``## `` section ``heading`` (and its subsections) replaced by ``body``
     (which starts with the heading), or ``body`` added before "## Amdahl analysis" (else at the end)."""

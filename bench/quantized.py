@@ -298,14 +298,16 @@ def main(argv=None) -> int:
         with atomic_open(args.json, "w") as f:
             json.dump({"command": command, "machine": info, "int8": out}, f, indent=1, default=float)
     if args.docs:
-        from make_docs import replace_section
+        from make_docs import hand_written_tail, replace_section
 
         page = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
         with open(page, encoding="utf-8") as f:
             text = f.read()
         note = f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}, {summary_line(info)}"
         with atomic_open(page, "w") as f:
-            f.write(replace_section(text, HEADING, docs_section(out, command, note)))
+            body = docs_section(out, command, note)
+            tail = hand_written_tail(text, HEADING)
+            f.write(replace_section(text, HEADING, body + ([""] if tail and body[-1] != "" else []) + tail))
         print(f"wrote {page}")
     return 1 if out["failed"] else 0
 

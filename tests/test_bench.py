@@ -497,6 +497,22 @@ def test_the_isa_dispatch_measurements_survive_a_full_regeneration():
     assert make_docs.keep_sections(kept, kept) == kept
 
 
+def test_a_generated_section_keeps_its_hand_written_tail_when_regenerated():
+    """bench/quantized.py --docs rewrites "## int8 inference" but keeps what follows its HAND_WRITTEN
+    marker (notes on what changed, runs on other hosts); a section without the marker is replaced whole."""
+    make_docs = _bench_module("make_docs")
+    heading = "## int8 inference"
+    notes = [make_docs.HAND_WRITTEN, "", "still short: x", "", "### int8 on another host", "", "| t |"]
+    text = "\n".join(["# Benchmarks", "", heading, "", "| old table |", ""] + notes + ["", "## Amdahl analysis", "", "A"])
+    tail = make_docs.hand_written_tail(text, heading)
+    assert tail[0] == make_docs.HAND_WRITTEN and "### int8 on another host" in tail and "| old table |" not in tail
+    out = make_docs.replace_section(text, heading, [heading, "", "| new table |", ""] + tail)
+    assert "| new table |" in out and "| old table |" not in out and "still short: x" in out
+    assert out.index("| new table |") < out.index("### int8 on another host") < out.index("## Amdahl analysis")
+    assert make_docs.hand_written_tail(out, heading) == make_docs.hand_written_tail(text, heading)
+    assert make_docs.hand_written_tail(text.replace(make_docs.HAND_WRITTEN, ""), heading) == []
+
+
 def test_precision_error_is_the_worst_tensor_scaled_by_its_largest_value():
     precision = _bench_module("precision")
     ref = {"a": np.array([1.0, -4.0]), "b": np.array([0.5, 0.0]), "z": np.zeros(2)}

@@ -86,7 +86,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
     w is (O, C, K, K), or with ``flip_O > 0`` the (flip_O, O, K, K) filters of
     the forward whose input gradient this is. ``pad`` may be negative (the
     padded image is then a crop). Work is split into chunks of output rows
-    (row walk) or panels (panel walk) of each image.
+    (row walk) or panels (panel walk) of each image; where images are cut into
+    chunks and the filters outweigh the images, into runs of whole register
+    blocks of filters over the whole image instead (a thread reads its share of
+    the filters; every output keeps its arithmetic).
 
     With ``pk > 0`` the convolution of each image goes to thread-private
     scratch and only ``relu(maxpool(., pk, ps))`` is written: y is then the
@@ -173,7 +176,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
             work = pc_work_get()
             pc_work(pc_elems_ns(<double>O * kdim))  # a region of its own, as the copies below
             with nogil:
-                for it in prange(O, schedule="guided", num_threads=pc_cap(_min(nt, O))):
+                for it in prange(O, schedule="guided", num_threads=pc_cap(_min(nt, O) if <Py_ssize_t>O * kdim > 16384 else 1)):
                     pcc_flip_filters(w, flip_O, O, K, it, it + 1, wt)
             pc_work(work)
         with nogil, parallel(num_threads=pc_cap(nt)):
@@ -241,7 +244,7 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
         # the copies are a region of their own: its team follows their work, not the product's (a
         # layer at batch 1 would otherwise wake the team twice)
         work = pc_work_get()
-        pc_work(pc_elems_ns(<double>N * C * Hg * Wg + <double>nf * kdim))
+        pc_work(pc_elems_ns(<double>N * img + <double>nf * kdim))
         with nogil:
             # one pass flips the filters (input gradient) and pads the planes
             for i in prange(nf + <Py_ssize_t>N * C, schedule="guided", num_threads=pc_cap(nt)):
@@ -266,8 +269,10 @@ cdef int _conv_shifted(const float *x, int N, int C, int H, int W, int pad, int 
                 n = it // cpi
                 ch = it % cpi
                 if by_filters:
-                    oa = mr0 * <int>((<long>blocks * ch) // cpi)
-                    ob = O if ch == cpi - 1 else mr0 * <int>((<long>blocks * (ch + 1)) // cpi)
+                    # the run's ends at the block boundaries nearest ch / cpi of the filters: even shares,
+                    # and with blocks >= cpi no run is empty
+                    oa = mr0 * <int>((<long>O * ch + cpi * mr0 // 2) // (<long>cpi * mr0))
+                    ob = O if ch == cpi - 1 else mr0 * <int>((<long>O * (ch + 1) + cpi * mr0 // 2) // (<long>cpi * mr0))
                     ua = 0
                     ub = units
                 else:

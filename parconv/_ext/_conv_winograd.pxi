@@ -43,9 +43,10 @@ cdef enum:
     # the F(2x2, 3x3) forward puts several images in a block where one has fewer tiles (8x8
     # outputs and less): GEMMs this wide read the transformed filters from L2 a quarter as often
     WINOGRAD_IMAGES_BELOW_TILES = 64
-    # the forward transforms its filters in this many runs (at most one a filter): enough for the
-    # threads that are awake to share them, few enough that each is worth a shared counter's step
-    WINO_FILTER_RUNS = 16
+    # the forward transforms its filters in at least this many runs (two a thread on larger teams, at
+    # most one a filter): enough for the threads that are awake to share them, few enough that each
+    # is worth a shared counter's step
+    WINOGRAD_FILTER_RUNS = 16
 
 
 # rules (min channels, min filters, min tiles, min tiles x filters), any of which takes Winograd:
@@ -169,7 +170,7 @@ cdef int _conv_winograd(const float *x, int N, int C, int H, int W, int pad,
     cdef float *ct
     cdef int failed[1]
     cdef int blk, n, n0, n1, ty0, ty1, xi, o, nv, mr0, fr
-    cdef int fruns = _min(O, WINO_FILTER_RUNS)
+    cdef int fruns = _min(O, max(<int>WINOGRAD_FILTER_RUNS, 2 * nt))
     cdef pc_gate gate
     pc_gate_init(&gate)
     failed[0] = 0

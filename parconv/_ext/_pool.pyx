@@ -50,9 +50,9 @@ def maxpool2d_forward(const float[:, :, :, ::1] x,  # IN  (N, C, H, W)
     cdef int P = y.shape[2], Q = y.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>N * C, HW = <Py_ssize_t>H * W, PQ = <Py_ssize_t>P * Q
     cdef int nt = pc_threads_for(planes * PQ * kernel_size * kernel_size, planes, num_threads)
-    # its input read once, as a network hands it over (from L3, not L1: 1.5 elements each), plus a
-    # pooled row's setup (8 elements' worth), which dominates on small planes
-    pc_work(pc_elems_ns(<double>planes * (HW * 1.5 + P * 8)))
+    # its taps, or its input read once as a network hands it over (from L3, not L1: 1.5 elements
+    # each) where that is more, plus a pooled row's setup (8 elements' worth): most on small planes
+    pc_work(pc_elems_ns(<double>planes * (max(<double>PQ * kernel_size * kernel_size, HW * 1.5) + P * 8)))
     cdef const float *xp = &x[0, 0, 0, 0]
     cdef float *yp = &y[0, 0, 0, 0]
     cdef pool_index_t *ap = &argmax[0, 0, 0, 0]

@@ -66,23 +66,27 @@ static __thread double pc_work_ns = 0;
 /* A thread joins a region where its share is worth this many region starts: a region of W ns on
  * two threads takes about W/2 plus a start, and a start with work to share costs more than the
  * probe's empty one (the woken thread's caches are cold; each barrier inside costs another), so
- * two threads pay from about 2.5 starts of work on; the margin above that covers the estimates'
- * error. */
+ * two threads pay from a few starts of work on; the margin above that covers the estimates' error
+ * (docs/performance-internals.md gives the measurements). */
 #define PC_REGION_PAYBACK 2.0
 
 /* Nominal one-thread rates of the kernels' inner loops, for pc_work's estimates: fp32
  * multiply-adds per ns of the own GEMM (two FMA pipes of this build's vector width at ~3 GHz:
  * it runs near that) and of a direct convolution (AVX-512: 0.6 of it, as its register blocks
- * keep the wide vectors less busy; AVX2: the GEMM's, which its narrower blocks reach; layers
- * with few channels run slower), and elements per ns of a pass over cached arrays. A call whose
+ * keep the wide vectors less busy; AVX2: the GEMM's, which its narrower blocks reach; both set
+ * against the direct forward kernels; layers with few channels run slower), and elements per ns
+ * of a pass over cached arrays. A call whose
  * estimate is too high pays wake-ups for one thread's work, one too low leaves a core idle; they
  * only decide the team, never the bits. */
 #if defined(__AVX512F__)
 #define PC_MACS_PER_NS 100.0
 #define PC_CONV_MACS_PER_NS 60.0
-#elif defined(__AVX2__) || defined(__ARM_NEON)
+#elif defined(__AVX2__)
 #define PC_MACS_PER_NS 50.0
 #define PC_CONV_MACS_PER_NS 50.0
+#elif defined(__ARM_NEON)
+#define PC_MACS_PER_NS 50.0
+#define PC_CONV_MACS_PER_NS (50.0 / 3) /* not measured on NEON: the low rate, as before */
 #else
 #define PC_MACS_PER_NS 12.0
 #define PC_CONV_MACS_PER_NS 7.2
@@ -111,9 +115,8 @@ static inline double pc_conv_ns(double macs) { return macs / PC_CONV_MACS_PER_NS
 static inline double pc_elems_ns(double elems) { return elems / PC_ELEMS_PER_NS; }
 /* An optimizer's pass over every parameter, its gradient and its state: arrays the backward left in
  * another core's cache or in memory, so the memory system bounds it and a second thread gains little
- * or loses (an MLP's SGD update ran slower on two threads than on one); counted at PC_UPDATE_SHARE
- * of an element each, it takes a second thread only where it is larger than a pass over cached
- * arrays would need. */
+ * or loses; counted at PC_UPDATE_SHARE of an element each, it takes a second thread only where it
+ * is larger than a pass over cached arrays would need. */
 #define PC_UPDATE_SHARE 0.5
 static inline double pc_update_ns(double elems) { return pc_elems_ns(elems) * PC_UPDATE_SHARE; }
 
@@ -282,12 +285,12 @@ static inline void pc_gate_wait(pc_gate *g, int n)
         PC_PAUSE();
 #endif
 }
-#else /* compilers without GCC's atomics: the runtime's critical sections */
+#else /* compilers without GCC's atomics: OpenMP's (3.1) */
 static inline int pc_gate_take(pc_gate *g)
 {
     int i;
 #if defined(_OPENMP)
-#pragma omp critical(pc_gate)
+#pragma omp atomic capture
 #endif
     i = g->next++;
     return i;
@@ -297,7 +300,7 @@ static inline void pc_gate_done(pc_gate *g, int n)
 {
     (void)n;
 #if defined(_OPENMP)
-#pragma omp critical(pc_gate)
+#pragma omp atomic update
 #endif
     g->done++;
 }
@@ -307,12 +310,15 @@ static inline void pc_gate_wait(pc_gate *g, int n)
     for (;;) {
         int d;
 #if defined(_OPENMP)
-#pragma omp critical(pc_gate)
+#pragma omp atomic read
 #endif
         d = g->done;
         if (d >= n)
-            return;
+            break;
     }
+#if defined(_OPENMP)
+#pragma omp flush
+#endif
 }
 #endif
 
