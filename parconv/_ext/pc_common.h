@@ -177,6 +177,17 @@ static inline int pc_sync_first(void)
 #endif
 }
 
+/* a spin loop's pause (pc_sync_wait, pc_gate_wait) */
+#if defined(__GNUC__) || defined(__clang__)
+#if defined(__x86_64__) || defined(__i386__)
+#define PC_PAUSE() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define PC_PAUSE() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define PC_PAUSE() __asm__ __volatile__("" ::: "memory")
+#endif
+#endif
+
 #if defined(_OPENMP) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
 #include <limits.h>
 #include <linux/futex.h>
@@ -188,13 +199,6 @@ static inline void pc_futex_wait(int *addr, int value)
     syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
 }
 static inline void pc_futex_wake(int *addr) { syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
-#if defined(__x86_64__) || defined(__i386__)
-#define PC_PAUSE() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define PC_PAUSE() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define PC_PAUSE() __asm__ __volatile__("" ::: "memory")
-#endif
 
 static inline void pc_sync_wait(pc_sync *s)
 {
@@ -246,15 +250,6 @@ typedef struct {
 static inline void pc_gate_init(pc_gate *g) { memset(g, 0, sizeof(*g)); }
 
 #if defined(__GNUC__) || defined(__clang__)
-#if !defined(PC_PAUSE)
-#if defined(__x86_64__) || defined(__i386__)
-#define PC_PAUSE() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define PC_PAUSE() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define PC_PAUSE() __asm__ __volatile__("" ::: "memory")
-#endif
-#endif
 static inline int pc_gate_take(pc_gate *g) { return __atomic_fetch_add(&g->next, 1, __ATOMIC_RELAXED); }
 
 static inline void pc_gate_done(pc_gate *g, int n)
