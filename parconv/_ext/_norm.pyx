@@ -221,7 +221,9 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], L = x.shape[2]
     cdef Py_ssize_t planes = N * C, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
-    pc_work(pc_elems_ns(<double>planes * _plane_values(L) * 2))  # two passes
+    # one pass that reads x and writes y, in loops the compiler vectorises whole (no scalar tail of
+    # pcn_sum's kind): a plane's fixed cost, no more
+    pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * 2))
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
     cdef float *shift

@@ -75,9 +75,8 @@ static __thread double pc_work_ns = 0;
  * it runs near that) and of a direct convolution (AVX-512: 0.6 of it, as its register blocks
  * keep the wide vectors less busy; AVX2: the GEMM's, which its narrower blocks reach; both set
  * against the direct forward kernels; layers with few channels run slower), and elements per ns
- * of a pass over cached arrays. A call whose
- * estimate is too high pays wake-ups for one thread's work, one too low leaves a core idle; they
- * only decide the team, never the bits. */
+ * of a pass over cached arrays. A call whose estimate is too high pays wake-ups for one thread's
+ * work, one too low leaves a core idle; they only decide the team, never the bits. */
 #if defined(__AVX512F__)
 #define PC_MACS_PER_NS 100.0
 #define PC_CONV_MACS_PER_NS 60.0
