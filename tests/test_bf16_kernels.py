@@ -31,8 +31,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ext.__fil
 RUNNABLE = [lv for lv in ext.STATE["built"] if lv in ext.STATE["supported"]]
 NATIVE = _bf16.native()
 needs_native = pytest.mark.skipif(not NATIVE, reason="needs the avx512 kernel level on a CPU with AVX512_BF16")
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 RTOL = 1e-5
+# where the CPU has AMX-BF16 every product test runs on the tiles and on VDPBF16PS
+PATHS = ["amx", "vdpbf16ps"] if _bf16.amx() else ["vdpbf16ps"]
+
+
+@pytest.fixture(autouse=True, params=PATHS)
+def product_path(request):
+    old = _bf16._set_amx(request.param == "amx")
+    assert _bf16.amx() == (request.param == "amx")
+    yield request.param
+    _bf16._set_amx(old)
 
 
 # ------------------------------------------------------------------ the NumPy model
@@ -319,6 +330,9 @@ def test_conv2d_backward_matches_the_model(case, want_dx, want_db):
     (2, 4, 6, 9, 3, 1, 5),       # padding >= K (dx through col2im)
     (2, 3, 4, 11, 2, 3, 1),      # even K, stride 3
     (4, 4, 9, 4, 1, 2, 2),       # padding > K at stride 2: output rows wholly inside the padding
+    (2, 40, 20, 9, 3, 1, 1),     # 20 channel pairs: two chunks of 16 on the tiles, the second half zero
+    (1, 8, 37, 20, 3, 1, 1),     # one image split into row blocks; 37 filters: a partial tile of 16
+    (3, 64, 64, 8, 3, 1, 1),     # resnet20's last stage
 ])
 def test_conv2d_layer_shapes_match_and_repeat_bit_for_bit(N, C, O, H, K, stride, pad):
     x, w, b, dy = _conv_case(np.random.default_rng(N * 131 + C), N, C, O, H, H + 1, K, stride, pad)

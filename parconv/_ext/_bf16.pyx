@@ -38,6 +38,18 @@ cdef extern from "pc_bf16.h":
     ctypedef Py_ssize_t pc_idx
     int PCB_NATIVE
     int pcb_cpu_native() noexcept nogil
+    int pcb_amx_init() noexcept nogil
+    int pcb_amx_set(int on) noexcept nogil
+    int pcb_amx_cpp(int C) noexcept nogil
+    pc_idx pcb_amx_plane(int RR, int Wp, int K) noexcept nogil
+    void pcb_amx_wpack(const float *w, int O, int C, int K, int cpp, uint32_t *wa) noexcept nogil
+    void pcb_amx_cpimage(const float *x, int C, int H, int W, int pad, int p0, int RR, int cpp, pc_idx L,
+                         uint32_t *img) noexcept nogil
+    void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, const uint32_t *wa, int O, int K,
+                           const float *b, float *y, int P, int Q, int p0, int p1, float *cb) noexcept nogil
+    void pcb_amx_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy,
+                          int O, int P, int Q, int p0, int p1, pc_idx L, float *part, pc_idx ldo, uint16_t *xb,
+                          uint32_t *dyt, float *cb) noexcept nogil
     double pcb_issue_seconds(int dot, long iters) noexcept nogil
     void *pc_align64(void *p) noexcept nogil
     pc_idx pcb_up16(pc_idx n) noexcept nogil
@@ -80,6 +92,8 @@ cdef enum:
     # the same for the stacked images of a weight gradient's block at stride 1: a longer reduction
     # per pass over the partial sums (Kd x O floats)
     DW_PANEL_BYTES = 524288
+    # a block's channel-pair image on the AMX path stays in L2 with the filters
+    AMX_IMAGE_BYTES = 524288
     # elements per block of round_to_bf16
     ROUND_CHUNK = 65536
     # linear: rows x columns of y (or dx, dw) per block handed to a thread
@@ -87,6 +101,8 @@ cdef enum:
     LIN_COLS = 256
 
 cdef bint _NATIVE = PCB_NATIVE != 0 and pcb_cpu_native() != 0
+# AMX-BF16 tiles take every product where the CPU has them and Linux lets the process use them
+cdef bint _AMX = _NATIVE and pcb_amx_init() != 0
 cdef Py_ssize_t _dw_panel_bytes = DW_PANEL_BYTES
 cdef int _dw_rows_outer = 1
 
@@ -108,6 +124,31 @@ def native():
     product kernels of this module raise :class:`RuntimeError` elsewhere.
     """
     return bool(_NATIVE)
+
+
+def amx():
+    """Whether the products run on AMX-BF16 tiles (TDPBF16PS) rather than on VDPBF16PS.
+
+    True where :func:`native` is True, the CPU has AMX-TILE and AMX-BF16 and the operating system
+    lets this process use the tile registers (Linux 5.16 or newer), unless :func:`_set_amx` turned
+    them off.
+    """
+    return bool(_AMX and _amx_user)
+
+
+cdef bint _amx_user = True
+
+
+def _set_amx(bint on):
+    """Use the AMX tiles (True) or VDPBF16PS (False) where the CPU has both; returns the old setting.
+
+    For tests and benchmarks that compare the two paths; a no-op where the CPU has no AMX-BF16.
+    """
+    global _amx_user
+    old = bool(_AMX and _amx_user)
+    _amx_user = on
+    pcb_amx_set(1 if (on and _AMX) else 0)
+    return old
 
 
 def dot_rate_vs_fma(int rounds=5, long iters=4000):
@@ -316,9 +357,55 @@ def round_to_bf16(x, out, int num_threads):
 
 # ------------------------------------------------------------------ convolution
 
+cdef int _conv_fwd_amx(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int pad,
+                       const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
+    """Stride 1 on the AMX tiles (pcb_amx_conv_rows) over blocks of (image, output rows), each block's
+    channel-pair image within AMX_IMAGE_BYTES."""
+    cdef int cpp = pcb_amx_cpp(C), Wp = Q + K - 1
+    cdef Py_ssize_t kt = <Py_ssize_t>K * K * cpp, Op = (O + 15) // 16 * 16
+    cdef int rb = P
+    while rb > 1 and <Py_ssize_t>cpp * pcb_amx_plane(rb + K - 1, Wp, K) * 4 > AMX_IMAGE_BYTES:
+        rb = (rb + 1) // 2
+    # enough blocks for every thread where the batch is small
+    while rb > 1 and <Py_ssize_t>N * ((P + rb - 1) // rb) < 2 * num_threads:
+        rb = (rb + 1) // 2
+    cdef int nbp = (P + rb - 1) // rb
+    cdef Py_ssize_t L = pcb_amx_plane(rb + K - 1, Wp, K)
+    cdef Py_ssize_t nblocks = <Py_ssize_t>N * nbp, blk
+    cdef int nt = pc_team(nblocks, num_threads)
+    cdef int failed[1]
+    cdef int n, p0, p1
+    cdef void *raw
+    cdef uint32_t *img
+    cdef uint32_t *wa = <uint32_t *>malloc(sizeof(uint32_t) * Op * kt)
+    if wa == NULL:
+        return 1
+    pcb_amx_wpack(w, O, C, K, cpp, wa)
+    failed[0] = 0
+    raw, img = NULL, NULL
+    with parallel(num_threads=pc_cap(nt)):
+        raw = malloc(sizeof(uint32_t) * cpp * L + sizeof(float) * 32 * 32 + 128)
+        img = <uint32_t *>pc_align64(raw)
+        if raw == NULL:
+            failed[0] = 1
+        for blk in prange(nblocks, schedule="dynamic"):
+            if raw != NULL:
+                n = <int>(blk // nbp)
+                p0 = <int>(blk % nbp) * rb
+                p1 = _imin(P, p0 + rb)
+                pcb_amx_cpimage(x + <Py_ssize_t>n * C * H * W, C, H, W, pad, p0, p1 - p0 + K - 1, cpp, L, img)
+                pcb_amx_conv_rows(img, L, cpp, wa, O, K, b, y + <Py_ssize_t>n * O * P * Q, P, Q, p0, p1,
+                                  <float *>pc_align64(img + cpp * L))
+        free(raw)
+    free(wa)
+    return failed[0]
+
+
 cdef int _conv_fwd(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int S, int pad,
                    const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
     """y = conv(x, w) + b over blocks of (image, output rows); w: (O, C, K, K) fp32, packed here."""
+    if S == 1 and _AMX and _amx_user:
+        return _conv_fwd_amx(x, N, C, H, W, w, O, K, pad, b, y, P, Q, num_threads)
     if S == 1 or (K == 1 and pad == 0):
         return _conv_fwd_s1(x, N, C, H, W, w, O, K, S, pad, b, y, P, Q, num_threads)
     cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, kp = (Kd + 1) // 2
@@ -492,6 +579,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, ldo = pcb_up16(O)
     cdef int ng = 1 if num_threads <= 1 else _imin(N, num_threads * PC_BLOCKS_PER_THREAD)
     cdef bint s1 = S == 1 or (K == 1 and pad == 0)
+    cdef bint amx = _AMX and _amx_user
     cdef int Wp = Q + K - 1 if s1 else W + 2 * pad
     # per output pixel: im2col's row elements (or, at stride 1, two flat copies of the input) and dy's pairs
     cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2 + O * 2, P, Wp, 1, 1) if s1 else
@@ -522,13 +610,15 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     failed[0] = 0
     raw, cols, dyt, xb = NULL, NULL, NULL, NULL
     with parallel(num_threads=pc_cap(nt)):
-        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2)) + sizeof(uint16_t) * xbn + 256)
+        # the tiles' dy pairs are padded to 16 rows and followed by their 32 x 32 output tile
+        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo + 1024 + 16)
+                     + sizeof(uint16_t) * xbn + 256)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
         else:
             dyt = <uint32_t *>pc_align64(cols + colsn)
-            xb = <uint16_t *>pc_align64(dyt + npp * (ldo + 16 + O))
+            xb = <uint16_t *>pc_align64(dyt + npp * (ldo + 16 + O) + (16 * ldo if amx else 0))
             if s1:
                 pcb_s1_dw_rows(C, K, Wp, L, xb, <const uint32_t **>cols)
         for g in prange(ng, schedule="dynamic"):
@@ -541,7 +631,11 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                     mm = _imin(m, n1 - n)
                     for ib in range(nbp):
                         p1 = _imin(P, ib * rb + rb)
-                        if s1:
+                        if s1 and amx:
+                            pcb_amx_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, S,
+                                             dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,
+                                             xb, dyt, <float *>pc_align64(xb + xbn))
+                        elif s1:
                             pcb_s1_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, S,
                                             dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,
                                             xb, <const uint32_t **>cols, dyt,

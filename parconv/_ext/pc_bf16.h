@@ -336,6 +336,428 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, const pc_idx *restr
     }
 }
 
+/* ------------------------------------------------------------ AMX tiles
+ *
+ * Where the CPU has AMX-BF16 (and the kernel lets this process use the tile registers), every
+ * product of pcb_gemm_r runs on TDPBF16PS instead: one instruction multiplies a 16 x 16-pair tile
+ * of A by a 16-pair x 16 tile of B into a 16 x 16 fp32 tile, 16x the work of a VDPBF16PS. The
+ * layouts are the ones above (A's rows along the reduction in pairs, B's reduction pairs as rows of
+ * columns), so a tile is a plain strided load. Operands whose rows lie apart (shifted views, rows
+ * picked through amap) and every reduction tail are first copied into zero-padded blocks, so no
+ * tile reads past what the VDPBF16PS kernel reads and padding multiplies only zeros. Each sum is
+ * fp32, in a different order than the VDPBF16PS kernel's: the two paths agree within fp32 rounding,
+ * and each repeats its own bits. */
+#if defined(__linux__) && defined(__x86_64__) && (__GNUC__ >= 11 || defined(__clang__))
+#define PCB_AMX 1
+#include <cpuid.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define PCB_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl")))
+
+static int pcb_amx_have = 0;  /* the CPU and OS run the tiles (pcb_amx_init) */
+static int pcb_amx_on = 0;    /* pcb_gemm_r uses them */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} pcb_tilecfg;
+
+/* Whether this process may run AMX-BF16: CPUID says AMX-TILE and AMX-BF16, XCR0 has the tile
+ * state enabled, and Linux grants the permission to use it (asked once per process). Turns the
+ * tiles on when it may. */
+static int pcb_amx_init(void)
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;         /* OSXSAVE */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return 0;                        /* AMX-TILE, AMX-BF16 */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return 0;                               /* XTILECFG, XTILEDATA */
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 0;
+    pcb_amx_have = pcb_amx_on = 1;
+    return 1;
+}
+
+/* Turn the tiles on (1) or off (0) where the CPU has them; returns the previous setting. */
+static int pcb_amx_set(int on)
+{
+    int old = pcb_amx_on;
+    pcb_amx_on = on && pcb_amx_have;
+    return old;
+}
+
+/* Per-thread staging memory, kept between calls (a product is called once per block of work). */
+static __thread uint32_t *pcb_amx_mem = NULL;
+static __thread pc_idx pcb_amx_cap = 0;
+
+static uint32_t *pcb_amx_scratch(pc_idx words)
+{
+    if (words > pcb_amx_cap) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, (size_t)words * sizeof(uint32_t)) != 0) return NULL;
+        free(pcb_amx_mem);
+        pcb_amx_mem = (uint32_t *)p;
+        pcb_amx_cap = words;
+    }
+    return pcb_amx_mem;
+}
+
+/* d[0..m) = s[0..m), m <= 32 words; masked loads never touch a word past s[m). */
+PCB_AMX_TARGET static inline void pcb_amx_copy(uint32_t *restrict d, const uint32_t *restrict s, pc_idx m)
+{
+    for (pc_idx i = 0; i < m; i += 16) {
+        pc_idx k = m - i < 16 ? m - i : 16;
+        __mmask16 mk = k == 16 ? (__mmask16)0xffff : (__mmask16)((1u << k) - 1u);
+        _mm512_mask_storeu_epi32(d + i, mk, _mm512_maskz_loadu_epi32(mk, s + i));
+    }
+}
+
+/* amap's runs of consecutive indices, as (first pair, first index, length) triples; returns how many
+ * (at most kp). A weight gradient's valid pixels come in runs of a row's pairs. */
+static pc_idx pcb_amx_runs(const pc_idx *amap, pc_idx kp, pc_idx *restrict runs)
+{
+    pc_idx n = 0;
+    for (pc_idx t = 0; t < kp;) {
+        pc_idx u = t + 1;
+        while (u < kp && amap[u] == amap[u - 1] + 1) u++;
+        runs[3 * n] = t;
+        runs[3 * n + 1] = amap[t];
+        runs[3 * n + 2] = u - t;
+        n++;
+        t = u;
+    }
+    return n;
+}
+
+/* Rows [r0, r0 + n) of A (pcb_tile's arow/amap rules; amap given as its nruns runs) as npad rows of
+ * kpp pairs, zero past n rows and past kp pairs. */
+PCB_AMX_TARGET static void pcb_amx_stage_a(const uint32_t *A, pc_idx lda, const uint32_t *const *arow,
+                                           const pc_idx *runs, pc_idx nruns, pc_idx r0, pc_idx n, pc_idx npad,
+                                           pc_idx kp, pc_idx kpp, uint32_t *restrict dst)
+{
+    for (pc_idx i = 0; i < npad; i++) {
+        uint32_t *d = dst + i * kpp;
+        if (i >= n) {
+            memset(d, 0, sizeof(uint32_t) * (size_t)kpp);
+            continue;
+        }
+        const uint32_t *s = arow != NULL ? arow[r0 + i] : A + (r0 + i) * lda;
+        if (runs != NULL) {
+            for (pc_idx u = 0; u < nruns; u++) {
+                const pc_idx *ru = runs + 3 * u;
+                for (pc_idx e = 0; e < ru[2]; e += 32)
+                    pcb_amx_copy(d + ru[0] + e, s + ru[1] + e, ru[2] - e < 32 ? ru[2] - e : 32);
+            }
+        } else {
+            memcpy(d, s, sizeof(uint32_t) * (size_t)kp);
+        }
+        if (kpp > kp) memset(d + kp, 0, sizeof(uint32_t) * (size_t)(kpp - kp));
+    }
+}
+
+/* Reduction pairs [t0, t1) of columns [j0, j0 + n) of B (pcb_tile's boff/rs/rq rules; j0 a multiple
+ * of rq) as rows of ldd pairs, zero past n columns and past kp pairs. */
+PCB_AMX_TARGET static void pcb_amx_stage_b(const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx rs, int rq,
+                                           pc_idx j0, pc_idx n, pc_idx t0, pc_idx t1, pc_idx kp,
+                                           uint32_t *restrict dst, pc_idx ldd)
+{
+    for (pc_idx t = t0; t < t1; t++) {
+        uint32_t *d = dst + (t - t0) * ldd;
+        pc_idx done = 0;
+        if (t < kp) {
+            const uint32_t *s = B + (boff != NULL ? boff[t] : t * ldb);
+            if (rs == 0) {
+                for (; done < n; done += 32) pcb_amx_copy(d + done, s + j0 + done, n - done < 32 ? n - done : 32);
+                done = n;
+            } else {
+                for (pc_idx J = j0; J < j0 + n; J += rq)
+                    pcb_amx_copy(d + (J - j0), s + J / rq * rs, j0 + n - J < rq ? j0 + n - J : rq);
+                done = n;
+            }
+        }
+        if (ldd > done) memset(d + done, 0, sizeof(uint32_t) * (size_t)(ldd - done));
+    }
+}
+
+/* One block of at most 32 x 32 outputs: rows of A at `ab` (kpp pairs apart, zero-padded to whole
+ * tiles), reduction chunk kc of B at bdir + kc * 16 * ldb for kc < kf (B itself) and at bst +
+ * (kc - kf) * 16 * ldbs past that (staged); then pcb_tile's store rules. */
+PCB_AMX_TARGET static void pcb_amx_block(const uint32_t *ab, pc_idx kpp, int nr, const uint32_t *bdir, pc_idx ldb,
+                                         pc_idx kf, const uint32_t *bst, pc_idx ldbs, int nc, float *restrict Cm,
+                                         pc_idx ldc, const float *brow, const float *bcol, int accumulate,
+                                         float *restrict cb)
+{
+    const pc_idx nk = kpp / 16, as = kpp * (pc_idx)sizeof(uint32_t);
+    const int two_a = nr > 16, two_b = nc > 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (pc_idx kc = 0; kc < nk; kc++) {
+        const uint32_t *a0 = ab + kc * 16;
+        const uint32_t *b0 = kc < kf ? bdir + kc * 16 * ldb : bst + (kc - kf) * 16 * ldbs;
+        const pc_idx bs = (kc < kf ? ldb : ldbs) * (pc_idx)sizeof(uint32_t);
+        _tile_loadd(4, a0, as);
+        _tile_loadd(6, b0, bs);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_b) {
+            _tile_loadd(7, b0 + 16, bs);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_a) {
+            _tile_loadd(5, a0 + 16 * kpp, as);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_b) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, cb, 128);
+    if (two_b) _tile_stored(1, cb + 16, 128);
+    if (two_a) {
+        _tile_stored(2, cb + 16 * 32, 128);
+        if (two_b) _tile_stored(3, cb + 16 * 32 + 16, 128);
+    }
+    const __mmask16 m0 = nc >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nc) - 1u);
+    const __mmask16 m1 = nc >= 32 ? (__mmask16)0xffff : nc > 16 ? (__mmask16)((1u << (nc - 16)) - 1u) : 0;
+    __m512 bc0 = _mm512_setzero_ps(), bc1 = _mm512_setzero_ps();
+    if (bcol != NULL) {
+        bc0 = _mm512_maskz_loadu_ps(m0, bcol);
+        bc1 = _mm512_maskz_loadu_ps(m1, bcol + 16);
+    }
+    for (int r = 0; r < nr; r++) {
+        float *cr = Cm + (pc_idx)r * ldc;
+        __m512 v0 = _mm512_load_ps(cb + r * 32), v1 = _mm512_load_ps(cb + r * 32 + 16);
+        if (accumulate) {
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cr), v0);
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cr + 16), v1);
+        } else if (brow != NULL) {
+            v0 = _mm512_add_ps(v0, _mm512_set1_ps(brow[r]));
+            v1 = _mm512_add_ps(v1, _mm512_set1_ps(brow[r]));
+        } else if (bcol != NULL) {
+            v0 = _mm512_add_ps(v0, bc0);
+            v1 = _mm512_add_ps(v1, bc1);
+        }
+        _mm512_mask_storeu_ps(cr, m0, v0);
+        if (m1) _mm512_mask_storeu_ps(cr + 16, m1, v1);
+    }
+}
+
+/* pcb_gemm_r on the tiles; returns 0 (having done nothing) when its staging memory cannot be had.
+ * The operand that the loop order passes over again is staged whole once; the other a block at a
+ * time. B is read in place where its rows lie ldb apart. */
+PCB_AMX_TARGET static int pcb_amx_gemm(const uint32_t *A, pc_idx lda, const uint32_t *const *arow,
+                                       const pc_idx *amap, pc_idx rows, const uint32_t *B, const pc_idx *boff,
+                                       pc_idx ldb, pc_idx kp, pc_idx rs, int rq, float *Cm, pc_idx ldc,
+                                       pc_idx cols, const float *brow, const float *bcol, int accumulate,
+                                       int rows_outer)
+{
+    const pc_idx kpp = (kp + 15) & ~(pc_idx)15, nk = kpp / 16;
+    /* B is read in place where each block's 32 columns are contiguous and its rows ldb apart */
+    const int bdirect = boff == NULL && (rs == 0 || rq % 32 == 0);
+    const pc_idx kf = bdirect ? kp / 16 : 0;  /* chunks read from B itself */
+    const pc_idx rows32 = (rows + 31) & ~(pc_idx)31, cols32 = (cols + 31) & ~(pc_idx)31;
+    const pc_idx asz = rows_outer ? 32 * kpp : rows32 * kpp;
+    const pc_idx ldbs = rows_outer ? cols32 : 32, bsz = (nk - kf) * 16 * ldbs;
+    const pc_idx rsz = amap != NULL ? 3 * kp * (pc_idx)(sizeof(pc_idx) / sizeof(uint32_t)) : 0;
+    uint32_t *buf = pcb_amx_scratch(asz + bsz + 32 * 32 + rsz);
+    if (buf == NULL) return 0;
+    uint32_t *As = buf, *Bs = buf + asz;
+    float *cb = (float *)(Bs + bsz);  /* 64-byte aligned: asz and bsz are multiples of 16 words */
+    pc_idx *runs = amap != NULL ? (pc_idx *)(cb + 32 * 32) : NULL;
+    pc_idx nruns = amap != NULL ? pcb_amx_runs(amap, kp, runs) : 0;
+    pcb_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    if (rows_outer) {
+        pcb_amx_stage_b(B, boff, ldb, rs, rq, 0, cols, kf * 16, kpp, kp, Bs, ldbs);
+        for (pc_idx r = 0; r < rows; r += 32) {
+            int nr = (int)(rows - r < 32 ? rows - r : 32);
+            pcb_amx_stage_a(A, lda, arow, runs, nruns, r, nr, 32, kp, kpp, As);
+            for (pc_idx j = 0; j < cols; j += 32) {
+                int nc = (int)(cols - j < 32 ? cols - j : 32);
+                pcb_amx_block(As, kpp, nr, B + (rs ? j / rq * rs : j), ldb, kf, Bs + j, ldbs, nc, Cm + r * ldc + j, ldc,
+                              brow ? brow + r : NULL, bcol ? bcol + j : NULL, accumulate, cb);
+            }
+        }
+    } else {
+        pcb_amx_stage_a(A, lda, arow, runs, nruns, 0, rows, rows32, kp, kpp, As);
+        for (pc_idx j = 0; j < cols; j += 32) {
+            int nc = (int)(cols - j < 32 ? cols - j : 32);
+            pcb_amx_stage_b(B, boff, ldb, rs, rq, j, nc, kf * 16, kpp, kp, Bs, ldbs);
+            for (pc_idx r = 0; r < rows; r += 32) {
+                int nr = (int)(rows - r < 32 ? rows - r : 32);
+                pcb_amx_block(As + r * kpp, kpp, nr, B + (rs ? j / rq * rs : j), ldb, kf, Bs, ldbs, nc,
+                              Cm + r * ldc + j, ldc,
+                              brow ? brow + r : NULL, bcol ? bcol + j : NULL, accumulate, cb);
+            }
+        }
+    }
+    _tile_release();
+    return 1;
+}
+
+/* Stride-1 convolution on the tiles, without im2col: the input is held as planes of CHANNEL pairs,
+ * img[cp][r][w'] = (bf16 x[2cp], bf16 x[2cp + 1]) at padded row r and column w', so for one tap
+ * (kh, kw) the 16 channel pairs of a B tile are 16 planes L words apart, read at the tap's offset
+ * kh * Wp + kw: one strided tile load. The outputs run along the flat index j = row * Wp + q of the
+ * padded width; the K - 1 columns past Q in each row are computed and dropped. The reduction runs
+ * tap by tap, chunks of 16 channel pairs within a tap: the same order for every output whatever
+ * the blocking or thread count. */
+
+/* Channel pairs per tap as the tiles take them: all of them up to 16, else whole chunks of 16. */
+static inline int pcb_amx_cpp(int C)
+{
+    int cpn = (C + 1) / 2;
+    return cpn <= 16 ? cpn : (cpn + 15) & ~15;
+}
+
+/* Words per plane of a block's channel-pair image: RR padded rows and the reads past them. */
+static inline pc_idx pcb_amx_plane(int RR, int Wp, int K) { return ((pc_idx)RR * Wp + K + 32 + 15) & ~(pc_idx)15; }
+
+/* The filters as tile rows: wa[o][(kh * K + kw) * cpp + cp] = (bf16 w[o][2cp][kh][kw], bf16
+ * w[o][2cp + 1][kh][kw]), zero past C and on the rows from O up to a multiple of 16. */
+static void pcb_amx_wpack(const float *restrict w, int O, int C, int K, int cpp, uint32_t *restrict wa)
+{
+    pc_idx KK = (pc_idx)K * K, kt = KK * cpp, Op = ((pc_idx)O + 15) & ~(pc_idx)15;
+    for (pc_idx o = 0; o < Op; o++)
+        for (pc_idx k = 0; k < KK; k++)
+            for (int cp = 0; cp < cpp; cp++) {
+                uint32_t lo = 0, hi = 0;
+                if (o < O && 2 * cp < C) lo = pcb_bf16(w[(o * C + 2 * cp) * KK + k]);
+                if (o < O && 2 * cp + 1 < C) hi = pcb_bf16(w[(o * C + 2 * cp + 1) * KK + k]);
+                wa[o * kt + k * cpp + cp] = lo | hi << 16;
+            }
+}
+
+/* A block's channel-pair image: padded input rows [p0, p0 + RR) (input row p0 + r - pad) of x (C,
+ * H, W), zero outside the input, past C and up to L words per plane. */
+static void pcb_amx_cpimage(const float *restrict x, int C, int H, int W, int pad, int p0, int RR, int cpp,
+                            pc_idx L, uint32_t *restrict img)
+{
+    int Wp = W + 2 * pad;
+    for (int cp = 0; cp < cpp; cp++) {
+        uint32_t *d = img + (pc_idx)cp * L;
+        const float *x0 = 2 * cp < C ? x + (pc_idx)(2 * cp) * H * W : NULL;
+        const float *x1 = 2 * cp + 1 < C ? x + (pc_idx)(2 * cp + 1) * H * W : NULL;
+        for (int r = 0; r < RR; r++, d += Wp) {
+            int h = p0 + r - pad;
+            if (x0 == NULL || h < 0 || h >= H) {
+                memset(d, 0, sizeof(uint32_t) * (size_t)Wp);
+                continue;
+            }
+            for (int q = 0; q < pad; q++) d[q] = d[pad + W + q] = 0;
+            const float *s0 = x0 + (pc_idx)h * W;
+            uint32_t *e = d + pad;
+            if (x1 != NULL) {
+                const float *s1 = x1 + (pc_idx)h * W;
+                PC_SIMD
+                for (int q = 0; q < W; q++) e[q] = pcb_bf16(s0[q]) | pcb_bf16(s1[q]) << 16;
+            } else {
+                PC_SIMD
+                for (int q = 0; q < W; q++) e[q] = pcb_bf16(s0[q]);
+            }
+        }
+        memset(img + (pc_idx)cp * L + (pc_idx)RR * Wp, 0, sizeof(uint32_t) * (size_t)(L - (pc_idx)RR * Wp));
+    }
+}
+
+/* Output rows [p0, p1) of one image's y (O, P, Q) = conv(img, wa) + b: img from pcb_amx_cpimage for
+ * the same p0 (RR = p1 - p0 + K - 1 rows, Wp = Q + K - 1), wa from pcb_amx_wpack; cb: 32 x 32 floats,
+ * 64-byte aligned. */
+PCB_AMX_TARGET static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, const uint32_t *wa, int O,
+                                             int K, const float *b, float *restrict y, int P, int Q, int p0,
+                                             int p1, float *restrict cb)
+{
+    const int Wp = Q + K - 1, kc = cpp < 16 ? cpp : 16;
+    const pc_idx KK = (pc_idx)K * K, kt = KK * cpp, npf = (pc_idx)(p1 - p0) * Wp, PQ = (pc_idx)P * Q;
+    pcb_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 4; i++) {  /* C */
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    for (int i = 4; i < 6; i++) {  /* A: 16 filters x kc pairs */
+        cfg.colsb[i] = (uint16_t)(4 * kc);
+        cfg.rows[i] = 16;
+    }
+    for (int i = 6; i < 8; i++) {  /* B: kc pairs x 16 outputs */
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = (uint8_t)kc;
+    }
+    _tile_loadconfig(&cfg);
+    const pc_idx as = kt * (pc_idx)sizeof(uint32_t), bs = L * (pc_idx)sizeof(uint32_t);
+    for (pc_idx j0 = 0; j0 < npf; j0 += 32) {
+        /* which of the 32 outputs are kept, and where the first kept one of each half goes */
+        __mmask16 keep[2];
+        pc_idx at[2];
+        for (int h = 0; h < 2; h++) {
+            pc_idx j = j0 + 16 * h;
+            unsigned m = 0;
+            for (int i = 0; i < 16; i++)
+                if (j + i < npf && (j + i) % Wp < Q) m |= 1u << i;
+            keep[h] = (__mmask16)m;
+            pc_idx r = j / Wp, q = j % Wp;
+            at[h] = (pc_idx)p0 * Q + r * Q + (q < Q ? q : Q);
+        }
+        const int two_b = keep[1] != 0;
+        for (int o0 = 0; o0 < O; o0 += 32) {
+            const int two_a = O - o0 > 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            const uint32_t *wo = wa + (pc_idx)o0 * kt;
+            for (int kh = 0; kh < K; kh++)
+                for (int kw = 0; kw < K; kw++) {
+                    const pc_idx tap = (pc_idx)kh * K + kw;
+                    const uint32_t *bt = img + (pc_idx)kh * Wp + kw + j0;
+                    for (int c0 = 0; c0 < cpp; c0 += 16) {
+                        const uint32_t *a0 = wo + tap * cpp + c0, *b0 = bt + (pc_idx)c0 * L;
+                        _tile_loadd(4, a0, as);
+                        _tile_loadd(6, b0, bs);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two_b) {
+                            _tile_loadd(7, b0 + 16, bs);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                        if (two_a) {
+                            _tile_loadd(5, a0 + 16 * kt, as);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (two_b) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                }
+            _tile_stored(0, cb, 128);
+            if (two_b) _tile_stored(1, cb + 16, 128);
+            if (two_a) {
+                _tile_stored(2, cb + 16 * 32, 128);
+                if (two_b) _tile_stored(3, cb + 16 * 32 + 16, 128);
+            }
+            const int nr = O - o0 < 32 ? O - o0 : 32;
+            for (int h = 0; h < 2; h++) {
+                if (!keep[h]) continue;
+                const __mmask16 st = (__mmask16)((1u << __builtin_popcount(keep[h])) - 1u);
+                for (int r = 0; r < nr; r++) {
+                    __m512 v = _mm512_load_ps(cb + r * 32 + 16 * h);
+                    if (b != NULL) v = _mm512_add_ps(v, _mm512_set1_ps(b[o0 + r]));
+                    _mm512_mask_storeu_ps(y + (pc_idx)(o0 + r) * PQ + at[h], st, _mm512_maskz_compress_ps(keep[h], v));
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, const pc_idx *amap,
                                   pc_idx rows, const uint32_t *B, const pc_idx *boff, pc_idx ldb, pc_idx kp,
                                   pc_idx rs, int rq, float *Cm, pc_idx ldc, pc_idx cols,
@@ -361,6 +783,11 @@ PCB_TARGET static void pcb_gemm_r(const uint32_t *A, pc_idx lda, const uint32_t 
                                   pc_idx rs, int rq, float *Cm, pc_idx ldc, pc_idx cols,
                                   const float *brow, const float *bcol, int accumulate, int rows_outer)
 {
+#ifdef PCB_AMX
+    if (pcb_amx_on && pcb_amx_gemm(A, lda, arow, amap, rows, B, boff, ldb, kp, rs, rq, Cm, ldc, cols, brow, bcol,
+                                   accumulate, rows_outer))
+        return;
+#endif
     const uint32_t *rowp[PCB_MR];
     pc_idx nj = (cols + PCB_NR - 1) / PCB_NR, nr_ = (rows + PCB_MR - 1) / PCB_MR;
     for (pc_idx u = 0; u < nj * nr_; u++) {
@@ -796,5 +1223,140 @@ static inline void pcb_conv_dx_image(const uint32_t *restrict wt, int C, int H, 
         pc_col2im(dcols, H, W, K, S, pad, Q, 0, C, p0, p1, dx);
     }
 }
+
+#ifdef PCB_AMX
+/* Weight gradient at stride 1 on the tiles, for pcb_s1_dw_block's block (same arguments and
+ * buffers): im2col's rows are the views of the flat input at each tap's offset, read as pixel pairs
+ * (from the copy shifted by one element where the offset is odd), so the 16 channels of an A tile
+ * lie L / 2 words apart and load in one strided read; B is dy's pixel pairs transposed, dyt[jp][o],
+ * over every flat pair (dy = 0 on the dropped columns and between stacked images). Tiles of 32
+ * channels x 32 filters per tap, summed over all the block's pairs, then added into part. cb: 32 x 32
+ * floats, 64-byte aligned; dyt: up16(npp) x up16(O) words, then O x npp words of scratch. */
+PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
+                                            int S, const float *restrict dy, int O, int P, int Q, int p0, int p1,
+                                            pc_idx L, float *restrict part, pc_idx ldo, uint16_t *restrict xb,
+                                            uint32_t *restrict dyt, float *restrict cb)
+{
+    const int Wp = Q + K - 1, RR = p1 - p0 + K - 1, KK = K * K;
+    const pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, n16 = (npp + 15) & ~(pc_idx)15;
+    const pc_idx CL = (pc_idx)C * L, ldt = ((pc_idx)O + 15) & ~(pc_idx)15;
+    uint16_t *xb1 = xb + CL;
+    pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
+    if (K > 1) {
+        memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
+        xb1[CL - 1] = 0;
+    }
+    /* dy's flat rows rounded (zero on the dropped columns, between images and past the end), then
+     * transposed into pairs */
+    uint16_t *h = (uint16_t *)(dyt + n16 * ldt);
+    for (int i = 0; i < m; i++)
+        for (int o = 0; o < O; o++) {
+            uint16_t *d = h + (pc_idx)o * 2 * npp + (pc_idx)i * RR * Wp;
+            pcb_round_rows(dy + (((pc_idx)i * O + o) * P + p0) * Q, p1 - p0, Q, d, Wp);
+            for (int p = p0; p < p1; p++, d += Wp)
+                for (int q = Q; q < Wp; q++) d[q] = 0;
+            pc_idx end = i + 1 < m ? (pc_idx)(i + 1) * RR * Wp : 2 * npp;
+            pc_idx at = (pc_idx)i * RR * Wp + (pc_idx)(p1 - p0) * Wp;
+            if (end > at) memset(h + (pc_idx)o * 2 * npp + at, 0, sizeof(uint16_t) * (size_t)(end - at));
+        }
+    const uint32_t *h32 = (const uint32_t *)h;
+    for (pc_idx jp = 0; jp < n16; jp++) {
+        uint32_t *d = dyt + jp * ldt;
+        if (jp < npp)
+            for (int o = 0; o < O; o++) d[o] = h32[(pc_idx)o * npp + jp];
+        else
+            for (int o = 0; o < O; o++) d[o] = 0;
+        for (pc_idx o = O; o < ldt; o++) d[o] = 0;
+    }
+    const pc_idx as = L * (pc_idx)sizeof(uint16_t), bs = ldt * (pc_idx)sizeof(uint32_t);
+    for (int c0 = 0; c0 < C; c0 += 32) {
+        const int ra = C - c0 < 16 ? C - c0 : 16, rb2 = C - c0 - 16 < 16 ? C - c0 - 16 : 16;
+        const int two_a = rb2 > 0;
+        pcb_tilecfg cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) cfg.colsb[i] = 64;
+        cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)ra;
+        cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(two_a ? rb2 : ra);
+        cfg.rows[6] = cfg.rows[7] = 16;
+        _tile_loadconfig(&cfg);
+        for (int k = 0; k < KK; k++) {
+            const pc_idx off = (pc_idx)(k / K) * Wp + k % K;
+            const uint32_t *a0 = (const uint32_t *)((off & 1 ? xb1 + off - 1 : xb + off) + (pc_idx)c0 * L);
+            const uint32_t *a1 = (const uint32_t *)((const uint16_t *)a0 + 16 * L);
+            for (int o0 = 0; o0 < O; o0 += 32) {
+                const int two_b = O - o0 > 16;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (pc_idx jp = 0; jp < n16; jp += 16) {
+                    const uint32_t *b0 = dyt + jp * ldt + o0;
+                    _tile_loadd(4, a0 + jp, as);
+                    _tile_loadd(6, b0, bs);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_b) {
+                        _tile_loadd(7, b0 + 16, bs);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (two_a) {
+                        _tile_loadd(5, a1 + jp, as);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two_b) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, cb, 128);
+                if (two_b) _tile_stored(1, cb + 16, 128);
+                if (two_a) {
+                    _tile_stored(2, cb + 16 * 32, 128);
+                    if (two_b) _tile_stored(3, cb + 16 * 32 + 16, 128);
+                }
+                const int nc = O - o0 < 32 ? O - o0 : 32, nr = two_a ? 16 + rb2 : ra;
+                const __mmask16 m0 = nc >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nc) - 1u);
+                const __mmask16 m1 = nc >= 32 ? (__mmask16)0xffff : nc > 16 ? (__mmask16)((1u << (nc - 16)) - 1u) : 0;
+                for (int r = 0; r < nr; r++) {
+                    float *pr = part + ((pc_idx)(c0 + r) * KK + k) * ldo + o0;
+                    _mm512_mask_storeu_ps(pr, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, pr),
+                                                                _mm512_load_ps(cb + r * 32)));
+                    if (m1)
+                        _mm512_mask_storeu_ps(pr + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, pr + 16),
+                                                                         _mm512_load_ps(cb + r * 32 + 16)));
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+#ifndef PCB_AMX
+/* no tiles on this level or platform: pcb_amx_init says so and _bf16.pyx calls nothing else */
+static int pcb_amx_init(void) { return 0; }
+static int pcb_amx_set(int on) { (void)on; return 0; }
+static inline int pcb_amx_cpp(int C) { return (C + 1) / 2; }
+static inline pc_idx pcb_amx_plane(int RR, int Wp, int K) { return (pc_idx)RR * Wp + K; }
+static void pcb_amx_wpack(const float *w, int O, int C, int K, int cpp, uint32_t *wa)
+{
+    (void)w; (void)O; (void)C; (void)K; (void)cpp; (void)wa;
+}
+static void pcb_amx_cpimage(const float *x, int C, int H, int W, int pad, int p0, int RR, int cpp, pc_idx L,
+                            uint32_t *img)
+{
+    (void)x; (void)C; (void)H; (void)W; (void)pad; (void)p0; (void)RR; (void)cpp; (void)L; (void)img;
+}
+static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, const uint32_t *wa, int O, int K,
+                              const float *b, float *y, int P, int Q, int p0, int p1, float *cb)
+{
+    (void)img; (void)L; (void)cpp; (void)wa; (void)O; (void)K; (void)b; (void)y; (void)P; (void)Q; (void)p0;
+    (void)p1; (void)cb;
+}
+static void pcb_amx_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy,
+                             int O, int P, int Q, int p0, int p1, pc_idx L, float *part, pc_idx ldo, uint16_t *xb,
+                             uint32_t *dyt, float *cb)
+{
+    (void)x; (void)m; (void)C; (void)H; (void)W; (void)K; (void)pad; (void)S; (void)dy; (void)O; (void)P;
+    (void)Q; (void)p0; (void)p1; (void)L; (void)part; (void)ldo; (void)xb; (void)dyt; (void)cb;
+}
+#endif
 
 #endif /* PC_BF16_H */
