@@ -218,6 +218,15 @@ def _compiled_round():
     return getattr(module, "round_to_bf16", None) if module is not None else None
 
 
+def _amx_bf16() -> bool:
+    """Whether the native bf16 products run on AMX tiles in this process."""
+    module = _bf16_module()
+    try:
+        return bool(module is not None and module.amx())
+    except Exception:  # noqa: BLE001 - a build without the tiles
+        return False
+
+
 def native_bf16() -> bool:
     """Whether the openmp backend runs native AVX512_BF16 kernels in this process."""
     module = _bf16_module()
@@ -262,11 +271,12 @@ def _warn_if_slow() -> None:
 def bf16_support() -> dict:
     """How bf16 convolution and linear run here: ``{"mode": "native"|"emulated", "why": str, ...}``.
 
-    ``native``: the openmp backend's kernels use AVX512_BF16 (``vdpbf16ps``).
+    ``native``: the openmp backend's kernels use AVX512_BF16 (``vdpbf16ps``), or
+    AMX-BF16's tiles (``tdpbf16ps``) where the CPU has them (``amx`` True).
     ``emulated``: inputs are rounded to bf16 and the float32 direct kernels
     compute (the same results to accumulation order; no speed-up). ``why`` says
     what decided it: the CPU's flags, the kernel level chosen (``PARCONV_ISA``),
-    or the build. In native mode ``dot_rate`` is VDPBF16PS's multiply-adds per
+    or the build. In native mode without AMX ``dot_rate`` is VDPBF16PS's multiply-adds per
     second over an FMA's, measured once per process, and
     ``faster_than_fp32`` is False where that rate is under
     :data:`SLOW_DOT_RATE`: such a core gains nothing from bf16 products and
@@ -288,6 +298,11 @@ def bf16_support() -> dict:
     info = {"cpu_avx512_bf16": cpu, "kernel_level": level,
             "compiled_rounding": _compiled_round() is not None}
     if native_bf16():
+        if _amx_bf16():
+            why = (f"the CPU has AMX-BF16 and the {level} kernels run every bf16 product on its tiles "
+                   f"(TDPBF16PS, 16x the multiply-adds of a VDPBF16PS per instruction)")
+            info.update(mode="native", why=why, amx=True, dot_rate=None, faster_than_fp32=True)
+            return info
         rate = _dot_rate()
         why = f"the CPU has AVX512_BF16 and the {level} kernels use it"
         if rate is not None:
@@ -295,7 +310,8 @@ def bf16_support() -> dict:
             if rate < SLOW_DOT_RATE:
                 why += (" (2x where the core issues both at one rate): at this rate bf16 training runs slower "
                         "than float32, whose 3x3 convolutions are Winograd; train in fp32 on this CPU")
-        info.update(mode="native", why=why, dot_rate=rate, faster_than_fp32=rate is None or rate >= SLOW_DOT_RATE)
+        info.update(mode="native", why=why, amx=False, dot_rate=rate,
+                    faster_than_fp32=rate is None or rate >= SLOW_DOT_RATE)
         return info
     info["mode"] = "emulated"
     if module is None:

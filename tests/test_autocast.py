@@ -573,7 +573,28 @@ def test_the_dot_rate_probe_measures_where_the_kernels_are_native():
     else:
         assert 0.2 < rate < 8.0, rate  # 32 against 16 multiply-adds per instruction, at whatever issue rates
         info = pc.amp.bf16_support()
-        assert info["dot_rate"] > 0 and "multiply-adds per second of an FMA" in info["why"]
+        if info["amx"]:  # the tiles take every product: the VDPBF16PS rate decides nothing
+            assert info["dot_rate"] is None and info["faster_than_fp32"] and "AMX-BF16" in info["why"]
+        else:
+            assert info["dot_rate"] > 0 and "multiply-adds per second of an FMA" in info["why"]
+
+
+def test_bf16_support_reports_the_amx_tiles_and_never_warns_on_them(monkeypatch):
+    import warnings
+
+    from parconv import amp
+
+    monkeypatch.setattr(amp, "native_bf16", lambda: True)
+    monkeypatch.setattr(amp, "_amx_bf16", lambda: True)
+    monkeypatch.setattr(amp, "_rate", [0.5])  # a slow VDPBF16PS does not matter where the tiles run
+    monkeypatch.setattr(amp, "_checked_speed", False)
+    info = amp.bf16_support()
+    assert info["mode"] == "native" and info["amx"] is True and info["faster_than_fp32"] is True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pc.autocast("bf16"):
+            pass
+    assert not [w for w in caught if "slower than float32" in str(w.message)]
 
 
 @pytest.mark.parametrize("rate, slow", [(1.0, True), (2.0, False)])
@@ -584,6 +605,7 @@ def test_autocast_warns_once_where_bf16_products_are_no_faster_than_float32(monk
     from parconv import amp
 
     monkeypatch.setattr(amp, "native_bf16", lambda: True)
+    monkeypatch.setattr(amp, "_amx_bf16", lambda: False)
     monkeypatch.setattr(amp, "_rate", [rate])
     monkeypatch.setattr(amp, "_checked_speed", False)
     info = amp.bf16_support()

@@ -254,6 +254,24 @@ def test_native_is_a_bool_and_matches_the_cpu():
         assert NATIVE == bool(ext.cpu_features().get("avx512_bf16"))
 
 
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def test_amx_is_used_only_where_the_cpu_has_the_tiles(product_path):
+    assert isinstance(_bf16.amx(), bool)
+    if _bf16.amx():
+        assert NATIVE and "amx_bf16" in _cpu_flags()
+    if not NATIVE or "amx_bf16" not in _cpu_flags():
+        assert PATHS == ["vdpbf16ps"] and not _bf16.amx()
+        assert _bf16._set_amx(True) is False and not _bf16.amx()  # a no-op without the tiles
+        _bf16._set_amx(False)
+
+
 @pytest.mark.skipif(NATIVE, reason="the product kernels run here")
 def test_product_kernels_raise_runtime_error_off_the_native_path():
     z = np.zeros((1, 1, 3, 3), np.float32)
