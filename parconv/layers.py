@@ -938,8 +938,10 @@ class SyncBatchNorm(_BatchNorm):
     def _local_sums(self, x, count: int):
         """Host float64 ``(sum, sum of squares)`` per channel of x (count values each)."""
         C = self.num_features
-        if self.backend.host_arrays:
-            x3 = np.asarray(x).reshape(x.shape[0], C, -1)
+        # a shard of one value per channel (one sample on this rank) has no batch statistics of its own
+        # for the device's kernel to compute; its sums are exact on the host
+        if self.backend.host_arrays or count < 2:
+            x3 = np.asarray(x if self.backend.host_arrays else self.backend.to_numpy(x)).reshape(x.shape[0], C, -1)
             s = x3.sum(axis=(0, 2), dtype=np.float64)
             d = x3 - (s / count).astype(np.float32)[None, :, None]
             m2 = np.square(d, out=d).sum(axis=(0, 2), dtype=np.float64)
