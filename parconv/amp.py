@@ -313,7 +313,7 @@ def bf16_support() -> dict:
         info.update(mode="native", why=why, amx=False, dot_rate=rate,
                     faster_than_fp32=rate is None or rate >= SLOW_DOT_RATE)
         return info
-    info["mode"] = "emulated"
+    info.update(mode="emulated", amx=False)
     if module is None:
         why = "no compiled kernels are loaded"
     elif not cpu:

@@ -285,8 +285,8 @@ def test_product_kernels_raise_runtime_error_off_the_native_path():
 
 conv_shapes = st.tuples(
     st.integers(1, 5),                     # N
-    st.integers(1, 19),                    # C
-    st.integers(1, 21),                    # O
+    st.integers(1, 40),                    # C: past 32 the tiles take two chunks of 16 channel pairs
+    st.integers(1, 40),                    # O: past 32 two rows of tiles
     st.integers(1, 11), st.integers(1, 11),  # H, W
     st.sampled_from([1, 2, 3, 5]),          # K
     st.sampled_from([1, 2]),                # stride
@@ -351,6 +351,8 @@ def test_conv2d_backward_matches_the_model(case, want_dx, want_db):
     (2, 40, 20, 9, 3, 1, 1),     # 20 channel pairs: two chunks of 16 on the tiles, the second half zero
     (1, 8, 37, 20, 3, 1, 1),     # one image split into row blocks; 37 filters: a partial tile of 16
     (3, 64, 64, 8, 3, 1, 1),     # resnet20's last stage
+    (2, 4, 8, 16, 1, 2, 0),      # a strided 1x1: shifted views staged for the tiles, rows of 8
+    (2, 4, 8, 32, 1, 2, 0),      # and rows of 16
 ])
 def test_conv2d_layer_shapes_match_and_repeat_bit_for_bit(N, C, O, H, K, stride, pad):
     x, w, b, dy = _conv_case(np.random.default_rng(N * 131 + C), N, C, O, H, H + 1, K, stride, pad)

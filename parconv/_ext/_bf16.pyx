@@ -49,7 +49,7 @@ cdef extern from "pc_bf16.h":
                            const float *b, float *y, int P, int Q, int p0, int p1, float *cb) noexcept nogil
     void pcb_amx_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy,
                           int O, int P, int Q, int p0, int p1, pc_idx L, float *part, pc_idx ldo, uint16_t *xb,
-                          uint32_t *dyt, float *cb) noexcept nogil
+                          uint32_t *dyt) noexcept nogil
     double pcb_issue_seconds(int dot, long iters) noexcept nogil
     void *pc_align64(void *p) noexcept nogil
     pc_idx pcb_up16(pc_idx n) noexcept nogil
@@ -610,8 +610,8 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     failed[0] = 0
     raw, cols, dyt, xb = NULL, NULL, NULL, NULL
     with parallel(num_threads=pc_cap(nt)):
-        # the tiles' dy pairs are padded to 16 rows and followed by their 32 x 32 output tile
-        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo + 1024 + 16)
+        # the tiles' dy pairs are padded to 16 rows
+        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
                      + sizeof(uint16_t) * xbn + 256)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
@@ -634,7 +634,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                         if s1 and amx:
                             pcb_amx_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, S,
                                              dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,
-                                             xb, dyt, <float *>pc_align64(xb + xbn))
+                                             xb, dyt)
                         elif s1:
                             pcb_s1_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, S,
                                             dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,

@@ -342,14 +342,17 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, const pc_idx *restr
  * product of pcb_gemm_r runs on TDPBF16PS instead: one instruction multiplies a 16 x 16-pair tile
  * of A by a 16-pair x 16 tile of B into a 16 x 16 fp32 tile, 16x the work of a VDPBF16PS. The
  * layouts are the ones above (A's rows along the reduction in pairs, B's reduction pairs as rows of
- * columns), so a tile is a plain strided load. Operands whose rows lie apart (shifted views, rows
- * picked through amap) and every reduction tail are first copied into zero-padded blocks, so no
- * tile reads past what the VDPBF16PS kernel reads and padding multiplies only zeros. Each sum is
+ * columns), so a tile is a plain strided load. Operands whose rows lie apart (shifted views) and
+ * every reduction tail are first copied into zero-padded blocks, so no tile reads past what the
+ * VDPBF16PS kernel reads and padding multiplies only zeros; rows picked through amap stay on
+ * VDPBF16PS. Each sum is
  * fp32, in a different order than the VDPBF16PS kernel's: the two paths agree within fp32 rounding,
  * and each repeats its own bits. */
-#if defined(__linux__) && defined(__x86_64__) && (__GNUC__ >= 11 || defined(__clang__))
+#if defined(__linux__) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define PCB_AMX 1
 #include <cpuid.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -390,21 +393,35 @@ static int pcb_amx_set(int on)
     return old;
 }
 
-/* Per-thread staging memory, kept between calls (a product is called once per block of work). */
+/* Per-thread staging memory, kept between calls (a product is called once per block of work) and
+ * freed when its thread exits. */
 static __thread uint32_t *pcb_amx_mem = NULL;
 static __thread pc_idx pcb_amx_cap = 0;
+static pthread_key_t pcb_amx_key;
+static pthread_once_t pcb_amx_once = PTHREAD_ONCE_INIT;
+static int pcb_amx_keyed = 0;
+
+static void pcb_amx_key_init(void) { pcb_amx_keyed = pthread_key_create(&pcb_amx_key, free) == 0; }
 
 static uint32_t *pcb_amx_scratch(pc_idx words)
 {
     if (words > pcb_amx_cap) {
         void *p = NULL;
-        if (posix_memalign(&p, 64, (size_t)words * sizeof(uint32_t)) != 0) return NULL;
+        pthread_once(&pcb_amx_once, pcb_amx_key_init);
+        if (!pcb_amx_keyed || posix_memalign(&p, 64, (size_t)words * sizeof(uint32_t)) != 0) return NULL;
+        if (pthread_setspecific(pcb_amx_key, p) != 0) {
+            free(p);
+            return NULL;
+        }
         free(pcb_amx_mem);
         pcb_amx_mem = (uint32_t *)p;
         pcb_amx_cap = words;
     }
     return pcb_amx_mem;
 }
+
+/* GCC's tile loads are asm without a memory clobber: order the staging stores before them. */
+#define PCB_AMX_FENCE() __asm__ volatile("" ::: "memory")
 
 /* d[0..m) = s[0..m), m <= 32 words; masked loads never touch a word past s[m). */
 PCB_AMX_TARGET static inline void pcb_amx_copy(uint32_t *restrict d, const uint32_t *restrict s, pc_idx m)
@@ -416,28 +433,10 @@ PCB_AMX_TARGET static inline void pcb_amx_copy(uint32_t *restrict d, const uint3
     }
 }
 
-/* amap's runs of consecutive indices, as (first pair, first index, length) triples; returns how many
- * (at most kp). A weight gradient's valid pixels come in runs of a row's pairs. */
-static pc_idx pcb_amx_runs(const pc_idx *amap, pc_idx kp, pc_idx *restrict runs)
-{
-    pc_idx n = 0;
-    for (pc_idx t = 0; t < kp;) {
-        pc_idx u = t + 1;
-        while (u < kp && amap[u] == amap[u - 1] + 1) u++;
-        runs[3 * n] = t;
-        runs[3 * n + 1] = amap[t];
-        runs[3 * n + 2] = u - t;
-        n++;
-        t = u;
-    }
-    return n;
-}
-
-/* Rows [r0, r0 + n) of A (pcb_tile's arow/amap rules; amap given as its nruns runs) as npad rows of
- * kpp pairs, zero past n rows and past kp pairs. */
-PCB_AMX_TARGET static void pcb_amx_stage_a(const uint32_t *A, pc_idx lda, const uint32_t *const *arow,
-                                           const pc_idx *runs, pc_idx nruns, pc_idx r0, pc_idx n, pc_idx npad,
-                                           pc_idx kp, pc_idx kpp, uint32_t *restrict dst)
+/* Rows [r0, r0 + n) of A (arow or A + r * lda) as npad rows of kpp pairs, zero past n rows and past
+ * kp pairs. */
+PCB_AMX_TARGET static void pcb_amx_stage_a(const uint32_t *A, pc_idx lda, const uint32_t *const *arow, pc_idx r0,
+                                           pc_idx n, pc_idx npad, pc_idx kp, pc_idx kpp, uint32_t *restrict dst)
 {
     for (pc_idx i = 0; i < npad; i++) {
         uint32_t *d = dst + i * kpp;
@@ -445,16 +444,7 @@ PCB_AMX_TARGET static void pcb_amx_stage_a(const uint32_t *A, pc_idx lda, const 
             memset(d, 0, sizeof(uint32_t) * (size_t)kpp);
             continue;
         }
-        const uint32_t *s = arow != NULL ? arow[r0 + i] : A + (r0 + i) * lda;
-        if (runs != NULL) {
-            for (pc_idx u = 0; u < nruns; u++) {
-                const pc_idx *ru = runs + 3 * u;
-                for (pc_idx e = 0; e < ru[2]; e += 32)
-                    pcb_amx_copy(d + ru[0] + e, s + ru[1] + e, ru[2] - e < 32 ? ru[2] - e : 32);
-            }
-        } else {
-            memcpy(d, s, sizeof(uint32_t) * (size_t)kp);
-        }
+        memcpy(d, arow != NULL ? arow[r0 + i] : A + (r0 + i) * lda, sizeof(uint32_t) * (size_t)kp);
         if (kpp > kp) memset(d + kp, 0, sizeof(uint32_t) * (size_t)(kpp - kp));
     }
 }
@@ -561,13 +551,11 @@ PCB_AMX_TARGET static int pcb_amx_gemm(const uint32_t *A, pc_idx lda, const uint
     const pc_idx rows32 = (rows + 31) & ~(pc_idx)31, cols32 = (cols + 31) & ~(pc_idx)31;
     const pc_idx asz = rows_outer ? 32 * kpp : rows32 * kpp;
     const pc_idx ldbs = rows_outer ? cols32 : 32, bsz = (nk - kf) * 16 * ldbs;
-    const pc_idx rsz = amap != NULL ? 3 * kp * (pc_idx)(sizeof(pc_idx) / sizeof(uint32_t)) : 0;
-    uint32_t *buf = pcb_amx_scratch(asz + bsz + 32 * 32 + rsz);
+    if (amap != NULL) return 0;  /* rows picked through amap: only the VDPBF16PS weight gradient has them */
+    uint32_t *buf = pcb_amx_scratch(asz + bsz + 32 * 32);
     if (buf == NULL) return 0;
     uint32_t *As = buf, *Bs = buf + asz;
     float *cb = (float *)(Bs + bsz);  /* 64-byte aligned: asz and bsz are multiples of 16 words */
-    pc_idx *runs = amap != NULL ? (pc_idx *)(cb + 32 * 32) : NULL;
-    pc_idx nruns = amap != NULL ? pcb_amx_runs(amap, kp, runs) : 0;
     pcb_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -580,7 +568,8 @@ PCB_AMX_TARGET static int pcb_amx_gemm(const uint32_t *A, pc_idx lda, const uint
         pcb_amx_stage_b(B, boff, ldb, rs, rq, 0, cols, kf * 16, kpp, kp, Bs, ldbs);
         for (pc_idx r = 0; r < rows; r += 32) {
             int nr = (int)(rows - r < 32 ? rows - r : 32);
-            pcb_amx_stage_a(A, lda, arow, runs, nruns, r, nr, 32, kp, kpp, As);
+            pcb_amx_stage_a(A, lda, arow, r, nr, 32, kp, kpp, As);
+            PCB_AMX_FENCE();
             for (pc_idx j = 0; j < cols; j += 32) {
                 int nc = (int)(cols - j < 32 ? cols - j : 32);
                 pcb_amx_block(As, kpp, nr, B + (rs ? j / rq * rs : j), ldb, kf, Bs + j, ldbs, nc, Cm + r * ldc + j, ldc,
@@ -588,10 +577,11 @@ PCB_AMX_TARGET static int pcb_amx_gemm(const uint32_t *A, pc_idx lda, const uint
             }
         }
     } else {
-        pcb_amx_stage_a(A, lda, arow, runs, nruns, 0, rows, rows32, kp, kpp, As);
+        pcb_amx_stage_a(A, lda, arow, 0, rows, rows32, kp, kpp, As);
         for (pc_idx j = 0; j < cols; j += 32) {
             int nc = (int)(cols - j < 32 ? cols - j : 32);
             pcb_amx_stage_b(B, boff, ldb, rs, rq, j, nc, kf * 16, kpp, kp, Bs, ldbs);
+            PCB_AMX_FENCE();
             for (pc_idx r = 0; r < rows; r += 32) {
                 int nr = (int)(rows - r < 32 ? rows - r : 32);
                 pcb_amx_block(As + r * kpp, kpp, nr, B + (rs ? j / rq * rs : j), ldb, kf, Bs, ldbs, nc,
@@ -695,6 +685,7 @@ PCB_AMX_TARGET static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int 
     }
     _tile_loadconfig(&cfg);
     const pc_idx as = kt * (pc_idx)sizeof(uint32_t), bs = L * (pc_idx)sizeof(uint32_t);
+    PCB_AMX_FENCE();
     for (pc_idx j0 = 0; j0 < npf; j0 += 32) {
         /* which of the 32 outputs are kept, and where the first kept one of each half goes */
         __mmask16 keep[2];
@@ -1225,17 +1216,46 @@ static inline void pcb_conv_dx_image(const uint32_t *restrict wt, int C, int H, 
 }
 
 #ifdef PCB_AMX
+/* dst[j][i] = src[i][j] for a 16 x 16 block of words, in registers. */
+PCB_AMX_TARGET static inline void pcb_tr16(const uint32_t *src, pc_idx lds, uint32_t *dst, pc_idx ldd)
+{
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(src + i * lds));
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + i * ldd), r[i]);
+}
+
 /* Weight gradient at stride 1 on the tiles, for pcb_s1_dw_block's block (same arguments and
  * buffers): im2col's rows are the views of the flat input at each tap's offset, read as pixel pairs
  * (from the copy shifted by one element where the offset is odd), so the 16 channels of an A tile
  * lie L / 2 words apart and load in one strided read; B is dy's pixel pairs transposed, dyt[jp][o],
  * over every flat pair (dy = 0 on the dropped columns and between stacked images). Tiles of 32
- * channels x 32 filters per tap, summed over all the block's pairs, then added into part. cb: 32 x 32
- * floats, 64-byte aligned; dyt: up16(npp) x up16(O) words, then O x npp words of scratch. */
+ * channels x 32 filters per tap, loaded from part, summed over all the block's pairs and stored back.
+ * An infinite or NaN input pixel meets the zero dy of the dropped columns here (0 x inf = NaN) where
+ * the VDPBF16PS kernel skips those columns; with such an input the loss is not finite either.
+ * dyt: up16(npp) x up16(O) words, then O x npp words of scratch. */
 PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int C, int H, int W, int K, int pad,
                                             int S, const float *restrict dy, int O, int P, int Q, int p0, int p1,
                                             pc_idx L, float *restrict part, pc_idx ldo, uint16_t *restrict xb,
-                                            uint32_t *restrict dyt, float *restrict cb)
+                                            uint32_t *restrict dyt)
 {
     const int Wp = Q + K - 1, RR = p1 - p0 + K - 1, KK = K * K;
     const pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, n16 = (npp + 15) & ~(pc_idx)15;
@@ -1260,15 +1280,15 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
             if (end > at) memset(h + (pc_idx)o * 2 * npp + at, 0, sizeof(uint16_t) * (size_t)(end - at));
         }
     const uint32_t *h32 = (const uint32_t *)h;
-    for (pc_idx jp = 0; jp < n16; jp++) {
+    const pc_idx jfull = npp & ~(pc_idx)15, ofull = (pc_idx)O & ~(pc_idx)15;
+    for (pc_idx jp = 0; jp < jfull; jp += 16)
+        for (pc_idx o = 0; o < ofull; o += 16) pcb_tr16(h32 + o * npp + jp, npp, dyt + jp * ldt + o, ldt);
+    for (pc_idx jp = 0; jp < n16; jp++) {  /* the edges: pairs past the last 16, filters past the last 16 */
         uint32_t *d = dyt + jp * ldt;
-        if (jp < npp)
-            for (int o = 0; o < O; o++) d[o] = h32[(pc_idx)o * npp + jp];
-        else
-            for (int o = 0; o < O; o++) d[o] = 0;
-        for (pc_idx o = O; o < ldt; o++) d[o] = 0;
+        for (pc_idx o = jp < jfull ? ofull : 0; o < ldt; o++) d[o] = jp < npp && o < O ? h32[o * npp + jp] : 0;
     }
     const pc_idx as = L * (pc_idx)sizeof(uint16_t), bs = ldt * (pc_idx)sizeof(uint32_t);
+    PCB_AMX_FENCE();
     for (int c0 = 0; c0 < C; c0 += 32) {
         const int ra = C - c0 < 16 ? C - c0 : 16, rb2 = C - c0 - 16 < 16 ? C - c0 - 16 : 16;
         const int two_a = rb2 > 0;
@@ -1285,11 +1305,17 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
             const uint32_t *a0 = (const uint32_t *)((off & 1 ? xb1 + off - 1 : xb + off) + (pc_idx)c0 * L);
             const uint32_t *a1 = (const uint32_t *)((const uint16_t *)a0 + 16 * L);
             for (int o0 = 0; o0 < O; o0 += 32) {
+                /* the sums go on from part's own rows (channels KK * ldo apart; the columns past O up
+                 * to ldo are scratch) */
                 const int two_b = O - o0 > 16;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
+                float *p0 = part + ((pc_idx)c0 * KK + k) * ldo + o0, *p1 = p0 + (pc_idx)16 * KK * ldo;
+                const pc_idx ps = (pc_idx)KK * ldo * (pc_idx)sizeof(float);
+                _tile_loadd(0, p0, ps);
+                if (two_b) _tile_loadd(1, p0 + 16, ps);
+                if (two_a) {
+                    _tile_loadd(2, p1, ps);
+                    if (two_b) _tile_loadd(3, p1 + 16, ps);
+                }
                 for (pc_idx jp = 0; jp < n16; jp += 16) {
                     const uint32_t *b0 = dyt + jp * ldt + o0;
                     _tile_loadd(4, a0 + jp, as);
@@ -1305,22 +1331,11 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
                         if (two_b) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
-                _tile_stored(0, cb, 128);
-                if (two_b) _tile_stored(1, cb + 16, 128);
+                _tile_stored(0, p0, ps);
+                if (two_b) _tile_stored(1, p0 + 16, ps);
                 if (two_a) {
-                    _tile_stored(2, cb + 16 * 32, 128);
-                    if (two_b) _tile_stored(3, cb + 16 * 32 + 16, 128);
-                }
-                const int nc = O - o0 < 32 ? O - o0 : 32, nr = two_a ? 16 + rb2 : ra;
-                const __mmask16 m0 = nc >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nc) - 1u);
-                const __mmask16 m1 = nc >= 32 ? (__mmask16)0xffff : nc > 16 ? (__mmask16)((1u << (nc - 16)) - 1u) : 0;
-                for (int r = 0; r < nr; r++) {
-                    float *pr = part + ((pc_idx)(c0 + r) * KK + k) * ldo + o0;
-                    _mm512_mask_storeu_ps(pr, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, pr),
-                                                                _mm512_load_ps(cb + r * 32)));
-                    if (m1)
-                        _mm512_mask_storeu_ps(pr + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, pr + 16),
-                                                                         _mm512_load_ps(cb + r * 32 + 16)));
+                    _tile_stored(2, p1, ps);
+                    if (two_b) _tile_stored(3, p1 + 16, ps);
                 }
             }
         }
@@ -1352,10 +1367,10 @@ static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, const uint
 }
 static void pcb_amx_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy,
                              int O, int P, int Q, int p0, int p1, pc_idx L, float *part, pc_idx ldo, uint16_t *xb,
-                             uint32_t *dyt, float *cb)
+                             uint32_t *dyt)
 {
     (void)x; (void)m; (void)C; (void)H; (void)W; (void)K; (void)pad; (void)S; (void)dy; (void)O; (void)P;
-    (void)Q; (void)p0; (void)p1; (void)L; (void)part; (void)ldo; (void)xb; (void)dyt; (void)cb;
+    (void)Q; (void)p0; (void)p1; (void)L; (void)part; (void)ldo; (void)xb; (void)dyt;
 }
 #endif
 
