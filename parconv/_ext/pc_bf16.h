@@ -287,6 +287,37 @@ static int pcb_cpu_native(void)
 #define PCB_LD2(p) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))), \
                                       _mm256_loadu_si256((const __m256i *)((p) + rs)), 1)
 
+/* Rows r < rows of a tile's outputs (v0[r]: columns 0-15, v1[r]: 16-31; cols of them kept) into Cm:
+ * added to Cm (accumulate), or plus brow[r] (per row) or bcol[j] (per column) where given. */
+PCB_TARGET static inline void pcb_store_rows(const __m512 *v0s, const __m512 *v1s, int rows, int cols,
+                                             float *restrict Cm, pc_idx ldc, const float *restrict brow,
+                                             const float *restrict bcol, int accumulate)
+{
+    const __mmask16 m0 = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
+    const __mmask16 m1 = cols >= 32 ? (__mmask16)0xffff : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1u) : 0;
+    __m512 bc0 = _mm512_setzero_ps(), bc1 = _mm512_setzero_ps();
+    if (bcol != NULL) {
+        bc0 = _mm512_maskz_loadu_ps(m0, bcol);
+        bc1 = _mm512_maskz_loadu_ps(m1, bcol + 16);
+    }
+    for (int r = 0; r < rows; r++) {
+        float *cr = Cm + (pc_idx)r * ldc;
+        __m512 v0 = v0s[r], v1 = v1s[r];
+        if (accumulate) {
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cr), v0);
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cr + 16), v1);
+        } else if (brow != NULL) {
+            v0 = _mm512_add_ps(v0, _mm512_set1_ps(brow[r]));
+            v1 = _mm512_add_ps(v1, _mm512_set1_ps(brow[r]));
+        } else if (bcol != NULL) {
+            v0 = _mm512_add_ps(v0, bc0);
+            v1 = _mm512_add_ps(v1, bc1);
+        }
+        _mm512_mask_storeu_ps(cr, m0, v0);
+        if (m1) _mm512_mask_storeu_ps(cr + 16, m1, v1);
+    }
+}
+
 PCB_TARGET static void pcb_tile(const uint32_t *const *arow, const pc_idx *restrict amap, int rows,
                                 const uint32_t *restrict B, const pc_idx *restrict boff, pc_idx ldb, pc_idx kp,
                                 pc_idx rs, int rq, float *restrict Cm, pc_idx ldc, int cols,
@@ -311,29 +342,7 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, const pc_idx *restr
     } else {
         PCB_TILE_LOOP(B + boff[t], PCB_LD2(bt), PCB_LD2(bt + 2 * rs))
     }
-    const __mmask16 m0 = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
-    const __mmask16 m1 = cols >= 32 ? (__mmask16)0xffff : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1u) : 0;
-    __m512 bc0 = _mm512_setzero_ps(), bc1 = _mm512_setzero_ps();
-    if (bcol != NULL) {
-        bc0 = _mm512_maskz_loadu_ps(m0, bcol);
-        bc1 = _mm512_maskz_loadu_ps(m1, bcol + 16);
-    }
-    for (int r = 0; r < rows; r++) {
-        float *cr = Cm + (pc_idx)r * ldc;
-        __m512 v0 = c0[r], v1 = c1[r];
-        if (accumulate) {
-            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cr), v0);
-            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cr + 16), v1);
-        } else if (brow != NULL) {
-            v0 = _mm512_add_ps(v0, _mm512_set1_ps(brow[r]));
-            v1 = _mm512_add_ps(v1, _mm512_set1_ps(brow[r]));
-        } else if (bcol != NULL) {
-            v0 = _mm512_add_ps(v0, bc0);
-            v1 = _mm512_add_ps(v1, bc1);
-        }
-        _mm512_mask_storeu_ps(cr, m0, v0);
-        if (m1) _mm512_mask_storeu_ps(cr + 16, m1, v1);
-    }
+    pcb_store_rows(c0, c1, rows, cols, Cm, ldc, brow, bcol, accumulate);
 }
 
 /* ------------------------------------------------------------ AMX tiles
@@ -423,6 +432,45 @@ static uint32_t *pcb_amx_scratch(pc_idx words)
 /* GCC's tile loads are asm without a memory clobber: order the staging stores before them. */
 #define PCB_AMX_FENCE() __asm__ volatile("" ::: "memory")
 
+/* The 2 x 2 block of tiles every kernel below runs: C tiles 0, 1 (rows of A tile 4) and 2, 3 (rows of
+ * A tile 5) by the columns of B tiles 6 and 7; two_a / two_b say whether the second row / column of
+ * tiles is used. One reduction chunk: A at a0 and a1, B at b0 and b0 + 16 words. */
+PCB_AMX_TARGET static inline void pcb_amx_step(const void *a0, const void *a1, pc_idx as, const uint32_t *b0,
+                                               pc_idx bs, int two_a, int two_b)
+{
+    _tile_loadd(4, a0, as);
+    _tile_loadd(6, b0, bs);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two_b) {
+        _tile_loadd(7, b0 + 16, bs);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if (two_a) {
+        _tile_loadd(5, a1, as);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two_b) _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+PCB_AMX_TARGET static inline void pcb_amx_zero4(void)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* C tiles 0, 1 to c0 and c0 + 16, tiles 2, 3 to c1 and c1 + 16, rows cs bytes apart. */
+PCB_AMX_TARGET static inline void pcb_amx_store4(float *c0, float *c1, pc_idx cs, int two_a, int two_b)
+{
+    _tile_stored(0, c0, cs);
+    if (two_b) _tile_stored(1, c0 + 16, cs);
+    if (two_a) {
+        _tile_stored(2, c1, cs);
+        if (two_b) _tile_stored(3, c1 + 16, cs);
+    }
+}
+
 /* d[0..m) = s[0..m), m <= 32 words; masked loads never touch a word past s[m). */
 PCB_AMX_TARGET static inline void pcb_amx_copy(uint32_t *restrict d, const uint32_t *restrict s, pc_idx m)
 {
@@ -483,56 +531,19 @@ PCB_AMX_TARGET static void pcb_amx_block(const uint32_t *ab, pc_idx kpp, int nr,
 {
     const pc_idx nk = kpp / 16, as = kpp * (pc_idx)sizeof(uint32_t);
     const int two_a = nr > 16, two_b = nc > 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    pcb_amx_zero4();
     for (pc_idx kc = 0; kc < nk; kc++) {
         const uint32_t *a0 = ab + kc * 16;
         const uint32_t *b0 = kc < kf ? bdir + kc * 16 * ldb : bst + (kc - kf) * 16 * ldbs;
-        const pc_idx bs = (kc < kf ? ldb : ldbs) * (pc_idx)sizeof(uint32_t);
-        _tile_loadd(4, a0, as);
-        _tile_loadd(6, b0, bs);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two_b) {
-            _tile_loadd(7, b0 + 16, bs);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (two_a) {
-            _tile_loadd(5, a0 + 16 * kpp, as);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two_b) _tile_dpbf16ps(3, 5, 7);
-        }
+        pcb_amx_step(a0, a0 + 16 * kpp, as, b0, (kc < kf ? ldb : ldbs) * (pc_idx)sizeof(uint32_t), two_a, two_b);
     }
-    _tile_stored(0, cb, 128);
-    if (two_b) _tile_stored(1, cb + 16, 128);
-    if (two_a) {
-        _tile_stored(2, cb + 16 * 32, 128);
-        if (two_b) _tile_stored(3, cb + 16 * 32 + 16, 128);
-    }
-    const __mmask16 m0 = nc >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nc) - 1u);
-    const __mmask16 m1 = nc >= 32 ? (__mmask16)0xffff : nc > 16 ? (__mmask16)((1u << (nc - 16)) - 1u) : 0;
-    __m512 bc0 = _mm512_setzero_ps(), bc1 = _mm512_setzero_ps();
-    if (bcol != NULL) {
-        bc0 = _mm512_maskz_loadu_ps(m0, bcol);
-        bc1 = _mm512_maskz_loadu_ps(m1, bcol + 16);
-    }
+    pcb_amx_store4(cb, cb + 16 * 32, 128, two_a, two_b);
+    __m512 v0[32], v1[32];
     for (int r = 0; r < nr; r++) {
-        float *cr = Cm + (pc_idx)r * ldc;
-        __m512 v0 = _mm512_load_ps(cb + r * 32), v1 = _mm512_load_ps(cb + r * 32 + 16);
-        if (accumulate) {
-            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cr), v0);
-            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cr + 16), v1);
-        } else if (brow != NULL) {
-            v0 = _mm512_add_ps(v0, _mm512_set1_ps(brow[r]));
-            v1 = _mm512_add_ps(v1, _mm512_set1_ps(brow[r]));
-        } else if (bcol != NULL) {
-            v0 = _mm512_add_ps(v0, bc0);
-            v1 = _mm512_add_ps(v1, bc1);
-        }
-        _mm512_mask_storeu_ps(cr, m0, v0);
-        if (m1) _mm512_mask_storeu_ps(cr + 16, m1, v1);
+        v0[r] = _mm512_load_ps(cb + r * 32);
+        v1[r] = _mm512_load_ps(cb + r * 32 + 16);
     }
+    pcb_store_rows(v0, v1, nr, nc, Cm, ldc, brow, bcol, accumulate);
 }
 
 /* pcb_gemm_r on the tiles; returns 0 (having done nothing) when its staging memory cannot be had.
@@ -702,37 +713,18 @@ PCB_AMX_TARGET static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int 
         const int two_b = keep[1] != 0;
         for (int o0 = 0; o0 < O; o0 += 32) {
             const int two_a = O - o0 > 16;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            pcb_amx_zero4();
             const uint32_t *wo = wa + (pc_idx)o0 * kt;
             for (int kh = 0; kh < K; kh++)
                 for (int kw = 0; kw < K; kw++) {
                     const pc_idx tap = (pc_idx)kh * K + kw;
                     const uint32_t *bt = img + (pc_idx)kh * Wp + kw + j0;
                     for (int c0 = 0; c0 < cpp; c0 += 16) {
-                        const uint32_t *a0 = wo + tap * cpp + c0, *b0 = bt + (pc_idx)c0 * L;
-                        _tile_loadd(4, a0, as);
-                        _tile_loadd(6, b0, bs);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (two_b) {
-                            _tile_loadd(7, b0 + 16, bs);
-                            _tile_dpbf16ps(1, 4, 7);
-                        }
-                        if (two_a) {
-                            _tile_loadd(5, a0 + 16 * kt, as);
-                            _tile_dpbf16ps(2, 5, 6);
-                            if (two_b) _tile_dpbf16ps(3, 5, 7);
-                        }
+                        const uint32_t *a0 = wo + tap * cpp + c0;
+                        pcb_amx_step(a0, a0 + 16 * kt, as, bt + (pc_idx)c0 * L, bs, two_a, two_b);
                     }
                 }
-            _tile_stored(0, cb, 128);
-            if (two_b) _tile_stored(1, cb + 16, 128);
-            if (two_a) {
-                _tile_stored(2, cb + 16 * 32, 128);
-                if (two_b) _tile_stored(3, cb + 16 * 32 + 16, 128);
-            }
+            pcb_amx_store4(cb, cb + 16 * 32, 128, two_a, two_b);
             const int nr = O - o0 < 32 ? O - o0 : 32;
             for (int h = 0; h < 2; h++) {
                 if (!keep[h]) continue;
@@ -1316,27 +1308,9 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
                     _tile_loadd(2, p1, ps);
                     if (two_b) _tile_loadd(3, p1 + 16, ps);
                 }
-                for (pc_idx jp = 0; jp < n16; jp += 16) {
-                    const uint32_t *b0 = dyt + jp * ldt + o0;
-                    _tile_loadd(4, a0 + jp, as);
-                    _tile_loadd(6, b0, bs);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two_b) {
-                        _tile_loadd(7, b0 + 16, bs);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (two_a) {
-                        _tile_loadd(5, a1 + jp, as);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (two_b) _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, p0, ps);
-                if (two_b) _tile_stored(1, p0 + 16, ps);
-                if (two_a) {
-                    _tile_stored(2, p1, ps);
-                    if (two_b) _tile_stored(3, p1 + 16, ps);
-                }
+                for (pc_idx jp = 0; jp < n16; jp += 16)
+                    pcb_amx_step(a0 + jp, a1 + jp, as, dyt + jp * ldt + o0, bs, two_a, two_b);
+                pcb_amx_store4(p0, p1, ps, two_a, two_b);
             }
         }
     }
