@@ -43,10 +43,10 @@ cdef extern from "pc_bf16.h":
     int pcb_amx_cpp(int C) noexcept nogil
     pc_idx pcb_amx_plane(int RR, int Wp, int K) noexcept nogil
     void pcb_amx_wpack(const float *w, int O, int C, int K, int cpp, uint32_t *wa) noexcept nogil
-    void pcb_amx_cpimage(const float *x, int C, int H, int W, int pad, int p0, int RR, int cpp, pc_idx L,
-                         uint32_t *img) noexcept nogil
-    void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, const uint32_t *wa, int O, int K,
-                           const float *b, float *y, int P, int Q, int p0, int p1, float *cb) noexcept nogil
+    void pcb_amx_cpimage(const float *x, int C, int H, int W, int pad, int S, int K, int p0, int RR, int cpp,
+                         int Wg, pc_idx L, uint32_t *img) noexcept nogil
+    void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, int S, int Wg, const uint32_t *wa, int O,
+                           int K, const float *b, float *y, int P, int Q, int p0, int p1, float *cb) noexcept nogil
     void pcb_amx_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy,
                           int O, int P, int Q, int p0, int p1, pc_idx L, float *part, pc_idx ldo, uint16_t *xb,
                           uint32_t *dyt) noexcept nogil
@@ -357,20 +357,20 @@ def round_to_bf16(x, out, int num_threads):
 
 # ------------------------------------------------------------------ convolution
 
-cdef int _conv_fwd_amx(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int pad,
-                       const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
-    """Stride 1 on the AMX tiles (pcb_amx_conv_rows) over blocks of (image, output rows), each block's
-    channel-pair image within AMX_IMAGE_BYTES."""
-    cdef int cpp = pcb_amx_cpp(C), Wp = Q + K - 1
+cdef int _conv_fwd_amx(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int S,
+                       int pad, const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
+    """On the AMX tiles (pcb_amx_conv_rows) over blocks of (image, output rows), each block's channel-pair
+    image (S x S phase images at stride S) within AMX_IMAGE_BYTES."""
+    cdef int cpp = pcb_amx_cpp(C), Wg = (W + 2 * pad + S - 1) // S, ext = (K - 1) // S
     cdef Py_ssize_t kt = <Py_ssize_t>K * K * cpp, Op = (O + 15) // 16 * 16
     cdef int rb = P
-    while rb > 1 and <Py_ssize_t>cpp * pcb_amx_plane(rb + K - 1, Wp, K) * 4 > AMX_IMAGE_BYTES:
+    while rb > 1 and <Py_ssize_t>S * S * cpp * pcb_amx_plane(rb + ext, Wg, K) * 4 > AMX_IMAGE_BYTES:
         rb = (rb + 1) // 2
     # enough blocks for every thread where the batch is small
     while rb > 1 and <Py_ssize_t>N * ((P + rb - 1) // rb) < 2 * num_threads:
         rb = (rb + 1) // 2
     cdef int nbp = (P + rb - 1) // rb
-    cdef Py_ssize_t L = pcb_amx_plane(rb + K - 1, Wp, K)
+    cdef Py_ssize_t L = pcb_amx_plane(rb + ext, Wg, K)
     cdef Py_ssize_t nblocks = <Py_ssize_t>N * nbp, blk
     cdef int nt = pc_team(nblocks, num_threads)
     cdef int failed[1]
@@ -384,7 +384,7 @@ cdef int _conv_fwd_amx(const float *x, int N, int C, int H, int W, const float *
     failed[0] = 0
     raw, img = NULL, NULL
     with parallel(num_threads=pc_cap(nt)):
-        raw = malloc(sizeof(uint32_t) * cpp * L + sizeof(float) * 32 * 32 + 128)
+        raw = malloc(sizeof(uint32_t) * S * S * cpp * L + sizeof(float) * 32 * 32 + 128)
         img = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
@@ -393,9 +393,10 @@ cdef int _conv_fwd_amx(const float *x, int N, int C, int H, int W, const float *
                 n = <int>(blk // nbp)
                 p0 = <int>(blk % nbp) * rb
                 p1 = _imin(P, p0 + rb)
-                pcb_amx_cpimage(x + <Py_ssize_t>n * C * H * W, C, H, W, pad, p0, p1 - p0 + K - 1, cpp, L, img)
-                pcb_amx_conv_rows(img, L, cpp, wa, O, K, b, y + <Py_ssize_t>n * O * P * Q, P, Q, p0, p1,
-                                  <float *>pc_align64(img + cpp * L))
+                pcb_amx_cpimage(x + <Py_ssize_t>n * C * H * W, C, H, W, pad, S, K, p0, p1 - p0 + ext, cpp, Wg, L,
+                                img)
+                pcb_amx_conv_rows(img, L, cpp, S, Wg, wa, O, K, b, y + <Py_ssize_t>n * O * P * Q, P, Q, p0, p1,
+                                  <float *>pc_align64(img + S * S * cpp * L))
         free(raw)
     free(wa)
     return failed[0]
@@ -404,8 +405,8 @@ cdef int _conv_fwd_amx(const float *x, int N, int C, int H, int W, const float *
 cdef int _conv_fwd(const float *x, int N, int C, int H, int W, const float *w, int O, int K, int S, int pad,
                    const float *b, float *y, int P, int Q, int num_threads) noexcept nogil:
     """y = conv(x, w) + b over blocks of (image, output rows); w: (O, C, K, K) fp32, packed here."""
-    if S == 1 and _AMX and _amx_user:
-        return _conv_fwd_amx(x, N, C, H, W, w, O, K, pad, b, y, P, Q, num_threads)
+    if _AMX and _amx_user:
+        return _conv_fwd_amx(x, N, C, H, W, w, O, K, S, pad, b, y, P, Q, num_threads)
     if S == 1 or (K == 1 and pad == 0):
         return _conv_fwd_s1(x, N, C, H, W, w, O, K, S, pad, b, y, P, Q, num_threads)
     cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K, kp = (Kd + 1) // 2
@@ -581,8 +582,10 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     cdef bint s1 = S == 1 or (K == 1 and pad == 0)
     cdef bint amx = _AMX and _amx_user
     cdef int Wp = Q + K - 1 if s1 else W + 2 * pad
-    # per output pixel: im2col's row elements (or, at stride 1, two flat copies of the input) and dy's pairs
-    cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2 + O * 2, P, Wp, 1, 1) if s1 else
+    # per output pixel: im2col's row elements (or, at stride 1, two flat copies of the input) and dy's pairs.
+    # The groups of images keep the team busy; the tiles (amx) load and store each partial sum once
+    # per block, so they take whole images wherever the panel allows rather than rows of one.
+    cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2 + O * 2, P, Wp, N if amx else 1, 1) if s1 else
                    _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
     # stride 1: whole small images stacked into one block (a longer reduction per partial sum)
     cdef int m = _images_per_block((<Py_ssize_t>C * 4 + ldo * 2 + O * 2) * Wp * (P + K - 1), s1 and rb == P,

@@ -638,46 +638,60 @@ static void pcb_amx_wpack(const float *restrict w, int O, int C, int K, int cpp,
             }
 }
 
-/* A block's channel-pair image: padded input rows [p0, p0 + RR) (input row p0 + r - pad) of x (C,
- * H, W), zero outside the input, past C and up to L words per plane. */
-static void pcb_amx_cpimage(const float *restrict x, int C, int H, int W, int pad, int p0, int RR, int cpp,
-                            pc_idx L, uint32_t *restrict img)
+/* A block's channel-pair image at stride S: S x S phase images, phase (a, b) holding padded pixel
+ * (r * S + a, c * S + b) at row r - r0 and column c < Wg of its planes (r0 = p0, the block's first
+ * output row), for RR rows; zero outside x (C, H, W), past C and up to L words per plane. Plane
+ * (phase, cp) lies at ((a * S + b) * cpp + cp) * L; phases no tap reads (a or b >= K) are skipped. At
+ * stride 1 the one phase is the padded image itself (Wg = W + 2 pad). */
+static void pcb_amx_cpimage(const float *restrict x, int C, int H, int W, int pad, int S, int K, int p0, int RR,
+                            int cpp, int Wg, pc_idx L, uint32_t *restrict img)
 {
-    int Wp = W + 2 * pad;
-    for (int cp = 0; cp < cpp; cp++) {
-        uint32_t *d = img + (pc_idx)cp * L;
-        const float *x0 = 2 * cp < C ? x + (pc_idx)(2 * cp) * H * W : NULL;
-        const float *x1 = 2 * cp + 1 < C ? x + (pc_idx)(2 * cp + 1) * H * W : NULL;
-        for (int r = 0; r < RR; r++, d += Wp) {
-            int h = p0 + r - pad;
-            if (x0 == NULL || h < 0 || h >= H) {
-                memset(d, 0, sizeof(uint32_t) * (size_t)Wp);
-                continue;
+    for (int a = 0; a < S && a < K; a++)
+        for (int b = 0; b < S && b < K; b++)
+            for (int cp = 0; cp < cpp; cp++) {
+                uint32_t *plane = img + ((pc_idx)(a * S + b) * cpp + cp) * L, *d = plane;
+                const float *x0 = 2 * cp < C ? x + (pc_idx)(2 * cp) * H * W : NULL;
+                const float *x1 = 2 * cp + 1 < C ? x + (pc_idx)(2 * cp + 1) * H * W : NULL;
+                /* the phase's columns that fall inside the input: c * S + b - pad in [0, W) */
+                int c_lo = pad - b > 0 ? (pad - b + S - 1) / S : 0;
+                int c_hi = W + pad - b > 0 ? (W + pad - b + S - 1) / S : 0;
+                if (c_hi > Wg) c_hi = Wg;
+                for (int r = 0; r < RR; r++, d += Wg) {
+                    int h = (p0 + r) * S + a - pad;
+                    if (x0 == NULL || h < 0 || h >= H || c_lo >= c_hi) {
+                        memset(d, 0, sizeof(uint32_t) * (size_t)Wg);
+                        continue;
+                    }
+                    for (int c = 0; c < c_lo; c++) d[c] = 0;
+                    for (int c = c_hi; c < Wg; c++) d[c] = 0;
+                    const float *s0 = x0 + (pc_idx)h * W + (pc_idx)c_lo * S + b - pad;
+                    uint32_t *e = d + c_lo;
+                    int n = c_hi - c_lo;
+                    if (S == 1 && x1 != NULL) {
+                        const float *s1 = s0 + (pc_idx)H * W;
+                        PC_SIMD
+                        for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[q]) | pcb_bf16(s1[q]) << 16;
+                    } else if (S == 1) {
+                        PC_SIMD
+                        for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[q]);
+                    } else {
+                        for (int q = 0; q < n; q++)
+                            e[q] = pcb_bf16(s0[(pc_idx)q * S]) | (x1 != NULL ? pcb_bf16(s0[(pc_idx)H * W + (pc_idx)q * S]) << 16 : 0u);
+                    }
+                }
+                memset(plane + (pc_idx)RR * Wg, 0, sizeof(uint32_t) * (size_t)(L - (pc_idx)RR * Wg));
             }
-            for (int q = 0; q < pad; q++) d[q] = d[pad + W + q] = 0;
-            const float *s0 = x0 + (pc_idx)h * W;
-            uint32_t *e = d + pad;
-            if (x1 != NULL) {
-                const float *s1 = x1 + (pc_idx)h * W;
-                PC_SIMD
-                for (int q = 0; q < W; q++) e[q] = pcb_bf16(s0[q]) | pcb_bf16(s1[q]) << 16;
-            } else {
-                PC_SIMD
-                for (int q = 0; q < W; q++) e[q] = pcb_bf16(s0[q]);
-            }
-        }
-        memset(img + (pc_idx)cp * L + (pc_idx)RR * Wp, 0, sizeof(uint32_t) * (size_t)(L - (pc_idx)RR * Wp));
-    }
 }
 
-/* Output rows [p0, p1) of one image's y (O, P, Q) = conv(img, wa) + b: img from pcb_amx_cpimage for
- * the same p0 (RR = p1 - p0 + K - 1 rows, Wp = Q + K - 1), wa from pcb_amx_wpack; cb: 32 x 32 floats,
+/* Output rows [p0, p1) of one image's y (O, P, Q) = conv(img, wa) + b at stride S: img from
+ * pcb_amx_cpimage for the same p0 (RR = p1 - p0 + (K - 1) / S rows of Wg columns), wa from
+ * pcb_amx_wpack; tap (kh, kw) reads phase (kh % S, kw % S) at (kh / S, kw / S). cb: 32 x 32 floats,
  * 64-byte aligned. */
-PCB_AMX_TARGET static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, const uint32_t *wa, int O,
-                                             int K, const float *b, float *restrict y, int P, int Q, int p0,
-                                             int p1, float *restrict cb)
+PCB_AMX_TARGET static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, int S, int Wg,
+                                             const uint32_t *wa, int O, int K, const float *b, float *restrict y,
+                                             int P, int Q, int p0, int p1, float *restrict cb)
 {
-    const int Wp = Q + K - 1, kc = cpp < 16 ? cpp : 16;
+    const int Wp = Wg, kc = cpp < 16 ? cpp : 16;
     const pc_idx KK = (pc_idx)K * K, kt = KK * cpp, npf = (pc_idx)(p1 - p0) * Wp, PQ = (pc_idx)P * Q;
     pcb_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -718,7 +732,8 @@ PCB_AMX_TARGET static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int 
             for (int kh = 0; kh < K; kh++)
                 for (int kw = 0; kw < K; kw++) {
                     const pc_idx tap = (pc_idx)kh * K + kw;
-                    const uint32_t *bt = img + (pc_idx)kh * Wp + kw + j0;
+                    const uint32_t *bt = img + (pc_idx)((kh % S) * S + kw % S) * cpp * L +
+                                         (pc_idx)(kh / S) * Wp + kw / S + j0;
                     for (int c0 = 0; c0 < cpp; c0 += 16) {
                         const uint32_t *a0 = wo + tap * cpp + c0;
                         pcb_amx_step(a0, a0 + 16 * kt, as, bt + (pc_idx)c0 * L, bs, two_a, two_b);
@@ -1328,16 +1343,17 @@ static void pcb_amx_wpack(const float *w, int O, int C, int K, int cpp, uint32_t
 {
     (void)w; (void)O; (void)C; (void)K; (void)cpp; (void)wa;
 }
-static void pcb_amx_cpimage(const float *x, int C, int H, int W, int pad, int p0, int RR, int cpp, pc_idx L,
-                            uint32_t *img)
+static void pcb_amx_cpimage(const float *x, int C, int H, int W, int pad, int S, int K, int p0, int RR, int cpp,
+                            int Wg, pc_idx L, uint32_t *img)
 {
-    (void)x; (void)C; (void)H; (void)W; (void)pad; (void)p0; (void)RR; (void)cpp; (void)L; (void)img;
+    (void)x; (void)C; (void)H; (void)W; (void)pad; (void)S; (void)K; (void)p0; (void)RR; (void)cpp; (void)Wg;
+    (void)L; (void)img;
 }
-static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, const uint32_t *wa, int O, int K,
-                              const float *b, float *y, int P, int Q, int p0, int p1, float *cb)
+static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, int S, int Wg, const uint32_t *wa, int O,
+                              int K, const float *b, float *y, int P, int Q, int p0, int p1, float *cb)
 {
-    (void)img; (void)L; (void)cpp; (void)wa; (void)O; (void)K; (void)b; (void)y; (void)P; (void)Q; (void)p0;
-    (void)p1; (void)cb;
+    (void)img; (void)L; (void)cpp; (void)S; (void)Wg; (void)wa; (void)O; (void)K; (void)b; (void)y; (void)P;
+    (void)Q; (void)p0; (void)p1; (void)cb;
 }
 static void pcb_amx_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy,
                              int O, int P, int Q, int p0, int p1, pc_idx L, float *part, pc_idx ldo, uint16_t *xb,
