@@ -483,6 +483,7 @@ def test_openmp_bf16_at_every_isa_level(level):
     (3, 8, 10, 3, 1, 1, False, True),   # an RGB first layer: 27 reduction terms, forward in float32
     (16, 8, 10, 3, 1, 1, True, True),
     (4, 8, 11, 3, 2, 1, True, False),   # stride 2 (3x3): dw in float32, dx native
+    (32, 8, 11, 3, 2, 1, True, None),   # the same from 32 channels: dw on the AMX tiles where they run
     (40, 6, 9, 1, 2, 0, None, True),    # a 1x1 shortcut: native, but its forward in float32 on the AMX tiles
 ])
 def test_openmp_picks_native_or_float32_per_layer(monkeypatch, c, o, h, k, s, p, native_fwd, native_dw):
@@ -507,6 +508,8 @@ def test_openmp_picks_native_or_float32_per_layer(monkeypatch, c, o, h, k, s, p,
         dx2, dw2, _ = F.conv2d_backward(x, w, dy, stride=s, padding=p, backend=be)
     if native_fwd is None:  # gathering every S-th pixel for the tiles costs more than their products save
         native_fwd = not _bf16.amx()
+    if native_dw is None:  # the tiles read a strided layer's input as flat views of phase images
+        native_dw = _bf16.amx()
     assert ("fwd" in calls) == native_fwd
     assert ("dw" in calls) == native_dw and ("dx" in calls) == (not native_dw)
     np.testing.assert_array_equal(dw, dw2)  # bit for bit at a fixed thread count, on either path

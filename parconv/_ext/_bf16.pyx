@@ -581,22 +581,26 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     cdef int ng = 1 if num_threads <= 1 else _imin(N, num_threads * PC_BLOCKS_PER_THREAD)
     cdef bint s1 = S == 1 or (K == 1 and pad == 0)
     cdef bint amx = _AMX and _amx_user
-    cdef int Wp = Q + K - 1 if s1 else W + 2 * pad
+    # the tiles take every stride through flat views (of S x S phase images where strided)
+    cdef bint flat = s1 or amx
+    cdef int nphase = 1 if s1 else S * S
+    cdef int Wp = Q + K - 1 if s1 else ((W + 2 * pad + S - 1) // S if amx else W + 2 * pad)
     # per output pixel: im2col's row elements (or, at stride 1, two flat copies of the input) and dy's pairs.
     # The groups of images keep the team busy; the tiles (amx) load and store each partial sum once
     # per block, so they take whole images wherever the panel allows rather than rows of one.
-    cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2 + O * 2, P, Wp, N if amx else 1, 1) if s1 else
+    cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2 + O * 2, P, Wp, N if amx else 1, 1) if flat else
                    _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
     # stride 1: whole small images stacked into one block (a longer reduction per partial sum)
-    cdef int m = _images_per_block((<Py_ssize_t>C * 4 + ldo * 2 + O * 2) * Wp * (P + K - 1), s1 and rb == P,
-                                   N, num_threads, _dw_panel_bytes) if s1 else 1
+    cdef int m = _images_per_block((<Py_ssize_t>C * 4 + ldo * 2 + O * 2) * Wp * (P + K - 1), rb == P,
+                                   N, num_threads, _dw_panel_bytes) if flat else 1
     cdef int nbp = (P + rb - 1) // rb, ib, mm
     cdef int nrf = pcb_s1_rows(m, 0, rb, K)
     cdef Py_ssize_t L = pcb_s1_len(nrf, K, Wp)
-    cdef Py_ssize_t npp = ((<Py_ssize_t>(nrf * Wp if s1 else rb * Q)) + 1) // 2
-    cdef Py_ssize_t xbn = 2 * C * L if s1 else <Py_ssize_t>C * ((rb - 1) * S + K) * Wp
+    cdef Py_ssize_t npp = ((<Py_ssize_t>(nrf * Wp if flat else rb * Q)) + 1) // 2
+    # the flat views: the input's planes (per phase) and their copy shifted by one element
+    cdef Py_ssize_t xbn = 2 * nphase * C * L if flat else <Py_ssize_t>C * ((rb - 1) * S + K) * Wp
     # stride 1: the rows' pointers; else the im2col rows themselves
-    cdef Py_ssize_t colsn = Kd * 2 if s1 else Kd * npp
+    cdef Py_ssize_t colsn = Kd * 2 if flat else Kd * npp
     cdef float *part = <float *>malloc(sizeof(float) * ng * Kd * ldo)
     cdef int nt = pc_team(ng, num_threads)
     cdef int failed[1]
@@ -634,7 +638,7 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
                     mm = _imin(m, n1 - n)
                     for ib in range(nbp):
                         p1 = _imin(P, ib * rb + rb)
-                        if s1 and amx:
+                        if flat and amx:
                             pcb_amx_dw_block(x + <Py_ssize_t>n * C * H * W, mm, C, H, W, K, pad, S,
                                              dy + <Py_ssize_t>n * O * P * Q, O, P, Q, ib * rb, p1, L, mine, ldo,
                                              xb, dyt)

@@ -1223,6 +1223,41 @@ static inline void pcb_conv_dx_image(const uint32_t *restrict wt, int C, int H, 
 }
 
 #ifdef PCB_AMX
+/* The weight gradient's flat input at stride S: for each phase (a, b) that a tap reads and each
+ * channel, plane xb[((a * S + b) * C + c) * L] holds m images' phase rows stacked, RR rows of Wg
+ * columns each: word (i * RR + r) * Wg + col = bf16 x_i[c][(p0 + r) * S + a - pad][col * S + b - pad],
+ * zero outside x and up to L. */
+static void pcb_amx_phase_flat(const float *restrict x, int m, int C, int H, int W, int pad, int S, int K, int p0,
+                               int RR, int Wg, pc_idx L, uint16_t *restrict xb)
+{
+    const pc_idx used = (pc_idx)m * RR * Wg;
+    for (int a = 0; a < S && a < K; a++)
+        for (int b = 0; b < S && b < K; b++) {
+            int c_lo = pad - b > 0 ? (pad - b + S - 1) / S : 0;
+            int c_hi = W + pad - b > 0 ? (W + pad - b + S - 1) / S : 0;
+            if (c_hi > Wg) c_hi = Wg;
+            for (int c = 0; c < C; c++) {
+                uint16_t *plane = xb + ((pc_idx)(a * S + b) * C + c) * L;
+                for (int i = 0; i < m; i++) {
+                    const float *xc = x + ((pc_idx)i * C + c) * H * W;
+                    for (int r = 0; r < RR; r++) {
+                        uint16_t *d = plane + ((pc_idx)i * RR + r) * Wg;
+                        int h = (p0 + r) * S + a - pad;
+                        if (h < 0 || h >= H || c_lo >= c_hi) {
+                            memset(d, 0, sizeof(uint16_t) * (size_t)Wg);
+                            continue;
+                        }
+                        const float *src = xc + (pc_idx)h * W + (pc_idx)c_lo * S + b - pad;
+                        for (int col = 0; col < c_lo; col++) d[col] = 0;
+                        for (int col = c_lo; col < c_hi; col++) d[col] = (uint16_t)pcb_bf16(src[(pc_idx)(col - c_lo) * S]);
+                        for (int col = c_hi; col < Wg; col++) d[col] = 0;
+                    }
+                }
+                memset(plane + used, 0, sizeof(uint16_t) * (size_t)(L - used));
+            }
+        }
+}
+
 /* dst[j][i] = src[i][j] for a 16 x 16 block of words, in registers. */
 PCB_AMX_TARGET static inline void pcb_tr16(const uint32_t *src, pc_idx lds, uint32_t *dst, pc_idx ldd)
 {
@@ -1264,11 +1299,19 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
                                             pc_idx L, float *restrict part, pc_idx ldo, uint16_t *restrict xb,
                                             uint32_t *restrict dyt)
 {
-    const int Wp = Q + K - 1, RR = p1 - p0 + K - 1, KK = K * K;
-    const pc_idx npf = (pc_idx)pcb_s1_rows(m, p0, p1, K) * Wp, npp = (npf + 1) / 2, n16 = (npp + 15) & ~(pc_idx)15;
-    const pc_idx CL = (pc_idx)C * L, ldt = ((pc_idx)O + 15) & ~(pc_idx)15;
+    /* stride 1 (and a 1x1 without padding, whose flat copy subsamples): one phase, the padded width;
+     * other strides: S x S phase images of the block's rows, Wg columns each */
+    const int flat1 = S == 1 || (K == 1 && pad == 0), Se = flat1 ? 1 : S;
+    const int Wp = flat1 ? Q + K - 1 : (W + 2 * pad + S - 1) / S, ext = (K - 1) / Se;
+    const int RR = p1 - p0 + ext, KK = K * K;
+    const pc_idx npf = ((pc_idx)(m - 1) * RR + (p1 - p0)) * Wp, npp = (npf + 1) / 2;
+    const pc_idx n16 = (npp + 15) & ~(pc_idx)15;
+    const pc_idx CL = (pc_idx)Se * Se * C * L, ldt = ((pc_idx)O + 15) & ~(pc_idx)15;
     uint16_t *xb1 = xb + CL;
-    pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
+    if (flat1)
+        pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
+    else
+        pcb_amx_phase_flat(x, m, C, H, W, pad, S, K, p0, RR, Wp, L, xb);
     if (K > 1) {
         memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
         xb1[CL - 1] = 0;
@@ -1308,8 +1351,9 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
         cfg.rows[6] = cfg.rows[7] = 16;
         _tile_loadconfig(&cfg);
         for (int k = 0; k < KK; k++) {
-            const pc_idx off = (pc_idx)(k / K) * Wp + k % K;
-            const uint32_t *a0 = (const uint32_t *)((off & 1 ? xb1 + off - 1 : xb + off) + (pc_idx)c0 * L);
+            const int kh = k / K, kw = k % K;
+            const pc_idx off = (pc_idx)(kh / Se) * Wp + kw / Se, ph = (pc_idx)(kh % Se) * Se + kw % Se;
+            const uint32_t *a0 = (const uint32_t *)((off & 1 ? xb1 + off - 1 : xb + off) + (ph * C + c0) * L);
             const uint32_t *a1 = (const uint32_t *)((const uint16_t *)a0 + 16 * L);
             for (int o0 = 0; o0 < O; o0 += 32) {
                 /* the sums go on from part's own rows (channels KK * ldo apart; the columns past O up

@@ -195,10 +195,12 @@ def _bf16_forward_native(C, K, stride=1):
     return C * K * K >= 32
 
 
-def _bf16_dw_native(K, stride, padding):
+def _bf16_dw_native(K, stride, padding, C=0):
     """Whether the native bf16 weight gradient beats the float32 direct one on the rounded tensors."""
-    # strided layers (other than a 1x1 without padding) build im2col panels for their native dw
-    return stride == 1 or (K == 1 and padding == 0)
+    # strided layers (other than a 1x1 without padding) build im2col panels for their VDPBF16PS dw;
+    # the AMX tiles read them as flat views of phase images instead, which pays from two tiles of
+    # 16 input channels (one tile per product leaves the gathering of the phases the larger part)
+    return stride == 1 or (K == 1 and padding == 0) or (_bf16.amx() and C >= 32)
 
 
 def _flipped_transposed(w):
@@ -1085,7 +1087,7 @@ class OpenMPBackend(HostArrays, Backend):
         dw = self._empty(w.shape)
         if _bf16.native():
             db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
-            if _bf16_dw_native(w.shape[2], stride, padding):
+            if _bf16_dw_native(w.shape[2], stride, padding, w.shape[1]):
                 _bf16.conv2d_backward(x, w, dy, dx, dw, db, stride, padding, get_num_threads())
                 return dx, dw, db
             if dx is not None or db is not None:
