@@ -353,6 +353,8 @@ def test_conv2d_backward_matches_the_model(case, want_dx, want_db):
     (3, 64, 64, 8, 3, 1, 1),     # resnet20's last stage
     (2, 4, 8, 16, 1, 2, 0),      # a strided 1x1: shifted views staged for the tiles, rows of 8
     (2, 4, 8, 32, 1, 2, 0),      # and rows of 16
+    (12, 32, 8, 9, 3, 2, 1),     # stride 2 from 32 channels: the tiles' weight gradient, stacked images
+    (4, 8, 6, 13, 3, 3, 1),      # stride 3: nine phase images
 ])
 def test_conv2d_layer_shapes_match_and_repeat_bit_for_bit(N, C, O, H, K, stride, pad):
     x, w, b, dy = _conv_case(np.random.default_rng(N * 131 + C), N, C, O, H, H + 1, K, stride, pad)

@@ -28,7 +28,7 @@ import numpy as np
 
 from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t, uint32_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
 
 from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_threads_for, pc_cap, pc_get_team_limit, pc_set_team_limit,
@@ -588,10 +588,10 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     # per output pixel: im2col's row elements (or, at stride 1, two flat copies of the input) and dy's pairs.
     # The groups of images keep the team busy; the tiles (amx) load and store each partial sum once
     # per block, so they take whole images wherever the panel allows rather than rows of one.
-    cdef int rb = (_rows_per_block(<Py_ssize_t>C * 4 + ldo * 2 + O * 2, P, Wp, N if amx else 1, 1) if flat else
-                   _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
+    cdef int rb = (_rows_per_block(<Py_ssize_t>nphase * C * 4 + ldo * 2 + O * 2, P, Wp, N if amx else 1, 1)
+                   if flat else _rows_per_block(Kd * 2 + ldo * 2, P, Q, 1, 1))
     # stride 1: whole small images stacked into one block (a longer reduction per partial sum)
-    cdef int m = _images_per_block((<Py_ssize_t>C * 4 + ldo * 2 + O * 2) * Wp * (P + K - 1), rb == P,
+    cdef int m = _images_per_block((<Py_ssize_t>nphase * C * 4 + ldo * 2 + O * 2) * Wp * (P + K - 1), rb == P,
                                    N, num_threads, _dw_panel_bytes) if flat else 1
     cdef int nbp = (P + rb - 1) // rb, ib, mm
     cdef int nrf = pcb_s1_rows(m, 0, rb, K)
@@ -617,8 +617,9 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     failed[0] = 0
     raw, cols, dyt, xb = NULL, NULL, NULL, NULL
     with parallel(num_threads=pc_cap(nt)):
-        # the tiles' dy pairs are padded to 16 rows
-        raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
+        # the tiles' dy pairs are padded to 16 rows; zeroed, so the shifted copy of the phase planes never
+        # reads memory nothing wrote (planes of phases no tap uses)
+        raw = calloc(1, sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
                      + sizeof(uint16_t) * xbn + 256)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
