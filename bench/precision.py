@@ -64,14 +64,15 @@ def build(net: str, seed: int, shape=None):
     return model
 
 
-def parconv_grads(model, state: dict, x, y, backend, precision: str | None = None) -> dict:
+def parconv_grads(model, state: dict, x, y, backend, precision: str | None = None, bf16: bool = False) -> dict:
     """Parameter gradients of one training-mode step of ``model`` (weights ``state``) on ``backend``
-    under conv precision ``precision`` (None: the current setting), as float32 NumPy arrays."""
+    under conv precision ``precision`` (None: the current setting), inside ``pc.autocast("bf16")``
+    when ``bf16``, as float64 NumPy arrays."""
     model.load_state_dict(state)
     model.to(backend)
     loss_fn = pc.SoftmaxCrossEntropy()
     scope = pc.conv_precision(precision) if precision is not None else contextlib.nullcontext()
-    with scope:
+    with scope, pc.autocast("bf16", enabled=bf16):
         loss_fn(model(x), y)
         model.backward(loss_fn.backward())
     return {name: np.array(pc.to_numpy(p.grad), dtype=np.float64) for name, p in model.named_parameters()}
@@ -98,14 +99,18 @@ def numpy64_grads(model, state: dict, x, y) -> dict:
 
 
 def torch_grads(model, state: dict, x, y, dtype: str) -> dict:
-    """PyTorch's gradients of the twin of ``model`` (weights ``state``) in ``dtype`` ('float32'/'float64')."""
+    """PyTorch's gradients of the twin of ``model`` (weights ``state``) in ``dtype``: 'float32',
+    'float64', or 'bfloat16' (float32 weights under ``torch.autocast("cpu", dtype=torch.bfloat16)``)."""
     import torch
 
     tm = twins.twin(model, state)
     tm = tm.double() if dtype == "float64" else tm.float()
     tm.train()
     xt = torch.from_numpy(x).to(torch.float64 if dtype == "float64" else torch.float32)
-    loss = torch.nn.functional.cross_entropy(tm(xt), torch.from_numpy(np.asarray(y, dtype=np.int64)))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        out = tm(xt)
+    loss = torch.nn.functional.cross_entropy(out.float() if dtype == "bfloat16" else out,
+                                             torch.from_numpy(np.asarray(y, dtype=np.int64)))
     loss.backward()
     return {k: p.grad.detach().double().numpy() for k, p in tm.named_parameters()}
 
@@ -119,6 +124,15 @@ def worst_error(grads: dict, ref: dict) -> tuple[float, str]:
         if err > worst:
             worst, where = err, k
     return worst, where
+
+
+def relative_l2(grads: dict, ref: dict) -> float:
+    """``||g - ref|| / ||ref||`` over every parameter gradient at once: the measure for bf16, whose
+    largest single errors sit in the gradients behind a BatchNorm, where both frameworks' cancel to
+    bf16's noise."""
+    num = sum(float(np.sum((grads[k] - r) ** 2)) for k, r in ref.items())
+    den = sum(float(np.sum(np.asarray(r, np.float64) ** 2)) for r in ref.values())
+    return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
 
 
 def accuracy(net: str, batches, seeds: int, settings, use_torch: bool, use_numpy: bool, log=print) -> dict:

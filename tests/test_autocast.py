@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import parconv as pc
 import parconv.functional as F
 from parconv.amp import round_to_bf16_numpy
-from conftest import host
+from conftest import HAVE_TORCH, host
 from test_conv_general import conv_general_case
 
 ORACLE = pc.backends.get("numpy")
@@ -374,6 +374,52 @@ def test_bf16_training_reaches_fp32_accuracy(name):
         assert np.isfinite(hist["loss"]).all()
     assert acc["fp32"] > 0.8
     assert abs(acc["bf16"] - acc["fp32"]) <= 0.02, acc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("net", ["resnet20", "mobilenet-small"])  # no dropout: the same step in both
+def test_bf16_network_gradients_as_accurate_as_pytorch_bf16(net):
+    """A zoo network's training-mode gradients under bf16 (batch 8), on every bf16 kernel path this
+    CPU runs, against float64: as close as the NumPy model of the same rounding and no farther than
+    PyTorch's bf16 autocast; with the same bits at a fixed thread count. bf16 behind a BatchNorm
+    leaves about a quarter of the gradient's norm as noise in both frameworks, so the measure is the
+    relative L2 error of all gradients together."""
+    if "openmp" not in pc.available_backends():
+        pytest.skip("openmp not available")
+    from parconv._config import num_threads
+    from test_conv_precision import precision  # bench/precision.py
+
+    try:
+        from parconv._ext import _bf16
+        paths = [True, False] if _bf16.amx() else [None]
+    except ImportError:
+        _bf16, paths = None, [None]
+    shape = pc.models.ZOO[net][1]
+    for seed in (5, 8):
+        model = precision.build(net, seed)
+        state = model.state_dict()
+        x, y = precision.data(8, seed, shape)
+        ref = precision.numpy64_grads(model, state, x, y)
+        model_err = precision.relative_l2(precision.parconv_grads(model, state, x, y, "numpy", bf16=True), ref)
+        torch_err = None
+        if HAVE_TORCH:
+            torch_err = precision.relative_l2(precision.torch_grads(model, state, x, y, "bfloat16"), ref)
+            assert precision.relative_l2(precision.torch_grads(model, state, x, y, "float64"), ref) < 1e-5
+        for amx in paths:
+            old = _bf16._set_amx(amx) if amx is not None else None
+            try:
+                with num_threads(2):
+                    got = precision.parconv_grads(model, state, x, y, "openmp", bf16=True)
+                    again = precision.parconv_grads(model, state, x, y, "openmp", bf16=True)
+            finally:
+                if old is not None:
+                    _bf16._set_amx(old)
+            assert all(np.array_equal(got[k], again[k]) for k in got)
+            err = precision.relative_l2(got, ref)
+            what = f"{net} seed {seed} ({'AMX' if amx else 'AVX-512' if amx is False else 'default'} path)"
+            assert 1e-3 < err <= 1.1 * model_err + 0.01, f"{what}: {err:.3f} off float64, the model {model_err:.3f}"
+            if torch_err is not None:
+                assert err <= 1.1 * torch_err, f"{what}: {err:.3f} off float64, PyTorch bf16 {torch_err:.3f}"
 
 
 def test_fit_precision_fp32_overrides_an_outer_autocast_and_is_validated():
