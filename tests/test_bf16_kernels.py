@@ -335,6 +335,31 @@ def test_conv2d_backward_matches_the_model(case, want_dx, want_db):
 
 
 @needs_native
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.integers(1, 9), st.sampled_from([1, 2, 3, 4, 5]),
+       st.sampled_from([2, 3]), st.integers(0, 7), st.integers(0, 7), st.integers(0, 2**32 - 1))
+@SETTINGS
+def test_strided_dx_on_phase_convolutions_matches_the_model(N, C, O, H, K, stride, pad, extra, seed):
+    """dy rows of 16 or more columns: on the tiles a strided layer's dx runs as S x S stride-1
+    convolutions of dy (any padding up to S * ceil(K / S) - 1, col2im past it); both the phases and
+    col2im against the model, each repeating its bits."""
+    W = 15 * stride + K + extra  # Q >= 16 at every padding
+    H, W, pad = _fit(H, W, K, pad)
+    x, w, _, dy = _conv_case(np.random.default_rng(seed), N, C, O, H, W, K, stride, pad)
+    rdx, adx, _, _, _ = conv_backward_model(x, w, dy, stride, pad)
+    for phases in (True, False):
+        old = _bf16._set_dx_phases(phases)
+        try:
+            for threads in (1, 2):
+                dx = [np.full(x.shape, np.nan, np.float32) for _ in range(2)]
+                for d in dx:
+                    _bf16.conv2d_backward(x, w, dy, d, None, None, stride, pad, threads)
+                np.testing.assert_array_equal(dx[0], dx[1])
+                assert_close(dx[0], rdx, adx, f"dx, phases={phases}, {threads} thread(s)")
+        finally:
+            _bf16._set_dx_phases(old)
+
+
+@needs_native
 @pytest.mark.parametrize("N, C, O, H, K, stride, pad", [
     (24, 16, 16, 8, 3, 1, 1),    # small planes: whole images stacked into one block
     (5, 6, 10, 15, 3, 1, 1),     # output rows of 16: two per tile, straight into y
@@ -343,6 +368,7 @@ def test_conv2d_backward_matches_the_model(case, want_dx, want_db):
     (2, 4, 4, 18, 3, 1, 0),      # output rows of 16 without padding
     (9, 3, 16, 32, 3, 1, 1),     # a first layer: C = 3
     (10, 16, 32, 16, 3, 2, 1),   # resnet's downsampling conv
+    (3, 16, 32, 32, 3, 2, 1),    # and on 32x32: dy rows of 16, dx as phase convolutions on the tiles
     (10, 16, 32, 16, 1, 2, 0),   # and its 1x1 shortcut
     (3, 33, 17, 7, 5, 1, 4),     # padding K - 1
     (2, 4, 6, 9, 3, 1, 5),       # padding >= K (dx through col2im)

@@ -47,6 +47,10 @@ cdef extern from "pc_bf16.h":
                          int Wg, pc_idx L, uint32_t *img) noexcept nogil
     void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, int S, int Wg, const uint32_t *wa, int O,
                            int K, const float *b, float *y, int P, int Q, int p0, int p1, float *cb) noexcept nogil
+    unsigned pcb_amx_dx_wpack(const float *w, int O, int C, int K, int S, int pad, int cpp, float *wsub,
+                              uint32_t *wa) noexcept nogil
+    void pcb_amx_dx_interleave(const float *ph, pc_idx phase, int Qs, int C, int H, int W, int S, int i0, int n,
+                               unsigned live, float *dx) noexcept nogil
     void pcb_amx_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy,
                           int O, int P, int Q, int p0, int p1, pc_idx L, float *part, pc_idx ldo, uint16_t *xb,
                           uint32_t *dyt) noexcept nogil
@@ -545,6 +549,89 @@ def conv2d_forward(x, w, b, y, int stride, int padding, int num_threads):
         raise MemoryError(f"{fn}: could not allocate scratch")
 
 
+cdef bint _dx_phases_user = True
+
+
+def _set_dx_phases(bint on):
+    """Run strided input gradients on the tiles as S x S phase convolutions (True) or through col2im
+    (False); returns the old setting. For tests and benchmarks that compare the two."""
+    global _dx_phases_user
+    old = bool(_dx_phases_user)
+    _dx_phases_user = on
+    return old
+
+
+cdef inline bint _dx_amx_applies(int K, int S, int pad, int Q) noexcept nogil:
+    """Whether _conv_dx_amx takes this strided layer: dy rows of 16 or more columns (on shorter ones
+    the tiles' 32-column steps over the phase rows and their padding waste more than col2im costs),
+    and a padding of at most S * ceil(K / S) - 1, which the phases' shared image needs."""
+    return (_AMX and _amx_user and _dx_phases_user and S > 1 and Q >= 16
+            and pad // S <= (K + S - 1) // S - 1)
+
+
+cdef int _conv_dx_amx(const float *dy, int N, int O, int P, int Q, const float *w, int C, int H, int W,
+                      int K, int S, int pad, float *dx, int num_threads) noexcept nogil:
+    """dx of a strided layer on the AMX tiles: S x S stride-1 convolutions of dy (pcb_amx_dx_wpack), over
+    blocks of (image, phase rows) whose dy image (one per block, each phase a shifted view of it) and
+    phase outputs fit AMX_IMAGE_BYTES; each block interleaves its phases into its own rows of dx."""
+    cdef int K2 = (K + S - 1) // S, emin = pad // S, spread = (S - 1 + pad) // S - pad // S
+    cdef int padm = K2 - 1 - emin
+    cdef int Pi = (H + S - 1) // S, Qs = (W + S - 1) // S
+    cdef int Wg = Qs + K2 - 1 + spread, cpp = pcb_amx_cpp(O)
+    cdef Py_ssize_t pack = <Py_ssize_t>(C + 15) // 16 * 16 * K2 * K2 * cpp
+    cdef int rb = Pi
+    while rb > 1 and (<Py_ssize_t>cpp * pcb_amx_plane(rb + K2 - 1 + spread, Wg, K2 + spread) * 4
+                      + <Py_ssize_t>S * S * C * rb * Qs * 4) > AMX_IMAGE_BYTES:
+        rb = (rb + 1) // 2
+    while rb > 1 and <Py_ssize_t>N * ((Pi + rb - 1) // rb) < 2 * num_threads:
+        rb = (rb + 1) // 2
+    cdef int nbp = (Pi + rb - 1) // rb
+    cdef Py_ssize_t L = pcb_amx_plane(rb + K2 - 1 + spread, Wg, K2 + spread)
+    cdef Py_ssize_t nblocks = <Py_ssize_t>N * nbp, blk, phsz
+    cdef int nt = pc_team(nblocks, num_threads)
+    cdef int failed[1]
+    cdef int n, i0, nr, r, q, ph
+    cdef unsigned live
+    cdef void *raw
+    cdef uint32_t *img
+    cdef float *outs
+    cdef float *wsub = <float *>malloc(sizeof(float) * C * O * K2 * K2)
+    cdef uint32_t *wa = <uint32_t *>malloc(sizeof(uint32_t) * S * S * pack)
+    if wsub == NULL or wa == NULL:
+        free(wsub)
+        free(wa)
+        return 1
+    live = pcb_amx_dx_wpack(w, O, C, K, S, pad, cpp, wsub, wa)
+    free(wsub)
+    failed[0] = 0
+    raw, img, outs = NULL, NULL, NULL
+    with parallel(num_threads=pc_cap(nt)):
+        raw = malloc(sizeof(uint32_t) * cpp * L + sizeof(float) * (S * S * C * rb * Qs + 32 * 32 + 16) + 128)
+        img = <uint32_t *>pc_align64(raw)
+        outs = <float *>pc_align64(img + cpp * L)
+        if raw == NULL:
+            failed[0] = 1
+        for blk in prange(nblocks, schedule="dynamic"):
+            if raw != NULL:
+                n = <int>(blk // nbp)
+                i0 = <int>(blk % nbp) * rb
+                nr = _imin(rb, Pi - i0)
+                phsz = <Py_ssize_t>C * nr * Qs
+                pcb_amx_cpimage(dy + <Py_ssize_t>n * O * P * Q, O, P, Q, padm, 1, K2, i0, nr + K2 - 1 + spread, cpp,
+                                Wg, L, img)
+                for ph in range(S * S):
+                    if live >> ph & 1u:
+                        r = ph // S
+                        q = ph % S
+                        pcb_amx_conv_rows(img + ((r + pad) // S - emin) * Wg + (q + pad) // S - emin, L, cpp, 1, Wg,
+                                          wa + ph * pack, C, K2, NULL, outs + ph * phsz, nr, Qs, 0, nr,
+                                          <float *>pc_align64(outs + S * S * C * rb * Qs))
+                pcb_amx_dx_interleave(outs, phsz, Qs, C, H, W, S, i0, nr, live, dx + <Py_ssize_t>n * C * H * W)
+        free(raw)
+    free(wa)
+    return failed[0]
+
+
 cdef int _conv_dx_gemm(const float *dy, int N, int O, int P, int Q, const uint32_t *wt, int C, int H, int W,
                        int K, int S, int pad, float *dx, int num_threads) noexcept nogil:
     """dx through col2im, one image per block (its row blocks scatter into the same dx)."""
@@ -715,6 +802,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
     cdef float[::1] dbv
     cdef Py_ssize_t Kd = <Py_ssize_t>C * K * K
     cdef bint by_conv = stride == 1 and padding <= K - 1
+    cdef bint dx_amx = not by_conv and _dx_amx_applies(K, stride, padding, Q)
     cdef uint32_t *wp = NULL
     cdef int failed = 0
     cdef float[:, :, :, ::1] wf
@@ -724,14 +812,17 @@ def conv2d_backward(x, w, dy, dx, dw, db, int stride, int padding, int num_threa
         if by_conv:
             # dx = conv(dy, w flipped and transposed to (C, O, K, K), padding K - 1 - padding)
             wf = np.ascontiguousarray(np.asarray(w)[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
-        else:
+        elif not dx_amx:
             wp = <uint32_t *>malloc(sizeof(uint32_t) * Kd * ((O + 1) // 2))
-        if wp == NULL and not by_conv:
+        if wp == NULL and not by_conv and not dx_amx:
             raise MemoryError(f"{fn}: could not allocate the packed filters")
         with nogil:
             if by_conv:
                 failed = _conv_fwd(&dyv[0, 0, 0, 0], N, O, P, Q, &wf[0, 0, 0, 0], C, K, 1, K - 1 - padding, NULL,
                                    &dxv[0, 0, 0, 0], H, W, num_threads)
+            elif dx_amx:
+                failed = _conv_dx_amx(&dyv[0, 0, 0, 0], N, O, P, Q, &wv[0, 0, 0, 0], C, H, W, K, stride, padding,
+                                      &dxv[0, 0, 0, 0], num_threads)
             else:
                 _pack(DOWN_T, &wv[0, 0, 0, 0], Kd, O, Kd, wp, (O + 1) // 2, Kd, num_threads)
                 failed = _conv_dx_gemm(&dyv[0, 0, 0, 0], N, O, P, Q, wp, C, H, W, K, stride, padding,

@@ -1375,6 +1375,72 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
     }
     _tile_release();
 }
+/* The input gradient at stride S > 1 as S x S stride-1 convolutions of dy: dx's phase (r, s) (rows
+ * h = S i + r, columns v = S j + s) is dy correlated with the taps kh = a + S t, kw = b + S u of w
+ * (a = (r + pad) % S, b = (s + pad) % S), flipped and transposed, read e = (r + pad) / S rows and
+ * (s + pad) / S columns further on; no col2im and no scatter of overlapping sums. Every phase has
+ * K2 = ceil(K / S) taps a side (zero where kh or kw >= K). wsub: C x O x K2 x K2 floats of scratch;
+ * wa: S * S packs of pcb_amx_wpack(C, O, K2). Returns a bit mask of the phases with any tap. */
+static unsigned pcb_amx_dx_wpack(const float *restrict w, int O, int C, int K, int S, int pad, int cpp,
+                                 float *restrict wsub, uint32_t *restrict wa)
+{
+    const int K2 = (K + S - 1) / S;
+    const pc_idx pack = (((pc_idx)C + 15) & ~(pc_idx)15) * K2 * K2 * cpp;
+    unsigned live = 0;
+    for (int r = 0; r < S; r++)
+        for (int s = 0; s < S; s++) {
+            const int a = (r + pad) % S, b = (s + pad) % S;
+            if (a < K && b < K) live |= 1u << (r * S + s);
+            for (int c = 0; c < C; c++)
+                for (int o = 0; o < O; o++)
+                    for (int t = 0; t < K2; t++)
+                        for (int u = 0; u < K2; u++) {
+                            const int kh = a + S * (K2 - 1 - t), kw = b + S * (K2 - 1 - u);
+                            wsub[(((pc_idx)c * O + o) * K2 + t) * K2 + u] =
+                                kh < K && kw < K ? w[(((pc_idx)o * C + c) * K + kh) * K + kw] : 0.0f;
+                        }
+            pcb_amx_wpack(wsub, C, O, K2, cpp, wa + (pc_idx)(r * S + s) * pack);
+        }
+    return live;
+}
+
+/* dx rows S i + r of one image (C, H, W), i in [i0, i0 + n), from the phases' outputs ph[(r * S + s)]
+ * [c][i - i0][j] (rows of Qs floats, phase s holding columns S j + s < W); the phases not in live are
+ * zero. */
+PCB_AMX_TARGET static void pcb_amx_dx_interleave(const float *restrict ph, pc_idx phase, int Qs, int C, int H,
+                                                 int W, int S, int i0, int n, unsigned live, float *restrict dx)
+{
+    for (int c = 0; c < C; c++)
+        for (int ii = 0; ii < n; ii++)
+            for (int r = 0; r < S; r++) {
+                const int h = S * (i0 + ii) + r;
+                if (h >= H) continue;
+                float *d = dx + ((pc_idx)c * H + h) * W;
+                const pc_idx at = ((pc_idx)c * n + ii) * Qs;
+                if (S == 2) {  /* the two phases of the row zipped in registers; a phase without taps is zero */
+                    const float *e0 = live >> (2 * r) & 1u ? ph + (pc_idx)(2 * r) * phase + at : NULL;
+                    const float *e1 = live >> (2 * r + 1) & 1u ? ph + (pc_idx)(2 * r + 1) * phase + at : NULL;
+                    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+                    int v = 0;
+                    for (; v + 32 <= W; v += 32) {
+                        const __m512 p0 = e0 ? _mm512_loadu_ps(e0 + v / 2) : _mm512_setzero_ps();
+                        const __m512 p1 = e1 ? _mm512_loadu_ps(e1 + v / 2) : _mm512_setzero_ps();
+                        _mm512_storeu_ps(d + v, _mm512_permutex2var_ps(p0, lo, p1));
+                        _mm512_storeu_ps(d + v + 16, _mm512_permutex2var_ps(p0, hi, p1));
+                    }
+                    for (; v < W; v++) {
+                        const float *e = v & 1 ? e1 : e0;
+                        d[v] = e ? e[v / 2] : 0.0f;
+                    }
+                    continue;
+                }
+                for (int v = 0; v < W; v++) {
+                    const int s = v % S;
+                    d[v] = live >> (r * S + s) & 1u ? ph[(pc_idx)(r * S + s) * phase + at + v / S] : 0.0f;
+                }
+            }
+}
 #endif
 
 #ifndef PCB_AMX
@@ -1398,6 +1464,17 @@ static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int cpp, int S, int
 {
     (void)img; (void)L; (void)cpp; (void)S; (void)Wg; (void)wa; (void)O; (void)K; (void)b; (void)y; (void)P;
     (void)Q; (void)p0; (void)p1; (void)cb;
+}
+static unsigned pcb_amx_dx_wpack(const float *w, int O, int C, int K, int S, int pad, int cpp, float *wsub,
+                                 uint32_t *wa)
+{
+    (void)w; (void)O; (void)C; (void)K; (void)S; (void)pad; (void)cpp; (void)wsub; (void)wa;
+    return 0;
+}
+static void pcb_amx_dx_interleave(const float *ph, pc_idx phase, int Qs, int C, int H, int W, int S, int i0, int n,
+                                  unsigned live, float *dx)
+{
+    (void)ph; (void)phase; (void)Qs; (void)C; (void)H; (void)W; (void)S; (void)i0; (void)n; (void)live; (void)dx;
 }
 static void pcb_amx_dw_block(const float *x, int m, int C, int H, int W, int K, int pad, int S, const float *dy,
                              int O, int P, int Q, int p0, int p1, pc_idx L, float *part, pc_idx ldo, uint16_t *xb,
