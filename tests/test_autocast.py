@@ -528,8 +528,8 @@ def test_openmp_bf16_at_every_isa_level(level):
 @pytest.mark.parametrize("c, o, h, k, s, p, native_fwd, native_dw", [
     (3, 8, 10, 3, 1, 1, False, True),   # an RGB first layer: 27 reduction terms, forward in float32
     (16, 8, 10, 3, 1, 1, True, True),
-    (4, 8, 11, 3, 2, 1, True, False),   # stride 2 (3x3): dw in float32, dx native
-    (32, 8, 11, 3, 2, 1, True, None),   # the same from 32 channels: dw on the AMX tiles where they run
+    (4, 8, 11, 3, 2, 1, True, None),    # stride 2 (3x3): dw on the AMX tiles where they run, else float32
+    (32, 8, 11, 3, 2, 1, True, None),   # the same from 32 channels
     (40, 6, 9, 1, 2, 0, None, True),    # a 1x1 shortcut: native, but its forward in float32 on the AMX tiles
 ])
 def test_openmp_picks_native_or_float32_per_layer(monkeypatch, c, o, h, k, s, p, native_fwd, native_dw):

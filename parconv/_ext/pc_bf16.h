@@ -144,10 +144,36 @@ static inline void pcb_pack(int kind, const float *src, pc_idx lds, pc_idx rows,
     }
 }
 
-/* dst[r][q] = bf16(src[r * w + q]) for r < nrows, q < w, dst rows ldd apart: contiguous rows rounded as
- * one vector loop (rows shorter than a vector would leave it mostly idle), through a small buffer. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* d[q] = pcb_bf16(s[q]) for q < n, 16 lanes at a time with the tail masked: short rows go straight
+ * to their place without a buffer and a copy. */
+static inline void pcb_round_run(const float *restrict s, uint16_t *restrict d, int n)
+{
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i quiet = _mm512_set1_epi32(0x00400000), mag = _mm512_set1_epi32(0x7fffffff);
+    const __m512i inf = _mm512_set1_epi32(0x7f800000);
+    for (int q = 0; q < n; q += 16) {
+        const __mmask16 m = n - q >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - q)) - 1u);
+        const __m512i u = _mm512_maskz_loadu_epi32(m, s + q);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, mag), inf);
+        r = _mm512_mask_mov_epi32(r, nan, _mm512_srli_epi32(_mm512_or_si512(u, quiet), 16));
+        _mm512_mask_cvtepi32_storeu_epi16(d + q, m, r);
+    }
+}
+#endif
+
+/* dst[r][q] = bf16(src[r * w + q]) for r < nrows, q < w, dst rows ldd apart: with AVX-512 row by row
+ * in masked vectors; elsewhere contiguous rows rounded as one vector loop (rows shorter than a vector
+ * would leave it mostly idle), through a small buffer. */
 static inline void pcb_round_rows(const float *restrict src, int nrows, int w, uint16_t *restrict dst, pc_idx ldd)
 {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int r = 0; r < nrows; r++) pcb_round_run(src + (pc_idx)r * w, dst + (pc_idx)r * ldd, w);
+    return;
+#endif
     enum { BUF = 2048 };
     uint16_t buf[BUF];
     if (w >= 64 || w > BUF) {
@@ -1249,7 +1275,15 @@ static void pcb_amx_phase_flat(const float *restrict x, int m, int C, int H, int
                         }
                         const float *src = xc + (pc_idx)h * W + (pc_idx)c_lo * S + b - pad;
                         for (int col = 0; col < c_lo; col++) d[col] = 0;
-                        for (int col = c_lo; col < c_hi; col++) d[col] = (uint16_t)pcb_bf16(src[(pc_idx)(col - c_lo) * S]);
+                        if (S == 2) {  /* a constant stride the compiler turns into vector loads and permutes */
+                            const int n = c_hi - c_lo;
+                            uint16_t *e = d + c_lo;
+                            PC_SIMD
+                            for (int q = 0; q < n; q++) e[q] = (uint16_t)pcb_bf16(src[2 * q]);
+                        } else {
+                            for (int col = c_lo; col < c_hi; col++)
+                                d[col] = (uint16_t)pcb_bf16(src[(pc_idx)(col - c_lo) * S]);
+                        }
                         for (int col = c_hi; col < Wg; col++) d[col] = 0;
                     }
                 }

@@ -195,12 +195,11 @@ def _bf16_forward_native(C, K, stride=1):
     return C * K * K >= 32
 
 
-def _bf16_dw_native(K, stride, padding, C=0):
+def _bf16_dw_native(K, stride, padding):
     """Whether the native bf16 weight gradient beats the float32 direct one on the rounded tensors."""
     # strided layers (other than a 1x1 without padding) build im2col panels for their VDPBF16PS dw;
-    # the AMX tiles read them as flat views of phase images instead, which pays from two tiles of
-    # 16 input channels (one tile per product leaves the gathering of the phases the larger part)
-    return stride == 1 or (K == 1 and padding == 0) or (_bf16.amx() and C >= 32)
+    # the AMX tiles read them as flat views of phase images instead, which pays from 3 channels up
+    return stride == 1 or (K == 1 and padding == 0) or _bf16.amx()
 
 
 def _flipped_transposed(w):
@@ -1087,7 +1086,7 @@ class OpenMPBackend(HostArrays, Backend):
         dw = self._empty(w.shape)
         if _bf16.native():
             db = np.empty(w.shape[0], dtype=np.float32) if need_db else None
-            if _bf16_dw_native(w.shape[2], stride, padding, w.shape[1]):
+            if _bf16_dw_native(w.shape[2], stride, padding):
                 _bf16.conv2d_backward(x, w, dy, dx, dw, db, stride, padding, get_num_threads())
                 return dx, dw, db
             if dx is not None or db is not None:
