@@ -1341,15 +1341,12 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
     const pc_idx npf = ((pc_idx)(m - 1) * RR + (p1 - p0)) * Wp, npp = (npf + 1) / 2;
     const pc_idx n16 = (npp + 15) & ~(pc_idx)15;
     const pc_idx CL = (pc_idx)Se * Se * C * L, ldt = ((pc_idx)O + 15) & ~(pc_idx)15;
-    uint16_t *xb1 = xb + CL;
     if (flat1)
         pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
     else
         pcb_amx_phase_flat(x, m, C, H, W, pad, S, K, p0, RR, Wp, L, xb);
-    if (K > 1) {
-        memcpy(xb1, xb + 1, sizeof(uint16_t) * (size_t)(CL - 1));
-        xb1[CL - 1] = 0;
-    }
+    /* a view at an odd offset reads one word past the last plane (times a zero dy pair) */
+    memset(xb + CL, 0, 32 * sizeof(uint16_t));
     /* dy's flat rows rounded (zero on the dropped columns, between images and past the end), then
      * transposed into pairs */
     uint16_t *h = (uint16_t *)(dyt + n16 * ldt);
@@ -1384,17 +1381,47 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
         cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(two_a ? rb2 : ra);
         cfg.rows[6] = cfg.rows[7] = 16;
         _tile_loadconfig(&cfg);
-        for (int k = 0; k < KK; k++) {
-            const int kh = k / K, kw = k % K;
-            const pc_idx off = (pc_idx)(kh / Se) * Wp + kw / Se, ph = (pc_idx)(kh % Se) * Se + kw % Se;
-            const uint32_t *a0 = (const uint32_t *)((off & 1 ? xb1 + off - 1 : xb + off) + (ph * C + c0) * L);
-            const uint32_t *a1 = (const uint32_t *)((const uint16_t *)a0 + 16 * L);
+        /* a tap's A rows: the flat view at its offset, a byte address (a view at an odd offset pairs
+         * the pixels (j + off, j + off + 1) with dy's pair (j, j + 1) all the same) */
+#define PCB_DW_VIEW(k)                                                                                  \
+    ((const char *)(xb + (pc_idx)((k) / K / Se) * Wp + (k) % K / Se +                                \
+                    ((pc_idx)(((k) / K % Se) * Se + (k) % K % Se) * C + c0) * L))
+        const pc_idx ps = (pc_idx)KK * ldo * (pc_idx)sizeof(float);
+        int k = 0;
+        if (!two_a && O <= 16)
+            /* one tile of sums per tap: four taps at a time share each load of the dy tile (five tile
+             * loads per four products instead of eight); the same sums in the same order */
+            for (; k + 4 <= KK; k += 4) {
+                const char *v0 = PCB_DW_VIEW(k), *v1 = PCB_DW_VIEW(k + 1), *v2 = PCB_DW_VIEW(k + 2),
+                           *v3 = PCB_DW_VIEW(k + 3);
+                float *q = part + ((pc_idx)c0 * KK + k) * ldo;
+                _tile_loadd(0, q, ps);
+                _tile_loadd(1, q + ldo, ps);
+                _tile_loadd(2, q + 2 * ldo, ps);
+                _tile_loadd(3, q + 3 * ldo, ps);
+                for (pc_idx jp = 0; jp < n16; jp += 16) {
+                    _tile_loadd(6, dyt + jp * ldt, bs);
+                    _tile_loadd(4, v0 + 4 * jp, as);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(5, v1 + 4 * jp, as);
+                    _tile_dpbf16ps(1, 5, 6);
+                    _tile_loadd(4, v2 + 4 * jp, as);
+                    _tile_dpbf16ps(2, 4, 6);
+                    _tile_loadd(5, v3 + 4 * jp, as);
+                    _tile_dpbf16ps(3, 5, 6);
+                }
+                _tile_stored(0, q, ps);
+                _tile_stored(1, q + ldo, ps);
+                _tile_stored(2, q + 2 * ldo, ps);
+                _tile_stored(3, q + 3 * ldo, ps);
+            }
+        for (; k < KK; k++) {
+            const char *a0 = PCB_DW_VIEW(k), *a1 = a0 + 16 * as;
             for (int o0 = 0; o0 < O; o0 += 32) {
                 /* the sums go on from part's own rows (channels KK * ldo apart; the columns past O up
                  * to ldo are scratch) */
                 const int two_b = O - o0 > 16;
                 float *p0 = part + ((pc_idx)c0 * KK + k) * ldo + o0, *p1 = p0 + (pc_idx)16 * KK * ldo;
-                const pc_idx ps = (pc_idx)KK * ldo * (pc_idx)sizeof(float);
                 _tile_loadd(0, p0, ps);
                 if (two_b) _tile_loadd(1, p0 + 16, ps);
                 if (two_a) {
@@ -1402,10 +1429,11 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
                     if (two_b) _tile_loadd(3, p1 + 16, ps);
                 }
                 for (pc_idx jp = 0; jp < n16; jp += 16)
-                    pcb_amx_step(a0 + jp, a1 + jp, as, dyt + jp * ldt + o0, bs, two_a, two_b);
+                    pcb_amx_step(a0 + 4 * jp, a1 + 4 * jp, as, dyt + jp * ldt + o0, bs, two_a, two_b);
                 pcb_amx_store4(p0, p1, ps, two_a, two_b);
             }
         }
+#undef PCB_DW_VIEW
     }
     _tile_release();
 }
