@@ -27,8 +27,7 @@ from .pc_helpers cimport (PC_BLOCKS_PER_THREAD, pc_team, pc_cap, pc_get_team_lim
 
 cdef extern from "pc_norm.h":
     int PCN_PLANE_STEP
-    double pcn_sum(const float *p, Py_ssize_t n) noexcept nogil
-    double pcn_sqdev(const float *p, Py_ssize_t n, double m) noexcept nogil
+    void pcn_sum_sq(const float *p, Py_ssize_t n, double k, double *s) noexcept nogil
     void pcn_grad_sums_relu(const float *x, const float *dy, const float *y, Py_ssize_t n, float m, float istd,
                             double *sg, double *sgx) noexcept nogil
     void pcn_dx_plane(const float *x, const float *dy, const float *y, float *dx, Py_ssize_t n, float m,
@@ -60,16 +59,6 @@ def _bn_chunks(Py_ssize_t N, Py_ssize_t C, Py_ssize_t L, int num_threads):
     return _chunks(N * C, N * C * L, num_threads)
 
 
-cdef void _merge(const double *part, double *out, int nc, Py_ssize_t C) noexcept nogil:
-    """out[c] = sum over chunks of part[chunk, c], in chunk order."""
-    cdef Py_ssize_t c
-    cdef int i
-    for c in range(C):
-        out[c] = 0.0
-        for i in range(nc):
-            out[c] += part[i * C + c]
-
-
 def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
                              const float[::1] weight,     # IN  (C,) or None
                              const float[::1] bias,       # IN  (C,) or None
@@ -86,9 +75,12 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef int nc = _chunks(planes, planes * L, num_threads), i
     pc_work(pc_elems_ns(<double>planes * _plane_values(L) * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
-    cdef double *part = <double *>calloc(nc * C + 3 * C, sizeof(double))
+    # per chunk and channel the sum and the sum of squares about k[c] (the channel's first value), then
+    # the merged sums, k, and the affine coefficients
+    cdef double *part = <double *>calloc(2 * nc * C + 4 * C, sizeof(double))
     cdef double *m64
     cdef double *v64
+    cdef double *k64
     cdef float *scale
     cdef float *shift
     cdef const float *xp = &x[0, 0, 0]
@@ -100,25 +92,23 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef pc_sync sync
     if part == NULL:
         raise MemoryError()
-    m64 = part + nc * C
+    m64 = part + 2 * nc * C
     v64 = m64 + C
-    scale = <float *>(v64 + C)       # C floats in the last C doubles' room
+    k64 = v64 + C
+    scale = <float *>(k64 + C)       # C floats in the last C doubles' room
     shift = scale + C
+    # k: the mean of a channel's first values (up to 64, of the first planes), close to the channel's mean
+    # unless the batch is far off its first image's start; one value alone could be an outlier
+    for c in range(C):
+        k64[c] = _first_mean(xp, N, C, L, c)
     pc_sync_init(&sync)
-    # one region for the three passes; thread 0 merges the chunks' sums between them
+    # one region for the two passes; thread 0 merges the chunks' sums between them
     with nogil, parallel(num_threads=pc_cap(pc_team(nc, num_threads))):
         for i in prange(nc, schedule="dynamic"):
-            _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, NULL, part + i * C)
+            _sum_sq_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, k64, part + 2 * i * C)
         pc_sync_wait(&sync)
         if pc_sync_first():
-            _merge(part, m64, nc, C)
-            _scale_zero(m64, part, nc, C, M)
-        pc_sync_wait(&sync)
-        for i in prange(nc, schedule="dynamic"):
-            _sum_chunk(xp, _bound(N, C, i, nc), _bound(N, C, i + 1, nc), C, L, m64, part + i * C)
-        pc_sync_wait(&sync)
-        if pc_sync_first():
-            _merge(part, v64, nc, C)
+            _merge_sum_sq(part, k64, m64, v64, nc, C, M)
             _train_stats(m64, v64, C, M, eps, momentum, wp, bp, rmp, rvp, &mean[0], &invstd[0], scale, shift)
         pc_sync_wait(&sync)
         for i in prange(nc, schedule="dynamic"):
@@ -127,13 +117,56 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     free(part)
 
 
-cdef void _scale_zero(double *m64, double *part, int nc, Py_ssize_t C, Py_ssize_t M) noexcept nogil:
-    """The means from the sums, and the chunks' partial sums zeroed for the next pass."""
+cdef double _first_mean(const float *x, Py_ssize_t N, Py_ssize_t C, Py_ssize_t L, Py_ssize_t c) noexcept nogil:
+    """The mean of channel c's first min(N * L, 64) values in memory order (NaN and inf as they come)."""
+    cdef Py_ssize_t n = 0, i, j
+    cdef double s = 0.0
+    for i in range(N):
+        for j in range(L):
+            if n == 64:
+                return s / n
+            s += x[(i * C + c) * L + j]
+            n += 1
+    return s / n
+
+
+cdef void _sum_sq_chunk(const float *x, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C, Py_ssize_t L, const double *k,
+                        double *part) noexcept nogil:
+    """part[2c], part[2c + 1] += the sum of planes [j0, j1)'s values less k[c], and of their squares."""
+    cdef Py_ssize_t j, r, rr, c = j0 % C
+    cdef double d
+    if L == 1 and c == 0 and j1 % C == 0:
+        for rr in range(j0 // C, j1 // C):
+            r = rr * C
+            for c in range(C):
+                d = x[r + c] - k[c]
+                part[2 * c] += d
+                part[2 * c + 1] += d * d
+        return
+    for j in range(j0, j1):
+        pcn_sum_sq(x + j * L, L, k[c], part + 2 * c)
+        c += 1
+        if c == C:
+            c = 0
+
+
+cdef void _merge_sum_sq(const double *part, const double *k, double *mean, double *sqdev, int nc, Py_ssize_t C,
+                        Py_ssize_t M) noexcept nogil:
+    """The chunks' shifted sums added in chunk order, as each channel's mean and the sum of its squared
+    deviations from the mean (what the two-pass statistics compute): sum (x - k)^2 - (sum (x - k))^2 / M."""
     cdef Py_ssize_t c
+    cdef int i
+    cdef double s1, s2
     for c in range(C):
-        m64[c] = m64[c] / M
-    for c in range(nc * C):
-        part[c] = 0.0
+        s1 = 0.0
+        s2 = 0.0
+        for i in range(nc):
+            s1 += part[2 * (i * C + c)]
+            s2 += part[2 * (i * C + c) + 1]
+        mean[c] = k[c] + s1 / M
+        sqdev[c] = s2 - s1 * (s1 / M)
+        if sqdev[c] < 0.0:  # rounding where every value is the same
+            sqdev[c] = 0.0
 
 
 cdef void _train_stats(const double *m64, double *v64, Py_ssize_t C, Py_ssize_t M, double eps, double momentum,
@@ -222,7 +255,7 @@ def batch_norm_forward_eval(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef Py_ssize_t planes = N * C, c
     cdef int nc = _chunks(planes, planes * L, num_threads), i
     # one pass that reads x and writes y, in loops the compiler vectorises whole (no scalar tail of
-    # pcn_sum's kind): a plane's fixed cost, no more
+    # pcn_sum_sq's kind): a plane's fixed cost, no more
     pc_work(pc_elems_ns(<double>planes * _max(L, BN_PLANE_MIN) * 2))
     cdef const float *rp = _residual(residual, N, C, L)
     cdef float *scale = <float *>calloc(2 * C, sizeof(float))
@@ -320,32 +353,6 @@ cdef inline Py_ssize_t _bound(Py_ssize_t N, Py_ssize_t C, Py_ssize_t i, int nc) 
 # One chunk of planes [j0, j1) per call; the channel c = j % C advances with the plane, so
 # no division runs per plane. (N, C) input (L == 1) in whole rows runs as loops over the C
 # channels of each row instead, which vectorise.
-cdef void _sum_chunk(const float *x, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C, Py_ssize_t L,
-                     const double *center, double *part) noexcept nogil:
-    """part[c] += sum of the planes' values (center NULL) or of (value - center[c])^2."""
-    cdef Py_ssize_t j, r, rr, c = j0 % C
-    cdef double d
-    if L == 1 and c == 0 and j1 % C == 0:
-        for rr in range(j0 // C, j1 // C):
-            r = rr * C
-            if center == NULL:
-                for c in range(C):
-                    part[c] += x[r + c]
-            else:
-                for c in range(C):
-                    d = x[r + c] - center[c]
-                    part[c] += d * d
-        return
-    for j in range(j0, j1):
-        if center == NULL:
-            part[c] += pcn_sum(x + j * L, L)
-        else:
-            part[c] += pcn_sqdev(x + j * L, L, center[c])
-        c += 1
-        if c == C:
-            c = 0
-
-
 cdef void _apply_chunk(const float *x, float *y, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_t C, Py_ssize_t L,
                        const float *mean, const float *scale, const float *shift, bint relu,
                        const float *res) noexcept nogil:

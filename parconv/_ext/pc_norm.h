@@ -124,75 +124,54 @@ static inline double pcn_hsum(pcn_vd a, pcn_vd b, pcn_vd c, pcn_vd d)
 #define PCN_PLANE_STEP 1
 #endif
 
-/* sum of p[0..n) in double */
-static inline double pcn_sum(const float *p, pcn_idx n)
+/* s[0] += sum of (p[i] - k), s[1] += sum of (p[i] - k)^2, in double: a batch norm's statistics in one
+ * pass. k is a value of the channel, so the variance s[1] / n - (s[0] / n)^2 cancels no more digits than
+ * the spread of the values about k costs (a few of double's 16 where k lies within a few deviations). */
+static inline void pcn_sum_sq(const float *p, pcn_idx n, double k, double *s)
 {
 #if defined(PCN_STEP)
-    pcn_vd s0 = PCN_ZEROD(), s1 = PCN_ZEROD(), s2 = PCN_ZEROD(), s3 = PCN_ZEROD();
+    const pcn_vd vk = PCN_SETD(k);
+    pcn_vd a0 = PCN_ZEROD(), a1 = PCN_ZEROD(), a2 = PCN_ZEROD(), a3 = PCN_ZEROD();
+    pcn_vd q0 = PCN_ZEROD(), q1 = PCN_ZEROD(), q2 = PCN_ZEROD(), q3 = PCN_ZEROD();
     pcn_idx i = 0;
     for (; i + PCN_STEP <= n; i += PCN_STEP) {
         const pcn_vf a = PCN_LDF(p + i), b = PCN_LDF(p + i + PCN_HALF);
-        s0 = PCN_ADDD(s0, PCN_CVT_LO(a));
-        s1 = PCN_ADDD(s1, PCN_CVT_HI(a));
-        s2 = PCN_ADDD(s2, PCN_CVT_LO(b));
-        s3 = PCN_ADDD(s3, PCN_CVT_HI(b));
+        const pcn_vd d0 = PCN_SUBD(PCN_CVT_LO(a), vk), d1 = PCN_SUBD(PCN_CVT_HI(a), vk);
+        const pcn_vd d2 = PCN_SUBD(PCN_CVT_LO(b), vk), d3 = PCN_SUBD(PCN_CVT_HI(b), vk);
+        a0 = PCN_ADDD(a0, d0);
+        a1 = PCN_ADDD(a1, d1);
+        a2 = PCN_ADDD(a2, d2);
+        a3 = PCN_ADDD(a3, d3);
+        q0 = PCN_ADDD(q0, PCN_MULD(d0, d0));
+        q1 = PCN_ADDD(q1, PCN_MULD(d1, d1));
+        q2 = PCN_ADDD(q2, PCN_MULD(d2, d2));
+        q3 = PCN_ADDD(q3, PCN_MULD(d3, d3));
     }
-    double t = 0.0;
-    for (; i < n; i++)
-        t += p[i];
-    return pcn_hsum(s0, s1, s2, s3) + t;
-#else
-    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-    pcn_idx i = 0;
-    for (; i + 4 <= n; i += 4) {
-        s0 += p[i];
-        s1 += p[i + 1];
-        s2 += p[i + 2];
-        s3 += p[i + 3];
-    }
-    for (; i < n; i++)
-        s0 += p[i];
-    return (s0 + s1) + (s2 + s3);
-#endif
-}
-
-/* sum of (p[i] - m)^2 in double */
-static inline double pcn_sqdev(const float *p, pcn_idx n, double m)
-{
-#if defined(PCN_STEP)
-    const pcn_vd vm = PCN_SETD(m);
-    pcn_vd s0 = PCN_ZEROD(), s1 = PCN_ZEROD(), s2 = PCN_ZEROD(), s3 = PCN_ZEROD();
-    pcn_idx i = 0;
-    for (; i + PCN_STEP <= n; i += PCN_STEP) {
-        const pcn_vf a = PCN_LDF(p + i), b = PCN_LDF(p + i + PCN_HALF);
-        const pcn_vd d0 = PCN_SUBD(PCN_CVT_LO(a), vm), d1 = PCN_SUBD(PCN_CVT_HI(a), vm);
-        const pcn_vd d2 = PCN_SUBD(PCN_CVT_LO(b), vm), d3 = PCN_SUBD(PCN_CVT_HI(b), vm);
-        s0 = PCN_ADDD(s0, PCN_MULD(d0, d0));
-        s1 = PCN_ADDD(s1, PCN_MULD(d1, d1));
-        s2 = PCN_ADDD(s2, PCN_MULD(d2, d2));
-        s3 = PCN_ADDD(s3, PCN_MULD(d3, d3));
-    }
-    double t = 0.0;
+    double t = 0.0, u = 0.0;
     for (; i < n; i++) {
-        const double d = p[i] - m;
-        t += d * d;
+        const double d = p[i] - k;
+        t += d;
+        u += d * d;
     }
-    return pcn_hsum(s0, s1, s2, s3) + t;
+    s[0] += pcn_hsum(a0, a1, a2, a3) + t;
+    s[1] += pcn_hsum(q0, q1, q2, q3) + u;
 #else
-    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    double t0 = 0.0, t1 = 0.0, u0 = 0.0, u1 = 0.0;
     pcn_idx i = 0;
-    for (; i + 4 <= n; i += 4) {
-        const double d0 = p[i] - m, d1 = p[i + 1] - m, d2 = p[i + 2] - m, d3 = p[i + 3] - m;
-        s0 += d0 * d0;
-        s1 += d1 * d1;
-        s2 += d2 * d2;
-        s3 += d3 * d3;
+    for (; i + 2 <= n; i += 2) {
+        const double d0 = p[i] - k, d1 = p[i + 1] - k;
+        t0 += d0;
+        t1 += d1;
+        u0 += d0 * d0;
+        u1 += d1 * d1;
     }
     for (; i < n; i++) {
-        const double d = p[i] - m;
-        s0 += d * d;
+        const double d = p[i] - k;
+        t0 += d;
+        u0 += d * d;
     }
-    return (s0 + s1) + (s2 + s3);
+    s[0] += t0 + t1;
+    s[1] += u0 + u1;
 #endif
 }
 
