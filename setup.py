@@ -50,7 +50,7 @@ EXT_NAMES = ONCE_NAMES + HOT_NAMES
 
 HEADERS = ["pc_common.h", "pc_conv.h", "pc_winograd.h", "pc_winograd4.h", "pc_fused.h", "pc_dense.h", "pc_gemm.h",
            "pc_optim.h", "pc_pool.h", "pc_conv_general.h", "pc_pool.pxd", "pc_helpers.pxd", "pc_conv.pxd", "pc_bf16.h",
-           "pc_int8.h", "pc_norm.h"]
+           "pc_int8.h", "pc_norm.h", "pc_amx.h"]
 
 _INCLUDE = re.compile(r'^include\s+["\']([^"\']+)["\']', re.M)
 

@@ -123,8 +123,8 @@ def built_levels() -> list:
 
 
 def _cpu_summary(features: dict) -> str:
-    have = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
-            if features.get(f)]
+    have = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                        "amx_bf16", "amx_int8") if features.get(f)]
     return ", ".join(have) if have else "no AVX2/AVX-512"
 
 

@@ -35,6 +35,16 @@ cdef extern from *:
                 unsigned a, b, c, d;
                 return __builtin_cpu_supports("avx2") && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1u);
             }
+            /* AMX-BF16, AMX-INT8: CPUID leaf 7 EDX bits 22 and 25 with AMX-TILE (24), and the OS enabling the
+             * tile state in XCR0 (Linux still grants each process the registers: pc_amx.h) */
+            case 15: case 16: {
+                unsigned a, b, c, d, lo, hi;
+                if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;
+                if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+                if (!(d >> 24 & 1u) || !(d >> (which == 15 ? 22 : 25) & 1u)) return 0;
+                __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+                return (lo & (3u << 17)) == (3u << 17);
+            }
             default: return -1;
         }
     }
@@ -48,7 +58,7 @@ cdef extern from *:
 
 
 _NAMES = ("avx", "avx2", "fma", "bmi1", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq",
-          "avx512vl", "avx512_vnni", "avx512_bf16", "x86-64-v3", "x86-64-v4", "avx_vnni")
+          "avx512vl", "avx512_vnni", "avx512_bf16", "x86-64-v3", "x86-64-v4", "avx_vnni", "amx_bf16", "amx_int8")
 
 
 def is_x86():

@@ -383,39 +383,23 @@ PCB_TARGET static void pcb_tile(const uint32_t *const *arow, const pc_idx *restr
  * VDPBF16PS. Each sum is
  * fp32, in a different order than the VDPBF16PS kernel's: the two paths agree within fp32 rounding,
  * and each repeats its own bits. */
-#if defined(__linux__) && defined(__x86_64__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#include "pc_amx.h"
+#ifdef PC_AMX
 #define PCB_AMX 1
-#include <cpuid.h>
 #include <pthread.h>
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define PCB_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl")))
 
 static int pcb_amx_have = 0;  /* the CPU and OS run the tiles (pcb_amx_init) */
 static int pcb_amx_on = 0;    /* pcb_gemm_r uses them */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} pcb_tilecfg;
+typedef pc_tilecfg pcb_tilecfg;
 
-/* Whether this process may run AMX-BF16: CPUID says AMX-TILE and AMX-BF16, XCR0 has the tile
- * state enabled, and Linux grants the permission to use it (asked once per process). Turns the
- * tiles on when it may. */
+/* Whether this process may run AMX-BF16 (pc_amx_request); turns the tiles on when it may. */
 static int pcb_amx_init(void)
 {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;         /* OSXSAVE */
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return 0;                        /* AMX-TILE, AMX-BF16 */
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return 0;                               /* XTILECFG, XTILEDATA */
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 0;
+    if (!pc_amx_request(PC_AMX_BF16)) return 0;
     pcb_amx_have = pcb_amx_on = 1;
     return 1;
 }
@@ -455,8 +439,7 @@ static uint32_t *pcb_amx_scratch(pc_idx words)
     return pcb_amx_mem;
 }
 
-/* GCC's tile loads are asm without a memory clobber: order the staging stores before them. */
-#define PCB_AMX_FENCE() __asm__ volatile("" ::: "memory")
+#define PCB_AMX_FENCE() PC_AMX_FENCE()
 
 /* The 2 x 2 block of tiles every kernel below runs: C tiles 0, 1 (rows of A tile 4) and 2, 3 (rows of
  * A tile 5) by the columns of B tiles 6 and 7; two_a / two_b say whether the second row / column of
