@@ -335,6 +335,24 @@ def test_conv2d_backward_matches_the_model(case, want_dx, want_db):
 
 
 @needs_native
+@pytest.mark.parametrize("N, C, O, H, K, stride, pad", [
+    (5, 16, 16, 8, 3, 1, 1), (3, 7, 9, 11, 3, 1, 1), (4, 16, 32, 16, 3, 2, 1), (2, 33, 17, 9, 5, 3, 2),
+    (6, 4, 8, 6, 1, 2, 0), (3, 40, 20, 7, 3, 1, 0)])
+def test_weight_gradient_reads_only_what_it_wrote(product_path, N, C, O, H, K, stride, pad):
+    """The AMX weight gradient does not zero its scratch: filled with NaN bits first, dw still matches."""
+    x, w, _, dy = _conv_case(np.random.default_rng(N + C + K), N, C, O, H, H + 3, K, stride, pad)
+    _, _, rdw, adw, _ = conv_backward_model(x, w, dy, stride, pad)
+    old = _bf16._fill_scratch(0xFF)
+    try:
+        for threads in (1, 2):
+            dw = np.full(w.shape, np.nan, np.float32)
+            _bf16.conv2d_backward(x, w, dy, None, dw, None, stride, pad, threads)
+            assert_close(dw, rdw, adw, f"dw, {threads} thread(s)")
+    finally:
+        _bf16._fill_scratch(old)
+
+
+@needs_native
 @given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.integers(1, 9), st.sampled_from([1, 2, 3, 4, 5]),
        st.sampled_from([2, 3]), st.integers(0, 7), st.integers(0, 7), st.integers(0, 2**32 - 1))
 @SETTINGS

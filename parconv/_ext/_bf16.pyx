@@ -550,6 +550,17 @@ def conv2d_forward(x, w, b, y, int stride, int padding, int num_threads):
 
 
 cdef bint _dx_phases_user = True
+cdef int _scratch_fill = -1
+
+
+def _fill_scratch(int byte):
+    """Fill the AMX weight gradient's scratch with ``byte`` before each call (-1: leave it as malloc
+    returns it); returns the old value. For tests: 0xFF makes every bf16 word NaN, so a word read
+    before it is written shows in dw."""
+    global _scratch_fill
+    old = _scratch_fill
+    _scratch_fill = byte
+    return old
 
 
 def _set_dx_phases(bint on):
@@ -704,10 +715,16 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     failed[0] = 0
     raw, cols, dyt, xb = NULL, NULL, NULL, NULL
     with parallel(num_threads=pc_cap(nt)):
-        # the tiles' dy pairs are padded to 16 rows; zeroed, so the shifted copy of the phase planes never
-        # reads memory nothing wrote (planes of phases no tap uses)
-        raw = calloc(1, sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
-                     + sizeof(uint16_t) * xbn + 256)
+        # the tiles' block writes every word it reads (tests fill its scratch with NaN bits first:
+        # _fill_scratch), so its scratch is not zeroed; the VDPBF16PS kernels' is
+        if amx:
+            raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo) + sizeof(uint16_t) * xbn + 256)
+            if raw != NULL and _scratch_fill >= 0:
+                memset(raw, _scratch_fill, sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
+                       + sizeof(uint16_t) * xbn + 256)
+        else:
+            raw = calloc(1, sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
+                         + sizeof(uint16_t) * xbn + 256)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1
