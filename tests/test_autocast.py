@@ -530,7 +530,7 @@ def test_openmp_bf16_at_every_isa_level(level):
     (16, 8, 10, 3, 1, 1, True, True),
     (4, 8, 11, 3, 2, 1, True, None),    # stride 2 (3x3): dw on the AMX tiles where they run, else float32
     (32, 8, 11, 3, 2, 1, True, None),   # the same from 32 channels
-    (40, 6, 9, 1, 2, 0, None, True),    # a 1x1 shortcut: native, but its forward in float32 on the AMX tiles
+    (40, 6, 9, 1, 2, 0, True, True),    # a 1x1 shortcut
 ])
 def test_openmp_picks_native_or_float32_per_layer(monkeypatch, c, o, h, k, s, p, native_fwd, native_dw):
     """The openmp backend runs the native bf16 kernel or the float32 direct kernel on the rounded tensors
@@ -552,8 +552,6 @@ def test_openmp_picks_native_or_float32_per_layer(monkeypatch, c, o, h, k, s, p,
         dy = rng.standard_normal(host(y).shape).astype(np.float32)
         dx, dw, db = F.conv2d_backward(x, w, dy, stride=s, padding=p, backend=be)
         dx2, dw2, _ = F.conv2d_backward(x, w, dy, stride=s, padding=p, backend=be)
-    if native_fwd is None:  # gathering every S-th pixel for the tiles costs more than their products save
-        native_fwd = not _bf16.amx()
     if native_dw is None:  # the tiles read a strided layer's input as flat views of phase images
         native_dw = _bf16.amx()
     assert ("fwd" in calls) == native_fwd

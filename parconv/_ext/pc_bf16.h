@@ -683,6 +683,13 @@ static void pcb_amx_cpimage(const float *restrict x, int C, int H, int W, int pa
                     } else if (S == 1) {
                         PC_SIMD
                         for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[q]);
+                    } else if (S == 2 && x1 != NULL) {  /* constant strides: vector loads and permutes */
+                        const float *s1 = s0 + (pc_idx)H * W;
+                        PC_SIMD
+                        for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[2 * q]) | pcb_bf16(s1[2 * q]) << 16;
+                    } else if (S == 2) {
+                        PC_SIMD
+                        for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[2 * q]);
                     } else {
                         for (int q = 0; q < n; q++)
                             e[q] = pcb_bf16(s0[(pc_idx)q * S]) | (x1 != NULL ? pcb_bf16(s0[(pc_idx)H * W + (pc_idx)q * S]) << 16 : 0u);

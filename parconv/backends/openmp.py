@@ -185,13 +185,10 @@ def _blas_limit(macs: int):
     return _blas_one_thread if macs >= BLAS_LIMIT_MIN_MACS else contextlib.nullcontext()
 
 
-def _bf16_forward_native(C, K, stride=1):
+def _bf16_forward_native(C, K):
     """Whether the native bf16 forward beats rounding and the float32 direct kernel on this layer."""
     # a reduction of under 32 terms (a first layer on RGB): building the block's bf16 input views
-    # costs more than the products it feeds; so does gathering every S-th pixel for a strided 1x1
-    # shortcut on the AMX tiles, whose products are the cheap part
-    if K == 1 and stride > 1 and _bf16.amx():
-        return False
+    # costs more than the products it feeds
     return C * K * K >= 32
 
 
@@ -1070,7 +1067,7 @@ class OpenMPBackend(HostArrays, Backend):
 
     def conv2d_forward_bf16(self, x, w, b, stride, padding):
         def compute(x, w, b, y):
-            if _bf16.native() and _bf16_forward_native(w.shape[1], w.shape[2], stride):
+            if _bf16.native() and _bf16_forward_native(w.shape[1], w.shape[2]):
                 _bf16.conv2d_forward(x, w, b, y, stride, padding, get_num_threads())
             else:
                 _conv.conv2d_forward(self.round_to_bf16(x), self.round_to_bf16(w), b, y, stride, padding,
