@@ -1,5 +1,5 @@
-/* What the AMX tile kernels of _bf16 and _int8 share: the tile configuration's layout and asking
- * Linux for the tile registers.
+/* What AMX tile kernels need besides the instructions: the tile configuration's layout and asking
+ * Linux for the tile registers (the _bf16 kernels; PC_AMX_INT8 is named for a check of the CPU).
  *
  * A process may use the tiles once the kernel grants it the XTILEDATA state (Linux 5.16 or newer,
  * arch_prctl(ARCH_REQ_XCOMP_PERM)); the permission is the whole process's, so asking twice is
@@ -40,14 +40,6 @@ static inline int pc_amx_request(int unit)
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if ((lo & (3u << 17)) != (3u << 17)) return 0; /* XTILECFG, XTILEDATA */
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
-
-/* A configuration of palette 1 with every tile unused; the kernels fill in rows and colsb. */
-static inline void pc_tilecfg_clear(pc_tilecfg *cfg)
-{
-    unsigned char *p = (unsigned char *)cfg;
-    for (unsigned i = 0; i < sizeof *cfg; i++) p[i] = 0;
-    cfg->palette = 1;
 }
 
 /* GCC's tile loads are asm without a memory clobber: order stores to a tile's operands before it. */
