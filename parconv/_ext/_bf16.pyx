@@ -699,6 +699,8 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
     cdef Py_ssize_t xbn = 2 * nphase * C * L if flat else <Py_ssize_t>C * ((rb - 1) * S + K) * Wp
     # stride 1: the rows' pointers; else the im2col rows themselves
     cdef Py_ssize_t colsn = Kd * 2 if flat else Kd * npp
+    cdef size_t scratch = (sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
+                           + sizeof(uint16_t) * xbn + 256)
     cdef float *part = <float *>malloc(sizeof(float) * ng * Kd * ldo)
     cdef int nt = pc_team(ng, num_threads)
     cdef int failed[1]
@@ -718,13 +720,11 @@ cdef int _conv_dw(const float *x, int N, int C, int H, int W, int K, int S, int 
         # the tiles' block writes every word it reads (tests fill its scratch with NaN bits first:
         # _fill_scratch), so its scratch is not zeroed; the VDPBF16PS kernels' is
         if amx:
-            raw = malloc(sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo) + sizeof(uint16_t) * xbn + 256)
+            raw = malloc(scratch)
             if raw != NULL and _scratch_fill >= 0:
-                memset(raw, _scratch_fill, sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
-                       + sizeof(uint16_t) * xbn + 256)
+                memset(raw, _scratch_fill, scratch)
         else:
-            raw = calloc(1, sizeof(uint32_t) * (colsn + npp * (ldo + 16 + O + 2) + 16 * ldo)
-                         + sizeof(uint16_t) * xbn + 256)
+            raw = calloc(1, scratch)
         cols = <uint32_t *>pc_align64(raw)
         if raw == NULL:
             failed[0] = 1

@@ -8,6 +8,7 @@ cdef extern from *:
     #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     #define PC_CPU_X86 1
     #include <cpuid.h>
+    #include "pc_amx.h"
     static int pc_cpu_has(int which) {
         __builtin_cpu_init();
         switch (which) {
@@ -35,16 +36,10 @@ cdef extern from *:
                 unsigned a, b, c, d;
                 return __builtin_cpu_supports("avx2") && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1u);
             }
-            /* AMX-BF16, AMX-INT8: CPUID leaf 7 EDX bits 22 and 25 with AMX-TILE (24), and the OS enabling the
-             * tile state in XCR0 (Linux still grants each process the registers: pc_amx.h) */
-            case 15: case 16: {
-                unsigned a, b, c, d, lo, hi;
-                if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;
-                if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-                if (!(d >> 24 & 1u) || !(d >> (which == 15 ? 22 : 25) & 1u)) return 0;
-                __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-                return (lo & (3u << 17)) == (3u << 17);
-            }
+            /* AMX-BF16, AMX-INT8 with the OS enabling the tile state (Linux still grants each process
+             * the registers: pc_amx_request) */
+            case 15: return pc_amx_cpu(PC_AMX_BF16);
+            case 16: return pc_amx_cpu(PC_AMX_INT8);
             default: return -1;
         }
     }

@@ -75,8 +75,8 @@ def batch_norm_forward_train(const float[:, :, ::1] x,   # IN  (N, C, L)
     cdef int nc = _chunks(planes, planes * L, num_threads), i
     pc_work(pc_elems_ns(<double>planes * _plane_values(L) * 2))  # two passes
     cdef const float *rp = _residual(residual, N, C, L)
-    # per chunk and channel the sum and the sum of squares about k[c] (the channel's first value), then
-    # the merged sums, k, and the affine coefficients
+    # per chunk and channel the sum and the sum of squares about k[c] (the mean of the channel's first
+    # values), then the merged sums, k, and the affine coefficients
     cdef double *part = <double *>calloc(2 * nc * C + 4 * C, sizeof(double))
     cdef double *m64
     cdef double *v64

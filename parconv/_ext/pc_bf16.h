@@ -172,8 +172,7 @@ static inline void pcb_round_rows(const float *restrict src, int nrows, int w, u
 {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     for (int r = 0; r < nrows; r++) pcb_round_run(src + (pc_idx)r * w, dst + (pc_idx)r * ldd, w);
-    return;
-#endif
+#else
     enum { BUF = 2048 };
     uint16_t buf[BUF];
     if (w >= 64 || w > BUF) {
@@ -194,6 +193,7 @@ static inline void pcb_round_rows(const float *restrict src, int nrows, int w, u
         for (pc_idx i = 0; i < cnt; i++) buf[i] = (uint16_t)pcb_bf16(s[i]);
         for (int r = 0; r < n; r++) memcpy(dst + (pc_idx)(r0 + r) * ldd, buf + (pc_idx)r * w, sizeof(uint16_t) * (size_t)w);
     }
+#endif
 }
 
 /* Input rows [hp0, hp0 + R) of one image (C, H, W), in padded coordinates (row hp is x's row
@@ -1330,13 +1330,11 @@ PCB_AMX_TARGET static void pcb_amx_dw_block(const float *restrict x, int m, int 
     const int RR = p1 - p0 + ext, KK = K * K;
     const pc_idx npf = ((pc_idx)(m - 1) * RR + (p1 - p0)) * Wp, npp = (npf + 1) / 2;
     const pc_idx n16 = (npp + 15) & ~(pc_idx)15;
-    const pc_idx CL = (pc_idx)Se * Se * C * L, ldt = ((pc_idx)O + 15) & ~(pc_idx)15;
+    const pc_idx ldt = ((pc_idx)O + 15) & ~(pc_idx)15;
     if (flat1)
         pcb_s1_flat(x, m, C, H, W, pad, S, p0, p1, K, Q, xb, L);
     else
         pcb_amx_phase_flat(x, m, C, H, W, pad, S, K, p0, RR, Wp, L, xb);
-    /* a view at an odd offset reads one word past the last plane (times a zero dy pair) */
-    memset(xb + CL, 0, 32 * sizeof(uint16_t));
     /* dy's flat rows rounded (zero on the dropped columns, between images and past the end), then
      * transposed into pairs */
     uint16_t *h = (uint16_t *)(dyt + n16 * ldt);

@@ -125,8 +125,9 @@ static inline double pcn_hsum(pcn_vd a, pcn_vd b, pcn_vd c, pcn_vd d)
 #endif
 
 /* s[0] += sum of (p[i] - k), s[1] += sum of (p[i] - k)^2, in double: a batch norm's statistics in one
- * pass. k is a value of the channel, so the variance s[1] / n - (s[0] / n)^2 cancels no more digits than
- * the spread of the values about k costs (a few of double's 16 where k lies within a few deviations). */
+ * pass. k lies among the channel's values (the mean of its first ones), so the variance
+ * s[1] / n - (s[0] / n)^2 cancels no more digits than the distance of k from the mean costs (a few of
+ * double's 16 where k lies within a few deviations). */
 static inline void pcn_sum_sq(const float *p, pcn_idx n, double k, double *s)
 {
 #if defined(PCN_STEP)
