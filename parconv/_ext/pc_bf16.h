@@ -647,13 +647,50 @@ static void pcb_amx_wpack(const float *restrict w, int O, int C, int K, int cpp,
             }
 }
 
+/* 16 lanes of fp32 bits rounded as pcb_bf16 does, each bf16 in its lane's low half. */
+PCB_AMX_TARGET static inline __m512i pcb_amx_bf16v(__m512i u)
+{
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16));
+}
+
+/* Lanes [q, q + 16) of s[i * S] (S 1 or 2), none past lane n; masked loads never touch a float past
+ * s[(n - 1) * S]. */
+PCB_AMX_TARGET static inline __m512i pcb_amx_gather_run(const float *s, int S, int q, int n)
+{
+    const int k = n - q >= 16 ? 16 : n - q;
+    if (S == 1) return _mm512_maskz_loadu_epi32(k == 16 ? (__mmask16)0xffff : (__mmask16)((1u << k) - 1u), s + q);
+    const int need = 2 * k - 1;  /* floats from s + 2q */
+    const __mmask16 lo = need >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << need) - 1u);
+    const __mmask16 hi = need <= 16 ? (__mmask16)0 : (__mmask16)((1u << (need - 16)) - 1u);
+    const __m512i a = _mm512_maskz_loadu_epi32(lo, s + 2 * q), b = _mm512_maskz_loadu_epi32(hi, s + 2 * q + 16);
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutex2var_epi32(a, even, b);
+}
+
+/* e[q] = bf16 s0[q S] | bf16 s1[q S] << 16 for q < n (S 1 or 2; s1 NULL: a zero high half), in masked
+ * vectors: a short row (8 or 16 pixels) is one or two of them rather than a scalar loop tail. */
+PCB_AMX_TARGET static inline void pcb_amx_pair_run(const float *restrict s0, const float *restrict s1, int S,
+                                                   uint32_t *restrict e, int n)
+{
+    for (int q = 0; q < n; q += 16) {
+        const int k = n - q >= 16 ? 16 : n - q;
+        __m512i r = pcb_amx_bf16v(pcb_amx_gather_run(s0, S, q, n));
+        if (s1 != NULL) r = _mm512_or_si512(r, _mm512_slli_epi32(pcb_amx_bf16v(pcb_amx_gather_run(s1, S, q, n)), 16));
+        _mm512_mask_storeu_epi32(e + q, k == 16 ? (__mmask16)0xffff : (__mmask16)((1u << k) - 1u), r);
+    }
+}
+
 /* A block's channel-pair image at stride S: S x S phase images, phase (a, b) holding padded pixel
  * (r * S + a, c * S + b) at row r - r0 and column c < Wg of its planes (r0 = p0, the block's first
  * output row), for RR rows; zero outside x (C, H, W), past C and up to L words per plane. Plane
  * (phase, cp) lies at ((a * S + b) * cpp + cp) * L; phases no tap reads (a or b >= K) are skipped. At
  * stride 1 the one phase is the padded image itself (Wg = W + 2 pad). */
-static void pcb_amx_cpimage(const float *restrict x, int C, int H, int W, int pad, int S, int K, int p0, int RR,
-                            int cpp, int Wg, pc_idx L, uint32_t *restrict img)
+PCB_AMX_TARGET static void pcb_amx_cpimage(const float *restrict x, int C, int H, int W, int pad, int S, int K,
+                                           int p0, int RR, int cpp, int Wg, pc_idx L, uint32_t *restrict img)
 {
     for (int a = 0; a < S && a < K; a++)
         for (int b = 0; b < S && b < K; b++)
@@ -676,20 +713,8 @@ static void pcb_amx_cpimage(const float *restrict x, int C, int H, int W, int pa
                     const float *s0 = x0 + (pc_idx)h * W + (pc_idx)c_lo * S + b - pad;
                     uint32_t *e = d + c_lo;
                     int n = c_hi - c_lo;
-                    if (S == 1 && x1 != NULL) {
-                        const float *s1 = s0 + (pc_idx)H * W;
-                        PC_SIMD
-                        for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[q]) | pcb_bf16(s1[q]) << 16;
-                    } else if (S == 1) {
-                        PC_SIMD
-                        for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[q]);
-                    } else if (S == 2 && x1 != NULL) {  /* constant strides: vector loads and permutes */
-                        const float *s1 = s0 + (pc_idx)H * W;
-                        PC_SIMD
-                        for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[2 * q]) | pcb_bf16(s1[2 * q]) << 16;
-                    } else if (S == 2) {
-                        PC_SIMD
-                        for (int q = 0; q < n; q++) e[q] = pcb_bf16(s0[2 * q]);
+                    if (S <= 2) {
+                        pcb_amx_pair_run(s0, x1 != NULL ? s0 + (pc_idx)H * W : NULL, S, e, n);
                     } else {
                         for (int q = 0; q < n; q++)
                             e[q] = pcb_bf16(s0[(pc_idx)q * S]) | (x1 != NULL ? pcb_bf16(s0[(pc_idx)H * W + (pc_idx)q * S]) << 16 : 0u);
@@ -727,24 +752,27 @@ PCB_AMX_TARGET static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int 
     _tile_loadconfig(&cfg);
     const pc_idx as = kt * (pc_idx)sizeof(uint32_t), bs = L * (pc_idx)sizeof(uint32_t);
     PCB_AMX_FENCE();
-    for (pc_idx j0 = 0; j0 < npf; j0 += 32) {
-        /* which of the 32 outputs are kept, and where the first kept one of each half goes */
-        __mmask16 keep[2];
-        pc_idx at[2];
-        for (int h = 0; h < 2; h++) {
-            pc_idx j = j0 + 16 * h;
-            unsigned m = 0;
-            for (int i = 0; i < 16; i++)
-                if (j + i < npf && (j + i) % Wp < Q) m |= 1u << i;
-            keep[h] = (__mmask16)m;
-            pc_idx r = j / Wp, q = j % Wp;
-            at[h] = (pc_idx)p0 * Q + r * Q + (q < Q ? q : Q);
-        }
-        const int two_b = keep[1] != 0;
-        for (int o0 = 0; o0 < O; o0 += 32) {
-            const int two_a = O - o0 > 16;
+    /* filters outside: a block's 32 filters of every tap (as tiles) are read again for each run of
+     * 32 outputs, so they stay in L1 while the image passes */
+    for (int o0 = 0; o0 < O; o0 += 32) {
+        const int two_a = O - o0 > 16, nr = O - o0 < 32 ? O - o0 : 32;
+        const uint32_t *wo = wa + (pc_idx)o0 * kt;
+        for (pc_idx j0 = 0; j0 < npf; j0 += 32) {
+            /* which of the 32 outputs are kept, and where the first kept one of each half goes */
+            __mmask16 keep[2];
+            pc_idx at[2];
+            for (int h = 0; h < 2; h++) {
+                pc_idx j = j0 + 16 * h, r = j / Wp, q = j % Wp;
+                unsigned m = 0;
+                for (int i = 0, qi = (int)q; i < 16; i++) {
+                    if (j + i < npf && qi < Q) m |= 1u << i;
+                    if (++qi == Wp) qi = 0;
+                }
+                keep[h] = (__mmask16)m;
+                at[h] = (pc_idx)p0 * Q + r * Q + (q < Q ? q : Q);
+            }
+            const int two_b = keep[1] != 0;
             pcb_amx_zero4();
-            const uint32_t *wo = wa + (pc_idx)o0 * kt;
             for (int kh = 0; kh < K; kh++)
                 for (int kw = 0; kw < K; kw++) {
                     const pc_idx tap = (pc_idx)kh * K + kw;
@@ -756,7 +784,6 @@ PCB_AMX_TARGET static void pcb_amx_conv_rows(const uint32_t *img, pc_idx L, int 
                     }
                 }
             pcb_amx_store4(cb, cb + 16 * 32, 128, two_a, two_b);
-            const int nr = O - o0 < 32 ? O - o0 : 32;
             for (int h = 0; h < 2; h++) {
                 if (!keep[h]) continue;
                 const __mmask16 st = (__mmask16)((1u << __builtin_popcount(keep[h])) - 1u);
@@ -1243,8 +1270,8 @@ static inline void pcb_conv_dx_image(const uint32_t *restrict wt, int C, int H, 
  * channel, plane xb[((a * S + b) * C + c) * L] holds m images' phase rows stacked, RR rows of Wg
  * columns each: word (i * RR + r) * Wg + col = bf16 x_i[c][(p0 + r) * S + a - pad][col * S + b - pad],
  * zero outside x and up to L. */
-static void pcb_amx_phase_flat(const float *restrict x, int m, int C, int H, int W, int pad, int S, int K, int p0,
-                               int RR, int Wg, pc_idx L, uint16_t *restrict xb)
+PCB_AMX_TARGET static void pcb_amx_phase_flat(const float *restrict x, int m, int C, int H, int W, int pad, int S,
+                                              int K, int p0, int RR, int Wg, pc_idx L, uint16_t *restrict xb)
 {
     const pc_idx used = (pc_idx)m * RR * Wg;
     for (int a = 0; a < S && a < K; a++)
@@ -1265,11 +1292,13 @@ static void pcb_amx_phase_flat(const float *restrict x, int m, int C, int H, int
                         }
                         const float *src = xc + (pc_idx)h * W + (pc_idx)c_lo * S + b - pad;
                         for (int col = 0; col < c_lo; col++) d[col] = 0;
-                        if (S == 2) {  /* a constant stride the compiler turns into vector loads and permutes */
+                        if (S == 2) {  /* masked vectors: rows of 4 to 16 columns are one of them */
                             const int n = c_hi - c_lo;
-                            uint16_t *e = d + c_lo;
-                            PC_SIMD
-                            for (int q = 0; q < n; q++) e[q] = (uint16_t)pcb_bf16(src[2 * q]);
+                            for (int q = 0; q < n; q += 16) {
+                                const int k = n - q >= 16 ? 16 : n - q;
+                                _mm512_mask_cvtepi32_storeu_epi16(d + c_lo + q, (__mmask16)(k == 16 ? 0xffffu : (1u << k) - 1u),
+                                                                  pcb_amx_bf16v(pcb_amx_gather_run(src, 2, q, n)));
+                            }
                         } else {
                             for (int col = c_lo; col < c_hi; col++)
                                 d[col] = (uint16_t)pcb_bf16(src[(pc_idx)(col - c_lo) * S]);

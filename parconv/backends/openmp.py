@@ -188,8 +188,9 @@ def _blas_limit(macs: int):
 def _bf16_forward_native(C, K):
     """Whether the native bf16 forward beats rounding and the float32 direct kernel on this layer."""
     # a reduction of under 32 terms (a first layer on RGB): building the block's bf16 input views
-    # costs more than the products it feeds
-    return C * K * K >= 32
+    # costs more than the products it feeds; the tiles' masked gathers make up for it from 16
+    # channels (a pointwise layer)
+    return C * K * K >= 32 or (C >= 16 and _bf16.amx())
 
 
 def _bf16_dw_native(K, stride, padding):
@@ -1069,6 +1070,10 @@ class OpenMPBackend(HostArrays, Backend):
         def compute(x, w, b, y):
             if _bf16.native() and _bf16_forward_native(w.shape[1], w.shape[2]):
                 _bf16.conv2d_forward(x, w, b, y, stride, padding, get_num_threads())
+            elif w.shape[2] == 1 and padding == 0 and stride > 1:
+                # a strided 1x1 reads every stride-th pixel: round only those, then convolve at stride 1
+                _conv_general.pointwise_forward(self.round_to_bf16(x[:, :, ::stride, ::stride]), self.round_to_bf16(w),
+                                                b, y, get_num_threads())
             else:
                 _conv.conv2d_forward(self.round_to_bf16(x), self.round_to_bf16(w), b, y, stride, padding,
                                      get_num_threads(), CONV_FORWARD_TILE_BYTES, winograd=False, winograd4=False)
