@@ -56,6 +56,27 @@ def test_gemm_matches_float64(m, n, k, seed, relu, threads):
     assert max(_gemm_errors(m, n, k, seed, threads, relu)) <= _tol(k)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(32, 150), st.integers(1, 80), st.integers(2, 400), st.integers(0, 2**31 - 1),
+       st.booleans(), st.sampled_from([1, 2]))
+def test_gemm_nn_packed_panels_keep_the_bits_of_reading_in_place(m, n, k, seed, trans, threads):
+    """From 32 rows a block copies its panels of b (and, for dy^T, its rows of a) in blocks of the
+    depth before its tiles run; fewer rows read them in place. Each element's FMAs are the same
+    chain either way, so rows computed 16 at a time (in place) equal the packed product bit for bit."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    bn = rng.standard_normal((k, n)).astype(np.float32)
+    src = np.ascontiguousarray(a.T) if trans else a
+    whole = np.full((m, n), np.nan, np.float32)
+    _dense.gemm_nn(src, bn, whole, trans, threads)
+    for r in range(0, m, 16):
+        rows = slice(r, min(m, r + 16))
+        part = np.full((rows.stop - r, n), np.nan, np.float32)
+        _dense.gemm_nn(np.ascontiguousarray(a[rows].T) if trans else np.ascontiguousarray(a[rows]), bn, part,
+                       trans, threads)
+        assert np.array_equal(part, whole[rows]), (r, m, n, k)
+
+
 def test_gemm_checks_shapes():
     a, b, c = np.ones((3, 4), np.float32), np.ones((5, 4), np.float32), np.ones((3, 5), np.float32)
     with pytest.raises(ValueError, match="b must have"):

@@ -23,9 +23,11 @@
  * reduction is the same tree, so their bits equal those of the batched rows.
  *
  * pcg_nn is the broadcast form: a tile keeps PCG_NN_MR rows x PCG_NN_NR columns of C in
- * registers; each k broadcasts MR values of a and loads NR contiguous values of b's row k
- * (b's panel of NR columns, K x NR floats, is re-read from L2 by every tile under it). The
- * last partial panel loads and stores under a mask; fewer than MR rows run smaller tiles.
+ * registers; each k broadcasts MR values of a and loads NR contiguous values of b's row k. A block
+ * of enough rows copies b's panel of NR columns (and, for dw, the block's values of a) in blocks of
+ * the depth into contiguous buffers that every tile under it re-reads from L1; smaller blocks read
+ * them in place. The last partial panel loads and stores under a mask; fewer than MR rows run
+ * smaller tiles.
  *
  * FMAs are explicit (setup.py builds with -ffp-contract=off).
  */
@@ -262,13 +264,22 @@ static void pcg_nt(const float *a, pc_idx lda, const float *b, pc_idx ldb, const
 #endif
 #define PCG_NN_NR (2 * PCC_VEC)
 
-/* C[i*ldc + j] = sum_k a[i*rsa + k*csa] * b[k*ldb + j] for i < MR, j < nj (nj <= PCG_NN_NR). */
+/* C[i*ldc + j] = sum_k a[i*rsa + k*csa] * b[k*ldb + j] for i < MR, j < nj (nj <= PCG_NN_NR); with
+ * acc_in the sums go on from C's values (the next block of the depth: the same chain of FMAs). */
 #define PCG_DEFINE_NN_TILE(MR)                                                                           \
     static void pcg_nn_tile_##MR(const float *restrict a, pc_idx rsa, pc_idx csa, const float *restrict b, \
-                                 pc_idx ldb, float *restrict c, pc_idx ldc, pc_idx K, int nj)             \
+                                 pc_idx ldb, float *restrict c, pc_idx ldc, pc_idx K, int nj, int acc_in) \
     {                                                                                                    \
         pcc_v acc[MR][2];                                                                                \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = PCC_ZERO();       \
+        if (acc_in) {                                                                                    \
+            const int m0 = nj < PCC_VEC ? nj : PCC_VEC, m1 = nj - m0;                                    \
+            _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                      \
+                acc[i][0] = pcg_loadn(c + i * ldc, m0);                                                  \
+                acc[i][1] = m1 > 0 ? pcg_loadn(c + i * ldc + PCC_VEC, m1) : PCC_ZERO();                  \
+            }                                                                                            \
+        } else {                                                                                         \
+            _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = PCC_ZERO();   \
+        }                                                                                                \
         if (nj == PCG_NN_NR) {                                                                           \
             for (pc_idx k = 0; k < K; k++) {                                                             \
                 const float *bk = b + k * ldb, *ak = a + k * csa;                                        \
@@ -311,31 +322,72 @@ PCG_DEFINE_NN_TILE(4)
 PCG_DEFINE_NN_TILE(2)
 PCG_DEFINE_NN_TILE(1)
 
+/* Depth per block where a panel of B is packed, and the fewest rows of C that pay for the packing. */
+#define PCG_NN_KC 128
+#define PCG_NN_PACK_ROWS 32
+#define PCG_NN_PACK_MAX_ROWS 64
+
+/* Rows [i0, i1) of one panel (nj <= NR columns) of C = A B over depth [k0, k0 + kn), b pointing at
+ * the panel's row k0 (row stride ldb); acc_in: C holds the sums of the depth before k0. */
+static void pcg_nn_rows(const float *a, pc_idx rsa, pc_idx csa, const float *b, pc_idx ldb, float *c, pc_idx ldc,
+                        pc_idx kn, pc_idx i0, pc_idx i1, int nj, int acc_in)
+{
+    pc_idx i = i0;
+    for (; i + PCG_NN_MR <= i1; i += PCG_NN_MR)
+#if PCG_NN_MR == 8
+        pcg_nn_tile_8(a + i * rsa, rsa, csa, b, ldb, c + i * ldc, ldc, kn, nj, acc_in);
+#elif PCG_NN_MR == 6
+        pcg_nn_tile_6(a + i * rsa, rsa, csa, b, ldb, c + i * ldc, ldc, kn, nj, acc_in);
+#else
+        pcg_nn_tile_4(a + i * rsa, rsa, csa, b, ldb, c + i * ldc, ldc, kn, nj, acc_in);
+#endif
+#if PCG_NN_MR > 4
+    for (; i + 4 <= i1; i += 4)
+        pcg_nn_tile_4(a + i * rsa, rsa, csa, b, ldb, c + i * ldc, ldc, kn, nj, acc_in);
+#endif
+    for (; i + 2 <= i1; i += 2)
+        pcg_nn_tile_2(a + i * rsa, rsa, csa, b, ldb, c + i * ldc, ldc, kn, nj, acc_in);
+    for (; i < i1; i++)
+        pcg_nn_tile_1(a + i * rsa, rsa, csa, b, ldb, c + i * ldc, ldc, kn, nj, acc_in);
+}
+
 /* Rows [i0, i1) x columns [j0, j1) of C = A B, A(i, k) = a[i*rsa + k*csa] (dx: dy, rsa = G,
  * csa = 1; dw: dy^T, rsa = 1, csa = G), B (K, .) with row stride ldb. Panels of NR columns
- * outside, rows inside, so each panel of b is re-read from cache by every tile of rows. */
+ * outside, rows inside, so each panel of b is re-read from cache by every tile of rows. Where
+ * enough rows share a panel, it is copied in blocks of PCG_NN_KC rows of the depth into a
+ * contiguous buffer that stays in L1: read in place, rows of B a power-of-two apart (a layer of
+ * 512 or 2048 features) all fall into the same few cache sets and the panel is fetched again for
+ * every tile. Each element's FMAs run in the same order either way, so the bits are the same. */
 static void pcg_nn(const float *a, pc_idx rsa, pc_idx csa, const float *b, pc_idx ldb, float *c, pc_idx ldc,
                    pc_idx K, pc_idx i0, pc_idx i1, pc_idx j0, pc_idx j1)
 {
-    for (pc_idx j = j0; j < j1; j += PCG_NN_NR) {
-        const int nj = j1 - j < PCG_NN_NR ? (int)(j1 - j) : PCG_NN_NR;
-        pc_idx i = i0;
-        for (; i + PCG_NN_MR <= i1; i += PCG_NN_MR)
-#if PCG_NN_MR == 8
-            pcg_nn_tile_8(a + i * rsa, rsa, csa, b + j, ldb, c + i * ldc + j, ldc, K, nj);
-#elif PCG_NN_MR == 6
-            pcg_nn_tile_6(a + i * rsa, rsa, csa, b + j, ldb, c + i * ldc + j, ldc, K, nj);
-#else
-            pcg_nn_tile_4(a + i * rsa, rsa, csa, b + j, ldb, c + i * ldc + j, ldc, K, nj);
-#endif
-#if PCG_NN_MR > 4
-        for (; i + 4 <= i1; i += 4)
-            pcg_nn_tile_4(a + i * rsa, rsa, csa, b + j, ldb, c + i * ldc + j, ldc, K, nj);
-#endif
-        for (; i + 2 <= i1; i += 2)
-            pcg_nn_tile_2(a + i * rsa, rsa, csa, b + j, ldb, c + i * ldc + j, ldc, K, nj);
-        for (; i < i1; i++)
-            pcg_nn_tile_1(a + i * rsa, rsa, csa, b + j, ldb, c + i * ldc + j, ldc, K, nj);
+    if (i1 - i0 < PCG_NN_PACK_ROWS || i1 - i0 > PCG_NN_PACK_MAX_ROWS || K <= 1) {
+        for (pc_idx j = j0; j < j1; j += PCG_NN_NR)
+            pcg_nn_rows(a, rsa, csa, b + j, ldb, c + j, ldc, K, i0, i1, j1 - j < PCG_NN_NR ? (int)(j1 - j) : PCG_NN_NR, 0);
+        return;
+    }
+    float pk[PCG_NN_KC * PCG_NN_NR] __attribute__((aligned(64)));
+    float pa[PCG_NN_KC * PCG_NN_PACK_MAX_ROWS] __attribute__((aligned(64)));
+    const pc_idx mi = i1 - i0;
+    for (pc_idx k0 = 0; k0 < K; k0 += PCG_NN_KC) {
+        const pc_idx kn = K - k0 < PCG_NN_KC ? K - k0 : PCG_NN_KC;
+        /* A's rows along the depth (dw: columns of dy, G apart) as contiguous rows of the block's mi values,
+         * shared by its panels */
+        const float *ab = a + i0 * rsa + k0 * csa;
+        pc_idx ra = rsa, ca = csa;
+        if (csa != 1) {
+            for (pc_idx k = 0; k < kn; k++)
+                for (pc_idx i = 0; i < mi; i++) pa[k * mi + i] = ab[i * rsa + k * csa];
+            ab = pa;
+            ra = 1;
+            ca = mi;
+        }
+        for (pc_idx j = j0; j < j1; j += PCG_NN_NR) {
+            const int nj = j1 - j < PCG_NN_NR ? (int)(j1 - j) : PCG_NN_NR;
+            for (pc_idx k = 0; k < kn; k++)
+                memcpy(pk + k * PCG_NN_NR, b + (k0 + k) * ldb + j, sizeof(float) * (size_t)nj);
+            pcg_nn_rows(ab - i0 * ra, ra, ca, pk, PCG_NN_NR, c + j, ldc, kn, i0, i1, nj, k0 > 0);
+        }
     }
 }
 
@@ -355,10 +407,13 @@ static inline int pcg_nt_transposed(pc_idx M, pc_idx N)
     return PCC_VEC >= 8 && M >= PCG_T_MIN_ROWS && N >= PCG_T_MIN_COLS;
 }
 
-/* Columns of xt for an M-row x: M rounded up to a whole panel. */
+/* Columns of xt for an M-row x: M rounded up to a whole panel, plus half a panel where that lands
+ * on a multiple of 1 KiB, so that a tile's walk down xt's rows does not map every row into the same
+ * few cache sets (a power-of-two batch would otherwise evict its own panel). */
 static inline pc_idx pcg_t_ld(pc_idx M)
 {
-    return (M + PCG_NN_NR - 1) / PCG_NN_NR * PCG_NN_NR;
+    pc_idx ld = (M + PCG_NN_NR - 1) / PCG_NN_NR * PCG_NN_NR;
+    return ld % 256 == 0 ? ld + PCG_NN_NR / 2 : ld;
 }
 
 /* Rows [k0, k1) of xt = x^T: xt[k*ldt + n] = x[n*ldx + k] for n < N, zero for N <= n < ldt. */
