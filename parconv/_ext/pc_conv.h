@@ -402,6 +402,42 @@ static inline void pcc_offsets_shifted(int C, int K, int Hp, int Wp, int *restri
  * rows and columns on every side (zeros beyond it). Tap (c, kh, kw) of output (p, q) then reads
  * phase (kh % S, kw % S) at (p + kh / S, q + kw / S): the strided convolution is a stride-1 one
  * on the wide grid of width Wph, with no im2col copy. */
+/* dst[j] = src[2 j] for j < n, in vectors of even lanes where the level has them (a phase row is
+ * 4 to 32 floats: a scalar loop, or a vector loop's scalar tail, was a fair part of a strided
+ * layer's time); masked loads never touch a float past src[2 (n - 1)]. */
+static inline void pcc_gather2(const float *restrict src, float *restrict dst, int n)
+{
+#if defined(__AVX512F__)
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int j = 0; j < n; j += 16) {
+        const int k = n - j < 16 ? n - j : 16, need = 2 * k - 1;
+        const __mmask16 lo = need >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << need) - 1u);
+        const __mmask16 hi = need <= 16 ? (__mmask16)0 : (__mmask16)((1u << (need - 16)) - 1u);
+        const __m512 a = _mm512_maskz_loadu_ps(lo, src + 2 * j), b = _mm512_maskz_loadu_ps(hi, src + 2 * j + 16);
+        const __m512 v = _mm512_permutex2var_ps(a, even, b);
+        if (k == 16)
+            _mm512_storeu_ps(dst + j, v);
+        else
+            _mm512_mask_storeu_ps(dst + j, (__mmask16)((1u << k) - 1u), v);
+    }
+#elif PCC_VEC == 8
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int j = 0; j < n; j += 8) {
+        const int k = n - j < 8 ? n - j : 8, need = 2 * k - 1;
+        const __m256 a = _mm256_maskload_ps(src + 2 * j, _mm256_cmpgt_epi32(_mm256_set1_epi32(need), lane));
+        const __m256 b = _mm256_maskload_ps(src + 2 * j + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(need - 8), lane));
+        /* a0 a2 b0 b2 | a4 a6 b4 b6, then the 64-bit pairs in order */
+        const __m256 v = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+        if (k == 8)
+            _mm256_storeu_ps(dst + j, v);
+        else
+            _mm256_maskstore_ps(dst + j, _mm256_cmpgt_epi32(_mm256_set1_epi32(k), lane), v);
+    }
+#else
+    for (int j = 0; j < n; j++) dst[j] = src[2 * j];
+#endif
+}
+
 static inline void pcc_pad_phases(const float *restrict x, int H, int W, int pad, int S, int Hph,
                                   int Wph, int c0, int c1, float *restrict buf)
 {
@@ -424,7 +460,10 @@ static inline void pcc_pad_phases(const float *restrict x, int H, int W, int pad
                     if (j1 > Wph) j1 = Wph;
                     if (j0 > j1) j0 = j1;
                     for (int j = 0; j < j0; j++) dst[j] = 0.0f;
-                    for (int j = j0; j < j1; j++) dst[j] = src[(pcc_idx)S * j];
+                    if (S == 2)
+                        pcc_gather2(src + 2 * j0, dst + j0, j1 - j0);
+                    else
+                        for (int j = j0; j < j1; j++) dst[j] = src[(pcc_idx)S * j];
                     for (int j = j1; j < Wph; j++) dst[j] = 0.0f;
                 }
             }
