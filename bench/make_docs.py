@@ -434,7 +434,7 @@ def _sections(text: str) -> list[tuple[str, list[str]]]:
 KEPT_SECTIONS = ("## Conv precision", "## int8 inference", "## Mixed precision (bf16)")
 
 #: and those of measurements taken by hand, two builds side by side (the ISA dispatch's speed and build time)
-KEPT_SECTIONS += ("## Kernel ISA dispatch: speed and build time",)
+KEPT_SECTIONS += ("## Kernel ISA dispatch: speed and build time", "## Linear layers on an Intel Xeon")
 
 
 def _top_sections(text: str) -> list[tuple[str, list[str]]]:
