@@ -20,7 +20,8 @@ Fusions:
   (:class:`LinearReLU`);
 * ``Residual -> ReLU`` in both modes: the ReLU applied by the block, and
   where the block's body ends in a BatchNorm, the shortcut added and the
-  ReLU applied by that BatchNorm as it writes (one pass instead of three);
+  ReLU applied by that BatchNorm as it writes (one pass instead of three),
+  elsewhere the add and the ReLU in one pass (``Backend.add_relu``);
 * quantized layers (:mod:`parconv.quantization`) that feed each other through
   placeholders: each native int8 kernel stores the next one's uint8 input; residual
   blocks of them (and the ReLU after each, nested Sequentials included) run inside

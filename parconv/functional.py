@@ -1060,13 +1060,16 @@ def softmax_backward(y, dy, dim: int = 1, *, backend=None):
     return be.softmax_backward(y, dy, _softmax_dim(dim, len(shape_of(y)), "softmax_backward"))
 
 
-def add(a, b, *, backend=None):
-    """``a + b`` as a new array; a and b have equal shapes (no broadcasting)."""
+def add(a, b, *, relu: bool = False, backend=None):
+    """``a + b`` as a new array; a and b have equal shapes (no broadcasting). With ``relu``,
+    ``max(a + b, 0)`` in one op (``Backend.add_relu``: the same values as :func:`relu` of the sum)."""
     be = _backends.get(backend)
     a = to_backend_array(a, be, "a", "add")
     b = to_backend_array(b, be, "b", "add")
     if shape_of(a) != shape_of(b):
         raise ValueError(f"add: a and b must have the same shape, got {shape_of(a)} and {shape_of(b)}")
+    if _check_bool(relu, "relu", "add"):
+        return be.add_relu(a, b)
     return be.add(a, b)
 
 

@@ -1411,9 +1411,7 @@ class Residual(Layer):
             return y
         a = self.body.forward(x)
         _check_branches(shape_of(a), shape_of(b))
-        y = F.add(a, b, backend=self.backend)
-        if relu:
-            y = F.relu(y, backend=self.backend)
+        y = F.add(a, b, relu=relu, backend=self.backend)
         self._cache = (shape_of(a), y if relu else None, None)
         return y
 

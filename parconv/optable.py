@@ -720,8 +720,9 @@ def _check_more_activations(ck, ref, rng, shape):
               lambda: {"y": ref.softmax_forward(_f64(x), dim), "dx": ref.softmax_backward(_f64(s32), _f64(dy), dim)},
               tag + f" dim={dim}")
     other = _f32(rng, *shape)
-    _run_pair(ck, "add", lambda: {"y": be.add(be.asarray(x), be.asarray(other))},
-              lambda: {"y": _f64(x) + _f64(other)}, tag)
+    _run_pair(ck, "add", lambda: {"y": be.add(be.asarray(x), be.asarray(other)),
+                                  "y_relu": be.add_relu(be.asarray(x), be.asarray(other))},
+              lambda: {"y": _f64(x) + _f64(other), "y_relu": np.maximum(_f64(x) + _f64(other), 0.0)}, tag)
 
 
 def _check_elu(ck, ref, rng, shape):
@@ -978,9 +979,10 @@ OPS: tuple = (
     OpSpec("activations", "ReLU and sigmoid: forward, dx", ("relu_forward", "relu_backward", "sigmoid_forward",
                                                            "sigmoid_backward"), ("ReLU", "Sigmoid"),
            _check_activations, tuple(_FIXED_ACT), _rand_shape),
-    OpSpec("more_activations", "LeakyReLU, tanh, softmax and the residual add: forward, dx",
+    OpSpec("more_activations", "LeakyReLU, tanh, softmax and the residual add (with a fused ReLU): forward, dx",
            ("leaky_relu_forward", "leaky_relu_backward", "tanh_forward", "tanh_backward", "softmax_forward",
-            "softmax_backward", "add"), ("LeakyReLU", "Tanh", "Softmax", "Residual"), _check_more_activations,
+            "softmax_backward", "add", "add_relu"), ("LeakyReLU", "Tanh", "Softmax", "Residual"),
+           _check_more_activations,
            tuple(_FIXED_ACT), _rand_shape),
     OpSpec("elu", "ELU: forward, dx (an elementwise op found by name on every backend)",
            ("elu_forward", "elu_backward", "elementwise_forward", "elementwise_backward"),

@@ -92,6 +92,25 @@ def test_add_matches_oracle(backend, shape, seed):
     np.testing.assert_array_equal(host(out), a + b)
 
 
+@given(shape=shapes, seed=st.integers(0, 2**31 - 1))
+def test_add_with_relu_is_relu_of_the_sum_bit_for_bit(backend, shape, seed):
+    """A residual block's eval output in one op: the bits of add then relu, NaN passing, -0 kept."""
+    rng = np.random.default_rng(seed)
+    a, b = rand(rng, *shape), rand(rng, *shape)
+    flat = a.reshape(-1)
+    flat[:: 7] = -b.reshape(-1)[:: 7]  # exact zeros of the sum, +0 and -0
+    if flat.size > 3:
+        flat[1], flat[2], flat[3] = np.nan, np.inf, -np.inf
+    fused = host(F.add(a, b, relu=True, backend=backend))
+    apart = host(F.relu(F.add(a, b, backend=backend), backend=backend))
+    np.testing.assert_array_equal(fused.view(np.uint32), apart.view(np.uint32))
+
+
+def test_add_relu_flag_must_be_a_bool(backend):
+    with pytest.raises(TypeError, match="relu must be a bool"):
+        F.add(np.ones(3, np.float32), np.ones(3, np.float32), relu=1, backend=backend)
+
+
 # ------------------------------------------------------------ finite differences
 @given(data=st.data(), shape=shapes, seed=st.integers(0, 2**31 - 1), slope=slopes)
 def test_oracle_gradients_match_finite_differences(oracle, data, shape, seed, slope):

@@ -219,6 +219,22 @@ def add(const float[::1] a,  # IN  (n,)
                 out[k] = a[k] + b[k]
 
 
+def add_relu(const float[::1] a,  # IN  (n,)
+             const float[::1] b,  # IN  (n,)
+             float[::1] out,      # OUT (n,), overwritten
+             int num_threads):
+    """``out = max(a + b, 0)`` in one pass, NaN passing: the bits of ``add`` then ``relu_forward``."""
+    cdef Py_ssize_t n = a.shape[0], i, k
+    cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
+    cdef float v
+    pc_work(pc_elems_ns(<double>n))
+    with nogil:
+        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
+            for k in range(n * i // nc, n * (i + 1) // nc):
+                v = a[k] + b[k]
+                out[k] = <float>0.0 if v < 0 else v
+
+
 
 cdef inline void _softmax_row(const float *x, float *y, Py_ssize_t D) noexcept nogil:
     """Softmax of D contiguous values: the exp, the sum and the division in separate loops, so

@@ -517,6 +517,12 @@ class Backend:
         """``a + b`` for two arrays of equal shape, as a new array."""
         raise self._missing("add")
 
+    def add_relu(self, a, b):
+        """``max(a + b, 0)`` (NaN passes) for two arrays of equal shape, as a new array: a residual
+        block's output in eval mode. This default runs :meth:`add` then :meth:`relu_forward`; a
+        backend may do both in one pass, with the same result."""
+        return self.relu_forward(self.add(a, b))
+
     # ------------------------------------------------------------ more losses
     def mse_forward(self, pred, target) -> float:
         """``mean((pred - target) ** 2)`` over every element (equal shapes); a Python float."""

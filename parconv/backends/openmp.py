@@ -945,6 +945,9 @@ class OpenMPBackend(HostArrays, Backend):
     def add(self, a, b):
         return self._binary(_activations.add, a, b)
 
+    def add_relu(self, a, b):
+        return self._binary(_activations.add_relu, a, b)
+
     # ------------------------------------------------------------ more losses
     def mse_forward(self, pred, target):
         return float(_losses.mse_forward(_f32(pred).reshape(-1), _f32(target).reshape(-1), get_num_threads()))
