@@ -210,13 +210,7 @@ def add(const float[::1] a,  # IN  (n,)
         float[::1] out,      # OUT (n,), overwritten
         int num_threads):
     """``out = a + b``."""
-    cdef Py_ssize_t n = a.shape[0], i, k
-    cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
-    pc_work(pc_elems_ns(<double>n))
-    with nogil:
-        for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
-            for k in range(n * i // nc, n * (i + 1) // nc):
-                out[k] = a[k] + b[k]
+    _add(a, b, out, False, num_threads)
 
 
 def add_relu(const float[::1] a,  # IN  (n,)
@@ -224,6 +218,10 @@ def add_relu(const float[::1] a,  # IN  (n,)
              float[::1] out,      # OUT (n,), overwritten
              int num_threads):
     """``out = max(a + b, 0)`` in one pass, NaN passing: the bits of ``add`` then ``relu_forward``."""
+    _add(a, b, out, True, num_threads)
+
+
+cdef void _add(const float[::1] a, const float[::1] b, float[::1] out, bint relu, int num_threads):
     cdef Py_ssize_t n = a.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     cdef float v
@@ -232,8 +230,7 @@ def add_relu(const float[::1] a,  # IN  (n,)
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
                 v = a[k] + b[k]
-                out[k] = <float>0.0 if v < 0 else v
-
+                out[k] = (<float>0.0 if v < 0 else v) if relu else v
 
 
 cdef inline void _softmax_row(const float *x, float *y, Py_ssize_t D) noexcept nogil:
