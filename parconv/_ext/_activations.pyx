@@ -210,6 +210,7 @@ def add(const float[::1] a,  # IN  (n,)
         float[::1] out,      # OUT (n,), overwritten
         int num_threads):
     """``out = a + b``."""
+    pc_work(pc_elems_ns(<double>a.shape[0]))
     _add(a, b, out, False, num_threads)
 
 
@@ -218,6 +219,7 @@ def add_relu(const float[::1] a,  # IN  (n,)
              float[::1] out,      # OUT (n,), overwritten
              int num_threads):
     """``out = max(a + b, 0)`` in one pass, NaN passing: the bits of ``add`` then ``relu_forward``."""
+    pc_work(pc_elems_ns(<double>a.shape[0]))
     _add(a, b, out, True, num_threads)
 
 
@@ -225,7 +227,6 @@ cdef void _add(const float[::1] a, const float[::1] b, float[::1] out, bint relu
     cdef Py_ssize_t n = a.shape[0], i, k
     cdef int nc = _chunks(n, SERIAL_BELOW, num_threads)
     cdef float v
-    pc_work(pc_elems_ns(<double>n))
     with nogil:
         for i in prange(nc, schedule="dynamic", num_threads=pc_cap(pc_team(nc, num_threads))):
             for k in range(n * i // nc, n * (i + 1) // nc):
