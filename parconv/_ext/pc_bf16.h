@@ -148,19 +148,21 @@ static inline void pcb_pack(int kind, const float *src, pc_idx lds, pc_idx rows,
 #include <immintrin.h>
 /* d[q] = pcb_bf16(s[q]) for q < n, 16 lanes at a time with the tail masked: short rows go straight
  * to their place without a buffer and a copy. */
+/* 16 lanes of fp32 bits rounded as pcb_bf16 does, each bf16 in its lane's low half. */
+static inline __m512i pcb_bf16v(__m512i u)
+{
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16));
+}
+
 static inline void pcb_round_run(const float *restrict s, uint16_t *restrict d, int n)
 {
-    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
-    const __m512i quiet = _mm512_set1_epi32(0x00400000), mag = _mm512_set1_epi32(0x7fffffff);
-    const __m512i inf = _mm512_set1_epi32(0x7f800000);
     for (int q = 0; q < n; q += 16) {
         const __mmask16 m = n - q >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - q)) - 1u);
-        const __m512i u = _mm512_maskz_loadu_epi32(m, s + q);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 16);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, mag), inf);
-        r = _mm512_mask_mov_epi32(r, nan, _mm512_srli_epi32(_mm512_or_si512(u, quiet), 16));
-        _mm512_mask_cvtepi32_storeu_epi16(d + q, m, r);
+        _mm512_mask_cvtepi32_storeu_epi16(d + q, m, pcb_bf16v(_mm512_maskz_loadu_epi32(m, s + q)));
     }
 }
 #endif
@@ -647,16 +649,6 @@ static void pcb_amx_wpack(const float *restrict w, int O, int C, int K, int cpp,
             }
 }
 
-/* 16 lanes of fp32 bits rounded as pcb_bf16 does, each bf16 in its lane's low half. */
-PCB_AMX_TARGET static inline __m512i pcb_amx_bf16v(__m512i u)
-{
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, nan, _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16));
-}
-
 /* Lanes [q, q + 16) of s[i * S] (S 1 or 2), none past lane n; masked loads never touch a float past
  * s[(n - 1) * S]. */
 PCB_AMX_TARGET static inline __m512i pcb_amx_gather_run(const float *s, int S, int q, int n)
@@ -678,8 +670,8 @@ PCB_AMX_TARGET static inline void pcb_amx_pair_run(const float *restrict s0, con
 {
     for (int q = 0; q < n; q += 16) {
         const int k = n - q >= 16 ? 16 : n - q;
-        __m512i r = pcb_amx_bf16v(pcb_amx_gather_run(s0, S, q, n));
-        if (s1 != NULL) r = _mm512_or_si512(r, _mm512_slli_epi32(pcb_amx_bf16v(pcb_amx_gather_run(s1, S, q, n)), 16));
+        __m512i r = pcb_bf16v(pcb_amx_gather_run(s0, S, q, n));
+        if (s1 != NULL) r = _mm512_or_si512(r, _mm512_slli_epi32(pcb_bf16v(pcb_amx_gather_run(s1, S, q, n)), 16));
         _mm512_mask_storeu_epi32(e + q, k == 16 ? (__mmask16)0xffff : (__mmask16)((1u << k) - 1u), r);
     }
 }
@@ -1297,7 +1289,7 @@ PCB_AMX_TARGET static void pcb_amx_phase_flat(const float *restrict x, int m, in
                             for (int q = 0; q < n; q += 16) {
                                 const int k = n - q >= 16 ? 16 : n - q;
                                 _mm512_mask_cvtepi32_storeu_epi16(d + c_lo + q, (__mmask16)(k == 16 ? 0xffffu : (1u << k) - 1u),
-                                                                  pcb_amx_bf16v(pcb_amx_gather_run(src, 2, q, n)));
+                                                                  pcb_bf16v(pcb_amx_gather_run(src, 2, q, n)));
                             }
                         } else {
                             for (int col = c_lo; col < c_hi; col++)

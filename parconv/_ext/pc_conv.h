@@ -397,14 +397,9 @@ static inline void pcc_offsets_shifted(int C, int K, int Hp, int Wp, int *restri
             for (int kw = 0; kw < K; kw++) off[k++] = c * Hp * Wp + kh * Wp + kw;
 }
 
-/* The S x S phases of one image for a stride-S convolution, channels [c0, c1):
- * buf[(((c*S + a)*S + b)*Hph + i)*Wph + j] = xp[S*i + a][S*j + b], xp being x with pad zero
- * rows and columns on every side (zeros beyond it). Tap (c, kh, kw) of output (p, q) then reads
- * phase (kh % S, kw % S) at (p + kh / S, q + kw / S): the strided convolution is a stride-1 one
- * on the wide grid of width Wph, with no im2col copy. */
-/* dst[j] = src[2 j] for j < n, in vectors of even lanes where the level has them (a phase row is
- * 4 to 32 floats: a scalar loop, or a vector loop's scalar tail, was a fair part of a strided
- * layer's time); masked loads never touch a float past src[2 (n - 1)]. */
+/* dst[j] = src[2 j] for j < n, in vectors of even lanes where the level has them: a phase row is
+ * 4 to 32 floats, too short for a vector loop to get past its scalar tail. Masked loads never
+ * touch a float past src[2 (n - 1)]. */
 static inline void pcc_gather2(const float *restrict src, float *restrict dst, int n)
 {
 #if defined(__AVX512F__)
@@ -438,6 +433,11 @@ static inline void pcc_gather2(const float *restrict src, float *restrict dst, i
 #endif
 }
 
+/* The S x S phases of one image for a stride-S convolution, channels [c0, c1):
+ * buf[(((c*S + a)*S + b)*Hph + i)*Wph + j] = xp[S*i + a][S*j + b], xp being x with pad zero
+ * rows and columns on every side (zeros beyond it). Tap (c, kh, kw) of output (p, q) then reads
+ * phase (kh % S, kw % S) at (p + kh / S, q + kw / S): the strided convolution is a stride-1 one
+ * on the wide grid of width Wph, with no im2col copy. */
 static inline void pcc_pad_phases(const float *restrict x, int H, int W, int pad, int S, int Hph,
                                   int Wph, int c0, int c1, float *restrict buf)
 {
